@@ -1,0 +1,49 @@
+// Communicator descriptor and sync-region layout. Read by kernels, packed by ubnext/pool.py
+// (field order checked by tests/unit/test_abi.py), and used by the C API.
+// Plain C so that include/ubnext.h users and the emulator can share it.
+#pragma once
+
+#define UBNEXT_MAX_RANKS 16
+#define UBNEXT_MAX_BLOCKS 128
+#define UBNEXT_DESC_BYTES 4096
+#define UBNEXT_SYNC_BYTES 65536
+#define UBNEXT_DESC_MAGIC 0x55424e5800000001ull /* "UBNX" v1 */
+
+/* Flags: kernel parameter `flags`. */
+#define UBNEXT_F_FUSED_NORM 1
+#define UBNEXT_F_FP8_STATIC 2
+#define UBNEXT_F_FP8_PER_TOKEN 4
+#define UBNEXT_F_MULTICAST 8
+
+/* Error codes and ops written to err_ptr[0..3] = {code, op, rank, peer}. */
+#define UBNEXT_ERR_TIMEOUT 1
+#define UBNEXT_OP_LAMPORT 1
+#define UBNEXT_OP_NVLS_ONESHOT 2
+#define UBNEXT_OP_NVLS_TWOSHOT 3
+#define UBNEXT_OP_NVLS_LAMPORT 4
+#define UBNEXT_OP_TWOSHOT 5
+
+/* Every field is 64 bits wide so that the layout is the same for every compiler and for
+ * Python's struct.pack("<...Q"). */
+typedef struct ubnext_comm_desc {
+  unsigned long long magic;
+  unsigned long long rank;
+  unsigned long long nranks;
+  unsigned long long timeout_ns;
+  unsigned long long err_ptr;            /* host-visible uint32_t[4] */
+  unsigned long long mc_base;            /* multicast address of the pool base, 0 if none */
+  unsigned long long sync_off;
+  unsigned long long lamport_off;
+  unsigned long long lamport_slot_bytes; /* capacity of one rank's slot in one buffer */
+  unsigned long long data_off;
+  unsigned long long pool_bytes;
+  unsigned long long reserved[5];
+  unsigned long long peer_base[UBNEXT_MAX_RANKS]; /* every rank's pool base, in this process */
+} ubnext_comm_desc;
+
+/* Sync region, in 32-bit words from sync_off. */
+#define UBNEXT_SYNC_LAMPORT_CALL 0
+#define UBNEXT_SYNC_LAMPORT_BLOCKS_DONE 1
+#define UBNEXT_SYNC_LAMPORT_BYTES 2 /* [3] */
+#define UBNEXT_SYNC_BARRIER_EPOCH 64 /* [UBNEXT_MAX_BLOCKS], local */
+#define UBNEXT_SYNC_BARRIER_FLAG 1024 /* [UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS], peers write */

@@ -1,0 +1,30 @@
+// The one place that decides between the GPU toolchains (nvcc, NVRTC) and the CPU emulator (g++).
+// The emulator prelude must come before any CUDA header: crt/host_defines.h keeps an existing
+// __global__ / __device__ / __shared__ definition, so ours win only if they are first.
+#pragma once
+
+#if defined(UBNEXT_EMULATOR)
+#include "../emu/emu_prelude.h"
+#endif
+
+#if defined(__CUDACC_RTC__)
+// NVRTC has no C library headers.
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef int int32_t;
+typedef unsigned long long uint64_t;
+typedef long long int64_t;
+#else
+#include <stdint.h>
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#if defined(UBNEXT_EMULATOR)
+#define UBX_DEV inline
+#else
+#define UBX_DEV __device__ __forceinline__
+#endif
