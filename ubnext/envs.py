@@ -1,0 +1,167 @@
+"""The one reader of ``os.environ`` in ubnext.
+
+Every variable is declared once here, with its type, default and meaning. Values are read at
+call time (``get``), so tests and launchers can change them between calls. A bad value raises
+:class:`EnvError` naming the variable and what it accepts. ``NVTE_UB_MAXBATCH`` and
+``NVTE_UB_SYMM_POOL_SIZE`` (TransformerEngine's names) are accepted as aliases; the ubnext name
+wins when both are set.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["EnvError", "Var", "VARIABLES", "get", "describe_table"]
+
+
+class EnvError(ValueError):
+    """An environment variable holds a value ubnext cannot use."""
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    accepted: str
+    doc: str
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(text)
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        low = text.strip().lower()
+        if low not in options:
+            raise ValueError(text)
+        return low
+
+    return parse
+
+
+ALGORITHMS = (
+    "auto",
+    "lamport",
+    "nvls",
+    "nvls_oneshot",
+    "nvls_twoshot",
+    "nvls_lamport",
+    "twoshot",
+    "torch_symm",
+    "torch",
+)
+POOL_BACKENDS = ("auto", "torch_symm", "vmm", "emulator")
+
+VARIABLES: dict[str, Var] = {
+    v.name: v
+    for v in (
+        Var("UBNEXT_ALGO", _choice(*ALGORITHMS), "auto", "|".join(ALGORITHMS),
+            "Force an allreduce path; a forced path that cannot run falls back down the chain "
+            "and logs why."),
+        Var("UBNEXT_MAX_BATCH", _positive_int, 64, "integer > 0",
+            "Tokens per call the pool is sized for (x the largest registered hidden size).",
+            aliases=("NVTE_UB_MAXBATCH",)),
+        Var("UBNEXT_SYMM_POOL_SIZE", _positive_int, None, "integer MB > 0",
+            "Symmetric pool size in MB; overrides the UBNEXT_MAX_BATCH sizing.",
+            aliases=("NVTE_UB_SYMM_POOL_SIZE",)),
+        Var("UBNEXT_POOL_BACKEND", _choice(*POOL_BACKENDS), "auto", "|".join(POOL_BACKENDS),
+            "Symmetric memory backend. auto: torch_symm on GPUs, then vmm; emulator on CPU."),
+        Var("UBNEXT_TIMEOUT", _positive_float, 30.0, "seconds > 0",
+            "Bound on every wait across ranks; past it the op fails naming op, rank and peer."),
+        Var("UBNEXT_EMULATE", _bool, False, "0|1",
+            "Run ubnext kernels on the CPU emulator (CPU tensors) instead of torch.distributed."),
+        Var("UBNEXT_EMU_CHAOS", _bool, False, "0|1",
+            "Emulator chaos mode: random delays at cross-rank accesses and reordering of "
+            "stores that no fence or release orders."),
+        Var("UBNEXT_EMU_SEED", _nonnegative_int, 0, "integer >= 0",
+            "Seed of the emulator's chaos mode (0: derived from time and rank)."),
+        Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier"), "",
+            "''|skip_repoison|no_release|skip_barrier",
+            "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
+            "tests catch it."),
+        Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),
+            "directory path", "Where compiled cubins and the emulator library are cached."),
+        Var("UBNEXT_DEBUG", _bool, False, "0|1",
+            "Check shapes across ranks and synchronise after every call to surface kernel "
+            "errors at the call that caused them."),
+        Var("UBNEXT_ALLOW_NONDETERMINISTIC", _bool, False, "0|1",
+            "Let the automatic choice pick nvls_oneshot, whose results may differ in the last "
+            "bit between ranks."),
+        Var("UBNEXT_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
+            "debug|info|warning|error", "Level of the 'ubnext' logger."),
+    )
+}
+
+
+def _raw(var: Var) -> tuple[str, str] | None:
+    for name in (var.name, *var.aliases):
+        text = os.environ.get(name)
+        if text is not None:
+            return name, text
+    return None
+
+
+def get(name: str) -> Any:
+    """The typed value of ``name`` (its default when unset)."""
+    try:
+        var = VARIABLES[name]
+    except KeyError:
+        raise KeyError(f"ubnext has no environment variable {name!r}") from None
+    found = _raw(var)
+    if found is None:
+        return var.default
+    source, text = found
+    try:
+        return var.parse(text)
+    except (ValueError, TypeError):
+        alias = f" (alias of {var.name})" if source != var.name else ""
+        raise EnvError(
+            f"{source}{alias}={text!r} is not valid; accepted: {var.accepted}"
+        ) from None
+
+
+def describe_table() -> str:
+    """The README's Markdown table of every variable."""
+    rows = ["| variable | default | accepted | meaning |", "|---|---|---|---|"]
+    for var in VARIABLES.values():
+        names = " / ".join(f"`{n}`" for n in (var.name, *var.aliases))
+        default = "unset" if var.default is None else f"`{var.default!r}`"
+        if var.name == "UBNEXT_CACHE_DIR":
+            default = "`~/.cache/ubnext`"
+        rows.append(f"| {names} | {default} | {var.accepted} | {var.doc} |")
+    return "\n".join(rows)
