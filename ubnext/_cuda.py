@@ -1,0 +1,156 @@
+"""cuda-python helpers: the GPU probe, error checks, streams and kernel launches.
+
+Every GPU call ubnext makes itself (compile, load, launch, memory mapping) goes through
+cuda-python; there is no ctypes and no torch C++ extension on the GPU path.
+
+The GPU is probed once per process. A cuda.core/driver call that failed once can deadlock
+when it is retried, so when the probe finds no usable device ubnext never calls the driver
+again.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = [
+    "CudaError",
+    "core",
+    "gpu_available",
+    "no_gpu_reason",
+    "check",
+    "driver",
+    "launch",
+    "pack_kernel_args",
+]
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver/NVRTC call failed."""
+
+
+@functools.lru_cache(maxsize=None)
+def core():
+    """The cuda.core namespace, whichever layout is installed (top level since 0.4,
+    ``cuda.core.experimental`` before)."""
+    try:
+        import cuda.core as mod
+
+        if hasattr(mod, "Device") and hasattr(mod, "launch"):
+            return mod
+    except ImportError:
+        pass
+    import cuda.core.experimental as mod  # older layout
+
+    return mod
+
+
+def driver():
+    from cuda.bindings import driver as drv
+
+    return drv
+
+
+def check(result: Any, what: str = "CUDA call") -> Any:
+    """Unpack a cuda.bindings ``(status, *values)`` tuple, raising on failure."""
+    if isinstance(result, tuple):
+        status, values = result[0], result[1:]
+    else:
+        status, values = result, ()
+    code = int(status)
+    if code != 0:
+        name = getattr(status, "name", str(code))
+        raise CudaError(f"{what} failed: {name} ({code})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+_probe: tuple[bool, str] | None = None
+
+
+def _probe_once() -> tuple[bool, str]:
+    global _probe
+    if _probe is not None:
+        return _probe
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        _probe = (False, "torch is not installed")
+        return _probe
+    if not torch.version.cuda:
+        _probe = (False, "torch is a CPU build")
+    elif not torch.cuda.is_available():
+        _probe = (False, "torch sees no CUDA device")
+    else:
+        try:
+            drv = driver()
+            check(drv.cuInit(0), "cuInit")
+            count = check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
+            _probe = (count > 0, f"{count} CUDA device(s)" if count else "no CUDA device")
+        except Exception as exc:  # the driver is never called again after this
+            _probe = (False, f"CUDA driver unusable: {exc}")
+    return _probe
+
+
+def gpu_available() -> bool:
+    """True when a CUDA GPU is usable through both torch and cuda-python (probed once)."""
+    return _probe_once()[0]
+
+
+def no_gpu_reason() -> str:
+    return _probe_once()[1]
+
+
+def device_arch(device_index: int) -> str:
+    """``sm_XY`` of a GPU; only called after the probe found one."""
+    dev = core().Device(device_index)
+    major, minor = dev.compute_capability
+    return f"sm_{major}{minor}"
+
+
+def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]) -> list:
+    """Kernel arguments typed for cuda.core: pointers as Python ints (cuda.core passes a
+    Python int as a pointer-sized value), int32 and float32 as numpy scalars."""
+    if len(signature) != len(values):
+        raise TypeError(f"kernel takes {len(signature)} arguments, got {len(values)}")
+    packed = []
+    for (name, kind), value in zip(signature, values):
+        if kind == "ptr":
+            packed.append(int(value))
+        elif kind == "i32":
+            packed.append(np.int32(value))
+        elif kind == "f32":
+            packed.append(np.float32(value))
+        else:  # pragma: no cover - registry bug
+            raise TypeError(f"unknown kernel argument kind {kind!r} for {name}")
+    return packed
+
+
+def launch(kernel, grid: int, block: int, stream_handle: int, args: list) -> None:
+    """Launch a loaded cuda.core kernel on the stream whose raw handle is ``stream_handle``
+    (torch's current stream, so ordering with torch work is the stream's)."""
+    mod = core()
+    stream = _wrap_stream(stream_handle)
+    config = mod.LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1))
+    mod.launch(stream, config, kernel, *args)
+
+
+@functools.lru_cache(maxsize=64)
+def _wrap_stream(handle: int):
+    mod = core()
+    stream_cls = mod.Stream
+    if hasattr(stream_cls, "from_handle"):
+        return stream_cls.from_handle(handle)
+    # cuda.core < 0.3 wraps foreign streams through the __cuda_stream__ protocol
+    return mod.Device().create_stream(_ForeignStream(handle))
+
+
+class _ForeignStream:
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)

@@ -1,0 +1,311 @@
+"""Kernel registry, NVRTC compilation to cubin, the on-disk cache and loading.
+
+Kernels are compiled from ``csrc/`` by NVRTC (through cuda.bindings) to a cubin for the
+GPU's exact architecture. PTX is never handed to the driver: PTX from a newer NVRTC fails to
+JIT on an older driver, a cubin does not need the JIT. Cubins are cached under
+``UBNEXT_CACHE_DIR/cubin``, keyed by the hash of every source they include, the architecture,
+the options and the NVRTC version.
+
+``python -m ubnext.kernels build --arch sm_90 sm_100`` compiles everything ahead of time
+(no GPU needed) and prints each kernel's registers, spills and shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import envs
+
+__all__ = [
+    "KERNEL_SIGNATURE",
+    "DTYPES",
+    "ALGOS",
+    "kernel_name",
+    "sources",
+    "compile_kernels",
+    "compile_ptx",
+    "load_kernel",
+    "KernelResources",
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+
+# The one parameter list of every collective kernel (docs/ARCHITECTURE.md). The launcher,
+# the emulator binding and the ABI test (tests/unit/test_abi.py) all use this list.
+KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
+    ("desc", "ptr"),
+    ("in", "ptr"),
+    ("out", "ptr"),
+    ("residual", "ptr"),
+    ("residual_out", "ptr"),
+    ("weight", "ptr"),
+    ("scale", "ptr"),
+    ("scale_inv", "ptr"),
+    ("n", "i32"),
+    ("hidden", "i32"),
+    ("eps", "f32"),
+    ("flags", "i32"),
+)
+
+DTYPES = ("bf16", "fp16", "fp32")
+# algorithm -> source file under csrc/kernels
+ALGOS = {
+    "lamport": "lamport.cu",
+    "nvls_oneshot": "nvls.cu",
+    "nvls_twoshot": "nvls.cu",
+    "nvls_lamport": "nvls.cu",
+    "twoshot": "twoshot.cu",
+}
+
+# Flags (csrc/device/desc.cuh)
+F_FUSED_NORM = 1
+F_FP8_STATIC = 2
+F_FP8_PER_TOKEN = 4
+F_MULTICAST = 8
+
+
+def kernel_name(algo: str, dtype: str) -> str:
+    if algo not in ALGOS or dtype not in DTYPES:
+        raise ValueError(f"no kernel for algo={algo!r} dtype={dtype!r}")
+    return f"ubnext_{algo}_{dtype}"
+
+
+def sources() -> dict[str, list[str]]:
+    """Kernel file name -> kernel names it defines (files that exist in csrc/kernels)."""
+    files: dict[str, list[str]] = {}
+    for algo, fname in ALGOS.items():
+        if (CSRC / "kernels" / fname).exists():
+            files.setdefault(fname, []).extend(kernel_name(algo, dt) for dt in DTYPES)
+    return files
+
+
+def _include_dirs() -> list[Path]:
+    """csrc/ and the CUDA headers of the nvidia-cuda-runtime wheel (cuda_bf16.h, ...)."""
+    dirs = [CSRC]
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            for sub in ("cu13/include", "cuda_runtime/include", "cuda_nvrtc/include"):
+                cand = Path(base) / sub
+                if (cand / "cuda_bf16.h").exists():
+                    dirs.append(cand)
+    except ImportError:
+        pass
+    if len(dirs) == 1:
+        toolkit = Path("/usr/local/cuda/include")
+        if (toolkit / "cuda_bf16.h").exists():
+            dirs.append(toolkit)
+    return dirs
+
+
+def cuda_include_dir() -> Path:
+    dirs = _include_dirs()
+    if len(dirs) < 2:
+        raise RuntimeError("CUDA headers (cuda_bf16.h) not found: install nvidia-cuda-runtime")
+    return dirs[1]
+
+
+def _source_hash(extra: str) -> str:
+    h = hashlib.sha256()
+    for path in sorted(CSRC.rglob("*")):
+        if path.suffix in (".cu", ".cuh", ".h") and "emu" not in path.parts:
+            h.update(str(path.relative_to(CSRC)).encode())
+            h.update(path.read_bytes())
+    h.update(extra.encode())
+    return h.hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    from ._cuda import check
+
+    major, minor = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    return f"{major}.{minor}"
+
+
+def _options(arch: str, defines: tuple[str, ...]) -> list[bytes]:
+    opts = [
+        f"--gpu-architecture={arch}",
+        "-std=c++17",
+        "--ptxas-options=-v",
+        "-lineinfo",
+        "-DUBNEXT_NVRTC=1",
+    ]
+    opts += [f"-I{d}" for d in _include_dirs()]
+    opts += [f"-D{d}" for d in defines]
+    return [o.encode() for o in opts]
+
+
+def _nvrtc_compile(fname: str, arch: str, want: str, defines: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """Compile csrc/kernels/<fname>; ``want`` is "cubin" or "ptx". Returns (image, log)."""
+    from cuda.bindings import nvrtc
+
+    from ._cuda import CudaError, check
+
+    path = CSRC / "kernels" / fname
+    src = path.read_bytes()
+    prog = check(nvrtc.nvrtcCreateProgram(src, str(path).encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        opts = _options(arch, defines)
+        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        log_size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = b" " * log_size
+        check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+        log_text = log.decode(errors="replace").rstrip("\x00 \n")
+        if int(status) != 0:
+            raise CudaError(f"NVRTC failed to compile {fname} for {arch}:\n{log_text}")
+        if want == "cubin":
+            size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            image = b" " * size
+            check(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+        else:
+            size = check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            image = b" " * size
+            check(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
+        return image, log_text
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_ptx(fname: str, arch: str = "sm_90") -> str:
+    """PTX text of a kernel file (for the ABI test; never loaded)."""
+    image, _ = _nvrtc_compile(fname, arch, "ptx")
+    return image.rstrip(b"\x00").decode()
+
+
+@dataclass
+class KernelResources:
+    name: str
+    arch: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+    stack_bytes: int
+
+
+_PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)' for '(sm_\w+)'")
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas_log(log: str, arch: str) -> list[KernelResources]:
+    """Per-kernel resources from ptxas -v output (NVRTC's program log)."""
+    out: list[KernelResources] = []
+    current = None
+    for line in log.splitlines():
+        m = _PTXAS_FUNC.search(line)
+        if m:
+            current = KernelResources(m.group(1), arch, 0, 0, 0, 0, 0)
+            out.append(current)
+            continue
+        if current is None:
+            continue
+        m = _PTXAS_SPILL.search(line)
+        if m:
+            current.stack_bytes, current.spill_stores, current.spill_loads = map(int, m.groups())
+        m = _PTXAS_USED.search(line)
+        if m:
+            current.registers = int(m.group(1))
+        m = _PTXAS_SMEM.search(line)
+        if m:
+            current.shared_bytes = int(m.group(1))
+    return out
+
+
+def _cache_dir() -> Path:
+    path = Path(envs.get("UBNEXT_CACHE_DIR")) / "cubin"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def compile_kernels(fname: str, arch: str) -> tuple[bytes, list[KernelResources]]:
+    """Cubin of one kernel file for one architecture, from the disk cache when possible."""
+    key = _source_hash(f"{fname}|{arch}|{nvrtc_version()}|{_options(arch, ())}")
+    cubin_path = _cache_dir() / f"{Path(fname).stem}-{arch}-{key}.cubin"
+    info_path = cubin_path.with_suffix(".json")
+    if cubin_path.exists() and info_path.exists():
+        info = json.loads(info_path.read_text())
+        return cubin_path.read_bytes(), [KernelResources(**r) for r in info]
+    image, log = _nvrtc_compile(fname, arch, "cubin")
+    resources = parse_ptxas_log(log, arch)
+    # Atomic publish: ranks compiling the same file at once must not read a half-written file.
+    for path, data in ((cubin_path, image), (info_path, json.dumps([r.__dict__ for r in resources]).encode())):
+        fd, tmp = tempfile.mkstemp(dir=path.parent)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    return image, resources
+
+
+_loaded: dict[tuple[str, int], object] = {}
+
+
+def load_kernel(name: str, device_index: int):
+    """A launchable cuda.core kernel for this process's GPU (cubin for its exact arch)."""
+    key = (name, device_index)
+    if key in _loaded:
+        return _loaded[key]
+    from ._cuda import core, device_arch
+
+    algo = name[len("ubnext_"):].rsplit("_", 1)[0]
+    fname = ALGOS[algo]
+    arch = device_arch(device_index)
+    image, _ = compile_kernels(fname, arch)
+    mod = core()
+    obj = mod.ObjectCode.from_cubin(image) if hasattr(mod.ObjectCode, "from_cubin") else mod.ObjectCode(image, "cubin")
+    kernel = obj.get_kernel(name)
+    _loaded[key] = kernel
+    return kernel
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ubnext.kernels")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    build = sub.add_parser("build", help="compile every kernel ahead of time (no GPU needed)")
+    build.add_argument("--arch", nargs="+", default=["sm_90", "sm_100"])
+    build.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills")
+    args = parser.parse_args(argv)
+
+    files = sources()
+    if not files:
+        print("no kernel sources found under", CSRC / "kernels")
+        return 1
+    print(f"NVRTC {nvrtc_version()}; cache {_cache_dir()}")
+    print(f"{'kernel':32} {'arch':7} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} {'smem':>6}")
+    spills = 0
+    for fname, names in sorted(files.items()):
+        for arch in args.arch:
+            _, resources = compile_kernels(fname, arch)
+            found = {r.name for r in resources}
+            missing = [n for n in names if n not in found]
+            if missing:
+                print(f"error: {fname} for {arch} does not define {missing}")
+                return 1
+            for r in sorted(resources, key=lambda r: r.name):
+                if r.name not in names:
+                    continue
+                spills += r.spill_stores + r.spill_loads
+                print(f"{r.name:32} {r.arch:7} {r.registers:5d} {r.spill_stores:9d} {r.spill_loads:9d} {r.stack_bytes:6d} {r.shared_bytes:6d}")
+    if args.fail_on_spill and spills:
+        print(f"error: {spills} bytes of register spills")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
