@@ -1,0 +1,288 @@
+// Every inline PTX instruction of ubnext lives here, each wrapped in one function.
+//
+// Under nvcc / NVRTC each function is the real instruction. Under UBNEXT_EMULATOR (g++, host code)
+// each has a host twin that calls the emulator runtime (csrc/emu/emu_runtime.h): that is where
+// cross-rank memory traffic is counted, where multicast addresses fan out to every rank's copy,
+// where chaos mode delays and reorders stores, and where a spinning emulated thread lets the
+// others run. Kernels must therefore touch cross-rank memory (peer mappings, the multicast range,
+// flags written by other blocks or ranks) ONLY through these functions.
+//
+// Memory-model mapping (PTX -> emulator):
+//   ld/st .volatile, .relaxed.sys      -> relaxed; in chaos mode stores sit in a store buffer
+//   ld.acquire / st.release / red.release / atom.acq_rel -> acquire / release; a release first
+//                                         drains the thread's buffered stores (and those it saw
+//                                         through __syncthreads, for cumulativity)
+//   fence.acq_rel.{sys,gpu}            -> drains the store buffer
+#pragma once
+
+#include "platform.cuh"
+
+#if defined(UBNEXT_EMULATOR)
+#include "../emu/emu_runtime.h"
+#endif
+
+namespace ubx {
+
+// ---------------------------------------------------------------- loads
+UBX_DEV uint4 ld_volatile_v4(const void* p) {
+  uint4 v;
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_load(&v, p, 16, ::ubx_emu::kRelaxed);
+#else
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+#endif
+  return v;
+}
+
+UBX_DEV uint32_t ld_volatile_u32(const uint32_t* p) {
+  uint32_t v;
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_load(&v, p, 4, ::ubx_emu::kRelaxed);
+#else
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#endif
+  return v;
+}
+
+UBX_DEV uint4 ld_relaxed_sys_v4(const void* p) {
+  uint4 v;
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_load(&v, p, 16, ::ubx_emu::kRelaxed);
+#else
+  asm volatile("ld.relaxed.sys.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+#endif
+  return v;
+}
+
+UBX_DEV uint32_t ld_acquire_sys_u32(const uint32_t* p) {
+  uint32_t v;
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_load(&v, p, 4, ::ubx_emu::kAcquire);
+#else
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#endif
+  return v;
+}
+
+// ---------------------------------------------------------------- stores
+UBX_DEV void st_volatile_v4(void* p, uint4 v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_store(p, &v, 16, ::ubx_emu::kRelaxed);
+#else
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};"
+               :
+               : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+#endif
+}
+
+UBX_DEV void st_relaxed_sys_v4(void* p, uint4 v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_store(p, &v, 16, ::ubx_emu::kRelaxed);
+#else
+  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1,%2,%3,%4};"
+               :
+               : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+#endif
+}
+
+UBX_DEV void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_store(p, &v, 4, ::ubx_emu::kRelaxed);
+#else
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+#endif
+}
+
+UBX_DEV void st_release_sys_u32(uint32_t* p, uint32_t v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_store(p, &v, 4, ::ubx_emu::kRelease);
+#else
+  asm volatile("st.release.sys.global.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------- atomics and fences
+UBX_DEV void red_release_sys_add_u32(uint32_t* p, uint32_t v) {
+#if defined(UBNEXT_EMULATOR)
+  (void)::ubx_emu::atomic_add_u32(p, v, ::ubx_emu::kRelease);
+#else
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+#endif
+}
+
+// Returns the old value.
+UBX_DEV uint32_t atom_add_acq_rel_gpu_u32(uint32_t* p, uint32_t v) {
+#if defined(UBNEXT_EMULATOR)
+  return ::ubx_emu::atomic_add_u32(p, v, ::ubx_emu::kAcqRel);
+#else
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+#endif
+}
+
+// Returns the old value. Generic addressing (no .global): the target is the host-visible error
+// word, which is mapped host memory rather than device memory.
+UBX_DEV uint32_t atom_cas_relaxed_sys_u32(uint32_t* p, uint32_t cmp, uint32_t val) {
+#if defined(UBNEXT_EMULATOR)
+  return ::ubx_emu::atomic_cas_u32(p, cmp, val, ::ubx_emu::kRelaxed);
+#else
+  uint32_t old;
+  asm volatile("atom.relaxed.sys.cas.b32 %0, [%1], %2, %3;"
+               : "=r"(old)
+               : "l"(p), "r"(cmp), "r"(val)
+               : "memory");
+  return old;
+#endif
+}
+
+UBX_DEV void fence_acq_rel_sys() {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::fence();
+#else
+  asm volatile("fence.acq_rel.sys;" : : : "memory");
+#endif
+}
+
+UBX_DEV void fence_acq_rel_gpu() {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::fence();
+#else
+  asm volatile("fence.acq_rel.gpu;" : : : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------- multicast (NVLS, sm_90+)
+// `p` is a multicast address. Below sm_90 these trap: the host never picks an NVLS kernel there.
+#if !defined(UBNEXT_EMULATOR) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
+#define UBX_NO_MULTIMEM 1
+#endif
+
+// Sum of every rank's 8 bf16 values, accumulated in fp32 by the switch, rounded to bf16.
+UBX_DEV uint4 multimem_ld_reduce_bf16x8(const void* p) {
+  uint4 v;
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mc_ld_reduce(&v, p, ::ubx_emu::kMcBf16);
+#elif defined(UBX_NO_MULTIMEM)
+  (void)p;
+  v = make_uint4(0, 0, 0, 0);
+  __trap();
+#else
+  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+#endif
+  return v;
+}
+
+UBX_DEV uint4 multimem_ld_reduce_f16x8(const void* p) {
+  uint4 v;
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mc_ld_reduce(&v, p, ::ubx_emu::kMcF16);
+#elif defined(UBX_NO_MULTIMEM)
+  (void)p;
+  v = make_uint4(0, 0, 0, 0);
+  __trap();
+#else
+  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.f16x2 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+#endif
+  return v;
+}
+
+// Four fp32 sums; the bits come back in a uint4.
+UBX_DEV uint4 multimem_ld_reduce_f32x4(const void* p) {
+  uint4 v;
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mc_ld_reduce(&v, p, ::ubx_emu::kMcF32);
+#elif defined(UBX_NO_MULTIMEM)
+  (void)p;
+  v = make_uint4(0, 0, 0, 0);
+  __trap();
+#else
+  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+#endif
+  return v;
+}
+
+// 16 bytes to every rank's copy. The data type is irrelevant to a store, so f32 carries any bits.
+UBX_DEV void multimem_st_v4(void* p, uint4 v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mc_store(p, &v, 16, ::ubx_emu::kRelaxed);
+#elif defined(UBX_NO_MULTIMEM)
+  (void)p;
+  (void)v;
+  __trap();
+#else
+  asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1,%2,%3,%4};"
+               :
+               : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+#endif
+}
+
+UBX_DEV void multimem_st_release_u32(uint32_t* p, uint32_t v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mc_store(p, &v, 4, ::ubx_emu::kRelease);
+#elif defined(UBX_NO_MULTIMEM)
+  (void)p;
+  (void)v;
+  __trap();
+#else
+  asm volatile("multimem.st.release.sys.global.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+#endif
+}
+
+UBX_DEV void multimem_red_release_add_u32(uint32_t* p, uint32_t v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mc_red_add_u32(p, v, ::ubx_emu::kRelease);
+#elif defined(UBX_NO_MULTIMEM)
+  (void)p;
+  (void)v;
+  __trap();
+#else
+  asm volatile("multimem.red.release.sys.global.add.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------- time and waiting
+// Nanoseconds of wall time; the emulator uses CLOCK_MONOTONIC so the kernels' own timeout checks
+// behave the same on both.
+UBX_DEV uint64_t globaltimer_ns() {
+#if defined(UBNEXT_EMULATOR)
+  return ::ubx_emu::globaltimer_ns();
+#else
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+
+// Call inside every spin loop: on the GPU it frees issue slots for the other warps; in the
+// emulator it lets the other emulated threads (and ranks, on few cores) run.
+UBX_DEV void spin_pause() {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::spin_pause();
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 700)
+  __nanosleep(20);
+#endif
+}
+
+}  // namespace ubx

@@ -1,0 +1,42 @@
+// The emulator runtime as seen from device code: what the host twins in csrc/device/ptx.cuh and
+// the execution-model builtins in emu_prelude.h call. Host-only (g++), never seen by nvcc/NVRTC.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+namespace ubx_emu {
+
+// Memory orders of the twins. Volatile and relaxed behave the same (relaxed in the emulator).
+enum Order { kRelaxed = 0, kAcquire = 1, kRelease = 2, kAcqRel = 3 };
+// Element types of multimem.ld_reduce.
+enum McType { kMcBf16 = 0, kMcF16 = 1, kMcF32 = 2 };
+
+// Loads/stores of 4 or 16 bytes (16 must be 16-byte aligned). Every call is a scheduling point:
+// the calling emulated thread yields so that a spinning thread never starves the others.
+void mem_load(void* dst, const void* src, unsigned bytes, int order);
+void mem_store(void* dst, const void* src, unsigned bytes, int order);
+uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order);                 // returns old
+uint32_t atomic_cas_u32(uint32_t* p, uint32_t cmp, uint32_t val, int order);  // returns old
+void fence();
+
+// Multicast: `mc` lies in a registered multicast range; the twin acts on every rank's copy.
+void mc_ld_reduce(void* dst16, const void* mc, int mc_type);
+void mc_store(void* mc, const void* src, unsigned bytes, int order);
+void mc_red_add_u32(uint32_t* mc, uint32_t v, int order);
+
+uint64_t globaltimer_ns();
+void spin_pause();
+
+// Execution model (emu_prelude.h wraps these in the CUDA names).
+struct Idx3 {
+  unsigned int x, y, z;
+};
+void syncthreads();
+void syncwarp();
+// A warp-wide exchange of 32-bit values. kind 0: returns the value of lane `src` (a lane outside
+// the warp's segment returns its own value); kind 1: returns the ballot of nonzero values.
+uint32_t warp_exchange(uint32_t value, int src, int kind);
+void nanosleep_ns(unsigned ns);
+
+}  // namespace ubx_emu
