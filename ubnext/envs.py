@@ -165,3 +165,36 @@ def describe_table() -> str:
             default = "`~/.cache/ubnext`"
         rows.append(f"| {names} | {default} | {var.accepted} | {var.doc} |")
     return "\n".join(rows)
+
+
+def launcher_info() -> dict[str, Any] | None:
+    """Rank layout set by the launcher (torchrun or an MPI launcher), or None.
+
+    Returns ``{"launcher", "rank", "world_size", "local_rank", "master_addr", "master_port"}``;
+    master fields are None under MPI (ubnext then agrees on them over MPI).
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {
+            "launcher": "torchrun",
+            "rank": int(env["RANK"]),
+            "world_size": int(env["WORLD_SIZE"]),
+            "local_rank": int(env.get("LOCAL_RANK", "0")),
+            "master_addr": env.get("MASTER_ADDR"),
+            "master_port": env.get("MASTER_PORT"),
+        }
+    for rank_var, size_var, local_var in (
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # mpich (hydra)
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+    ):
+        if rank_var in env and size_var in env:
+            return {
+                "launcher": "mpi",
+                "rank": int(env[rank_var]),
+                "world_size": int(env[size_var]),
+                "local_rank": int(env.get(local_var, env[rank_var])),
+                "master_addr": None,
+                "master_port": None,
+            }
+    return None

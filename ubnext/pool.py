@@ -1,0 +1,529 @@
+"""The symmetric memory pool: one per communicator, the same layout and offsets on every rank.
+
+Layout (docs/ARCHITECTURE.md, csrc/device/desc.cuh)::
+
+    [0, 4096)                       this rank's ubnext_comm_desc
+    [sync_off, +64 KiB)             rotation counters and barrier flags (zeroed)
+    [lamport_off, +3*nranks*slot)   three Lamport buffers (poisoned with -0.0f words)
+    [data_off, pool_bytes)          data arena: eager half, then CUDA-graph half
+
+Backends, behind one interface (``UBNEXT_POOL_BACKEND``):
+
+* ``torch_symm``: torch symmetric memory (``symm_mem.empty`` + ``rendezvous``); default on GPUs.
+* ``vmm``: ubnext's own cuMem VMM allocation through cuda-python, POSIX-fd handles passed over
+  Unix sockets, a multicast object where the driver supports it.
+* ``emulator``: shared memfd host memory for the CPU emulator.
+
+Allocations from the data arena are deterministic (same call order, same offsets on every
+rank) and are freed when the returned tensor is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import envs
+from .allocator import Allocator, NoRoom
+
+__all__ = ["PoolLayout", "SymmetricPool", "NoRoom", "DESC_FIELDS", "pack_desc", "plan_layout"]
+
+log = logging.getLogger("ubnext")
+
+DESC_BYTES = 4096
+SYNC_BYTES = 65536
+MAX_RANKS = 16
+DESC_MAGIC = 0x55424E5800000001
+PAGE = 4096
+# Field order of ubnext_comm_desc (csrc/device/desc.cuh); tests/unit/test_abi.py checks it.
+DESC_FIELDS = (
+    "magic", "rank", "nranks", "timeout_ns", "err_ptr", "mc_base", "sync_off", "lamport_off",
+    "lamport_slot_bytes", "data_off", "pool_bytes", "reserved[5]", f"peer_base[{MAX_RANKS}]",
+)
+SENTINEL_WORD = -0x80000000  # 0x80000000 as int32: -0.0f, the Lamport "not yet written" mark
+
+
+def _align(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    nranks: int
+    lamport_slot_bytes: int
+    data_bytes: int
+
+    @property
+    def sync_off(self) -> int:
+        return DESC_BYTES
+
+    @property
+    def lamport_off(self) -> int:
+        return DESC_BYTES + SYNC_BYTES
+
+    @property
+    def lamport_bytes(self) -> int:
+        return 3 * self.nranks * self.lamport_slot_bytes
+
+    @property
+    def data_off(self) -> int:
+        return _align(self.lamport_off + self.lamport_bytes, PAGE)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.data_off + self.data_bytes
+
+
+def plan_layout(nranks: int, max_hidden: int, *, elem_bytes: int = 4) -> PoolLayout:
+    """Size the pool from ``UBNEXT_MAX_BATCH`` x ``max_hidden`` (fp32 worst case), unless
+    ``UBNEXT_SYMM_POOL_SIZE`` (MB) fixes the total."""
+    if not 1 <= nranks <= MAX_RANKS:
+        raise ValueError(f"ubnext supports 1..{MAX_RANKS} ranks per communicator, got {nranks}")
+    if max_hidden <= 0:
+        raise ValueError(f"hidden size must be positive, got {max_hidden}")
+    message = _align(envs.get("UBNEXT_MAX_BATCH") * max_hidden * elem_bytes, PAGE)
+    pool_mb = envs.get("UBNEXT_SYMM_POOL_SIZE")
+    if pool_mb is None:
+        # data arena: the in-place buffer plus room for a GEMM output, residual and norm output,
+        # in each of the eager and graph halves
+        return PoolLayout(nranks, message, 8 * message)
+    total = pool_mb << 20
+    reserved = DESC_BYTES + SYNC_BYTES
+    minimum = reserved + 3 * nranks * PAGE + 2 * PAGE
+    if total < minimum:
+        raise ValueError(
+            f"UBNEXT_SYMM_POOL_SIZE={pool_mb} MB is smaller than the reserved region "
+            f"({minimum} bytes for {nranks} ranks)"
+        )
+    # give the Lamport buffers at most half of what is left, the data arena the rest
+    slot = min(message, (total - reserved) // 2 // (3 * nranks) // PAGE * PAGE)
+    slot = max(slot, PAGE)
+    data = total - _align(reserved + 3 * nranks * slot, PAGE)
+    return PoolLayout(nranks, slot, data)
+
+
+def pack_desc(*, rank: int, nranks: int, timeout_ns: int, err_ptr: int, mc_base: int,
+              layout: PoolLayout, peer_bases: list[int]) -> bytes:
+    if len(peer_bases) != nranks:
+        raise ValueError("one peer base per rank")
+    values = [
+        DESC_MAGIC, rank, nranks, timeout_ns, err_ptr, mc_base, layout.sync_off,
+        layout.lamport_off, layout.lamport_slot_bytes, layout.data_off, layout.pool_bytes,
+        0, 0, 0, 0, 0,
+    ] + list(peer_bases) + [0] * (MAX_RANKS - nranks)
+    return struct.pack(f"<{len(values)}Q", *values)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors over pool memory, freed when the last view is released
+
+
+class _Slot:
+    """A range of pool memory exported through the array interfaces, so torch can wrap it
+    without copying. torch keeps this object alive as long as any view of the tensor lives;
+    its finaliser then returns the range to the allocator."""
+
+    def __init__(self, address: int, nbytes: int, device: torch.device, keepalive: object):
+        self._keepalive = keepalive
+        interface = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3}
+        if device.type == "cuda":
+            interface["stream"] = None  # ordering is the caller's stream's, as for any tensor
+            self.__cuda_array_interface__ = interface
+        else:
+            self.__array_interface__ = interface
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cuda":
+            return torch.as_tensor(self, device=device)
+        return torch.from_numpy(np.asarray(self))
+
+
+# --------------------------------------------------------------------------------------------
+# Backends
+
+
+class _Backend:
+    name = "?"
+    device: torch.device
+    peer_bases: list[int]
+    mc_base: int = 0
+    size: int
+
+    def local_tensor(self) -> torch.Tensor:
+        """This rank's whole pool as a uint8 tensor (same lifetime as the backend)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class EmulatorBackend(_Backend):
+    """Shared host memory for the CPU emulator: one memfd per rank, passed to every peer over
+    Unix sockets (like cuMem POSIX-fd handles), each peer mapped at this process's own
+    address; a reserved address range stands for the multicast address."""
+
+    name = "emulator"
+
+    def __init__(self, size: int, rank: int, nranks: int, allgather: Callable[[object], list]):
+        from . import _emu, _fdshare
+
+        self.device = torch.device("cpu")
+        self.size = size
+        self._lib = _emu.load(envs.get("UBNEXT_EMU_BREAK"))
+        fd = os.memfd_create(f"ubnext-pool-r{rank}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            fds = _fdshare.exchange_fds(fd, rank, nranks, allgather)
+        finally:
+            os.close(fd)
+        self._maps: list[mmap.mmap] = []
+        try:
+            for peer_fd in fds:
+                self._maps.append(mmap.mmap(peer_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+        finally:
+            for peer_fd in fds:
+                os.close(peer_fd)
+        self._arrays = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+        self.peer_bases = [a.__array_interface__["data"][0] for a in self._arrays]
+        self.mc_base = self._lib.reserve(size)
+        self._handle = self._lib.register(rank, nranks, self.peer_bases, size, self.mc_base)
+        self._local = torch.from_numpy(self._arrays[rank])
+
+    def local_tensor(self) -> torch.Tensor:
+        return self._local
+
+    def close(self) -> None:
+        if self._handle is None:
+            return
+        # the multicast range goes first, so no twin can reach a peer mapping being removed
+        self._lib.unregister(self._handle)
+        self._lib.release(self.mc_base, self.size)
+        self._handle = None
+        self._local = None
+        self._arrays = []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                # a pool tensor is still referenced by the caller; the mapping goes with it
+                log.warning("ubnext pool closed while pool tensors are alive; unmapping deferred")
+        self._maps = []
+
+
+class TorchSymmBackend(_Backend):
+    """torch symmetric memory: ``symm_mem.empty`` + ``rendezvous``. ``multicast_ptr`` is 0
+    where the system has no multicast (PCIe, several ranks on one GPU); ubnext keeps working
+    on unicast paths then."""
+
+    name = "torch_symm"
+
+    def __init__(self, size: int, group, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.device = device
+        self.size = size
+        group_name = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # torch < 2.8 needs it
+            symm_mem.enable_symm_mem_for_group(group_name)
+        self._tensor = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        self._handle = symm_mem.rendezvous(self._tensor, group_name)
+        self.peer_bases = [int(p) for p in self._handle.buffer_ptrs]
+        self.mc_base = int(getattr(self._handle, "multicast_ptr", 0) or 0)
+
+    def local_tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    def close(self) -> None:
+        self._handle = None
+        self._tensor = None
+
+
+class VmmBackend(_Backend):
+    """ubnext's own VMM through cuda-python: cuMemCreate with POSIX-fd handles, export, fds
+    over Unix sockets, import, map, set access; a multicast object where supported. Used
+    when torch symmetric memory is missing or refuses (older torch, several ranks per GPU)."""
+
+    name = "vmm"
+
+    def __init__(self, size: int, rank: int, nranks: int, device: torch.device,
+                 allgather: Callable[[object], list]):
+        from . import _fdshare
+        from ._cuda import check, driver
+
+        drv = driver()
+        self.device = device
+        self._drv = drv
+        self._check = check
+        dev = check(drv.cuDeviceGet(device.index), "cuDeviceGet")
+        torch.cuda.set_device(device)
+        torch.cuda.current_stream(device)  # makes torch's primary context current
+
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device.index
+        prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        gran = check(drv.cuMemGetAllocationGranularity(
+            prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity")
+        self.size = size = _align(size, int(gran))
+        self._handles = []
+        self._mapped: list[tuple[int, int]] = []
+        self._reserved: list[tuple[int, int]] = []
+        self._mc = None
+        self.mc_base = 0
+        own = check(drv.cuMemCreate(size, prop, 0), "cuMemCreate")
+        self._handles.append(own)
+        fd = check(drv.cuMemExportToShareableHandle(
+            own, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "export")
+        try:
+            fds = _fdshare.exchange_fds(int(fd), rank, nranks, allgather)
+        finally:
+            os.close(int(fd))
+        access = drv.CUmemAccessDesc()
+        access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device.index
+        access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self.peer_bases = []
+        try:
+            for peer, peer_fd in enumerate(fds):
+                handle = own if peer == rank else check(drv.cuMemImportFromShareableHandle(
+                    peer_fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "import")
+                if peer != rank:
+                    self._handles.append(handle)
+                va = int(check(drv.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
+                self._reserved.append((va, size))
+                check(drv.cuMemMap(va, size, 0, handle, 0), "cuMemMap")
+                self._mapped.append((va, size))
+                check(drv.cuMemSetAccess(va, size, [access], 1), "cuMemSetAccess")
+                self.peer_bases.append(va)
+        finally:
+            for peer_fd in fds:
+                os.close(peer_fd)
+        self._setup_multicast(rank, nranks, dev, allgather)
+        self._local = _Slot(self.peer_bases[rank], size, device, self).tensor(device)
+
+    def _setup_multicast(self, rank, nranks, dev, allgather) -> None:
+        from . import _fdshare
+
+        drv, check = self._drv, self._check
+        supported = check(drv.cuDeviceGetAttribute(
+            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev), "attribute")
+        if not all(allgather(bool(supported))):
+            log.info("ubnext vmm pool: no multicast on every rank; unicast paths only")
+            return
+        prop = drv.CUmulticastObjectProp()
+        prop.numDevices = nranks
+        prop.size = self.size
+        prop.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        fd = -1
+        if rank == 0:
+            self._mc = check(drv.cuMulticastCreate(prop), "cuMulticastCreate")
+            fd = int(check(drv.cuMemExportToShareableHandle(
+                self._mc, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "export mc"))
+        fds = _fdshare.exchange_fds(fd, rank, nranks, allgather, only_from=0)
+        try:
+            if rank != 0:
+                self._mc = check(drv.cuMemImportFromShareableHandle(
+                    fds[0], drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "import mc")
+        finally:
+            for f in fds:
+                if f >= 0:
+                    os.close(f)
+            if fd >= 0:
+                os.close(fd)
+        check(drv.cuMulticastAddDevice(self._mc, dev), "cuMulticastAddDevice")
+        allgather(None)  # every device added before any bind
+        check(drv.cuMulticastBindMem(self._mc, 0, self._handles[0], 0, self.size, 0), "cuMulticastBindMem")
+        va = int(check(drv.cuMemAddressReserve(self.size, 0, 0, 0), "reserve mc"))
+        self._reserved.append((va, self.size))
+        check(drv.cuMemMap(va, self.size, 0, self._mc, 0), "map mc")
+        self._mapped.insert(0, (va, self.size))
+        access = drv.CUmemAccessDesc()
+        access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = dev
+        access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        check(drv.cuMemSetAccess(va, self.size, [access], 1), "set access mc")
+        self.mc_base = va
+
+    def local_tensor(self) -> torch.Tensor:
+        return self._local
+
+    def close(self) -> None:
+        drv = self._drv
+        torch.cuda.synchronize(self.device)
+        # multicast first: unbind before the peers' memory is unmapped
+        if self._mc is not None:
+            drv.cuMulticastUnbind(self._mc, drv.CUdevice(self.device.index), 0, self.size)
+        for va, size in self._mapped:
+            drv.cuMemUnmap(va, size)
+        for va, size in self._reserved:
+            drv.cuMemAddressFree(va, size)
+        for h in self._handles:
+            drv.cuMemRelease(h)
+        if self._mc is not None:
+            drv.cuMemRelease(self._mc)
+        self._mc = None
+        self._mapped, self._reserved, self._handles = [], [], []
+        self._local = None
+
+
+# --------------------------------------------------------------------------------------------
+
+
+class SymmetricPool:
+    """One communicator's pool: backend memory, descriptor, Lamport buffers, data arenas."""
+
+    def __init__(self, *, layout: PoolLayout, rank: int, group, device: torch.device,
+                 allgather: Callable[[object], list], barrier: Callable[[], None],
+                 backend: str | None = None):
+        self.layout = layout
+        self.rank = rank
+        self._allgather = allgather
+        name = backend or envs.get("UBNEXT_POOL_BACKEND")
+        self.backend = self._open_backend(name, layout, rank, group, device, allgather)
+        self.device = self.backend.device
+        log.info("ubnext pool: backend %s, %d bytes, multicast %s", self.backend.name,
+                 layout.pool_bytes, "yes" if self.backend.mc_base else "no")
+        # host-visible error word {code, op, rank, peer}: pinned memory is mapped into the
+        # GPU's address space under UVA, so kernels write it and the host reads it unsynchronised
+        pin = self.device.type == "cuda"
+        self.err_word = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
+        self._initialise()
+        barrier()  # no peer may push into our Lamport buffers before they are poisoned
+        half = layout.data_bytes // 2 // 256 * 256
+        self.arenas = {
+            "eager": Allocator(layout.data_off, half, min_align=16),
+            "graph": Allocator(layout.data_off + half, layout.data_bytes - half, min_align=16),
+        }
+        self.fallbacks = 0
+        self._closed = False
+
+    @staticmethod
+    def _open_backend(name, layout, rank, group, device, allgather) -> _Backend:
+        size = layout.pool_bytes
+        if name == "auto":
+            name = "emulator" if device.type == "cpu" else "torch_symm"
+        if name == "emulator":
+            return EmulatorBackend(size, rank, layout.nranks, allgather)
+        if device.type != "cuda":
+            raise ValueError(f"pool backend {name!r} needs a CUDA device")
+        if name == "torch_symm":
+            backend, error = None, None
+            try:
+                backend = TorchSymmBackend(size, group, device)
+            except Exception as exc:  # refused (e.g. several ranks per GPU) or missing
+                error = exc
+            # every rank must take the same backend, or the next rendezvous pairs up wrongly
+            if all(allgather(backend is not None)):
+                return backend
+            if backend is not None:
+                backend.close()
+            log.warning("ubnext pool: torch symmetric memory unavailable on some rank (%s); "
+                        "using ubnext's own VMM", error or "refused on a peer")
+        return VmmBackend(size, rank, layout.nranks, device, allgather)
+
+    def _initialise(self) -> None:
+        lay = self.layout
+        desc = pack_desc(
+            rank=self.rank, nranks=lay.nranks,
+            timeout_ns=int(envs.get("UBNEXT_TIMEOUT") * 1e9),
+            err_ptr=self.err_word.data_ptr(), mc_base=self.backend.mc_base, layout=lay,
+            peer_bases=self.backend.peer_bases,
+        )
+        local = self.backend.local_tensor()
+        local[: len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
+        local[lay.sync_off: lay.sync_off + SYNC_BYTES].zero_()
+        local[lay.lamport_off: lay.lamport_off + lay.lamport_bytes].view(torch.int32).fill_(SENTINEL_WORD)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- addresses ---------------------------------------------------------------------------
+
+    @property
+    def base(self) -> int:
+        return self.backend.peer_bases[self.rank]
+
+    @property
+    def desc_ptr(self) -> int:
+        return self.base
+
+    @property
+    def has_multicast(self) -> bool:
+        return self.backend.mc_base != 0
+
+    @property
+    def lamport_capacity(self) -> int:
+        return self.layout.lamport_slot_bytes
+
+    def contains(self, t: torch.Tensor) -> bool:
+        start = t.data_ptr()
+        return (t.device == self.device and self.base + self.layout.data_off <= start
+                and start + t.numel() * t.element_size() <= self.base + self.layout.pool_bytes)
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, *, align: int = 256,
+              arena: str | None = None) -> torch.Tensor:
+        """A tensor in the data arena; raises NoRoom when it does not fit."""
+        if self._closed:
+            raise RuntimeError("ubnext pool is closed")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if any((not isinstance(s, int)) or s < 0 for s in shape):
+            raise ValueError(f"shape must be non-negative ints, got {shape}")
+        elem = torch.empty((), dtype=dtype).element_size()
+        nbytes = elem
+        for s in shape:
+            nbytes *= s
+        if nbytes <= 0:
+            raise ValueError(f"pool tensors must hold at least one element, got shape {shape}")
+        if arena is None:
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            arena = "graph" if capturing else "eager"
+        allocator = self.arenas[arena]
+        try:
+            offset = allocator.alloc(nbytes, align)
+        except NoRoom:
+            self.fallbacks += 1
+            raise
+        slot = _Slot(self.base + offset, nbytes, self.device, self.backend)
+        weakref.finalize(slot, _free_if_open, weakref.ref(self), arena, offset)
+        return slot.tensor(self.device).view(dtype).view(shape)
+
+    def offset_of(self, t: torch.Tensor) -> int:
+        return t.data_ptr() - self.base
+
+    def stats(self) -> dict[str, int]:
+        eager, graph = self.arenas["eager"], self.arenas["graph"]
+        return {
+            "backend": self.backend.name,
+            "size": self.layout.pool_bytes,
+            "data_bytes": self.layout.data_bytes,
+            "lamport_capacity": self.layout.lamport_slot_bytes,
+            "used": eager.stats.used + graph.stats.used,
+            "peak": eager.stats.peak + graph.stats.peak,
+            "largest_free": max(eager.largest_free(), graph.largest_free()),
+            "allocations": eager.stats.allocations + graph.stats.allocations,
+            "fallbacks": self.fallbacks,
+            "multicast": int(self.has_multicast),
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.backend.close()
+
+
+def _free_if_open(pool_ref, arena: str, offset: int) -> None:
+    pool = pool_ref()
+    if pool is not None and not pool._closed:
+        pool.arenas[arena].free(offset)
