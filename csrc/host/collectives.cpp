@@ -1,0 +1,480 @@
+// The launch half of the C API: argument validation against the host copy of the descriptor,
+// launch geometry, and the CUDA calls. Kernels are the extern "C" __global__ entry points of
+// csrc/kernels/*.cu (parameter list: docs/ARCHITECTURE.md, "Kernel ABI").
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cinttypes>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "device/desc.cuh"
+#include "status.h"
+#include "ubnext.h"
+
+// Host stubs of the kernels. Weak, so that a library built while a kernel file is missing
+// still loads and reports UNSUPPORTED for that kernel instead of failing to dlopen; the
+// `kernels_complete` ctest makes a missing kernel a test failure. The argument types do not
+// matter here: only the stub's address is used, as the key cudaLaunchKernel looks up.
+#define UBNEXT_FOR_EACH_KERNEL(X)                                              \
+  X(lamport, bf16) X(lamport, fp16) X(lamport, fp32)                           \
+  X(nvls_oneshot, bf16) X(nvls_oneshot, fp16) X(nvls_oneshot, fp32)            \
+  X(nvls_twoshot, bf16) X(nvls_twoshot, fp16) X(nvls_twoshot, fp32)            \
+  X(nvls_lamport, bf16) X(nvls_lamport, fp16) X(nvls_lamport, fp32)            \
+  X(twoshot, bf16) X(twoshot, fp16) X(twoshot, fp32)
+
+#define UBNEXT_DECLARE_STUB(algo, dt) \
+  __attribute__((weak, visibility("hidden"))) void ubnext_##algo##_##dt();
+extern "C" {
+UBNEXT_FOR_EACH_KERNEL(UBNEXT_DECLARE_STUB)
+}
+#undef UBNEXT_DECLARE_STUB
+
+namespace ubnext {
+namespace {
+
+constexpr int kNumAlgos = 5;
+constexpr int kNumDtypes = 3;  // inputs: bf16, fp16, fp32 (ubnext_dtype_t order)
+constexpr unsigned kDefaultBlock = 256;
+constexpr unsigned kMaxBlock = 1024;
+constexpr int kMaxCachedDevices = 64;
+constexpr uint32_t kKnownLaunchFlags = UBNEXT_LAUNCH_LAMPORT_MULTICAST;
+
+static_assert(UBNEXT_ALGO_TWOSHOT + 1 == kNumAlgos, "algo table out of date");
+
+struct KernelEntry {
+  const char* name;
+  void (*stub)();
+};
+
+// Indexed [algo][dtype] in enum order; UBNEXT_FOR_EACH_KERNEL lists them in that order.
+#define UBNEXT_KERNEL_ENTRY(algo, dt) {"ubnext_" #algo "_" #dt, &ubnext_##algo##_##dt},
+const KernelEntry kKernels[kNumAlgos * kNumDtypes] = {UBNEXT_FOR_EACH_KERNEL(UBNEXT_KERNEL_ENTRY)};
+#undef UBNEXT_KERNEL_ENTRY
+
+struct AlgoTraits {
+  int op;              // UBNEXT_OP_* written by the kernel into the error word
+  bool in_place;       // out must equal in
+  bool in_in_arena;    // in must lie in this rank's data arena
+  bool needs_multicast;
+  bool uses_lamport;   // the message passes through one Lamport slot
+};
+
+const AlgoTraits kAlgos[kNumAlgos] = {
+    /* LAMPORT      */ {UBNEXT_OP_LAMPORT, false, false, false, true},
+    /* NVLS_ONESHOT */ {UBNEXT_OP_NVLS_ONESHOT, false, true, true, false},
+    /* NVLS_TWOSHOT */ {UBNEXT_OP_NVLS_TWOSHOT, true, true, true, false},
+    /* NVLS_LAMPORT */ {UBNEXT_OP_NVLS_LAMPORT, false, true, true, true},
+    /* TWOSHOT      */ {UBNEXT_OP_TWOSHOT, true, true, false, false},
+};
+
+const char* op_name(uint32_t op) {
+  for (int a = 0; a < kNumAlgos; ++a) {
+    if (static_cast<uint32_t>(kAlgos[a].op) == op) {
+      return ubnext_algo_string(static_cast<ubnext_algo_t>(a));
+    }
+  }
+  return nullptr;
+}
+
+bool aligned(const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; }
+
+ubnext_status_t from_cuda(cudaError_t err, const char* call) {
+  switch (err) {
+    case cudaSuccess: return UBNEXT_STATUS_SUCCESS;
+    // The runtime reports a missing libcuda as an insufficient or stub driver.
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorStubLibrary:
+      return fail(UBNEXT_STATUS_NO_DEVICE, "%s: %s (%s)", call, cudaGetErrorName(err),
+                  cudaGetErrorString(err));
+    default:
+      return fail(UBNEXT_STATUS_CUDA_ERROR, "%s: %s (%s)", call, cudaGetErrorName(err),
+                  cudaGetErrorString(err));
+  }
+}
+
+#define UBNEXT_TRY(expr)                                   \
+  do {                                                     \
+    ubnext_status_t ubnext_try_status_ = (expr);           \
+    if (ubnext_try_status_ != UBNEXT_STATUS_SUCCESS) return ubnext_try_status_; \
+  } while (0)
+
+// Checks that hold for every collective: the launch struct, the descriptor, algo and dtype.
+ubnext_status_t check_common(const ubnext_launch_t* user_launch, ubnext_algo_t algo,
+                             ubnext_dtype_t dtype, ubnext_launch_t* launch,
+                             const ubnext_comm_desc** desc) {
+  *launch = ubnext_launch_t UBNEXT_LAUNCH_INIT;
+  UBNEXT_TRY(read_versioned(user_launch, launch, "ubnext_launch_t"));
+  if (static_cast<unsigned>(algo) >= static_cast<unsigned>(kNumAlgos)) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "algo %d is not a ubnext_algo_t",
+                static_cast<int>(algo));
+  }
+  if (dtype == UBNEXT_DTYPE_FP8_E4M3) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "dtype FP8_E4M3 is an output format only; reduce bf16/fp16/fp32 and ask for "
+                "FP8 output through ubnext_rmsnorm_args_t.fp8");
+  }
+  if (static_cast<unsigned>(dtype) >= static_cast<unsigned>(kNumDtypes)) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "dtype %d is not a ubnext_dtype_t",
+                static_cast<int>(dtype));
+  }
+  if (launch->desc == nullptr || !aligned(launch->desc, 8)) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "ubnext_launch_t.desc (device descriptor) is NULL or not 8-byte aligned");
+  }
+  if (launch->host_desc == nullptr) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "ubnext_launch_t.host_desc is NULL");
+  }
+  if (launch->grid > UBNEXT_MAX_BLOCKS) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "grid %u exceeds UBNEXT_MAX_BLOCKS (%d)",
+                launch->grid, UBNEXT_MAX_BLOCKS);
+  }
+  if (launch->block % 32 != 0 || launch->block > kMaxBlock) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "block %u must be 0 (default) or a multiple of 32 up to %u", launch->block,
+                kMaxBlock);
+  }
+  if (launch->flags & ~kKnownLaunchFlags) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "unknown ubnext_launch_t.flags bits 0x%x",
+                launch->flags & ~kKnownLaunchFlags);
+  }
+  if ((launch->flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) && algo != UBNEXT_ALGO_LAMPORT) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "UBNEXT_LAUNCH_LAMPORT_MULTICAST applies to UBNEXT_ALGO_LAMPORT only, not %s",
+                ubnext_algo_string(algo));
+  }
+
+  const ubnext_comm_desc* d = launch->host_desc;
+  if (d->magic != UBNEXT_DESC_MAGIC) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "host_desc magic 0x%llx is not 0x%llx: not a ubnext descriptor, or another "
+                "layout version",
+                d->magic, UBNEXT_DESC_MAGIC);
+  }
+  if (d->nranks < 1 || d->nranks > UBNEXT_MAX_RANKS || d->rank >= d->nranks) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "host_desc has rank %llu of %llu ranks (1..%d ranks supported)", d->rank,
+                d->nranks, UBNEXT_MAX_RANKS);
+  }
+  for (unsigned long long r = 0; r < d->nranks; ++r) {
+    if (d->peer_base[r] == 0) {
+      return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "host_desc.peer_base[%llu] is 0", r);
+    }
+  }
+  const bool wants_multicast = kAlgos[algo].needs_multicast ||
+                               (launch->flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST);
+  if (wants_multicast && d->mc_base == 0) {
+    return fail(UBNEXT_STATUS_UNSUPPORTED,
+                "%s needs a multicast address and this communicator has none "
+                "(use lamport or twoshot)",
+                ubnext_algo_string(algo));
+  }
+  *desc = d;
+  return UBNEXT_STATUS_SUCCESS;
+}
+
+ubnext_status_t check_buffer(const void* p, const char* name, uintptr_t alignment) {
+  if (p == nullptr) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "%s is NULL", name);
+  if (!aligned(p, alignment)) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "%s (%p) is not %u-byte aligned", name, p,
+                static_cast<unsigned>(alignment));
+  }
+  return UBNEXT_STATUS_SUCCESS;
+}
+
+// Element count, placement of in/out for the algorithm, and capacity.
+ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo,
+                              ubnext_dtype_t dtype, const void* in, const void* out,
+                              size_t count) {
+  UBNEXT_TRY(check_buffer(in, "in", 16));
+  UBNEXT_TRY(check_buffer(out, "out", 16));
+  const size_t elem = ubnext_dtype_size(dtype);
+  // The kernel's n is an int32; bounding count first also keeps count * elem from overflowing.
+  if (count == 0 || count > INT32_MAX) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "count %zu is outside 1..%d", count,
+                INT32_MAX);
+  }
+  const size_t bytes = count * elem;
+  if (bytes % 16 != 0) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "count %zu x %zu bytes is not a multiple of 16 bytes (kernels move 16-byte "
+                "vectors)",
+                count, elem);
+  }
+  const AlgoTraits& t = kAlgos[algo];
+  if (t.in_place && out != in) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "%s works in place: out must equal in",
+                ubnext_algo_string(algo));
+  }
+  if (t.in_in_arena) {
+    const uintptr_t base = d->peer_base[d->rank];
+    const uintptr_t lo = base + d->data_off, hi = base + d->pool_bytes;
+    const uintptr_t p = reinterpret_cast<uintptr_t>(in);
+    if (p < lo || p > hi || hi - p < bytes) {
+      return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                  "%s reads in from the symmetric pool: in [%p, +%zu) is outside this rank's "
+                  "data arena [0x%" PRIxPTR ", 0x%" PRIxPTR ")",
+                  ubnext_algo_string(algo), in, bytes, lo, hi);
+    }
+  }
+  if (t.uses_lamport && bytes > d->lamport_slot_bytes) {
+    return fail(UBNEXT_STATUS_NO_ROOM,
+                "%s: %zu bytes do not fit the Lamport slot of %llu bytes",
+                ubnext_algo_string(algo), bytes, d->lamport_slot_bytes);
+  }
+  return UBNEXT_STATUS_SUCCESS;
+}
+
+// Co-resident blocks per kernel and device for the default block size. Probing costs a few
+// microseconds, about the latency of the collective itself, so it is paid once.
+std::atomic<int> g_coresident[kMaxCachedDevices][kNumAlgos * kNumDtypes];
+
+ubnext_status_t coresident_blocks(int device, int kernel, unsigned block, int* out) {
+  const bool cacheable = block == kDefaultBlock && device < kMaxCachedDevices;
+  if (cacheable) {
+    const int cached = g_coresident[device][kernel].load(std::memory_order_relaxed);
+    if (cached > 0) {
+      *out = cached;
+      return UBNEXT_STATUS_SUCCESS;
+    }
+  }
+  int sms = 0, per_sm = 0;
+  UBNEXT_TRY(from_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+                       "cudaDeviceGetAttribute(MultiProcessorCount)"));
+  UBNEXT_TRY(from_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                           &per_sm, reinterpret_cast<const void*>(kKernels[kernel].stub),
+                           static_cast<int>(block), 0),
+                       "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
+  *out = sms * per_sm;
+  if (*out <= 0) {
+    return fail(UBNEXT_STATUS_UNSUPPORTED, "%s cannot run with %u threads per block",
+                kKernels[kernel].name, block);
+  }
+  if (cacheable) g_coresident[device][kernel].store(*out, std::memory_order_relaxed);
+  return UBNEXT_STATUS_SUCCESS;
+}
+
+struct KernelArgs {
+  const void* desc;
+  const void* in;
+  void* out;
+  const void* residual;
+  void* residual_out;
+  const void* weight;
+  const float* scale;
+  float* scale_inv;
+  int32_t n;
+  int32_t hidden;
+  float eps;
+  int32_t flags;
+};
+
+ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
+                              ubnext_dtype_t dtype, size_t message_bytes, KernelArgs a) {
+  const int kernel = static_cast<int>(algo) * kNumDtypes + static_cast<int>(dtype);
+  const KernelEntry& k = kKernels[kernel];
+  // The device first: NO_DEVICE describes the machine, whatever this build holds.
+  int device = 0;
+  UBNEXT_TRY(from_cuda(cudaGetDevice(&device), "cudaGetDevice"));
+  if (k.stub == nullptr) {
+    return fail(UBNEXT_STATUS_UNSUPPORTED, "kernel %s is not compiled into this libubnext",
+                k.name);
+  }
+
+  const unsigned block = launch.block ? launch.block : kDefaultBlock;
+  int limit = 0;
+  UBNEXT_TRY(coresident_blocks(device, kernel, block, &limit));
+  if (limit > UBNEXT_MAX_BLOCKS) limit = UBNEXT_MAX_BLOCKS;
+  unsigned grid = launch.grid;
+  if (grid == 0) {
+    // One 16-byte vector per thread until the co-resident limit; kernels grid-stride beyond.
+    const size_t vectors = message_bytes / 16;
+    const size_t want = (vectors + block - 1) / block;
+    grid = static_cast<unsigned>(want < static_cast<size_t>(limit) ? want : limit);
+    if (grid == 0) grid = 1;
+  } else if (grid > static_cast<unsigned>(limit)) {
+    // Blocks wait on each other; more than fit at once would wait forever.
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "grid %u exceeds the co-resident limit of %d blocks for %s with %u threads",
+                grid, limit, k.name, block);
+  }
+  a.flags |= (launch.flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) ? UBNEXT_F_MULTICAST : 0;
+
+  void* params[] = {&a.desc,     &a.in,    &a.out,       &a.residual,
+                    &a.residual_out, &a.weight, &a.scale, &a.scale_inv,
+                    &a.n,        &a.hidden, &a.eps,      &a.flags};
+  const cudaError_t err =
+      cudaLaunchKernel(reinterpret_cast<const void*>(k.stub), dim3(grid), dim3(block), params, 0,
+                       static_cast<cudaStream_t>(launch.stream));
+  if (err != cudaSuccess) {
+    // Consume the error so that it does not surface later in unrelated caller code.
+    (void)cudaGetLastError();
+    return from_cuda(err, k.name);
+  }
+  return UBNEXT_STATUS_SUCCESS;
+}
+
+}  // namespace
+}  // namespace ubnext
+
+using namespace ubnext;
+
+extern "C" {
+
+size_t ubnext_dtype_size(ubnext_dtype_t dtype) {
+  switch (dtype) {
+    case UBNEXT_DTYPE_BF16: return 2;
+    case UBNEXT_DTYPE_FP16: return 2;
+    case UBNEXT_DTYPE_FP32: return 4;
+    case UBNEXT_DTYPE_FP8_E4M3: return 1;
+  }
+  return 0;
+}
+
+const char* ubnext_algo_string(ubnext_algo_t algo) {
+  switch (algo) {
+    case UBNEXT_ALGO_LAMPORT: return "lamport";
+    case UBNEXT_ALGO_NVLS_ONESHOT: return "nvls_oneshot";
+    case UBNEXT_ALGO_NVLS_TWOSHOT: return "nvls_twoshot";
+    case UBNEXT_ALGO_NVLS_LAMPORT: return "nvls_lamport";
+    case UBNEXT_ALGO_TWOSHOT: return "twoshot";
+  }
+  return "unknown";
+}
+
+ubnext_status_t ubnext_device_count(int* count) {
+  clear_error();
+  if (count == nullptr) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "count is NULL");
+  *count = 0;
+  int n = 0;
+  UBNEXT_TRY(from_cuda(cudaGetDeviceCount(&n), "cudaGetDeviceCount"));
+  if (n <= 0) return fail(UBNEXT_STATUS_NO_DEVICE, "cudaGetDeviceCount found no device");
+  *count = n;
+  return UBNEXT_STATUS_SUCCESS;
+}
+
+ubnext_status_t ubnext_allreduce(const ubnext_launch_t* user_launch, ubnext_algo_t algo,
+                                 ubnext_dtype_t dtype, const void* in, void* out,
+                                 size_t count) {
+  clear_error();
+  ubnext_launch_t launch;
+  const ubnext_comm_desc* d = nullptr;
+  UBNEXT_TRY(check_common(user_launch, algo, dtype, &launch, &d));
+  UBNEXT_TRY(check_message(d, algo, dtype, in, out, count));
+  KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr,
+               static_cast<int32_t>(count), 0, 0.0f, 0};
+  return launch_kernel(launch, algo, dtype, count * ubnext_dtype_size(dtype), a);
+}
+
+ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
+                                             ubnext_algo_t algo, ubnext_dtype_t dtype,
+                                             const ubnext_rmsnorm_args_t* user_args) {
+  clear_error();
+  ubnext_launch_t launch;
+  const ubnext_comm_desc* d = nullptr;
+  UBNEXT_TRY(check_common(user_launch, algo, dtype, &launch, &d));
+  ubnext_rmsnorm_args_t args = UBNEXT_RMSNORM_ARGS_INIT;
+  UBNEXT_TRY(read_versioned(user_args, &args, "ubnext_rmsnorm_args_t"));
+
+  int32_t flags = UBNEXT_F_FUSED_NORM;
+  switch (args.fp8) {
+    case UBNEXT_FP8_NONE:
+      if (args.scale != nullptr || args.scale_inv != nullptr) {
+        return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                    "scale and scale_inv must be NULL without FP8 output (fp8 = NONE)");
+      }
+      break;
+    case UBNEXT_FP8_STATIC:
+      UBNEXT_TRY(check_buffer(args.scale, "scale (FP8_STATIC)", 4));
+      UBNEXT_TRY(check_buffer(args.scale_inv, "scale_inv (FP8_STATIC)", 4));
+      flags |= UBNEXT_F_FP8_STATIC;
+      break;
+    case UBNEXT_FP8_PER_TOKEN:
+      if (args.scale != nullptr) {
+        return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                    "scale must be NULL with FP8_PER_TOKEN (the kernel computes one per token)");
+      }
+      UBNEXT_TRY(check_buffer(args.scale_inv, "scale_inv (FP8_PER_TOKEN)", 4));
+      flags |= UBNEXT_F_FP8_PER_TOKEN;
+      break;
+    default:
+      return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "fp8 %d is not a ubnext_fp8_scaling_t",
+                  static_cast<int>(args.fp8));
+  }
+  if (args.fp8 != UBNEXT_FP8_NONE && kAlgos[algo].in_place) {
+    // In place means out == in, but e4m3 output has a different element size and the
+    // in-place kernels would overwrite the partial sums other ranks still read.
+    return fail(UBNEXT_STATUS_UNSUPPORTED, "%s is in place and cannot emit FP8",
+                ubnext_algo_string(algo));
+  }
+  UBNEXT_TRY(check_message(d, algo, dtype, args.in, args.out, args.count));
+  UBNEXT_TRY(check_buffer(args.residual, "residual", 16));
+  UBNEXT_TRY(check_buffer(args.residual_out, "residual_out", 16));
+  UBNEXT_TRY(check_buffer(args.weight, "weight", 16));
+  const size_t elem = ubnext_dtype_size(dtype);
+  if (args.hidden == 0 || args.hidden > static_cast<size_t>(INT32_MAX) ||
+      args.count % args.hidden != 0) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "hidden %zu must be > 0 and divide count %zu into whole tokens", args.hidden,
+                args.count);
+  }
+  if ((args.hidden * elem) % 16 != 0) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "hidden %zu x %zu bytes is not a multiple of 16 bytes (rows move as 16-byte "
+                "vectors)",
+                args.hidden, elem);
+  }
+  if (!std::isfinite(args.eps) || args.eps < 0.0f) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "eps %g must be finite and >= 0",
+                static_cast<double>(args.eps));
+  }
+  KernelArgs a{launch.desc,  args.in,     args.out,
+               args.residual, args.residual_out, args.weight,
+               args.scale,   args.scale_inv, static_cast<int32_t>(args.count),
+               static_cast<int32_t>(args.hidden), args.eps, flags};
+  return launch_kernel(launch, algo, dtype, args.count * elem, a);
+}
+
+ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_desc) {
+  clear_error();
+  if (host_desc == nullptr) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "host_desc is NULL");
+  if (host_desc->magic != UBNEXT_DESC_MAGIC) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "host_desc magic 0x%llx is not 0x%llx",
+                host_desc->magic, UBNEXT_DESC_MAGIC);
+  }
+  if (host_desc->err_ptr == 0 || host_desc->err_ptr % 4 != 0) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "host_desc.err_ptr is 0 or misaligned: no error word to read");
+  }
+  uint32_t* word = reinterpret_cast<uint32_t*>(static_cast<uintptr_t>(host_desc->err_ptr));
+  // Kernels claim the word by CAS on code and then fill op/rank/peer: acquire pairs with
+  // their release fence, and code is cleared last so a new claim cannot interleave.
+  const uint32_t code = __atomic_load_n(&word[0], __ATOMIC_ACQUIRE);
+  if (code == 0) return UBNEXT_STATUS_SUCCESS;
+  const uint32_t op = __atomic_load_n(&word[1], __ATOMIC_RELAXED);
+  const uint32_t rank = __atomic_load_n(&word[2], __ATOMIC_RELAXED);
+  const uint32_t peer = __atomic_load_n(&word[3], __ATOMIC_RELAXED);
+  for (int i = 1; i < 4; ++i) __atomic_store_n(&word[i], 0u, __ATOMIC_RELAXED);
+  __atomic_store_n(&word[0], 0u, __ATOMIC_RELEASE);
+
+  const char* name = op_name(op);
+  char op_text[32];
+  if (name == nullptr) {
+    std::snprintf(op_text, sizeof op_text, "op %u", op);
+    name = op_text;
+  }
+  if (code == UBNEXT_ERR_TIMEOUT) {
+    return fail(UBNEXT_STATUS_TIMEOUT,
+                "%s timed out on rank %u waiting for peer %u (timeout %.3f ms); every rank "
+                "must issue the same collectives in the same order",
+                name, rank, peer, static_cast<double>(host_desc->timeout_ns) * 1e-6);
+  }
+  return fail(UBNEXT_STATUS_INTERNAL,
+              "kernel error word holds unknown code %u (%s, rank %u, peer %u)", code, name,
+              rank, peer);
+}
+
+}  // extern "C"

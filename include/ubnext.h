@@ -1,0 +1,259 @@
+/*
+ * ubnext: symmetric-memory allreduce (optionally fused with residual add, RMSNorm and FP8
+ * output) for tensor-parallel layers on one NVLink/NVSwitch node.
+ *
+ * This is the public C99 API of libubnext.so. It launches the collective kernels on a CUDA
+ * stream; it does not create communicators or symmetric memory. The caller (normally the
+ * ubnext Python pool) maps the symmetric pool on every rank and fills one communicator
+ * descriptor per rank, whose layout is `struct ubnext_comm_desc` in <ubnext/desc.cuh>
+ * (csrc/device/desc.cuh in the source tree; docs/ARCHITECTURE.md explains the pool layout).
+ *
+ * Conventions that hold for every function below unless its comment says otherwise:
+ *  - Every function returning ubnext_status_t validates all its arguments before it touches
+ *    CUDA, and on failure stores a one-line explanation for ubnext_get_last_error_string().
+ *  - Pointers passed in are borrowed: the library keeps none of them after the call returns,
+ *    except that device pointers must stay valid until the enqueued kernel has finished.
+ *  - Thread safety: every function may be called concurrently from several threads.
+ *    Launches that share one communicator must still be ordered (see ubnext_launch_t).
+ *  - Without a usable GPU (no device, no driver) calls that need CUDA return
+ *    UBNEXT_STATUS_NO_DEVICE; they never abort, hang or print.
+ */
+#ifndef UBNEXT_H_
+#define UBNEXT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define UBNEXT_API
+#elif defined(__GNUC__)
+/* The library is built with hidden visibility; only what is marked here is exported. */
+#define UBNEXT_API __attribute__((visibility("default")))
+#else
+#define UBNEXT_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* Version                                                                                  */
+/* ---------------------------------------------------------------------------------------- */
+
+#define UBNEXT_VERSION_MAJOR 0
+#define UBNEXT_VERSION_MINOR 1
+#define UBNEXT_VERSION_PATCH 0
+/* Comparable integer: UBNEXT_VERSION >= UBNEXT_VERSION_CODE(0, 1, 0). */
+#define UBNEXT_VERSION_CODE(major, minor, patch) ((major) * 10000 + (minor) * 100 + (patch))
+#define UBNEXT_VERSION \
+  UBNEXT_VERSION_CODE(UBNEXT_VERSION_MAJOR, UBNEXT_VERSION_MINOR, UBNEXT_VERSION_PATCH)
+
+/* ---------------------------------------------------------------------------------------- */
+/* Status and errors                                                                        */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef enum ubnext_status {
+  UBNEXT_STATUS_SUCCESS = 0,
+  /* An argument was rejected before anything was launched; nothing happened. */
+  UBNEXT_STATUS_INVALID_ARGUMENT = 1,
+  /* No CUDA device or no driver in this process. */
+  UBNEXT_STATUS_NO_DEVICE = 2,
+  /* A CUDA call failed; the last-error text names the call and the CUDA error. */
+  UBNEXT_STATUS_CUDA_ERROR = 3,
+  /* A kernel gave up waiting for a peer (reported by ubnext_take_kernel_error). */
+  UBNEXT_STATUS_TIMEOUT = 4,
+  /* Valid request that this build, device or descriptor cannot serve (for example an
+   * algorithm needing multicast on a pool without it, or a kernel not compiled in). */
+  UBNEXT_STATUS_UNSUPPORTED = 5,
+  /* The message does not fit the space the descriptor provides (Lamport buffers, data
+   * arena); a caller can fall back to another algorithm. */
+  UBNEXT_STATUS_NO_ROOM = 6,
+  /* A bug in ubnext or a corrupted descriptor / error word. */
+  UBNEXT_STATUS_INTERNAL = 7
+} ubnext_status_t;
+
+/* Number of status codes; codes are 0 .. UBNEXT_STATUS_COUNT-1. */
+#define UBNEXT_STATUS_COUNT 8
+
+/* Static, never-NULL name of a status ("UBNEXT_STATUS_TIMEOUT"); unknown values give
+ * "UBNEXT_STATUS_<unknown>". */
+UBNEXT_API const char* ubnext_status_string(ubnext_status_t status);
+
+/* Detail of the most recent call on this thread that returned ubnext_status_t: empty after
+ * success. Never NULL. The text belongs to the library and stays valid until the next ubnext
+ * call on the same thread. */
+UBNEXT_API const char* ubnext_get_last_error_string(void);
+
+/* Version of the loaded library (may differ from the header's UBNEXT_VERSION_*).
+ * Any of the pointers may be NULL. Never fails. */
+UBNEXT_API void ubnext_get_version(int* major, int* minor, int* patch);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Data types                                                                               */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef enum ubnext_dtype {
+  UBNEXT_DTYPE_BF16 = 0,
+  UBNEXT_DTYPE_FP16 = 1,
+  UBNEXT_DTYPE_FP32 = 2,
+  /* Output-only format, produced by the fused op with FP8 scaling; never an input. */
+  UBNEXT_DTYPE_FP8_E4M3 = 3
+} ubnext_dtype_t;
+
+/* Bytes per element, or 0 for a value that is not a ubnext_dtype_t. */
+UBNEXT_API size_t ubnext_dtype_size(ubnext_dtype_t dtype);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Devices                                                                                  */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Number of visible CUDA devices. Without a device or driver: *count = 0 and
+ * UBNEXT_STATUS_NO_DEVICE. Errors: INVALID_ARGUMENT (count NULL), NO_DEVICE, CUDA_ERROR. */
+UBNEXT_API ubnext_status_t ubnext_device_count(int* count);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Launch configuration                                                                     */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Allreduce algorithms; see docs/ARCHITECTURE.md for the protocols.
+ *  LAMPORT       one-shot push into Lamport buffers; lowest latency. `in` and `out` anywhere.
+ *                Needs count * dtype size <= the descriptor's lamport_slot_bytes.
+ *  NVLS_ONESHOT  every rank reduces the whole message through the multicast address.
+ *                `in` in this rank's data arena, `out` anywhere. Needs multicast. Ranks may
+ *                differ in the last bits (the switch picks the reduction order).
+ *  NVLS_TWOSHOT  multicast reduce-scatter + broadcast, in place (`out == in`, in the data
+ *                arena). Needs multicast. Bitwise identical on every rank.
+ *  NVLS_LAMPORT  NVLS two-shot whose broadcast lands in the Lamport buffers. Needs multicast;
+ *                `in` in the data arena, `out` anywhere; the message must fit the Lamport slot.
+ *  TWOSHOT       unicast reduce-scatter + broadcast, in place; no multicast needed. */
+typedef enum ubnext_algo {
+  UBNEXT_ALGO_LAMPORT = 0,
+  UBNEXT_ALGO_NVLS_ONESHOT = 1,
+  UBNEXT_ALGO_NVLS_TWOSHOT = 2,
+  UBNEXT_ALGO_NVLS_LAMPORT = 3,
+  UBNEXT_ALGO_TWOSHOT = 4
+} ubnext_algo_t;
+
+/* Static name of an algorithm ("lamport", "nvls_twoshot", ...) or "unknown". */
+UBNEXT_API const char* ubnext_algo_string(ubnext_algo_t algo);
+
+/* ubnext_launch_t.flags */
+/* LAMPORT only: push once through the multicast address instead of once per peer. */
+#define UBNEXT_LAUNCH_LAMPORT_MULTICAST 1u
+
+/* The communicator descriptor; layout in <ubnext/desc.cuh>. Left incomplete here so that
+ * this header stays free of it; include desc.cuh to fill one. */
+struct ubnext_comm_desc;
+
+/* Where and how to launch. Initialise with UBNEXT_LAUNCH_INIT so that struct_size is set and
+ * every later-added field takes its default.
+ *
+ * Ordering: a launch is enqueued on `stream` and the call returns before it runs. Launches
+ * that share one descriptor must be issued from one stream (or be ordered by events) and in
+ * the same order on every rank: two streams on one sync region deadlock. */
+typedef struct ubnext_launch {
+  /* sizeof(ubnext_launch_t) as the caller compiled it (versioning). */
+  size_t struct_size;
+  /* This rank's descriptor in DEVICE memory (the pool base); read by the kernel. */
+  const struct ubnext_comm_desc* desc;
+  /* A HOST copy of the same descriptor, read during the call to validate the request
+   * (rank, multicast, buffer capacity, arena bounds). Must match `desc`. */
+  const struct ubnext_comm_desc* host_desc;
+  /* A cudaStream_t; NULL is the legacy default stream. */
+  void* stream;
+  /* Blocks, 1..128; 0 picks a default from the message size and the co-resident limit.
+   * Must be equal on every rank: pass it explicitly when ranks run different GPU models. */
+  unsigned int grid;
+  /* Threads per block, a multiple of 32 up to 1024; 0 means 256. Equal on every rank. */
+  unsigned int block;
+  /* UBNEXT_LAUNCH_* bits. */
+  unsigned int flags;
+} ubnext_launch_t;
+
+#define UBNEXT_LAUNCH_INIT {sizeof(ubnext_launch_t), NULL, NULL, NULL, 0u, 0u, 0u}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Collectives                                                                              */
+/*                                                                                          */
+/* Collective: every rank of the communicator must make the same call (same algo, dtype,    */
+/* count, hidden, FP8 mode, grid, block, flags), in the same order; a rank that does not    */
+/* makes the others time out. CUDA graphs: capturable (no host synchronisation, allocation */
+/* or stream query); a captured launch replays correctly because the Lamport buffer index */
+/* lives in device memory. Buffers: 16-byte aligned device pointers; count * dtype size a */
+/* multiple of 16 bytes; count <= INT32_MAX. A kernel that times out does not fail the     */
+/* call: check ubnext_take_kernel_error() after synchronising.                             */
+/*                                                                                          */
+/* Errors: INVALID_ARGUMENT (checked before any CUDA call), NO_ROOM (message larger than    */
+/* the descriptor's buffers), UNSUPPORTED (multicast missing, kernel not compiled in),      */
+/* NO_DEVICE, CUDA_ERROR (the launch failed; the CUDA error is consumed, not left for      */
+/* cudaGetLastError).                                                                       */
+/* ---------------------------------------------------------------------------------------- */
+
+/* out[i] = sum over ranks of in[i], for i < count, in `dtype` (bf16, fp16 or fp32; summed in
+ * fp32). `in` and `out` as the algorithm requires (see ubnext_algo_t). */
+UBNEXT_API ubnext_status_t ubnext_allreduce(const ubnext_launch_t* launch, ubnext_algo_t algo,
+                                            ubnext_dtype_t dtype, const void* in, void* out,
+                                            size_t count);
+
+/* FP8 output of the fused op; the scale travels as scale_inv (dequantisation factor):
+ * y ~= float(out) * scale_inv. */
+typedef enum ubnext_fp8_scaling {
+  /* Output in the input dtype. scale and scale_inv must be NULL. */
+  UBNEXT_FP8_NONE = 0,
+  /* e4m3 output, q = sat(y / *scale); *scale_inv = *scale. scale: 1 float in device
+   * memory, read by the kernel (so a graph picks up a new value on replay). */
+  UBNEXT_FP8_STATIC = 1,
+  /* e4m3 output, one scale per token: scale_inv[m] = max(amax_m / 448, tiny). scale NULL. */
+  UBNEXT_FP8_PER_TOKEN = 2
+} ubnext_fp8_scaling_t;
+
+/* Arguments of the fused allreduce + residual add + RMSNorm. Initialise with
+ * UBNEXT_RMSNORM_ARGS_INIT. All pointers are device memory. With `tokens = count / hidden`:
+ *   r              = allreduce(in) + residual
+ *   residual_out   = r                                   (tokens x hidden, dtype)
+ *   out            = r / sqrt(mean_row(r^2) + eps) * weight   (dtype or e4m3, see fp8) */
+typedef struct ubnext_rmsnorm_args {
+  size_t struct_size;
+  const void* in;       /* this rank's partial sums, count elements of dtype */
+  void* out;            /* count elements: dtype, or bytes of e4m3 when fp8 != NONE */
+  const void* residual; /* count elements of dtype */
+  void* residual_out;   /* count elements of dtype; may alias residual */
+  const void* weight;   /* hidden elements of dtype */
+  size_t count;         /* elements, a multiple of hidden */
+  size_t hidden;        /* row length; hidden * dtype size a multiple of 16 bytes */
+  float eps;            /* finite, >= 0 */
+  ubnext_fp8_scaling_t fp8;
+  const float* scale;   /* FP8_STATIC: 1 float */
+  float* scale_inv;     /* FP8_STATIC: 1 float; FP8_PER_TOKEN: count / hidden floats */
+} ubnext_rmsnorm_args_t;
+
+#define UBNEXT_RMSNORM_ARGS_INIT \
+  {sizeof(ubnext_rmsnorm_args_t), NULL, NULL, NULL, NULL, NULL, 0, 0, 1e-6f, UBNEXT_FP8_NONE, \
+   NULL, NULL}
+
+/* The fused op above; `args->in` / `args->out` placed as `algo` requires (see ubnext_algo_t;
+ * for the in-place algorithms `out == in` only without FP8, since e4m3 output is narrower).
+ * Same collective, graph and error rules as ubnext_allreduce. */
+UBNEXT_API ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* launch,
+                                                        ubnext_algo_t algo, ubnext_dtype_t dtype,
+                                                        const ubnext_rmsnorm_args_t* args);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Kernel-side errors                                                                       */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Reads and clears the error word that kernels of this communicator write (host_desc->err_ptr:
+ * host-visible uint32_t[4] = {code, op, rank, peer}, mapped pinned memory). Returns SUCCESS if
+ * no kernel reported an error, TIMEOUT (last-error text names the op, this rank and the peer
+ * it waited for) or INTERNAL (unknown code). Not collective, no CUDA call, not ordered with
+ * any stream: call it after synchronising the stream (or polling an event) so that the
+ * kernels that could write it have finished. After a timeout the communicator's sync state
+ * is undefined; rebuild it before the next collective. */
+UBNEXT_API ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_desc);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* UBNEXT_H_ */
