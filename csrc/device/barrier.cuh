@@ -1,0 +1,138 @@
+// Cross-rank, per-block barrier with monotonic epochs, and the bounded-wait / error-report helpers
+// that every kernel waiting on a peer uses.
+//
+// Protocol (block b of every rank takes part; all ranks launch the same grid):
+//   1. __syncthreads(): every thread's earlier stores of this block are ordered before the signal.
+//   2. lane 0 of warp 0 bumps the block's LOCAL epoch sync[BARRIER_EPOCH + b] (never reset, so a
+//      captured CUDA graph replays correctly and no reset race exists between calls).
+//   3. signal: slot barrier_flag[b][my_rank] := epoch on EVERY rank, with release semantics at .sys
+//      scope: one multimem.st.release through the multicast address when the pool has one, else one
+//      st.release.sys per peer (lane p of warp 0 writes peer p, in parallel).
+//   4. wait: lane p of warp 0 spins with ld.acquire.sys on its own copy of slot [b][p] until it holds
+//      an epoch >= ours (wrap-safe signed compare), bounded by desc->timeout_ns.
+//   5. __syncthreads(): the acquire of warp 0 is ordered before every thread's later accesses.
+//
+// Why one slot per (block, peer) instead of one counter per block bumped by multimem.red.add
+// (the DESIGN.md suggestion): the counter only says HOW MANY ranks arrived, not WHICH one is missing.
+// With per-peer slots the timeout names the peer that is behind, which is what the user needs to
+// debug a hang (dead rank, mismatched call sequence). Cost: 16 x 4 bytes per block instead of 4,
+// and nranks acquire loads (issued in parallel by one warp) instead of one.
+//
+// Epochs stay aligned across ranks because every rank runs the same sequence of collectives with
+// the same grid, and each block of each kernel passes through the same number of barriers. A peer
+// can be at most one barrier ahead of us (it cannot pass a barrier we have not arrived at), so the
+// signed 32-bit difference is exact across wrap-around (2^32 barriers).
+//
+// After a timeout the epochs of the ranks no longer agree: the communicator is unusable and must be
+// re-created (the sync region is zeroed at init). That is the documented contract for timeouts.
+#pragma once
+
+#include "platform.cuh"
+#include "desc.cuh"
+#include "ptx.cuh"
+
+#ifndef UBNEXT_DEFAULT_TIMEOUT_NS
+#define UBNEXT_DEFAULT_TIMEOUT_NS 10000000000ull /* used when desc->timeout_ns == 0 */
+#endif
+
+namespace ubx {
+
+// This rank's (or a peer's) sync region, as 32-bit words.
+UBX_DEV uint32_t* sync_words(const ubnext_comm_desc* d, uint32_t rank) {
+  return reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->peer_base[rank] + d->sync_off));
+}
+
+// The multicast address of a pointer that lies in this rank's pool (0 if the pool has no multicast).
+UBX_DEV uint64_t mc_addr(const ubnext_comm_desc* d, const void* p) {
+  if (d->mc_base == 0) return 0;
+  return static_cast<uint64_t>(d->mc_base) +
+         (reinterpret_cast<uint64_t>(p) - static_cast<uint64_t>(d->peer_base[d->rank]));
+}
+
+// The same byte of a pool pointer in peer `peer`'s pool (pool layouts are identical on every rank).
+UBX_DEV uint64_t peer_addr(const ubnext_comm_desc* d, const void* p, uint32_t peer) {
+  return static_cast<uint64_t>(d->peer_base[peer]) +
+         (reinterpret_cast<uint64_t>(p) - static_cast<uint64_t>(d->peer_base[d->rank]));
+}
+
+UBX_DEV uint64_t timeout_ns(const ubnext_comm_desc* d) {
+  const uint64_t t = d->timeout_ns;
+  return t ? t : UBNEXT_DEFAULT_TIMEOUT_NS;
+}
+
+// Record {code, op, rank, peer} in the host-visible error word. First writer wins (CAS on code);
+// the other three words follow the CAS, so the host must read them after the kernel has ended
+// (stream sync), which is what the Python side does.
+UBX_DEV void report_timeout(const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
+  uint32_t* err = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->err_ptr));
+  if (err == nullptr) return;
+  if (atom_cas_relaxed_sys_u32(err, 0u, (uint32_t)UBNEXT_ERR_TIMEOUT) == 0u) {
+    st_relaxed_sys_u32(err + 1, op);
+    st_relaxed_sys_u32(err + 2, static_cast<uint32_t>(d->rank));
+    st_relaxed_sys_u32(err + 3, peer);
+  }
+}
+
+// Wrap-safe "a has reached b".
+UBX_DEV bool epoch_reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
+
+// Spin (acquire, .sys) until *flag has reached `target`; false after `limit` ns.
+UBX_DEV bool wait_flag_reached(const uint32_t* flag, uint32_t target, uint64_t limit) {
+  if (epoch_reached(ld_acquire_sys_u32(flag), target)) return true;
+  const uint64_t t0 = globaltimer_ns();
+  for (;;) {
+    spin_pause();
+    if (epoch_reached(ld_acquire_sys_u32(flag), target)) return true;
+    if (globaltimer_ns() - t0 > limit) return false;
+  }
+}
+
+// The barrier. Collective over the whole block (every thread must call it, uniformly).
+// Returns true when block blockIdx.x of every rank has arrived; false on timeout (the error has been
+// reported, and the caller must return from the kernel: every thread of the block gets `false`).
+UBX_DEV bool rank_barrier(const ubnext_comm_desc* d, uint32_t op) {
+  __shared__ uint32_t s_failed;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const uint32_t lane = threadIdx.x;
+    const uint32_t rank = static_cast<uint32_t>(d->rank);
+    const uint32_t nranks = static_cast<uint32_t>(d->nranks);
+    const uint32_t b = blockIdx.x;
+    uint32_t* my_sync = sync_words(d, rank);
+    uint32_t epoch = 0;
+    if (lane == 0) {
+      epoch = my_sync[UBNEXT_SYNC_BARRIER_EPOCH + b] + 1u;  // local, only this block touches it
+      my_sync[UBNEXT_SYNC_BARRIER_EPOCH + b] = epoch;
+    }
+    epoch = __shfl_sync(0xffffffffu, epoch, 0);
+    const uint32_t slot = UBNEXT_SYNC_BARRIER_FLAG + b * UBNEXT_MAX_RANKS + rank;
+    if (d->mc_base != 0) {
+      if (lane == 0) {
+        uint32_t* mc_sync = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->mc_base + d->sync_off));
+        multimem_st_release_u32(mc_sync + slot, epoch);
+      }
+    } else if (lane < nranks && lane != rank) {
+      st_release_sys_u32(sync_words(d, lane) + slot, epoch);
+    }
+    uint32_t failed = 0;
+#if !defined(UBNEXT_BREAK_SKIP_BARRIER)
+    if (lane < nranks && lane != rank) {
+      const uint32_t* flag = my_sync + UBNEXT_SYNC_BARRIER_FLAG + b * UBNEXT_MAX_RANKS + lane;
+      if (!wait_flag_reached(flag, epoch, timeout_ns(d))) {
+        report_timeout(d, op, lane);
+        failed = 1;
+      }
+    }
+#else
+    // Test-only broken build: signal but never wait. The integration tests must catch the
+    // resulting races (stale or partially reduced data), proving that they exercise the barrier.
+    (void)op;
+#endif
+    failed = __any_sync(0xffffffffu, failed);
+    if (lane == 0) s_failed = failed;
+  }
+  __syncthreads();
+  return s_failed == 0;
+}
+
+}  // namespace ubx
