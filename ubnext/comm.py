@@ -1,0 +1,603 @@
+"""The Communicator: path choice, the fallback chain and kernel launches.
+
+Paths, best first (``comm.last_path`` uses these names, as does ``UBNEXT_ALGO``):
+
+1. ``lamport``: ubnext Lamport one-shot, when the message fits a Lamport slot of the pool;
+2. ``nvls_twoshot`` / ``nvls_lamport`` / ``nvls_oneshot`` (multicast pools) or ``twoshot``
+   (unicast): in place in the pool's data arena, when the message fits it;
+3. ``torch_symm``: torch's symmetric-memory one-shot op, on GPUs where it exists;
+4. ``torch``: ``torch.distributed.all_reduce`` (NCCL on GPUs, gloo on CPU; multi-node).
+
+The fused op falls back to the chosen allreduce, then add + RMSNorm in torch. Each fallback
+step is logged once per communicator with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import envs, kernels
+from ._cuda import gpu_available, no_gpu_reason
+from .pool import NoRoom, SymmetricPool, plan_layout
+
+__all__ = [
+    "Communicator",
+    "UbnextError",
+    "UbnextTimeoutError",
+    "PATHS",
+    "reference_add_rmsnorm",
+]
+
+log = logging.getLogger("ubnext")
+
+PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot", "torch_symm", "torch")
+KERNEL_PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot")
+DTYPE_CODES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Smallest per-token scale_inv: an all-zero row gets this scale, so q = 0 and no 0/0.
+FP8_TINY_SCALE_INV = 1e-12
+# Messages up to this size prefer Lamport one-shot: its N-1 pushes per element cost less
+# than two-shot's two barriers up to about a megabyte (DESIGN §3).
+LAMPORT_MAX_BYTES = 1 << 20
+DEFAULT_HIDDEN = 8192
+_OP_NAMES = {1: "lamport", 2: "nvls_oneshot", 3: "nvls_twoshot", 4: "nvls_lamport", 5: "twoshot"}
+
+
+class UbnextError(RuntimeError):
+    """A ubnext collective failed."""
+
+
+class UbnextTimeoutError(UbnextError):
+    """A wait across ranks passed UBNEXT_TIMEOUT; the message names op, rank and peer."""
+
+
+@dataclass
+class _Plan:
+    path: str
+    reason: str
+    skipped: list[tuple[str, str]]
+
+
+def _bootstrap() -> None:
+    """Initialise torch.distributed from torchrun's or an MPI launcher's variables."""
+    info = envs.launcher_info()
+    if info is None:
+        raise UbnextError(
+            "torch.distributed is not initialised and no launcher was found: call "
+            "torch.distributed.init_process_group(), or start under torchrun or mpirun"
+        )
+    use_gpu = gpu_available()
+    backend = "nccl" if use_gpu else "gloo"
+    if info["launcher"] == "torchrun":
+        init = "env://"
+    else:
+        from mpi4py import MPI
+
+        mpi = MPI.COMM_WORLD
+        addr = None
+        if mpi.Get_rank() == 0:
+            with socket.socket() as probe:
+                probe.bind(("", 0))
+                port = probe.getsockname()[1]
+            host = socket.gethostname() if mpi.Get_size() > 1 else "127.0.0.1"
+            addr = (socket.gethostbyname(host) if host != "127.0.0.1" else host, port)
+        host, port = mpi.bcast(addr, root=0)
+        init = f"tcp://{host}:{port}"
+    kwargs: dict[str, Any] = {}
+    if use_gpu:
+        torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, init_method=init, rank=info["rank"],
+                            world_size=info["world_size"], **kwargs)
+
+
+def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
+    """add + RMSNorm (+FP8) in torch with the kernels' contract: residual_out rounded to the
+    input dtype, statistics in fp32 from that rounded value, FP8 from the same fp32 y."""
+    residual_out = (reduced.float() + residual.float()).to(residual.dtype)
+    r = residual_out.float()
+    rms = torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps)
+    y = r * rms * weight.float()
+    if out_dtype != FP8:
+        return y.to(out_dtype), residual_out, None
+    if scale is not None:
+        scale_inv = scale.float().reshape(1).clone()
+        q = (y / scale_inv).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return q, residual_out, scale_inv
+    amax = y.abs().amax(dim=-1)
+    scale_inv = torch.clamp(amax / FP8_MAX, min=FP8_TINY_SCALE_INV)
+    q = (y / scale_inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, residual_out, scale_inv.reshape(y.shape[:-1])
+
+
+class Communicator:
+    """Collectives over a torch.distributed group, on ubnext kernels where they can run.
+
+    Collective: every rank of ``group`` constructs it, and calls every op, in the same order.
+    ``emulate=True`` (or ``UBNEXT_EMULATE=1``) runs the ubnext kernels on the CPU emulator with
+    CPU tensors; without a GPU and without emulation every op uses torch.distributed (gloo).
+    """
+
+    def __init__(self, group=None, *, emulate: bool | None = None, max_hidden: int | None = None):
+        if not dist.is_initialized():
+            _bootstrap()
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        emulate = envs.get("UBNEXT_EMULATE") if emulate is None else bool(emulate)
+        if emulate:
+            self.mode, self.device = "emulator", torch.device("cpu")
+        elif gpu_available():
+            self.mode, self.device = "gpu", torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.mode, self.device = "torch", torch.device("cpu")
+        self._max_hidden = max_hidden or 0
+        self._pool: SymmetricPool | None = None
+        self._pool_error: str | None = None
+        self._emu = None
+        self._symm_buffers: dict[tuple, torch.Tensor] = {}
+        self._logged: set[tuple[str, str]] = set()
+        self._broken: str | None = None
+        self._closed = False
+        self.last_path: str | None = None
+        if self.mode == "torch":
+            self._pool_error = f"no GPU ({no_gpu_reason()}) and emulation is off"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the pool (collective: every rank calls it)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._pool.close()
+            self._pool = None
+        self._symm_buffers.clear()
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, world_size={self.world_size}, mode={self.mode})"
+
+    # -- pool ---------------------------------------------------------------------------------
+
+    def register_hidden(self, hidden: int) -> None:
+        """Size the pool for rows of ``hidden`` elements (call before the first op)."""
+        if hidden <= 0:
+            raise ValueError(f"hidden must be positive, got {hidden}")
+        self._max_hidden = max(self._max_hidden, hidden)
+
+    def _allgather(self, obj):
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _barrier(self) -> None:
+        self._allgather(None)
+
+    @property
+    def pool(self) -> SymmetricPool | None:
+        """The symmetric pool, created on first use (collective)."""
+        if self._closed:
+            raise UbnextError("communicator is closed")
+        if self._pool is None and self._pool_error is None:
+            self._pool = self._create_pool()
+        return self._pool
+
+    def _create_pool(self) -> SymmetricPool | None:
+        try:
+            layout = plan_layout(self.world_size, self._max_hidden or DEFAULT_HIDDEN)
+        except ValueError:
+            raise
+        pool, error = None, None
+        try:
+            if self.mode == "emulator":
+                from . import _emu
+
+                self._emu = _emu.load(envs.get("UBNEXT_EMU_BREAK"))
+                self._emu.configure(envs.get("UBNEXT_EMU_CHAOS"), envs.get("UBNEXT_EMU_SEED") + self.rank)
+            pool = SymmetricPool(layout=layout, rank=self.rank, group=self.group, device=self.device,
+                                 allgather=self._allgather, barrier=self._barrier)
+        except (RuntimeError, OSError, ImportError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        # every rank must agree, or one rank launches kernels its peers never join
+        errors = [e for e in self._allgather(error) if e]
+        if errors:
+            if pool is not None:
+                pool.close()
+            self._pool_error = f"symmetric pool unavailable: {errors[0]}"
+            log.warning("%s; using torch.distributed", self._pool_error)
+            return None
+        return pool
+
+    def empty(self, *shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A tensor in the symmetric pool (collective, same order on every rank), so that a
+        GEMM can write its output there (``out=``) and the allreduce runs in place. Falls back
+        to an ordinary tensor, counted in ``pool_stats()['fallbacks']``, when it does not fit."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+            shape = tuple(shape[0])
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"negative dimension in shape {shape}")
+        if dtype not in DTYPE_CODES and dtype != FP8:
+            raise TypeError(f"ubnext pool tensors support bf16, fp16, fp32 and e4m3, got {dtype}")
+        pool = self.pool
+        if pool is None or math.prod(shape) == 0:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        try:
+            return pool.empty(shape, dtype)
+        except NoRoom as exc:
+            self._log_once("pool", f"comm.empty{shape} {dtype} does not fit the pool ({exc}); "
+                           "returning an ordinary tensor")
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def pool_stats(self) -> dict[str, Any]:
+        pool = self.pool
+        if pool is None:
+            return {"backend": None, "size": 0, "used": 0, "peak": 0, "largest_free": 0,
+                    "fallbacks": 0, "reason": self._pool_error}
+        return pool.stats()
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _log_once(self, key: str, message: str) -> None:
+        if (key, message) not in self._logged:
+            self._logged.add((key, message))
+            # without a GPU and without emulation the torch path is expected, not a degradation
+            log.log(logging.INFO if self.mode == "torch" else logging.WARNING, "%s", message)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise UbnextError("communicator is closed")
+        if self._broken:
+            raise UbnextError(f"communicator is unusable after an earlier failure: {self._broken}")
+        pool = self._pool
+        if pool is not None:
+            code = int(pool.err_word[0])
+            if code:
+                self._raise_kernel_error(pool)
+
+    def _raise_kernel_error(self, pool: SymmetricPool) -> None:
+        code, op, rank, peer = (int(v) for v in pool.err_word.tolist())
+        op_name = _OP_NAMES.get(op, f"op {op}")
+        timeout = envs.get("UBNEXT_TIMEOUT")
+        if code == 1:
+            msg = (f"ubnext {op_name} allreduce: rank {rank} timed out after {timeout:g} s "
+                   f"(UBNEXT_TIMEOUT) waiting for peer {peer}")
+        else:
+            msg = f"ubnext {op_name}: kernel reported error code {code} on rank {rank} (peer {peer})"
+        self._broken = msg
+        raise UbnextTimeoutError(msg) if code == 1 else UbnextError(msg)
+
+    def _validate(self, name: str, x: torch.Tensor, *, allow_any_float: bool = False) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in DTYPE_CODES:
+            raise TypeError(f"{name}: ubnext supports bfloat16, float16 and float32, got {x.dtype}")
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+        if x.device != self.device and not (x.device.type == self.device.type == "cuda" and x.device.index is None):
+            raise ValueError(f"{name} is on {x.device}, but this communicator works on {self.device}")
+
+    def _check_same_across_ranks(self, what: tuple) -> None:
+        if not envs.get("UBNEXT_DEBUG"):
+            return
+        seen = self._allgather(what)
+        if any(s != seen[0] for s in seen):
+            detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
+            raise ValueError(f"ubnext: ranks called with different arguments ({detail})")
+
+    # -- path choice ----------------------------------------------------------------------------
+
+    def _capabilities(self, nbytes: int, dtype: torch.dtype, fused: bool) -> dict[str, str | None]:
+        """For each path: None if it can run this call, else why not."""
+        why: dict[str, str | None] = {}
+        pool = self.pool if self.mode != "torch" else None
+        if pool is None:
+            no_kernels = self._pool_error or "no symmetric pool"
+        elif dtype not in DTYPE_CODES:
+            no_kernels = f"dtype {dtype} has no ubnext kernel"
+        else:
+            no_kernels = None
+        arena = pool.arenas["eager"].largest_free() if pool is not None else 0
+        staging = nbytes * (3 if fused else 1)
+        for path in KERNEL_PATHS:
+            if no_kernels:
+                why[path] = no_kernels
+                continue
+            needs_mc = path.startswith("nvls")
+            if needs_mc and not pool.has_multicast:
+                why[path] = "the pool has no multicast address"
+            elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:
+                why[path] = f"{nbytes} bytes exceed the Lamport slot ({pool.lamport_capacity} bytes)"
+            elif path != "lamport" and staging > arena:
+                why[path] = f"{staging} bytes do not fit the pool arena ({arena} bytes free)"
+            elif path == "nvls_oneshot" and fused:
+                why[path] = "nvls_oneshot does not promise identical bits, which the fused norm needs"
+            else:
+                why[path] = None
+        if self.mode != "gpu":
+            why["torch_symm"] = "torch symmetric-memory ops need CUDA tensors"
+        elif fused or not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce"):
+            why["torch_symm"] = "torch has no symmetric-memory allreduce op for this call"
+        else:
+            why["torch_symm"] = None
+        why["torch"] = None
+        return why
+
+    def _auto_order(self, nbytes: int, fused: bool, has_mc: bool) -> list[str]:
+        small = nbytes <= LAMPORT_MAX_BYTES
+        order: list[str] = []
+        if small:
+            order.append("lamport")
+        if has_mc:
+            if (not fused and small and envs.get("UBNEXT_ALLOW_NONDETERMINISTIC")):
+                order.append("nvls_oneshot")
+            order.append("nvls_twoshot")
+        order.append("twoshot")
+        if not small:
+            order.append("lamport")
+        return order + ["torch_symm", "torch"]
+
+    def _plan(self, nbytes: int, dtype: torch.dtype, fused: bool) -> _Plan:
+        caps = self._capabilities(nbytes, dtype, fused)
+        pool = self._pool
+        order = self._auto_order(nbytes, fused, bool(pool is not None and pool.has_multicast))
+        forced = envs.get("UBNEXT_ALGO")
+        skipped: list[tuple[str, str]] = []
+        if forced != "auto":
+            wanted = ["nvls_lamport", "nvls_twoshot"] if forced == "nvls" else [forced]
+            if forced == "nvls" and nbytes > LAMPORT_MAX_BYTES:
+                wanted.reverse()
+            for path in wanted:
+                if caps[path] is None:
+                    return _Plan(path, f"UBNEXT_ALGO={forced}", skipped)
+                skipped.append((path, caps[path]))
+            order = [p for p in order if p not in wanted]
+        for path in order:
+            if caps[path] is None:
+                reason = "auto: " + ("fits a Lamport slot, lowest latency" if path == "lamport" else
+                                     "best available path for this size")
+                return _Plan(path, reason, skipped)
+            skipped.append((path, caps[path]))
+        raise AssertionError("torch.distributed is always available")  # pragma: no cover
+
+    def explain(self, x: torch.Tensor, *, fused: bool = False) -> str:
+        """Which path an allreduce of ``x`` would take, and why the better ones would not."""
+        nbytes = x.numel() * x.element_size()
+        plan = self._plan(nbytes, x.dtype, fused)
+        lines = [f"{plan.path}: {plan.reason} ({nbytes} bytes, {self.world_size} ranks, mode {self.mode})"]
+        lines += [f"  not {p}: {why}" for p, why in plan.skipped]
+        return "\n".join(lines)
+
+    def _take(self, plan: _Plan) -> str:
+        for path, why in plan.skipped:
+            self._log_once(path, f"not using {path}: {why}")
+        self.last_path = plan.path
+        return plan.path
+
+    # -- launches -------------------------------------------------------------------------------
+
+    def _geometry(self, algo: str, n: int, elem: int, tokens: int, fused: bool) -> tuple[int, int]:
+        if self.mode == "emulator":
+            block, max_blocks = 64, 4  # emulated threads are fibers on 2 cores: keep it small
+        else:
+            block = 256
+            props = torch.cuda.get_device_properties(self.device)
+            max_blocks = min(128, props.multi_processor_count)
+        if fused:
+            return max(1, min(tokens, max_blocks)), block
+        vectors = -(-n * elem // 16)
+        if algo in ("nvls_twoshot", "twoshot"):
+            vectors = -(-vectors // self.world_size)
+        return max(1, min(-(-vectors // block), max_blocks)), block
+
+    def _launch(self, algo: str, dtype: torch.dtype, *, inp: torch.Tensor, out: torch.Tensor,
+                residual=None, residual_out=None, weight=None, scale=None, scale_inv=None,
+                hidden: int = 0, eps: float = 0.0, flags: int = 0) -> None:
+        pool = self._pool
+        name = kernels.kernel_name(algo, DTYPE_CODES[dtype])
+        n = inp.numel()
+        tokens = n // hidden if hidden else 0
+        grid, block = self._geometry(algo, n, inp.element_size(), tokens, bool(hidden))
+        if algo == "lamport" and pool.has_multicast:
+            flags |= kernels.F_MULTICAST
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        values = [pool.desc_ptr, ptr(inp), ptr(out), ptr(residual), ptr(residual_out), ptr(weight),
+                  ptr(scale), ptr(scale_inv), n, hidden, float(eps), flags]
+        if self.mode == "emulator":
+            self._emu.launch(name, grid, block, list(zip((k for _, k in kernels.KERNEL_SIGNATURE), values)))
+            if int(pool.err_word[0]):
+                self._raise_kernel_error(pool)
+            return
+        from . import _cuda
+
+        kernel = kernels.load_kernel(name, self.device.index)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        _cuda.launch(kernel, grid, block, stream, _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE, values))
+        if envs.get("UBNEXT_DEBUG"):
+            torch.cuda.synchronize(self.device)
+            if int(pool.err_word[0]):
+                self._raise_kernel_error(pool)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued ops and raise any error a kernel reported."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._check_usable()
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of ``x`` over the ranks. ``x`` is unchanged unless ``out is x``."""
+        self._validate("x", x)
+        if out is not None:
+            self._validate("out", out)
+            if out.shape != x.shape or out.dtype != x.dtype:
+                raise ValueError(f"out must match x ({tuple(x.shape)}, {x.dtype}), got "
+                                 f"({tuple(out.shape)}, {out.dtype})")
+        self._check_usable()
+        self._check_same_across_ranks(("all_reduce", tuple(x.shape), str(x.dtype)))
+        if out is None:
+            out = torch.empty_like(x)
+        if self.world_size == 1 or x.numel() == 0:
+            self.last_path = "torch"
+            return out if out is x else out.copy_(x)
+        nbytes = x.numel() * x.element_size()
+        path = self._take(self._plan(nbytes, x.dtype, fused=False))
+        self._all_reduce_by(path, x, out)
+        return out
+
+    def _all_reduce_by(self, path: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        if path == "lamport":
+            self._launch("lamport", x.dtype, inp=x, out=out)
+        elif path in ("nvls_twoshot", "twoshot"):
+            self._in_place(path, x, out)
+        elif path in ("nvls_oneshot", "nvls_lamport"):
+            stage = x if self._pool.contains(x) else self._pool.empty(x.shape, x.dtype).copy_(x)
+            self._launch(path, x.dtype, inp=stage, out=out)
+        elif path == "torch_symm":
+            self._torch_symm_all_reduce(x, out)
+        else:
+            self._torch_all_reduce(x, out)
+
+    def _in_place(self, path: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        if out is x and self._pool.contains(x):
+            self._launch(path, x.dtype, inp=x, out=x)
+            return
+        stage = self._pool.empty(x.shape, x.dtype).copy_(x)
+        self._launch(path, x.dtype, inp=stage, out=stage)
+        out.copy_(stage)
+
+    def _torch_all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if x.device.type == "cpu" and x.dtype != torch.float32:
+            # gloo sums in the tensor's dtype; sum in fp32 like the kernels do
+            acc = x.float()
+            dist.all_reduce(acc, group=self.group)
+            out.copy_(acc)
+            return
+        if out is not x:
+            out.copy_(x)
+        dist.all_reduce(out, group=self.group)
+
+    def _torch_symm_all_reduce(self, x: torch.Tensor, out: torch.Tensor,
+                               op_name: str = "one_shot_all_reduce") -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        key = (x.numel(), x.dtype)
+        buf = self._symm_buffers.get(key)
+        if buf is None:
+            buf = symm_mem.empty(x.numel(), dtype=x.dtype, device=self.device)
+            symm_mem.rendezvous(buf, self.group.group_name)
+            self._symm_buffers[key] = buf
+        buf.copy_(x.reshape(-1))
+        op = getattr(torch.ops.symm_mem, op_name)
+        result = op(buf, "sum", self.group.group_name)
+        # the in-place variants (trailing underscore) leave the sum in buf
+        out.copy_((buf if op_name.endswith("_") else result).view_as(x))
+
+    def all_reduce_torch_symm(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
+        """Allreduce by one named torch symmetric-memory op where it exists (CUDA tensors),
+        else by the normal path choice (logged once)."""
+        self._validate("x", x)
+        self._check_usable()
+        usable = self.mode == "gpu" and hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, op_name)
+        if not usable or self.world_size == 1:
+            self._log_once("torch_symm", f"torch symmetric-memory op {op_name} unavailable here; "
+                           "using the ubnext path choice")
+            return self.all_reduce(x)
+        out = torch.empty_like(x)
+        self._torch_symm_all_reduce(x, out, op_name)
+        self.last_path = "torch_symm"
+        return out
+
+    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
+                               scale: torch.Tensor | None = None):
+        """``residual_out = allreduce(x) + residual``; ``out = rmsnorm(residual_out) * weight``.
+
+        Returns ``(out, residual_out, scale_inv)``. ``out_dtype`` defaults to ``x.dtype``; with
+        ``torch.float8_e4m3fn`` the output is FP8 with a static scale (``scale``: a one-element
+        fp32 tensor holding the dequantisation scale) or per-token scales, and ``scale_inv``
+        satisfies ``y ≈ out.float() * scale_inv`` (one value, or one per token). ``scale_inv``
+        is None for non-FP8 outputs.
+        """
+        self._validate("x", x)
+        self._validate("residual", residual)
+        self._validate("weight", weight)
+        if x.dim() < 1 or x.shape[-1] == 0:
+            raise ValueError(f"x must have a non-empty last (hidden) dimension, got {tuple(x.shape)}")
+        hidden = x.shape[-1]
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual must match x ({tuple(x.shape)}, {x.dtype}), got "
+                             f"({tuple(residual.shape)}, {residual.dtype})")
+        if weight.shape != (hidden,):
+            raise ValueError(f"weight must have shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
+        if weight.dtype != x.dtype:
+            raise TypeError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+        if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+        out_dtype = x.dtype if out_dtype is None else out_dtype
+        if out_dtype not in (x.dtype, FP8):
+            raise TypeError(f"out_dtype must be x.dtype ({x.dtype}) or torch.float8_e4m3fn, got {out_dtype}")
+        if scale is not None:
+            if out_dtype != FP8:
+                raise ValueError("scale is only meaningful with out_dtype=torch.float8_e4m3fn")
+            if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+                raise ValueError("scale must be a one-element float32 tensor (the dequantisation scale)")
+            if scale.device != x.device:
+                raise ValueError(f"scale is on {scale.device}, x on {x.device}")
+        self._check_usable()
+        self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), str(out_dtype)))
+
+        tokens = x.numel() // hidden
+        if self.world_size == 1 or x.numel() == 0:
+            self.last_path = "torch"
+            return reference_add_rmsnorm(x, residual, weight, eps, out_dtype, scale)
+        nbytes = x.numel() * x.element_size()
+        plan = self._plan(nbytes, x.dtype, fused=True)
+        path = self._take(plan)
+        if path not in KERNEL_PATHS:
+            reduced = torch.empty_like(x)
+            self._all_reduce_by(path, x, reduced)
+            return reference_add_rmsnorm(reduced, residual, weight, eps, out_dtype, scale)
+
+        flags = kernels.F_FUSED_NORM
+        if out_dtype == FP8:
+            flags |= kernels.F_FP8_STATIC if scale is not None else kernels.F_FP8_PER_TOKEN
+            scale_inv = torch.empty(1 if scale is not None else tokens, dtype=torch.float32, device=x.device)
+        else:
+            scale_inv = None
+        if path == "lamport":
+            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+            residual_out = torch.empty_like(residual)
+            self._launch(path, x.dtype, inp=x, out=out, residual=residual, residual_out=residual_out,
+                         weight=weight, scale=scale, scale_inv=scale_inv, hidden=hidden, eps=eps, flags=flags)
+        else:
+            # the NVLS/two-shot kernels broadcast out and residual_out, so both live in the pool
+            stage = self._pool.empty(x.shape, x.dtype).copy_(x)
+            out_stage = self._pool.empty(x.shape, out_dtype)
+            res_stage = self._pool.empty(x.shape, x.dtype)
+            self._launch(path, x.dtype, inp=stage, out=out_stage, residual=residual,
+                         residual_out=res_stage, weight=weight, scale=scale, scale_inv=scale_inv,
+                         hidden=hidden, eps=eps, flags=flags)
+            out, residual_out = out_stage.clone(), res_stage.clone()
+        if scale_inv is not None and scale is None:
+            scale_inv = scale_inv.reshape(x.shape[:-1])
+        return out, residual_out, scale_inv
