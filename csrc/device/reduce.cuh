@@ -1,0 +1,78 @@
+// Warp and block reductions in fp32, deterministic.
+//
+// Determinism: the warp step is an xor butterfly. At each step lane i computes v_i + v_(i^m) and
+// lane i^m computes v_(i^m) + v_i, which are the same float (addition is commutative), so every lane
+// ends with bitwise the same value, and the tree shape depends only on the warp width. The block
+// step has every thread add the per-warp partials in warp order 0..W-1. The result therefore
+// depends only on the inputs and blockDim.x, which every rank launches identically: every rank, and
+// every thread of a block, gets identical bits.
+//
+// Contract: blockDim.x is a multiple of 32 and at most 1024; every thread of the block calls the
+// block functions (uniform control flow: they contain __syncthreads). `scratch` is a __shared__
+// float array of at least UBX_RED_SCRATCH floats, owned by the caller; it may be reused right after
+// the call returns (the trailing __syncthreads makes that safe).
+#pragma once
+
+#include "platform.cuh"
+
+#define UBX_RED_SCRATCH 64
+
+namespace ubx {
+
+UBX_DEV float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+// fmaxf: NaN inputs are ignored unless every input is NaN.
+UBX_DEV float warp_max(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+// Sum over the block; every thread gets the result.
+UBX_DEV float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float s = scratch[0];
+  for (int w = 1; w < nwarps; ++w) s += scratch[w];
+  __syncthreads();  // scratch is free again
+  return s;
+}
+
+// Two independent sums in one pass (one pair of barriers instead of two).
+UBX_DEV void block_sum2(float& a, float& b, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if (lane == 0) {
+    scratch[warp] = a;
+    scratch[32 + warp] = b;
+  }
+  __syncthreads();
+  float sa = scratch[0], sb = scratch[32];
+  for (int w = 1; w < nwarps; ++w) {
+    sa += scratch[w];
+    sb += scratch[32 + w];
+  }
+  __syncthreads();
+  a = sa;
+  b = sb;
+}
+
+UBX_DEV float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_max(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float s = scratch[0];
+  for (int w = 1; w < nwarps; ++w) s = fmaxf(s, scratch[w]);
+  __syncthreads();
+  return s;
+}
+
+}  // namespace ubx
