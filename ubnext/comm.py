@@ -125,9 +125,11 @@ class Communicator:
     Collective: every rank of ``group`` constructs it, and calls every op, in the same order.
     ``emulate=True`` (or ``UBNEXT_EMULATE=1``) runs the ubnext kernels on the CPU emulator with
     CPU tensors; without a GPU and without emulation every op uses torch.distributed (gloo).
+    ``max_hidden`` sizes the pool (see ``register_hidden``); ``algo`` overrides ``UBNEXT_ALGO``.
     """
 
-    def __init__(self, group=None, *, emulate: bool | None = None, max_hidden: int | None = None):
+    def __init__(self, group=None, *, emulate: bool | None = None, max_hidden: int | None = None,
+                 algo: str | None = None):
         if not dist.is_initialized():
             _bootstrap()
         self.group = group if group is not None else dist.group.WORLD
@@ -141,6 +143,9 @@ class Communicator:
         else:
             self.mode, self.device = "torch", torch.device("cpu")
         self._max_hidden = max_hidden or 0
+        if algo is not None and algo not in envs.ALGORITHMS:
+            raise ValueError(f"algo must be one of {envs.ALGORITHMS}, got {algo!r}")
+        self._algo = algo  # overrides UBNEXT_ALGO for this communicator
         self._pool: SymmetricPool | None = None
         self._pool_error: str | None = None
         self._emu = None
@@ -359,7 +364,7 @@ class Communicator:
         caps = self._capabilities(nbytes, dtype, fused)
         pool = self._pool
         order = self._auto_order(nbytes, fused, bool(pool is not None and pool.has_multicast))
-        forced = envs.get("UBNEXT_ALGO")
+        forced = self._algo or envs.get("UBNEXT_ALGO")
         skipped: list[tuple[str, str]] = []
         if forced != "auto":
             wanted = ["nvls_lamport", "nvls_twoshot"] if forced == "nvls" else [forced]
