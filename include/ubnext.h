@@ -116,17 +116,21 @@ UBNEXT_API ubnext_status_t ubnext_device_count(int* count);
 /* Launch configuration                                                                     */
 /* ---------------------------------------------------------------------------------------- */
 
-/* Allreduce algorithms; see docs/ARCHITECTURE.md for the protocols.
- *  LAMPORT       one-shot push into Lamport buffers; lowest latency. `in` and `out` anywhere.
+/* Allreduce algorithms; see docs/ARCHITECTURE.md for the protocols. "Arena" is this rank's
+ * data arena of the symmetric pool, [peer_base[rank] + data_off, peer_base[rank] + pool_bytes).
+ *  LAMPORT       one-shot push into Lamport buffers; lowest latency. Buffers anywhere.
  *                Needs count * dtype size <= the descriptor's lamport_slot_bytes.
- *  NVLS_ONESHOT  every rank reduces the whole message through the multicast address.
- *                `in` in this rank's data arena, `out` anywhere. Needs multicast. Ranks may
- *                differ in the last bits (the switch picks the reduction order).
- *  NVLS_TWOSHOT  multicast reduce-scatter + broadcast, in place (`out == in`, in the data
- *                arena). Needs multicast. Bitwise identical on every rank.
- *  NVLS_LAMPORT  NVLS two-shot whose broadcast lands in the Lamport buffers. Needs multicast;
- *                `in` in the data arena, `out` anywhere; the message must fit the Lamport slot.
- *  TWOSHOT       unicast reduce-scatter + broadcast, in place; no multicast needed. */
+ *  NVLS_ONESHOT  every rank reduces the whole message through the multicast address. `in` in
+ *                the arena. Needs multicast. Ranks may differ in the last bits (the switch
+ *                picks the reduction order), hence never fused.
+ *  NVLS_TWOSHOT  multicast reduce-scatter + broadcast, in place: `out == in`, in the arena.
+ *                Needs multicast. Bitwise identical on every rank.
+ *  NVLS_LAMPORT  NVLS two-shot whose broadcast lands in the Lamport buffers: `in` in the arena,
+ *                needs multicast, and the message must fit the Lamport slot.
+ *  TWOSHOT       unicast reduce-scatter + broadcast, in place like NVLS_TWOSHOT; no multicast.
+ * Fused op (ubnext_allreduce_add_rmsnorm) with any algorithm but LAMPORT: the kernel broadcasts
+ * `out` and `residual_out`, so `in`, `out` and `residual_out` all lie in the arena; `out` may
+ * differ from `in`. Everywhere: `out` equals `in` or does not overlap it. */
 typedef enum ubnext_algo {
   UBNEXT_ALGO_LAMPORT = 0,
   UBNEXT_ALGO_NVLS_ONESHOT = 1,
@@ -232,9 +236,9 @@ typedef struct ubnext_rmsnorm_args {
   {sizeof(ubnext_rmsnorm_args_t), NULL, NULL, NULL, NULL, NULL, 0, 0, 1e-6f, UBNEXT_FP8_NONE, \
    NULL, NULL}
 
-/* The fused op above; `args->in` / `args->out` placed as `algo` requires (see ubnext_algo_t;
- * for the in-place algorithms `out == in` only without FP8, since e4m3 output is narrower).
- * Same collective, graph and error rules as ubnext_allreduce. */
+/* The fused op above, with buffers placed as `algo` requires (see ubnext_algo_t). FP8 output
+ * is never written in place (`out != in`). NVLS_ONESHOT gives UNSUPPORTED. Same collective,
+ * graph and error rules as ubnext_allreduce. */
 UBNEXT_API ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* launch,
                                                         ubnext_algo_t algo, ubnext_dtype_t dtype,
                                                         const ubnext_rmsnorm_args_t* args);

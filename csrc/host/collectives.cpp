@@ -55,19 +55,21 @@ const KernelEntry kKernels[kNumAlgos * kNumDtypes] = {UBNEXT_FOR_EACH_KERNEL(UBN
 #undef UBNEXT_KERNEL_ENTRY
 
 struct AlgoTraits {
-  int op;              // UBNEXT_OP_* written by the kernel into the error word
-  bool in_place;       // out must equal in
-  bool in_in_arena;    // in must lie in this rank's data arena
+  int op;               // UBNEXT_OP_* written by the kernel into the error word
+  bool uses_pool;       // `in` is read from this rank's data arena, and the fused op
+                        // broadcasts out and residual_out, so they live there too
+  bool in_place;        // plain allreduce: out must equal in
   bool needs_multicast;
-  bool uses_lamport;   // the message passes through one Lamport slot
+  bool uses_lamport;    // the message passes through one Lamport slot
+  bool can_fuse;        // fused norm needs bitwise-identical sums on every rank
 };
 
 const AlgoTraits kAlgos[kNumAlgos] = {
-    /* LAMPORT      */ {UBNEXT_OP_LAMPORT, false, false, false, true},
-    /* NVLS_ONESHOT */ {UBNEXT_OP_NVLS_ONESHOT, false, true, true, false},
-    /* NVLS_TWOSHOT */ {UBNEXT_OP_NVLS_TWOSHOT, true, true, true, false},
-    /* NVLS_LAMPORT */ {UBNEXT_OP_NVLS_LAMPORT, false, true, true, true},
-    /* TWOSHOT      */ {UBNEXT_OP_TWOSHOT, true, true, false, false},
+    /* LAMPORT      */ {UBNEXT_OP_LAMPORT, false, false, false, true, true},
+    /* NVLS_ONESHOT */ {UBNEXT_OP_NVLS_ONESHOT, true, false, true, false, false},
+    /* NVLS_TWOSHOT */ {UBNEXT_OP_NVLS_TWOSHOT, true, true, true, false, true},
+    /* NVLS_LAMPORT */ {UBNEXT_OP_NVLS_LAMPORT, true, false, true, true, true},
+    /* TWOSHOT      */ {UBNEXT_OP_TWOSHOT, true, true, false, false, true},
 };
 
 const char* op_name(uint32_t op) {
@@ -185,10 +187,25 @@ ubnext_status_t check_buffer(const void* p, const char* name, uintptr_t alignmen
   return UBNEXT_STATUS_SUCCESS;
 }
 
-// Element count, placement of in/out for the algorithm, and capacity.
+ubnext_status_t check_in_arena(const ubnext_comm_desc* d, ubnext_algo_t algo, const void* p,
+                               size_t bytes, const char* name) {
+  const uintptr_t base = d->peer_base[d->rank];
+  const uintptr_t lo = base + d->data_off, hi = base + d->pool_bytes;
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+  if (at < lo || at > hi || hi - at < bytes) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "%s needs %s in the symmetric pool: [%p, +%zu) is outside this rank's data "
+                "arena [0x%" PRIxPTR ", 0x%" PRIxPTR ")",
+                ubnext_algo_string(algo), name, p, bytes, lo, hi);
+  }
+  return UBNEXT_STATUS_SUCCESS;
+}
+
+// Element count, placement of in/out for the algorithm, and capacity. `out_bytes` is the
+// size of the output (e4m3 output of the fused op is narrower than the input).
 ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo,
                               ubnext_dtype_t dtype, const void* in, const void* out,
-                              size_t count) {
+                              size_t count, bool fused, size_t out_elem) {
   UBNEXT_TRY(check_buffer(in, "in", 16));
   UBNEXT_TRY(check_buffer(out, "out", 16));
   const size_t elem = ubnext_dtype_size(dtype);
@@ -197,7 +214,7 @@ ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo,
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "count %zu is outside 1..%d", count,
                 INT32_MAX);
   }
-  const size_t bytes = count * elem;
+  const size_t bytes = count * elem, out_bytes = count * out_elem;
   if (bytes % 16 != 0) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
                 "count %zu x %zu bytes is not a multiple of 16 bytes (kernels move 16-byte "
@@ -205,20 +222,18 @@ ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo,
                 count, elem);
   }
   const AlgoTraits& t = kAlgos[algo];
-  if (t.in_place && out != in) {
+  if (!fused && t.in_place && out != in) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "%s works in place: out must equal in",
                 ubnext_algo_string(algo));
   }
-  if (t.in_in_arena) {
-    const uintptr_t base = d->peer_base[d->rank];
-    const uintptr_t lo = base + d->data_off, hi = base + d->pool_bytes;
-    const uintptr_t p = reinterpret_cast<uintptr_t>(in);
-    if (p < lo || p > hi || hi - p < bytes) {
-      return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                  "%s reads in from the symmetric pool: in [%p, +%zu) is outside this rank's "
-                  "data arena [0x%" PRIxPTR ", 0x%" PRIxPTR ")",
-                  ubnext_algo_string(algo), in, bytes, lo, hi);
-    }
+  // Equal pointers are the in-place case; a partial overlap would read what was just written.
+  const uintptr_t i0 = reinterpret_cast<uintptr_t>(in), o0 = reinterpret_cast<uintptr_t>(out);
+  if (out != in && i0 < o0 + out_bytes && o0 < i0 + bytes) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "out overlaps in without being equal to it");
+  }
+  if (t.uses_pool) {
+    UBNEXT_TRY(check_in_arena(d, algo, in, bytes, "in"));
+    if (fused) UBNEXT_TRY(check_in_arena(d, algo, out, out_bytes, "out"));
   }
   if (t.uses_lamport && bytes > d->lamport_slot_bytes) {
     return fail(UBNEXT_STATUS_NO_ROOM,
@@ -228,16 +243,20 @@ ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo,
   return UBNEXT_STATUS_SUCCESS;
 }
 
-// Co-resident blocks per kernel and device for the default block size. Probing costs a few
-// microseconds, about the latency of the collective itself, so it is paid once.
-std::atomic<int> g_coresident[kMaxCachedDevices][kNumAlgos * kNumDtypes];
+// Per kernel and device, for the default block size: SM count and co-resident blocks. Probing
+// costs a few microseconds, about the latency of the collective itself, so it is paid once.
+struct Limits {
+  int sms;
+  int coresident;
+};
+std::atomic<long long> g_limits[kMaxCachedDevices][kNumAlgos * kNumDtypes];
 
-ubnext_status_t coresident_blocks(int device, int kernel, unsigned block, int* out) {
+ubnext_status_t device_limits(int device, int kernel, unsigned block, Limits* out) {
   const bool cacheable = block == kDefaultBlock && device < kMaxCachedDevices;
   if (cacheable) {
-    const int cached = g_coresident[device][kernel].load(std::memory_order_relaxed);
-    if (cached > 0) {
-      *out = cached;
+    const long long packed = g_limits[device][kernel].load(std::memory_order_relaxed);
+    if (packed > 0) {
+      *out = Limits{static_cast<int>(packed >> 32), static_cast<int>(packed & 0xffffffff)};
       return UBNEXT_STATUS_SUCCESS;
     }
   }
@@ -248,13 +267,36 @@ ubnext_status_t coresident_blocks(int device, int kernel, unsigned block, int* o
                            &per_sm, reinterpret_cast<const void*>(kKernels[kernel].stub),
                            static_cast<int>(block), 0),
                        "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
-  *out = sms * per_sm;
-  if (*out <= 0) {
+  if (sms <= 0 || per_sm <= 0) {
     return fail(UBNEXT_STATUS_UNSUPPORTED, "%s cannot run with %u threads per block",
                 kKernels[kernel].name, block);
   }
-  if (cacheable) g_coresident[device][kernel].store(*out, std::memory_order_relaxed);
+  *out = Limits{sms, sms * per_sm};
+  if (cacheable) {
+    g_limits[device][kernel].store((static_cast<long long>(sms) << 32) | out->coresident,
+                                   std::memory_order_relaxed);
+  }
   return UBNEXT_STATUS_SUCCESS;
+}
+
+// The same geometry as the Python launcher (ubnext/comm.py, _geometry), so that a job gets the
+// same grid whichever front end launches: one block per token row for the fused op; otherwise
+// one 16-byte vector per thread of this rank's share, at most one block per SM.
+unsigned default_grid(ubnext_algo_t algo, const ubnext_comm_desc* d, size_t bytes,
+                      size_t tokens, unsigned block, const Limits& lim) {
+  size_t want;
+  if (tokens > 0) {
+    want = tokens;
+  } else {
+    size_t vectors = (bytes + 15) / 16;
+    if (kAlgos[algo].in_place) vectors = (vectors + d->nranks - 1) / d->nranks;
+    want = (vectors + block - 1) / block;
+  }
+  size_t cap = UBNEXT_MAX_BLOCKS;
+  if (static_cast<size_t>(lim.sms) < cap) cap = lim.sms;
+  if (static_cast<size_t>(lim.coresident) < cap) cap = lim.coresident;
+  if (want > cap) want = cap;
+  return want ? static_cast<unsigned>(want) : 1u;
 }
 
 struct KernelArgs {
@@ -273,7 +315,8 @@ struct KernelArgs {
 };
 
 ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
-                              ubnext_dtype_t dtype, size_t message_bytes, KernelArgs a) {
+                              ubnext_dtype_t dtype, const ubnext_comm_desc* d, size_t tokens,
+                              KernelArgs a) {
   const int kernel = static_cast<int>(algo) * kNumDtypes + static_cast<int>(dtype);
   const KernelEntry& k = kKernels[kernel];
   // The device first: NO_DEVICE describes the machine, whatever this build holds.
@@ -283,23 +326,18 @@ ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
     return fail(UBNEXT_STATUS_UNSUPPORTED, "kernel %s is not compiled into this libubnext",
                 k.name);
   }
-
   const unsigned block = launch.block ? launch.block : kDefaultBlock;
-  int limit = 0;
-  UBNEXT_TRY(coresident_blocks(device, kernel, block, &limit));
-  if (limit > UBNEXT_MAX_BLOCKS) limit = UBNEXT_MAX_BLOCKS;
+  Limits lim{};
+  UBNEXT_TRY(device_limits(device, kernel, block, &lim));
   unsigned grid = launch.grid;
   if (grid == 0) {
-    // One 16-byte vector per thread until the co-resident limit; kernels grid-stride beyond.
-    const size_t vectors = message_bytes / 16;
-    const size_t want = (vectors + block - 1) / block;
-    grid = static_cast<unsigned>(want < static_cast<size_t>(limit) ? want : limit);
-    if (grid == 0) grid = 1;
-  } else if (grid > static_cast<unsigned>(limit)) {
-    // Blocks wait on each other; more than fit at once would wait forever.
+    grid = default_grid(algo, d, static_cast<size_t>(a.n) * ubnext_dtype_size(dtype), tokens,
+                        block, lim);
+  } else if (grid > static_cast<unsigned>(lim.coresident)) {
+    // Blocks wait on their peers' blocks; more than fit at once could wait forever.
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
                 "grid %u exceeds the co-resident limit of %d blocks for %s with %u threads",
-                grid, limit, k.name, block);
+                grid, lim.coresident, k.name, block);
   }
   a.flags |= (launch.flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) ? UBNEXT_F_MULTICAST : 0;
 
@@ -363,10 +401,10 @@ ubnext_status_t ubnext_allreduce(const ubnext_launch_t* user_launch, ubnext_algo
   ubnext_launch_t launch;
   const ubnext_comm_desc* d = nullptr;
   UBNEXT_TRY(check_common(user_launch, algo, dtype, &launch, &d));
-  UBNEXT_TRY(check_message(d, algo, dtype, in, out, count));
+  UBNEXT_TRY(check_message(d, algo, dtype, in, out, count, false, ubnext_dtype_size(dtype)));
   KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr,
                static_cast<int32_t>(count), 0, 0.0f, 0};
-  return launch_kernel(launch, algo, dtype, count * ubnext_dtype_size(dtype), a);
+  return launch_kernel(launch, algo, dtype, d, 0, a);
 }
 
 ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
@@ -404,15 +442,25 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
       return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "fp8 %d is not a ubnext_fp8_scaling_t",
                   static_cast<int>(args.fp8));
   }
-  if (args.fp8 != UBNEXT_FP8_NONE && kAlgos[algo].in_place) {
-    // In place means out == in, but e4m3 output has a different element size and the
-    // in-place kernels would overwrite the partial sums other ranks still read.
-    return fail(UBNEXT_STATUS_UNSUPPORTED, "%s is in place and cannot emit FP8",
+  if (!kAlgos[algo].can_fuse) {
+    return fail(UBNEXT_STATUS_UNSUPPORTED,
+                "%s sums in the switch's order, so ranks could normalise different bits; "
+                "fuse with lamport, nvls_twoshot, nvls_lamport or twoshot",
                 ubnext_algo_string(algo));
   }
-  UBNEXT_TRY(check_message(d, algo, dtype, args.in, args.out, args.count));
+  // e4m3 output in place would overwrite partial sums that other ranks still read.
+  if (args.fp8 != UBNEXT_FP8_NONE && args.out == args.in) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "FP8 output cannot be written in place (out == in)");
+  }
+  const size_t out_elem = ubnext_dtype_size(args.fp8 == UBNEXT_FP8_NONE ? dtype
+                                                                         : UBNEXT_DTYPE_FP8_E4M3);
+  UBNEXT_TRY(check_message(d, algo, dtype, args.in, args.out, args.count, true, out_elem));
   UBNEXT_TRY(check_buffer(args.residual, "residual", 16));
   UBNEXT_TRY(check_buffer(args.residual_out, "residual_out", 16));
+  if (kAlgos[algo].uses_pool) {
+    UBNEXT_TRY(check_in_arena(d, algo, args.residual_out, args.count * ubnext_dtype_size(dtype),
+                              "residual_out"));
+  }
   UBNEXT_TRY(check_buffer(args.weight, "weight", 16));
   const size_t elem = ubnext_dtype_size(dtype);
   if (args.hidden == 0 || args.hidden > static_cast<size_t>(INT32_MAX) ||
@@ -435,7 +483,7 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
                args.residual, args.residual_out, args.weight,
                args.scale,   args.scale_inv, static_cast<int32_t>(args.count),
                static_cast<int32_t>(args.hidden), args.eps, flags};
-  return launch_kernel(launch, algo, dtype, args.count * elem, a);
+  return launch_kernel(launch, algo, dtype, d, args.count / args.hidden, a);
 }
 
 ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_desc) {

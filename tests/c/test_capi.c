@@ -202,6 +202,8 @@ static void test_allreduce_arguments(void) {
          "out must equal in");
   EXPECT(allreduce(UBNEXT_ALGO_NVLS_TWOSHOT, UBNEXT_DTYPE_BF16, a, a + 4096, 64), INV,
          "out must equal in");
+  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, a + 16, 64), INV, "overlaps");
+  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a + 16, a, 64), INV, "overlaps");
   EXPECT(allreduce(UBNEXT_ALGO_TWOSHOT, UBNEXT_DTYPE_BF16, outside, outside, 64), INV,
          "data arena");
   EXPECT(allreduce(UBNEXT_ALGO_NVLS_ONESHOT, UBNEXT_DTYPE_BF16, a - 4096, a, 64), INV,
@@ -210,7 +212,8 @@ static void test_allreduce_arguments(void) {
   EXPECT(allreduce(UBNEXT_ALGO_TWOSHOT, UBNEXT_DTYPE_FP32, a + POOL_BYTES - DATA_OFF - 16,
                    a + POOL_BYTES - DATA_OFF - 16, 8),
          INV, "data arena");
-  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_FP32, a, a + 4096, SLOT_BYTES / 4 + 4),
+  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_FP32, a, a + SLOT_BYTES * 2,
+                   SLOT_BYTES / 4 + 4),
          UBNEXT_STATUS_NO_ROOM, "Lamport slot");
   EXPECT(allreduce(UBNEXT_ALGO_NVLS_LAMPORT, UBNEXT_DTYPE_FP32, a, a + SLOT_BYTES * 2,
                    SLOT_BYTES / 4 + 4),
@@ -366,11 +369,24 @@ static void test_rmsnorm_arguments(void) {
   g_args.fp8 = UBNEXT_FP8_PER_TOKEN;
   g_args.scale_inv = fake_scale;
   g_args.out = (void*)g_args.in;
-  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), UBNEXT_STATUS_UNSUPPORTED, "cannot emit FP8");
+  EXPECT(fused(UBNEXT_ALGO_LAMPORT), INV, "in place");
+  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), INV, "in place");
+
+  /* Placement: the pool algorithms broadcast out and residual_out. */
+  reset_fixture();
+  EXPECT(fused(UBNEXT_ALGO_NVLS_ONESHOT), UBNEXT_STATUS_UNSUPPORTED, "switch's order");
+  g_args.out = (char*)(uintptr_t)(POOL1 + DATA_OFF);
+  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), INV, "needs out in the symmetric pool");
+  EXPECT(fused(UBNEXT_ALGO_NVLS_LAMPORT), INV, "needs out in the symmetric pool");
+  reset_fixture();
+  g_args.residual_out = (char*)(uintptr_t)(POOL1 + DATA_OFF);
+  EXPECT(fused(UBNEXT_ALGO_NVLS_TWOSHOT), INV, "needs residual_out in the symmetric pool");
+  reset_fixture();
+  g_args.out = (char*)g_args.in + 16;
+  EXPECT(fused(UBNEXT_ALGO_LAMPORT), INV, "overlaps");
 
   /* The message checks are shared with ubnext_allreduce. */
   reset_fixture();
-  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), INV, "out must equal in");
   g_desc.lamport_slot_bytes = 1024;
   EXPECT(fused(UBNEXT_ALGO_LAMPORT), UBNEXT_STATUS_NO_ROOM, "Lamport slot");
 }
@@ -412,13 +428,16 @@ static void test_no_device_launches(void) {
     int in_place = algo == UBNEXT_ALGO_NVLS_TWOSHOT || algo == UBNEXT_ALGO_TWOSHOT;
     EXPECT(allreduce((ubnext_algo_t)algo, UBNEXT_DTYPE_BF16, a, in_place ? a : a + 8192, 4096),
            UBNEXT_STATUS_NO_DEVICE, NULL);
-    g_args.out = in_place ? (void*)g_args.in : (char*)g_arena + 0x10000;
-    EXPECT(fused((ubnext_algo_t)algo), UBNEXT_STATUS_NO_DEVICE, NULL);
+    if (algo != UBNEXT_ALGO_NVLS_ONESHOT) {
+      EXPECT(fused((ubnext_algo_t)algo), UBNEXT_STATUS_NO_DEVICE, NULL);
+    }
   }
+  g_args.out = (void*)g_args.in; /* fused in place is fine without FP8 */
+  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), UBNEXT_STATUS_NO_DEVICE, NULL);
+  g_args.out = (char*)g_arena + 0x10000;
   g_launch.flags = UBNEXT_LAUNCH_LAMPORT_MULTICAST;
   g_launch.grid = 7;
   g_launch.block = 128;
-  g_args.out = (char*)g_arena + 0x10000;
   g_args.fp8 = UBNEXT_FP8_STATIC;
   g_args.scale = (const float*)((char*)g_arena + 0x40000);
   g_args.scale_inv = (float*)((char*)g_arena + 0x40010);
