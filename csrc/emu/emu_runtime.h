@@ -32,11 +32,15 @@ void spin_pause();
 struct Idx3 {
   unsigned int x, y, z;
 };
-void syncthreads();
-void syncwarp();
-// A warp-wide exchange of 32-bit values. kind 0: returns the value of lane `src` (a lane outside
-// the warp's segment returns its own value); kind 1: returns the ballot of nonzero values.
-uint32_t warp_exchange(uint32_t value, int src, int kind);
+// Set by the scheduler before it resumes a fiber (per OS thread = per block).
+extern thread_local Idx3 tl_threadIdx, tl_blockIdx, tl_blockDim, tl_gridDim;
+// Block barrier; kind 0: plain, 1: count of nonzero preds, 2: and, 3: or.
+int syncthreads_op(int pred, int kind);
+// Warp-wide exchange of 32-bit values among the lanes named in `mask` that have not exited.
+// kind 0: returns the value of lane `src` (src < 0, or a lane not taking part: own value);
+// kind 1: returns the ballot (bit per lane) of nonzero values. __syncwarp is kind 0 with src -1.
+uint32_t warp_exchange(uint32_t mask, uint32_t value, int src, int kind);
 void nanosleep_ns(unsigned ns);
+[[noreturn]] void trap();
 
 }  // namespace ubx_emu

@@ -1,0 +1,51 @@
+/* C API of the CPU emulator (libubnext_emu.so). Bound from Python by ubnext/_emu.py.
+ * All functions return 0 (or a valid value) on success; the launch writes a message into `err`
+ * on failure. Calls are not meant to run concurrently with a launch in the same process, except
+ * ubnext_emu_traffic after it returns. */
+#pragma once
+#include <stdint.h>
+
+/* The library is built with -fvisibility=hidden: only this API and the kernels are exported. */
+#define UBNEXT_EMU_API __attribute__((visibility("default")))
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define UBNEXT_EMU_MAX_RANKS 16
+#define UBNEXT_EMU_MAX_GRID 128
+/* Words of ubnext_emu_traffic: [peer_store_bytes[16], peer_store_ops[16], peer_load_bytes[16],
+ * peer_load_ops[16], mc_store_bytes, mc_store_ops, mc_ld_reduce_bytes, mc_ld_reduce_ops,
+ * mc_red_bytes, mc_red_ops]. */
+#define UBNEXT_EMU_TRAFFIC_WORDS (4 * UBNEXT_EMU_MAX_RANKS + 6)
+
+/* Launch kernel `kernel` (an extern "C" kernel of this library with the collective ABI of
+ * docs/ARCHITECTURE.md) with `grid` blocks of `block` threads; args[i] points to parameter i,
+ * as cuLaunchKernel's kernelParams. Synchronous. Returns 0, or nonzero with a message in err:
+ * 1 bad arguments, 2 unknown kernel, 3 the kernel failed (deadlock inside a block, __trap, stack
+ * overflow). A launch that runs past the watchdog prints a report and aborts the process. */
+UBNEXT_EMU_API int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args, char* err,
+                      int errlen);
+
+/* Register a symmetric region: peer_bases[r] is rank r's copy as mapped in this process (own rank
+ * included), all `bytes` long; mc_base is this region's multicast range (from ubnext_emu_reserve)
+ * or 0. Returns a handle >= 0, or -1 when the table is full or the arguments are invalid. */
+UBNEXT_EMU_API int64_t ubnext_emu_register(int rank, int nranks, const uint64_t* peer_bases, uint64_t bytes,
+                            uint64_t mc_base);
+UBNEXT_EMU_API int ubnext_emu_unregister(int64_t handle);
+
+/* An inaccessible (PROT_NONE) address range to serve as a multicast address; 0 on failure. */
+UBNEXT_EMU_API uint64_t ubnext_emu_reserve(uint64_t bytes);
+UBNEXT_EMU_API int ubnext_emu_release(uint64_t addr, uint64_t bytes);
+
+/* Traffic of the last launch (see UBNEXT_EMU_TRAFFIC_WORDS); returns the words written. */
+UBNEXT_EMU_API int ubnext_emu_traffic(uint64_t* out, int nwords);
+
+/* chaos != 0: random delays and store reordering. seed 0: derived from time and pid. */
+UBNEXT_EMU_API void ubnext_emu_configure(int chaos, uint64_t seed);
+/* Wall-clock bound of one launch before the watchdog aborts the process (default 90 s). */
+UBNEXT_EMU_API void ubnext_emu_set_watchdog_ns(uint64_t ns);
+
+#ifdef __cplusplus
+}
+#endif

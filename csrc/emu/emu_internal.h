@@ -1,0 +1,115 @@
+// State shared by the emulator's scheduler (sched.cpp) and memory model (memory.cpp).
+#pragma once
+
+#include <stdint.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "emu_api.h"
+#include "emu_runtime.h"
+
+namespace ubx_emu {
+
+// xorshift64*: cheap, and one per block keeps chaos decisions free of locks.
+struct Rng {
+  uint64_t s = 0x9e3779b97f4a7c15ull;
+  void seed(uint64_t v) { s = v ? v : 0x9e3779b97f4a7c15ull; }
+  uint64_t next() {
+    s ^= s >> 12;
+    s ^= s << 25;
+    s ^= s >> 27;
+    return s * 0x2545f4914f6cdd1dull;
+  }
+  uint32_t below(uint32_t n) { return n ? (uint32_t)((next() >> 32) % n) : 0; }
+  bool one_in(uint32_t n) { return below(n) == 0; }
+};
+
+// A store that chaos mode holds back. `key_*` name the memory it lands in independently of the
+// alias used (unicast copy or multicast), so that overlap checks see through multicast.
+struct PendingStore {
+  uint64_t addr;   // address as issued
+  uint32_t bytes;  // 4 or 16
+  bool mc;         // issued to a multicast address: lands in every rank's copy
+  int key_region;  // -1: not in a registered region (then key_off is the raw address)
+  int key_rank;    // copy the store lands in; -1 for multicast (every copy)
+  uint64_t key_off;
+  uint32_t data[4];
+};
+
+struct Traffic {
+  uint64_t peer_store_bytes[UBNEXT_EMU_MAX_RANKS];
+  uint64_t peer_store_ops[UBNEXT_EMU_MAX_RANKS];
+  uint64_t peer_load_bytes[UBNEXT_EMU_MAX_RANKS];
+  uint64_t peer_load_ops[UBNEXT_EMU_MAX_RANKS];
+  uint64_t mc_store_bytes, mc_store_ops, mc_ld_bytes, mc_ld_ops, mc_red_bytes, mc_red_ops;
+  void add(const Traffic& o) {
+    const uint64_t* a = reinterpret_cast<const uint64_t*>(&o);
+    uint64_t* b = reinterpret_cast<uint64_t*>(this);
+    for (unsigned i = 0; i < sizeof(Traffic) / 8; ++i) b[i] += a[i];
+  }
+};
+static_assert(sizeof(Traffic) == UBNEXT_EMU_TRAFFIC_WORDS * 8, "traffic layout");
+
+enum FiberState { kRunnable, kWaitBarrier, kWaitWarp, kDone };
+
+struct Fiber {
+  void* sp = nullptr;  // saved stack pointer while switched out
+  char* stack_lo = nullptr;
+  Idx3 tid{0, 0, 0};
+  unsigned linear = 0;
+  FiberState state = kRunnable;
+  std::vector<PendingStore> sbuf;  // chaos store buffer of this CUDA thread
+  uint32_t xchg_value = 0;
+  int xchg_src = -1;
+  uint32_t xchg_result = 0;
+};
+
+struct Warp {
+  uint32_t live = 0;      // lanes that have not exited
+  uint32_t arrived = 0;   // lanes waiting in the current warp op
+  uint32_t expected = 0;  // lanes the current warp op waits for
+  int kind = 0;
+};
+
+struct Launch;
+
+// One block, run by one worker OS thread. Only that thread touches it while the block runs.
+struct Block {
+  Launch* launch = nullptr;
+  Idx3 bidx{0, 0, 0};
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  Fiber* cur = nullptr;
+  void* sched_sp = nullptr;
+  unsigned live = 0;
+  // __syncthreads state: accumulators of the barrier being filled, result of the last one.
+  unsigned bar_arrived = 0;
+  int bar_acc_count = 0, bar_acc_and = 1, bar_acc_or = 0;
+  int bar_result[4] = {0, 0, 0, 0};
+  // Stores that passed a __syncthreads before being drained: a later fence or release by any
+  // thread of the block must drain them too (PTX release is cumulative over what the releasing
+  // thread has observed, and bar.sync makes the other threads' stores observed).
+  std::vector<PendingStore> cumulative;
+  bool progress = false;  // something other than a load/spin happened this scheduling round
+  bool chaos = false;
+  Rng rng;
+  Traffic traffic{};
+  std::string error;
+};
+
+// The block of the calling worker thread; null outside a launch (twins then act directly).
+extern thread_local Block* tl_block;
+
+// Scheduler hooks used by the memory model.
+void yield_fiber(bool work);
+
+// Memory-model hooks used by the scheduler.
+void drain_all(Block& b, std::vector<PendingStore>& buf);
+void reset_traffic();
+void merge_traffic(const Traffic& t);
+bool chaos_enabled();
+uint64_t chaos_seed();
+
+}  // namespace ubx_emu

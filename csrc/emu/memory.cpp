@@ -1,0 +1,445 @@
+// Memory model of the emulator: the runtime behind the host twins of csrc/device/ptx.cuh.
+//
+// "Device memory" is a shared mapping (a memfd per rank, mapped by every rank process), so plain
+// host atomics on it are real cross-process accesses. What the hardware may do and x86 never does
+// is modelled explicitly, in chaos mode:
+//   - relaxed/volatile stores wait in a per-thread store buffer and become visible one at a time
+//     in random order (at random later accesses, or when forced); fences, release stores/reds and
+//     acq_rel atomics drain the buffer first, kernel end drains everything. A thread's own loads
+//     drain its buffered stores to the same bytes first, so it always reads its own writes.
+//   - random delays (extra yields, short OS-level stalls) at every access;
+//   - multimem.ld_reduce sums the ranks' copies in a random rank order; multimem stores and reds
+//     reach the ranks' copies in a random order.
+// Traffic counters see every twin access: unicast bytes/ops per peer rank, multicast bytes/ops
+// once per access.
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "emu_internal.h"
+
+namespace ubx_emu {
+
+// ------------------------------------------------------------------------------ regions
+struct Region {
+  std::atomic<bool> live{false};
+  int rank = 0, nranks = 0;
+  uint64_t base[UBNEXT_EMU_MAX_RANKS] = {};
+  uint64_t bytes = 0;
+  uint64_t mc = 0;
+};
+static constexpr int kMaxRegions = 64;
+static Region g_regions[kMaxRegions];
+static std::atomic<int> g_region_end{0};  // one past the highest slot ever used
+static std::mutex g_region_mutex;
+
+struct Where {
+  int region;  // -1: not registered memory
+  int rank;    // copy addressed; -1: the multicast alias of every copy
+  uint64_t off;
+};
+
+static Where locate(uint64_t a) {
+  const int end = g_region_end.load(std::memory_order_acquire);
+  for (int i = 0; i < end; ++i) {
+    const Region& r = g_regions[i];
+    if (!r.live.load(std::memory_order_acquire)) continue;
+    if (r.mc && a - r.mc < r.bytes) return Where{i, -1, a - r.mc};
+    for (int p = 0; p < r.nranks; ++p)
+      if (a - r.base[p] < r.bytes) return Where{i, p, a - r.base[p]};
+  }
+  return Where{-1, -1, a};
+}
+
+// ------------------------------------------------------------------------------ configuration
+static std::atomic<int> g_chaos{0};
+static std::atomic<uint64_t> g_seed{0};
+bool chaos_enabled() { return g_chaos.load(std::memory_order_relaxed) != 0; }
+uint64_t chaos_seed() { return g_seed.load(std::memory_order_relaxed); }
+
+// ------------------------------------------------------------------------------ traffic
+static std::mutex g_traffic_mutex;
+static Traffic g_traffic{};
+void reset_traffic() {
+  std::lock_guard<std::mutex> lk(g_traffic_mutex);
+  g_traffic = Traffic{};
+}
+void merge_traffic(const Traffic& t) {
+  std::lock_guard<std::mutex> lk(g_traffic_mutex);
+  g_traffic.add(t);
+}
+static void count_unicast(Block& b, const Where& w, unsigned bytes, bool store) {
+  if (w.region < 0 || w.rank < 0 || w.rank == g_regions[w.region].rank) return;
+  if (store) {
+    b.traffic.peer_store_bytes[w.rank] += bytes;
+    b.traffic.peer_store_ops[w.rank] += 1;
+  } else {
+    b.traffic.peer_load_bytes[w.rank] += bytes;
+    b.traffic.peer_load_ops[w.rank] += 1;
+  }
+}
+
+// ------------------------------------------------------------------------------ raw access
+static inline void words_load(void* dst, const void* src, unsigned bytes, int mo) {
+  const uint32_t* s = static_cast<const uint32_t*>(src);
+  uint32_t* d = static_cast<uint32_t*>(dst);
+  for (unsigned i = 0; i < bytes / 4; ++i) d[i] = __atomic_load_n(s + i, mo);
+}
+static inline void words_store(void* dst, const void* src, unsigned bytes, int mo) {
+  uint32_t* d = static_cast<uint32_t*>(dst);
+  const uint32_t* s = static_cast<const uint32_t*>(src);
+  for (unsigned i = 0; i < bytes / 4; ++i) __atomic_store_n(d + i, s[i], mo);
+}
+
+// Ranks of a region in the order a multicast operation visits them: random in chaos mode.
+static int rank_order(Block* b, const Region& r, int* order) {
+  for (int i = 0; i < r.nranks; ++i) order[i] = i;
+  if (b && b->chaos)
+    for (int i = r.nranks - 1; i > 0; --i) std::swap(order[i], order[b->rng.below(uint32_t(i) + 1)]);
+  return r.nranks;
+}
+
+static void commit(Block* b, const PendingStore& s, int mo) {
+  if (!s.mc) {
+    words_store(reinterpret_cast<void*>(s.addr), s.data, s.bytes, mo);
+    return;
+  }
+  const Region& r = g_regions[s.key_region];
+  int order[UBNEXT_EMU_MAX_RANKS];
+  const int n = rank_order(b, r, order);
+  for (int i = 0; i < n; ++i)
+    words_store(reinterpret_cast<void*>(r.base[order[i]] + s.key_off), s.data, s.bytes, mo);
+}
+
+// ------------------------------------------------------------------------------ store buffers
+static bool overlaps(const PendingStore& s, const Where& w, unsigned bytes) {
+  if (s.key_region != w.region) return false;
+  if (s.key_rank >= 0 && w.rank >= 0 && s.key_rank != w.rank) return false;
+  return s.key_off < w.off + bytes && w.off < s.key_off + s.bytes;
+}
+
+static void commit_at(Block& b, std::vector<PendingStore>& buf, size_t i) {
+  commit(&b, buf[i], __ATOMIC_RELAXED);
+  buf[i] = buf.back();
+  buf.pop_back();
+}
+
+// Entries of one buffer never overlap each other (see buffer_store), so any order is coherent.
+void drain_all(Block& b, std::vector<PendingStore>& buf) {
+  while (!buf.empty()) commit_at(b, buf, b.chaos ? b.rng.below(uint32_t(buf.size())) : 0);
+}
+
+static void drain_overlapping(Block& b, const Where& w, unsigned bytes) {
+  // Stores that passed a __syncthreads are older than the thread's own buffered ones.
+  for (std::vector<PendingStore>* buf : {&b.cumulative, &b.cur->sbuf})
+    for (size_t i = 0; i < buf->size();)
+      if (overlaps((*buf)[i], w, bytes)) commit_at(b, *buf, i);
+      else ++i;
+}
+
+static void drain_for_release(Block& b) {
+  drain_all(b, b.cumulative);
+  drain_all(b, b.cur->sbuf);
+}
+
+static constexpr size_t kMaxBuffered = 64;
+
+static void buffer_store(Block& b, const Where& w, uint64_t addr, const void* src, unsigned bytes, bool mc) {
+  drain_overlapping(b, w, bytes);  // the older store to these bytes must land first
+  PendingStore s;
+  s.addr = addr;
+  s.bytes = bytes;
+  s.mc = mc;
+  s.key_region = w.region;
+  s.key_rank = w.rank;
+  s.key_off = w.off;
+  memcpy(s.data, src, bytes);
+  std::vector<PendingStore>& buf = b.cur->sbuf;
+  buf.push_back(s);
+  if (buf.size() > kMaxBuffered) commit_at(b, buf, b.rng.below(uint32_t(buf.size())));
+}
+
+// Chaos at every access: let some buffered stores out (hardware drains eventually, and a waiting
+// thread must not deadlock on its own buffered signal), and delay this thread or the whole block.
+static void chaos_point(Block& b) {
+  std::vector<PendingStore>& own = b.cur->sbuf;
+  if (!own.empty() && b.rng.one_in(4)) commit_at(b, own, b.rng.below(uint32_t(own.size())));
+  if (!b.cumulative.empty() && b.rng.one_in(8))
+    commit_at(b, b.cumulative, b.rng.below(uint32_t(b.cumulative.size())));
+  if (b.rng.one_in(16))
+    for (uint32_t k = 1 + b.rng.below(4); k; --k) yield_fiber(false);
+  if (b.rng.one_in(512)) {
+    timespec ts{0, long(b.rng.below(200)) * 1000};
+    nanosleep(&ts, nullptr);
+  }
+}
+
+// Common entry of every twin: the scheduling point, then chaos. Returns the calling block, or
+// null when called outside a launch (then the twin acts directly).
+static Block* enter(bool work) {
+  Block* b = tl_block;
+  if (!b || !b->cur) return nullptr;
+  yield_fiber(work);
+  if (b->chaos) chaos_point(*b);
+  return b;
+}
+
+static int memorder(int order, bool is_load) {
+  switch (order) {
+    case kAcquire: return __ATOMIC_ACQUIRE;
+    case kRelease: return __ATOMIC_RELEASE;
+    case kAcqRel: return is_load ? __ATOMIC_ACQUIRE : __ATOMIC_ACQ_REL;
+    default: return __ATOMIC_RELAXED;
+  }
+}
+
+static const Region& mc_region(const Where& w, const void* p, const char* what) {
+  if (w.region < 0 || w.rank >= 0) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "%s on %p, which is not in a registered multicast range", what, p);
+    if (tl_block && tl_block->cur) {
+      fprintf(stderr, "ubnext emulator: %s\n", msg);
+      trap();
+    }
+    fprintf(stderr, "ubnext emulator: %s\n", msg);
+    abort();
+  }
+  return g_regions[w.region];
+}
+
+// ------------------------------------------------------------------------------ twins
+void mem_load(void* dst, const void* src, unsigned bytes, int order) {
+  if (Block* b = enter(false)) {
+    const Where w = locate(reinterpret_cast<uint64_t>(src));
+    drain_overlapping(*b, w, bytes);
+    count_unicast(*b, w, bytes, false);
+  }
+  words_load(dst, src, bytes, memorder(order, true));
+}
+
+void mem_store(void* dst, const void* src, unsigned bytes, int order) {
+  Block* b = enter(true);
+  if (b) {
+    const Where w = locate(reinterpret_cast<uint64_t>(dst));
+    count_unicast(*b, w, bytes, true);
+    if (order == kRelease || order == kAcqRel) {
+      drain_for_release(*b);
+    } else if (b->chaos) {
+      buffer_store(*b, w, reinterpret_cast<uint64_t>(dst), src, bytes, false);
+      return;
+    }
+  }
+  words_store(dst, src, bytes, memorder(order, false));
+}
+
+static void before_atomic(Block& b, const void* p, int order) {
+  const Where w = locate(reinterpret_cast<uint64_t>(p));
+  count_unicast(b, w, 4, true);
+  if (order == kRelease || order == kAcqRel) drain_for_release(b);
+  else drain_overlapping(b, w, 4);
+}
+
+uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order) {
+  if (Block* b = enter(true)) before_atomic(*b, p, order);
+  return __atomic_fetch_add(p, v, memorder(order, false));
+}
+
+uint32_t atomic_cas_u32(uint32_t* p, uint32_t cmp, uint32_t val, int order) {
+  if (Block* b = enter(true)) before_atomic(*b, p, order);
+  const int mo = memorder(order, false);
+  __atomic_compare_exchange_n(p, &cmp, val, false, mo, mo == __ATOMIC_RELEASE ? __ATOMIC_RELAXED : mo == __ATOMIC_ACQ_REL ? __ATOMIC_ACQUIRE : mo);
+  return cmp;
+}
+
+void fence() {
+  if (Block* b = enter(true)) drain_for_release(*b);
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+// fp32 <-> 16-bit float conversions of the switch's reduction (round to nearest even).
+static inline float f32_from_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint32_t bits_from_f32(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+static inline float bf16_to_f32(uint16_t h) { return f32_from_bits(uint32_t(h) << 16); }
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = bits_from_f32(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ffu;
+  if (e == 0x1f) return f32_from_bits(sign | 0x7f800000u | (m << 13));
+  if (e == 0) return (sign ? -1.f : 1.f) * std::ldexp(float(m), -24);
+  return f32_from_bits(sign | ((e + 112) << 23) | (m << 13));
+}
+static inline uint16_t f32_to_f16(float f) {
+  uint32_t x = bits_from_f32(f);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return sign | 0x7e00u;
+  if (x >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to infinity
+  uint32_t r, rem, half;
+  if (x < 0x38800000u) {  // below 2^-14: a half subnormal (or zero)
+    if (x < 0x33000000u) return sign;
+    const uint32_t e = x >> 23, m = (x & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    r = m >> shift;
+    rem = m & ((1u << shift) - 1);
+    half = 1u << (shift - 1);
+  } else {
+    x -= 0x38000000u;  // rebias the exponent from 127 to 15
+    r = x >> 13;
+    rem = x & 0x1fffu;
+    half = 0x1000u;
+  }
+  if (rem > half || (rem == half && (r & 1u))) ++r;
+  return uint16_t(sign | r);
+}
+
+void mc_ld_reduce(void* dst16, const void* mc, int mc_type) {
+  Block* b = enter(false);
+  const Where w = locate(reinterpret_cast<uint64_t>(mc));
+  const Region& r = mc_region(w, mc, "multimem.ld_reduce");
+  if (b) {
+    drain_overlapping(*b, w, 16);
+    b->traffic.mc_ld_bytes += 16;
+    b->traffic.mc_ld_ops += 1;
+  }
+  int order[UBNEXT_EMU_MAX_RANKS];
+  const int n = rank_order(b, r, order);
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < n; ++i) {
+    uint32_t v[4];
+    words_load(v, reinterpret_cast<const void*>(r.base[order[i]] + w.off), 16, __ATOMIC_RELAXED);
+    for (int k = 0; k < 4; ++k) {
+      if (mc_type == kMcF32) {
+        acc[k] += f32_from_bits(v[k]);
+      } else {
+        const uint16_t lo = uint16_t(v[k]), hi = uint16_t(v[k] >> 16);
+        acc[2 * k] += mc_type == kMcBf16 ? bf16_to_f32(lo) : f16_to_f32(lo);
+        acc[2 * k + 1] += mc_type == kMcBf16 ? bf16_to_f32(hi) : f16_to_f32(hi);
+      }
+    }
+  }
+  uint32_t out[4];
+  for (int k = 0; k < 4; ++k) {
+    if (mc_type == kMcF32) out[k] = bits_from_f32(acc[k]);
+    else if (mc_type == kMcBf16) out[k] = uint32_t(f32_to_bf16(acc[2 * k])) | uint32_t(f32_to_bf16(acc[2 * k + 1])) << 16;
+    else out[k] = uint32_t(f32_to_f16(acc[2 * k])) | uint32_t(f32_to_f16(acc[2 * k + 1])) << 16;
+  }
+  memcpy(dst16, out, 16);
+}
+
+void mc_store(void* mc, const void* src, unsigned bytes, int order) {
+  Block* b = enter(true);
+  const Where w = locate(reinterpret_cast<uint64_t>(mc));
+  mc_region(w, mc, "multimem.st");
+  PendingStore s{};
+  s.addr = reinterpret_cast<uint64_t>(mc);
+  s.bytes = bytes;
+  s.mc = true;
+  s.key_region = w.region;
+  s.key_rank = -1;
+  s.key_off = w.off;
+  memcpy(s.data, src, bytes);
+  if (b) {
+    b->traffic.mc_store_bytes += bytes;
+    b->traffic.mc_store_ops += 1;
+    if (order == kRelease || order == kAcqRel) {
+      drain_for_release(*b);
+    } else if (b->chaos) {
+      buffer_store(*b, w, s.addr, src, bytes, true);
+      return;
+    }
+  }
+  commit(b, s, memorder(order, false));
+}
+
+void mc_red_add_u32(uint32_t* mc, uint32_t v, int order) {
+  Block* b = enter(true);
+  const Where w = locate(reinterpret_cast<uint64_t>(mc));
+  const Region& r = mc_region(w, mc, "multimem.red");
+  if (b) {
+    b->traffic.mc_red_bytes += 4;
+    b->traffic.mc_red_ops += 1;
+    if (order == kRelease || order == kAcqRel) drain_for_release(*b);
+    else drain_overlapping(*b, w, 4);
+  }
+  int ord[UBNEXT_EMU_MAX_RANKS];
+  const int n = rank_order(b, r, ord);
+  for (int i = 0; i < n; ++i)
+    __atomic_fetch_add(reinterpret_cast<uint32_t*>(r.base[ord[i]] + w.off), v, memorder(order, false));
+}
+
+}  // namespace ubx_emu
+
+using namespace ubx_emu;
+
+extern "C" int64_t ubnext_emu_register(int rank, int nranks, const uint64_t* peer_bases, uint64_t bytes,
+                                       uint64_t mc_base) {
+  if (nranks < 1 || nranks > UBNEXT_EMU_MAX_RANKS || rank < 0 || rank >= nranks || !peer_bases || !bytes)
+    return -1;
+  std::lock_guard<std::mutex> lk(g_region_mutex);
+  for (int i = 0; i < kMaxRegions; ++i) {
+    Region& r = g_regions[i];
+    if (r.live.load()) continue;
+    r.rank = rank;
+    r.nranks = nranks;
+    for (int p = 0; p < UBNEXT_EMU_MAX_RANKS; ++p) r.base[p] = p < nranks ? peer_bases[p] : 0;
+    r.bytes = bytes;
+    r.mc = mc_base;
+    r.live.store(true, std::memory_order_release);
+    if (g_region_end.load() <= i) g_region_end.store(i + 1, std::memory_order_release);
+    return i;
+  }
+  return -1;
+}
+
+extern "C" int ubnext_emu_unregister(int64_t handle) {
+  if (handle < 0 || handle >= kMaxRegions) return -1;
+  std::lock_guard<std::mutex> lk(g_region_mutex);
+  if (!g_regions[handle].live.load()) return -1;
+  g_regions[handle].live.store(false, std::memory_order_release);
+  return 0;
+}
+
+extern "C" uint64_t ubnext_emu_reserve(uint64_t bytes) {
+  if (!bytes) return 0;
+  void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? 0 : reinterpret_cast<uint64_t>(p);
+}
+
+extern "C" int ubnext_emu_release(uint64_t addr, uint64_t bytes) {
+  return munmap(reinterpret_cast<void*>(addr), bytes) == 0 ? 0 : -1;
+}
+
+extern "C" int ubnext_emu_traffic(uint64_t* out, int nwords) {
+  if (!out || nwords < 0) return 0;
+  std::lock_guard<std::mutex> lk(g_traffic_mutex);
+  const int n = nwords < UBNEXT_EMU_TRAFFIC_WORDS ? nwords : UBNEXT_EMU_TRAFFIC_WORDS;
+  memcpy(out, &g_traffic, size_t(n) * 8);
+  return n;
+}
+
+extern "C" void ubnext_emu_configure(int chaos, uint64_t seed) {
+  if (seed == 0) {
+    timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    seed = (uint64_t(ts.tv_sec) * 1000000007ull) ^ uint64_t(ts.tv_nsec) ^ (uint64_t(getpid()) << 40);
+  }
+  g_seed.store(seed);
+  g_chaos.store(chaos ? 1 : 0);
+}

@@ -1,0 +1,496 @@
+// Execution model of the emulator: a launch runs every block concurrently, each on its own worker
+// OS thread (kernels whose blocks wait on each other need that), and the CUDA threads of a block
+// as fibers on that worker. Fibers switch only at scheduling points: __syncthreads, warp
+// shuffles/votes, and every host twin of ptx.cuh (so a thread spinning on a peer's flag lets the
+// other threads of its block run). When a whole scheduling round did nothing but load and spin,
+// the worker backs off, so that 4 ranks x many blocks still make progress on 2 cores.
+#include <dlfcn.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+#include "emu_internal.h"
+
+#if !defined(__x86_64__) && !defined(UBX_EMU_UCONTEXT)
+#define UBX_EMU_UCONTEXT 1
+#endif
+#if defined(UBX_EMU_UCONTEXT)
+#include <ucontext.h>
+#endif
+
+namespace ubx_emu {
+
+thread_local Idx3 tl_threadIdx, tl_blockIdx, tl_blockDim, tl_gridDim;
+thread_local Block* tl_block = nullptr;
+
+// ------------------------------------------------------------------------------ context switch
+// A hand-written switch: swapcontext() makes a sigprocmask system call per switch, and the
+// emulator switches at every cross-rank access.
+#if !defined(UBX_EMU_UCONTEXT)
+asm(R"(
+.pushsection .text
+.globl ubx_emu_ctx_switch
+.hidden ubx_emu_ctx_switch
+.type ubx_emu_ctx_switch,@function
+ubx_emu_ctx_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $16, %rsp
+  stmxcsr 8(%rsp)
+  fnstcw (%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr 8(%rsp)
+  fldcw (%rsp)
+  addq $16, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size ubx_emu_ctx_switch, .-ubx_emu_ctx_switch
+.globl ubx_emu_fiber_start
+.hidden ubx_emu_fiber_start
+.type ubx_emu_fiber_start,@function
+ubx_emu_fiber_start:
+  callq *%r12
+  ud2
+.size ubx_emu_fiber_start, .-ubx_emu_fiber_start
+.popsection
+)");
+extern "C" void ubx_emu_ctx_switch(void** save_sp, void* load_sp);
+extern "C" void ubx_emu_fiber_start();
+
+static void fiber_main();
+
+static void ctx_init(Fiber& f, char* stack_hi) {
+  uint64_t* s = reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(stack_hi) & ~uintptr_t(15));
+  s[-1] = reinterpret_cast<uint64_t>(&ubx_emu_fiber_start);  // return address of the switch
+  s[-2] = 0;                                                 // rbp
+  s[-3] = 0;                                                 // rbx
+  s[-4] = reinterpret_cast<uint64_t>(&fiber_main);           // r12: called by the trampoline
+  s[-5] = s[-6] = s[-7] = 0;                                 // r13 r14 r15
+  s[-8] = 0x1f80;                                            // mxcsr: default, all masked
+  s[-9] = 0x037f;                                            // x87 control word: default
+  f.sp = &s[-9];
+}
+static inline void ctx_switch(void** save, void* load) { ubx_emu_ctx_switch(save, load); }
+#else
+// Portable fallback (other architectures, or -DUBX_EMU_UCONTEXT to test it on x86-64).
+static void fiber_main();
+// The ucontext_t lives at the bottom of the fiber's own stack, above the canary.
+static void ctx_init(Fiber& f, char* stack_hi) {
+  auto* uc = reinterpret_cast<ucontext_t*>(f.stack_lo + 64);
+  char* lo = f.stack_lo + ((64 + sizeof(ucontext_t) + 63) & ~size_t(63));
+  getcontext(uc);
+  uc->uc_stack.ss_sp = lo;
+  uc->uc_stack.ss_size = static_cast<size_t>(stack_hi - lo);
+  uc->uc_link = nullptr;
+  makecontext(uc, fiber_main, 0);
+  f.sp = uc;
+}
+static thread_local ucontext_t tl_sched_uc;
+static inline void ctx_switch(void** save, void* load) {
+  // *save is the slot of the side that suspends: the scheduler's slot holds null.
+  ucontext_t* from = *save ? static_cast<ucontext_t*>(*save) : &tl_sched_uc;
+  ucontext_t* to = load ? static_cast<ucontext_t*>(load) : &tl_sched_uc;
+  swapcontext(from, to);
+}
+#endif
+
+// ------------------------------------------------------------------------------ launches
+using KernelFn = void (*)(void*, void*, void*, void*, void*, void*, void*, void*, int, int, float,
+                          int);
+
+struct Launch {
+  std::string name;
+  KernelFn fn = nullptr;
+  void* ptr[8] = {};
+  int n = 0, hidden = 0, flags = 0;
+  float eps = 0.f;
+  Idx3 grid{1, 1, 1}, block{32, 1, 1};
+  std::vector<Block> blocks;
+  std::mutex m;
+  std::condition_variable cv;
+  int done = 0;
+  std::atomic<bool> failed{false};
+  void invoke() { fn(ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], ptr[5], ptr[6], ptr[7], n, hidden, eps, flags); }
+};
+
+static constexpr size_t kStackBytes = 128 * 1024;
+static constexpr uint64_t kCanary = 0x5542584e43414e59ull;  // detects a fiber stack overflow
+static std::atomic<uint64_t> g_watchdog_ns{90ull * 1000 * 1000 * 1000};
+
+static void fail_block(Block& b, std::string msg) {
+  if (b.error.empty()) b.error = std::move(msg);
+  b.launch->failed.store(true, std::memory_order_relaxed);
+}
+
+static std::string where(const Block& b, const Fiber* f) {
+  char buf[128];
+  snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u)", b.bidx.x, b.bidx.y, b.bidx.z,
+           f ? f->tid.x : 0, f ? f->tid.y : 0, f ? f->tid.z : 0);
+  return buf;
+}
+
+// Scheduling point: hand the OS thread back to the block's scheduler.
+void yield_fiber(bool work) {
+  Block* b = tl_block;
+  if (!b || !b->cur) return;
+  if (work) b->progress = true;
+  Fiber* f = b->cur;
+  ctx_switch(&f->sp, b->sched_sp);
+}
+
+static void complete_barrier(Block& b) {
+  b.bar_result[0] = 0;
+  b.bar_result[1] = b.bar_acc_count;
+  b.bar_result[2] = b.bar_acc_and;
+  b.bar_result[3] = b.bar_acc_or;
+  b.bar_arrived = 0;
+  b.bar_acc_count = 0;
+  b.bar_acc_and = 1;
+  b.bar_acc_or = 0;
+  for (Fiber& f : b.fibers) {
+    if (f.state != kWaitBarrier) continue;
+    f.state = kRunnable;
+    // bar.sync makes this thread's earlier stores visible to the block; a later release by any
+    // of its threads must order them too.
+    for (PendingStore& s : f.sbuf) b.cumulative.push_back(s);
+    f.sbuf.clear();
+  }
+  b.progress = true;
+}
+
+static void complete_warp(Block& b, unsigned warp) {
+  Warp& w = b.warps[warp];
+  const uint32_t arrived = w.arrived;
+  Fiber* lanes = &b.fibers[warp * 32];
+  uint32_t ballot = 0;
+  for (unsigned l = 0; l < 32; ++l)
+    if ((arrived >> l & 1) && lanes[l].xchg_value) ballot |= 1u << l;
+  for (unsigned l = 0; l < 32; ++l) {
+    if (!(arrived >> l & 1)) continue;
+    Fiber& f = lanes[l];
+    if (w.kind == 1) {
+      f.xchg_result = ballot;
+    } else {
+      const int s = f.xchg_src;
+      f.xchg_result = (s >= 0 && s < 32 && (arrived >> s & 1)) ? lanes[s].xchg_value : f.xchg_value;
+    }
+    f.state = kRunnable;
+  }
+  w.arrived = 0;
+  b.progress = true;
+}
+
+static Fiber& current(const char* what) {
+  Block* b = tl_block;
+  if (!b || !b->cur) {
+    fprintf(stderr, "ubnext emulator: %s called outside a kernel launch\n", what);
+    abort();
+  }
+  return *b->cur;
+}
+
+int syncthreads_op(int pred, int kind) {
+  Fiber& f = current("__syncthreads");
+  Block& b = *tl_block;
+  b.bar_acc_count += pred != 0;
+  b.bar_acc_and &= pred != 0;
+  b.bar_acc_or |= pred != 0;
+  f.state = kWaitBarrier;
+  if (++b.bar_arrived == b.live) complete_barrier(b);
+  else ctx_switch(&f.sp, b.sched_sp);
+  return b.bar_result[kind & 3];
+}
+
+uint32_t warp_exchange(uint32_t mask, uint32_t value, int src, int kind) {
+  Fiber& f = current("warp shuffle/vote");
+  Block& b = *tl_block;
+  const unsigned warp = f.linear / 32, lane = f.linear % 32;
+  Warp& w = b.warps[warp];
+  if (w.arrived == 0) {
+    w.expected = mask & w.live;
+    w.kind = kind;
+  }
+  f.xchg_value = value;
+  f.xchg_src = src;
+  f.state = kWaitWarp;
+  w.arrived |= 1u << lane;
+  if ((w.arrived & w.expected) == w.expected) complete_warp(b, warp);
+  else ctx_switch(&f.sp, b.sched_sp);
+  return f.xchg_result;
+}
+
+void spin_pause() { yield_fiber(false); }
+void nanosleep_ns(unsigned) { yield_fiber(false); }
+
+uint64_t globaltimer_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+[[noreturn]] static void abandon_fiber(Block& b, Fiber& f) {
+  f.state = kDone;
+  for (;;) ctx_switch(&f.sp, b.sched_sp);  // the scheduler never resumes a done fiber
+}
+
+void trap() {
+  Block* b = tl_block;
+  if (!b || !b->cur) {
+    fprintf(stderr, "ubnext emulator: __trap() outside a kernel launch\n");
+    abort();
+  }
+  fail_block(*b, "__trap() in " + where(*b, b->cur));
+  abandon_fiber(*b, *b->cur);
+}
+
+static void fiber_exit(Block& b, Fiber& f) {
+  drain_all(b, f.sbuf);  // kernel end makes every store visible
+  if (*reinterpret_cast<uint64_t*>(f.stack_lo) != kCanary)
+    fail_block(b, "fiber stack overflow (" + std::to_string(kStackBytes) + " bytes) in " + where(b, &f));
+  f.state = kDone;
+  --b.live;
+  Warp& w = b.warps[f.linear / 32];
+  w.live &= ~(1u << (f.linear % 32));
+  w.expected &= w.live;
+  // Exited threads no longer count for barriers and warp ops that others wait in.
+  if (w.arrived && (w.arrived & w.expected) == w.expected) complete_warp(b, f.linear / 32);
+  if (b.bar_arrived && b.bar_arrived == b.live) complete_barrier(b);
+  b.progress = true;
+  abandon_fiber(b, f);
+}
+
+static void fiber_main() {
+  Block& b = *tl_block;
+  b.launch->invoke();
+  fiber_exit(b, *b.cur);
+}
+
+static void backoff(unsigned idle) {
+  if (idle <= 2) {
+    sched_yield();
+    return;
+  }
+  const unsigned us = 20u * (idle - 2 < 10 ? idle - 2 : 10);
+  timespec ts{0, long(us) * 1000};
+  nanosleep(&ts, nullptr);
+}
+
+// Runs one block to completion on the calling worker thread, whose stack arena has room for it.
+static void run_block(Block& b, char* arena) {
+  Launch& L = *b.launch;
+  tl_block = &b;
+  tl_blockIdx = b.bidx;
+  tl_blockDim = L.block;
+  tl_gridDim = L.grid;
+  const unsigned nthreads = L.block.x * L.block.y * L.block.z;
+  b.fibers.resize(nthreads);
+  b.warps.assign((nthreads + 31) / 32, Warp{});
+  for (unsigned i = 0; i < nthreads; ++i) {
+    Fiber& f = b.fibers[i];
+    f.tid = Idx3{i % L.block.x, (i / L.block.x) % L.block.y, i / (L.block.x * L.block.y)};
+    f.linear = i;
+    f.state = kRunnable;
+    f.sbuf.clear();
+    f.stack_lo = arena + size_t(i) * kStackBytes;
+    *reinterpret_cast<uint64_t*>(f.stack_lo) = kCanary;
+    ctx_init(f, f.stack_lo + kStackBytes);
+    b.warps[i / 32].live |= 1u << (i % 32);
+  }
+  b.live = nthreads;
+  std::vector<unsigned> order(nthreads);
+  for (unsigned i = 0; i < nthreads; ++i) order[i] = i;
+  unsigned idle = 0;
+  while (b.live > 0 && !L.failed.load(std::memory_order_relaxed)) {
+    b.progress = false;
+    if (b.chaos)  // an arbitrary interleaving of the block's threads, different every round
+      for (unsigned i = nthreads - 1; i > 0; --i) std::swap(order[i], order[b.rng.below(i + 1)]);
+    for (unsigned i : order) {
+      Fiber& f = b.fibers[i];
+      if (f.state != kRunnable) continue;
+      b.cur = &f;
+      tl_threadIdx = f.tid;
+      b.sched_sp = nullptr;
+      ctx_switch(&b.sched_sp, f.sp);
+      b.cur = nullptr;
+      if (!b.error.empty()) break;
+    }
+    if (!b.error.empty()) break;
+    bool runnable = false;
+    for (const Fiber& f : b.fibers) runnable |= f.state == kRunnable;
+    if (!runnable && b.live > 0) {
+      fail_block(b, "block (" + std::to_string(b.bidx.x) + "): " + std::to_string(b.live) +
+                        " threads wait in __syncthreads or a warp op that the others never reach");
+      break;
+    }
+    if (b.progress) idle = 0;
+    else backoff(++idle);
+  }
+  if (b.error.empty()) drain_all(b, b.cumulative);
+  merge_traffic(b.traffic);
+  tl_block = nullptr;
+}
+
+// ------------------------------------------------------------------------------ worker pool
+// Workers live for the whole process (never destroyed: at exit they are simply gone, so no
+// static destructor can race with them). Each keeps its fiber stacks between launches.
+struct Worker {
+  std::mutex m;
+  std::condition_variable cv;
+  Block* job = nullptr;
+  char* arena = nullptr;
+  unsigned arena_threads = 0;
+
+  void loop() {
+    for (;;) {
+      Block* b;
+      {
+        std::unique_lock<std::mutex> lk(m);
+        cv.wait(lk, [&] { return job != nullptr; });
+        b = job;
+      }
+      const unsigned need = b->launch->block.x * b->launch->block.y * b->launch->block.z;
+      if (need > arena_threads) {
+        if (arena) munmap(arena, size_t(arena_threads) * kStackBytes);
+        arena = static_cast<char*>(mmap(nullptr, size_t(need) * kStackBytes, PROT_READ | PROT_WRITE,
+                                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+        if (arena == MAP_FAILED) {
+          fprintf(stderr, "ubnext emulator: cannot map fiber stacks\n");
+          abort();
+        }
+        arena_threads = need;
+      }
+      run_block(*b, arena);
+      {
+        std::lock_guard<std::mutex> lk(m);
+        job = nullptr;
+      }
+      Launch& L = *b->launch;
+      std::lock_guard<std::mutex> lk(L.m);
+      ++L.done;
+      L.cv.notify_all();
+    }
+  }
+};
+
+static std::mutex g_launch_mutex;  // one launch at a time per process
+static std::vector<Worker*>* g_workers = new std::vector<Worker*>();
+
+static void ensure_workers(size_t n) {
+  while (g_workers->size() < n) {
+    Worker* w = new Worker();
+    std::thread(&Worker::loop, w).detach();
+    g_workers->push_back(w);
+  }
+}
+
+static void* self_handle() {
+  static void* h = [] {
+    Dl_info info;
+    if (!dladdr(reinterpret_cast<void*>(&ubnext_emu_launch), &info)) return static_cast<void*>(nullptr);
+    return dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+  }();
+  return h;
+}
+
+[[noreturn]] static void watchdog_fire(Launch& L, uint64_t ns) {
+  fprintf(stderr,
+          "ubnext emulator watchdog: kernel %s (grid %u, block %u) did not finish within %.1f s; "
+          "blocks still running:",
+          L.name.c_str(), L.grid.x, L.block.x, double(ns) * 1e-9);
+  // Racy reads, for the report only: the process is about to end.
+  for (const Block& b : L.blocks)
+    if (b.live) fprintf(stderr, " %u(%u threads left)", b.bidx.x, b.live);
+  fprintf(stderr, "\nAborting: the emulated kernel is stuck (a wait without a bound, or a lost peer).\n");
+  fflush(stderr);
+  abort();
+}
+
+}  // namespace ubx_emu
+
+using namespace ubx_emu;
+
+static int set_err(char* err, int errlen, int code, const std::string& msg) {
+  if (err && errlen > 0) snprintf(err, size_t(errlen), "%s", msg.c_str());
+  return code;
+}
+
+extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args,
+                                 char* err, int errlen) {
+  if (err && errlen > 0) err[0] = 0;
+  if (!kernel || !args) return set_err(err, errlen, 1, "null kernel name or args");
+  if (grid < 1 || grid > UBNEXT_EMU_MAX_GRID)
+    return set_err(err, errlen, 1, "grid " + std::to_string(grid) + " outside [1, 128]");
+  if (block < 32 || block > 1024 || block % 32)
+    return set_err(err, errlen, 1, "block " + std::to_string(block) + " is not a multiple of 32 in [32, 1024]");
+  void* h = self_handle();
+  void* sym = h ? dlsym(h, kernel) : nullptr;
+  if (!sym) return set_err(err, errlen, 2, std::string("no kernel named ") + kernel + " in the emulator library");
+
+  std::lock_guard<std::mutex> serial(g_launch_mutex);
+  static uint64_t launch_count = 0;
+  ++launch_count;
+  Launch L;
+  L.name = kernel;
+  L.fn = reinterpret_cast<KernelFn>(sym);
+  for (int i = 0; i < 8; ++i) L.ptr[i] = *static_cast<void* const*>(args[i]);
+  L.n = *static_cast<const int*>(args[8]);
+  L.hidden = *static_cast<const int*>(args[9]);
+  L.eps = *static_cast<const float*>(args[10]);
+  L.flags = *static_cast<const int*>(args[11]);
+  L.grid = Idx3{unsigned(grid), 1, 1};
+  L.block = Idx3{unsigned(block), 1, 1};
+  L.blocks.resize(size_t(grid));
+  const bool chaos = chaos_enabled();
+  const uint64_t seed = chaos_seed() ^ (uint64_t(getpid()) << 32) ^ (launch_count * 0x9e3779b97f4a7c15ull);
+  for (int i = 0; i < grid; ++i) {
+    Block& b = L.blocks[size_t(i)];
+    b.launch = &L;
+    b.bidx = Idx3{unsigned(i), 0, 0};
+    b.chaos = chaos;
+    b.rng.seed(seed + uint64_t(i) * 0xbf58476d1ce4e5b9ull);
+    b.live = unsigned(block);  // until the worker starts it, for the watchdog report
+  }
+  reset_traffic();
+  ensure_workers(size_t(grid));
+  for (int i = 0; i < grid; ++i) {
+    Worker* w = (*g_workers)[size_t(i)];
+    std::lock_guard<std::mutex> lk(w->m);
+    w->job = &L.blocks[size_t(i)];
+    w->cv.notify_one();
+  }
+  const uint64_t wd = g_watchdog_ns.load();
+  {
+    std::unique_lock<std::mutex> lk(L.m);
+    if (!L.cv.wait_for(lk, std::chrono::nanoseconds(wd), [&] { return L.done == grid; }))
+      watchdog_fire(L, wd);
+  }
+  // Each worker clears its job before reporting done, so L may now go away.
+  for (const Block& b : L.blocks)
+    if (!b.error.empty()) return set_err(err, errlen, 3, std::string(kernel) + ": " + b.error);
+  return 0;
+}
+
+extern "C" void ubnext_emu_set_watchdog_ns(uint64_t ns) { g_watchdog_ns.store(ns ? ns : 1); }

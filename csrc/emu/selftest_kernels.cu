@@ -1,0 +1,176 @@
+// Kernels that test the emulator itself (tests/unit/test_emu*.py, tests/mpi/emu_*.py). They use
+// the collective kernel ABI of docs/ARCHITECTURE.md so that the one launch path serves them, but
+// give the parameters their own meaning, documented per kernel. Built only into the emulator
+// library; never compiled for the GPU.
+#include "../device/desc.cuh"
+#include "../device/platform.cuh"
+#include "../device/ptx.cuh"
+
+#define EMU_ST_PARAMS                                                                        \
+  const void *desc, const void *in, void *out, const void *residual, void *residual_out,     \
+      const void *weight, const float *scale, float *scale_inv, int n, int hidden, float eps, \
+      int flags
+
+namespace {
+
+// Per-block scratch whose value must survive interleaving with every other block.
+__shared__ uint32_t s_block_tag;
+__shared__ uint32_t s_vals[1024];
+
+}  // namespace
+
+// Execution model. out: uint32 [grid][blockDim][8] results, in the order written below;
+// out2 = (uint32*)residual_out: [1] global atomic counter. flags & 1: deliberately diverge
+// (lanes 0..15 of warp 0 shuffle while all others wait in __syncthreads): a deadlock to detect.
+// flags & 2: thread 0 of block 0 calls __trap().
+extern "C" __global__ void ubnext_emu_selftest_block(EMU_ST_PARAMS) {
+  uint32_t* o = static_cast<uint32_t*>(out) + (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  const uint32_t tid = threadIdx.x, lane = tid % 32;
+  if (flags & 2 && blockIdx.x == 0 && tid == 0) __trap();
+  if (flags & 1) {
+    if (tid < 16) (void)__shfl_sync(0xffffffffu, tid, 0);
+    else __syncthreads();
+    return;
+  }
+  if (tid == 0) s_block_tag = 1000 + blockIdx.x;
+  s_vals[tid] = tid * 3 + blockIdx.x;
+  __syncthreads();
+  // [0]: the reversed neighbour's shared value (needs the barrier and per-block shared memory)
+  o[0] = s_vals[blockDim.x - 1 - tid];
+  // [1]: warp sum of lane ids by xor butterfly (every lane: 496)
+  uint32_t v = lane;
+  for (int m = 16; m; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  o[1] = v;
+  // [2]: shfl_down reduction of tid (lane 0 holds the sum of the warp's tids)
+  float f = float(tid);
+  for (int d = 16; d; d >>= 1) f += __shfl_down_sync(0xffffffffu, f, d);
+  o[2] = lane == 0 ? uint32_t(f) : 0xffffffffu;
+  // [3]: broadcast of lane 5's tid
+  o[3] = __shfl_sync(0xffffffffu, tid, 5);
+  // [4]: ballot of odd lanes; [5]: any(lane==7) | all(lane<32) << 1 | all(lane<31) << 2
+  o[4] = __ballot_sync(0xffffffffu, lane & 1);
+  o[5] = uint32_t(__any_sync(0xffffffffu, lane == 7)) | uint32_t(__all_sync(0xffffffffu, lane < 32)) << 1 |
+         uint32_t(__all_sync(0xffffffffu, lane < 31)) << 2;
+  // [6]: __syncthreads_count of even tids
+  o[6] = uint32_t(__syncthreads_count((tid & 1) == 0));
+  atomicAdd(static_cast<uint32_t*>(residual_out), 1u);
+  // Let every other block run (spin_pause yields), then check this block's shared tag survived.
+  for (int i = 0; i < 4; ++i) ubx::spin_pause();
+  __syncthreads();
+  // [7]: the block tag (1000 + blockIdx.x) seen by every thread
+  o[7] = s_block_tag;
+}
+
+// Blocks that wait on each other: a grid-wide barrier on a counter (residual_out, uint32, zeroed),
+// `n` rounds. out: uint32 [grid] = 1 passed, 2 timed out (timeout: 10 s).
+extern "C" __global__ void ubnext_emu_selftest_gridsync(EMU_ST_PARAMS) {
+  uint32_t* counter = static_cast<uint32_t*>(residual_out);
+  const uint64_t t0 = ubx::globaltimer_ns();
+  uint32_t ok = 1;
+  for (int round = 1; round <= n && ok == 1; ++round) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      ubx::atom_add_acq_rel_gpu_u32(counter, 1);
+      while (ubx::ld_acquire_sys_u32(counter) < uint32_t(round) * gridDim.x) {
+        if (ubx::globaltimer_ns() - t0 > 10000000000ull) {
+          ok = 2;
+          break;
+        }
+        ubx::spin_pause();
+      }
+      s_vals[0] = ok;
+    }
+    __syncthreads();
+    ok = s_vals[0];
+  }
+  if (threadIdx.x == 0) static_cast<uint32_t*>(out)[blockIdx.x] = ok;
+}
+
+// Multicast and traffic. desc: ubnext_comm_desc (rank, nranks, mc_base, peer_base). Pool layout
+// from the pool base, per rank: [0, n*16) bf16 data, [n*16, 2n*16) f16, [2n*16, 3n*16) f32,
+// [3n*16, 3n*16 + nranks*16) multicast-store slots, then one u32 red counter. Thread t < n:
+//   out[t], out[n+t], out[2n+t] (uint4) = ld_reduce of vector t of each section;
+//   multicast-stores {rank, t, 7, 9} into slot `rank` (thread 0 only), reds +1 into the counter
+//   (thread 0 only); every thread stores 16 B to the next peer's scratch at 4n*16 + t*16 and
+//   loads 4 B from every rank's (including its own) bf16 section.
+extern "C" __global__ void ubnext_emu_selftest_multicast(EMU_ST_PARAMS) {
+  const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
+  const uint64_t mc = d->mc_base, rank = d->rank, nranks = d->nranks;
+  uint4* o = static_cast<uint4*>(out);
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
+    o[t] = ubx::multimem_ld_reduce_bf16x8(reinterpret_cast<const void*>(mc + uint64_t(t) * 16));
+    o[n + t] = ubx::multimem_ld_reduce_f16x8(reinterpret_cast<const void*>(mc + uint64_t(n + t) * 16));
+    o[2 * n + t] = ubx::multimem_ld_reduce_f32x4(reinterpret_cast<const void*>(mc + uint64_t(2 * n + t) * 16));
+    const uint64_t next = d->peer_base[(rank + 1) % nranks];
+    ubx::st_relaxed_sys_v4(reinterpret_cast<void*>(next + uint64_t(4 * n + t) * 16), make_uint4(uint32_t(rank), uint32_t(t), 1, 2));
+    for (uint64_t p = 0; p < nranks; ++p)
+      (void)ubx::ld_volatile_u32(reinterpret_cast<const uint32_t*>(d->peer_base[p] + uint64_t(t) * 16));
+    if (t == 0) {
+      ubx::multimem_st_v4(reinterpret_cast<void*>(mc + uint64_t(3 * n + rank) * 16),
+                          make_uint4(uint32_t(rank), 0xabcdu, 7, 9));
+      ubx::multimem_red_release_add_u32(reinterpret_cast<uint32_t*>(mc + uint64_t(3 * n + nranks) * 16), 1);
+    }
+  }
+}
+
+// Message-passing litmus test. Block 0 threads are writers, block 1 threads readers (grid 2),
+// pairs by threadIdx, `n` messages each. residual_out (uint32) layout, per thread t of blockDim:
+// data[t] at [t], flag[t] at [B + t], ack[t] at [2B + t] (B = blockDim.x), all zeroed.
+// Writer: wait ack == i, data := i+1 (relaxed), [flags & 1: fence], flag := i+1 (relaxed).
+// Reader: wait flag == i+1, read data, count data != i+1, ack := i+1 (release).
+// out (uint32 [blockDim]) = violations seen by each reader; 0xffffffff on a 20 s timeout.
+extern "C" __global__ void ubnext_emu_selftest_litmus(EMU_ST_PARAMS) {
+  uint32_t* w = static_cast<uint32_t*>(residual_out);
+  const uint32_t B = blockDim.x, t = threadIdx.x;
+  uint32_t *data = w + t, *flag = w + B + t, *ack = w + 2 * B + t;
+  const uint64_t t0 = ubx::globaltimer_ns();
+  uint32_t violations = 0;
+  for (uint32_t i = 0; i < uint32_t(n); ++i) {
+    if (blockIdx.x == 0) {
+      while (ubx::ld_acquire_sys_u32(ack) != i) {
+        if (ubx::globaltimer_ns() - t0 > 20000000000ull) return;
+        ubx::spin_pause();
+      }
+      ubx::st_relaxed_sys_u32(data, i + 1);
+      if (flags & 1) ubx::fence_acq_rel_sys();
+      ubx::st_relaxed_sys_u32(flag, i + 1);
+    } else {
+      while (ubx::ld_acquire_sys_u32(flag) != i + 1) {
+        if (ubx::globaltimer_ns() - t0 > 20000000000ull) {
+          static_cast<uint32_t*>(out)[t] = 0xffffffffu;
+          return;
+        }
+        ubx::spin_pause();
+      }
+      violations += ubx::ld_volatile_u32(data) != i + 1;
+      ubx::st_release_sys_u32(ack, i + 1);
+    }
+  }
+  if (blockIdx.x == 1) static_cast<uint32_t*>(out)[t] = violations;
+}
+
+// A wait on a peer that never arrives. desc: ubnext_comm_desc (rank, timeout_ns, err_ptr,
+// peer_base, sync_off). Thread 0 of each block waits until its own sync word
+// [BARRIER_FLAG + block * MAX_RANKS + peer], which only rank `peer` (= hidden) writes, is nonzero. On timeout it records {1, OP = n, rank, peer} in err_ptr (first writer wins).
+// flags & 1: ignore the timeout (spin forever: for the watchdog test).
+extern "C" __global__ void ubnext_emu_selftest_wait(EMU_ST_PARAMS) {
+  const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
+  if (threadIdx.x != 0) return;
+  const uint32_t peer = uint32_t(hidden);
+  const uint32_t* word = reinterpret_cast<const uint32_t*>(d->peer_base[d->rank] + d->sync_off) +
+                         UBNEXT_SYNC_BARRIER_FLAG + blockIdx.x * UBNEXT_MAX_RANKS + peer;
+  const uint64_t t0 = ubx::globaltimer_ns();
+  while (ubx::ld_acquire_sys_u32(word) == 0) {
+    if (!(flags & 1) && ubx::globaltimer_ns() - t0 > d->timeout_ns) {
+      uint32_t* err = reinterpret_cast<uint32_t*>(d->err_ptr);
+      if (ubx::atom_cas_relaxed_sys_u32(err, 0, UBNEXT_ERR_TIMEOUT) == 0) {
+        ubx::st_relaxed_sys_u32(err + 1, uint32_t(n));
+        ubx::st_relaxed_sys_u32(err + 2, uint32_t(d->rank));
+        ubx::st_relaxed_sys_u32(err + 3, peer);
+        ubx::fence_acq_rel_sys();
+      }
+      return;
+    }
+    ubx::spin_pause();
+  }
+}
