@@ -166,8 +166,10 @@ typedef struct ubnext_launch {
   const struct ubnext_comm_desc* host_desc;
   /* A cudaStream_t; NULL is the legacy default stream. */
   void* stream;
-  /* Blocks, 1..128; 0 picks a default from the message size and the co-resident limit.
-   * Must be equal on every rank: pass it explicitly when ranks run different GPU models. */
+  /* Blocks, 1..128 and at most the kernel's co-resident limit. 0 picks the rule the Python
+   * launcher uses: one block per token row (fused op), else one 16-byte vector per thread of
+   * this rank's share, capped at min(128, SM count). Must be equal on every rank: pass it
+   * explicitly when ranks run different GPU models. */
   unsigned int grid;
   /* Threads per block, a multiple of 32 up to 1024; 0 means 256. Equal on every rank. */
   unsigned int block;
@@ -179,20 +181,28 @@ typedef struct ubnext_launch {
 
 /* ---------------------------------------------------------------------------------------- */
 /* Collectives                                                                              */
-/*                                                                                          */
-/* Collective: every rank of the communicator must make the same call (same algo, dtype,    */
-/* count, hidden, FP8 mode, grid, block, flags), in the same order; a rank that does not    */
-/* makes the others time out. CUDA graphs: capturable (no host synchronisation, allocation */
-/* or stream query); a captured launch replays correctly because the Lamport buffer index */
-/* lives in device memory. Buffers: 16-byte aligned device pointers; count * dtype size a */
-/* multiple of 16 bytes; count <= INT32_MAX. A kernel that times out does not fail the     */
-/* call: check ubnext_take_kernel_error() after synchronising.                             */
-/*                                                                                          */
-/* Errors: INVALID_ARGUMENT (checked before any CUDA call), NO_ROOM (message larger than    */
-/* the descriptor's buffers), UNSUPPORTED (multicast missing, kernel not compiled in),      */
-/* NO_DEVICE, CUDA_ERROR (the launch failed; the CUDA error is consumed, not left for      */
-/* cudaGetLastError).                                                                       */
 /* ---------------------------------------------------------------------------------------- */
+
+/*
+ * Rules shared by ubnext_allreduce and ubnext_allreduce_add_rmsnorm:
+ *
+ * Collective: every rank of the communicator makes the same call (algo, dtype, count, hidden,
+ *   FP8 mode, grid, block, flags), in the same order. A rank that does not makes the others
+ *   time out; the timeout surfaces through ubnext_take_kernel_error(), not as a return value.
+ * Stream ordering: enqueued on launch->stream; returns before the kernel runs. The input is
+ *   read and the outputs written in stream order; keep every buffer alive until then.
+ * CUDA graphs: capturable (no host synchronisation, allocation or stream query); a replay is
+ *   correct because the Lamport buffer rotation lives in device memory. Make the first call
+ *   of each algorithm and dtype on a device outside capture: it loads the kernel module and
+ *   probes the launch limits.
+ * Buffers: device pointers, 16-byte aligned; count * dtype size a multiple of 16 bytes;
+ *   1 <= count <= INT32_MAX.
+ * Errors: INVALID_ARGUMENT (all checked before any CUDA call, except an explicit grid above
+ *   the kernel's co-resident limit), NO_ROOM (the message exceeds the descriptor's Lamport
+ *   slot), UNSUPPORTED (no multicast for an NVLS algorithm, kernel not compiled in),
+ *   NO_DEVICE, CUDA_ERROR (the launch failed; the CUDA error is consumed, so it does not
+ *   resurface from cudaGetLastError in unrelated code).
+ */
 
 /* out[i] = sum over ranks of in[i], for i < count, in `dtype` (bf16, fp16 or fp32; summed in
  * fp32). `in` and `out` as the algorithm requires (see ubnext_algo_t). */

@@ -90,8 +90,8 @@ ubnext_status_t from_cuda(cudaError_t err, const char* call) {
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
     case cudaErrorStubLibrary:
-      return fail(UBNEXT_STATUS_NO_DEVICE, "%s: %s (%s)", call, cudaGetErrorName(err),
-                  cudaGetErrorString(err));
+      return fail(UBNEXT_STATUS_NO_DEVICE, "no usable GPU or CUDA driver: %s: %s (%s)", call,
+                  cudaGetErrorName(err), cudaGetErrorString(err));
     default:
       return fail(UBNEXT_STATUS_CUDA_ERROR, "%s: %s (%s)", call, cudaGetErrorName(err),
                   cudaGetErrorString(err));
