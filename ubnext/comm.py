@@ -14,6 +14,7 @@ step is logged once per communicator with its reason.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import socket
@@ -95,8 +96,10 @@ def _bootstrap() -> None:
     if use_gpu:
         torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    # a rank that dies must not leave its peers waiting for gloo's default 30 minutes
+    timeout = datetime.timedelta(seconds=max(60.0, 4 * envs.get("UBNEXT_TIMEOUT")))
     dist.init_process_group(backend, init_method=init, rank=info["rank"],
-                            world_size=info["world_size"], **kwargs)
+                            world_size=info["world_size"], timeout=timeout, **kwargs)
 
 
 def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -1,0 +1,42 @@
+"""Shared test helpers: start ranks under mpirun with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MPI_WORKER = ROOT / "tests" / "mpi" / "worker.py"
+
+
+def run_mpi(np: int, script: Path | str, *args: str, env: dict | None = None,
+            timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``np`` ranks; a hung job is killed after ``timeout`` seconds."""
+    mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not found (pip install mpich)")
+    full_env = dict(os.environ)
+    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    full_env.update(env or {})
+    cmd = [mpirun, "-np", str(np), sys.executable, str(script), *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"mpirun -np {np} {script} {' '.join(args)} hung for {timeout} s:\n"
+                             f"{(exc.stdout or b'')[-4000:]!r}\n{(exc.stderr or b'')[-4000:]!r}") from None
+    return proc
+
+
+def assert_mpi_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture
+def mpi():
+    return run_mpi

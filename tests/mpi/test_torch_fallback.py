@@ -1,0 +1,14 @@
+"""The last fallback, torch.distributed (gloo on CPU), under mpirun -np 2 and 4: every op of
+the public API, the layers, torch.compile and bad input."""
+
+import pytest
+
+from tests.conftest import MPI_WORKER, assert_mpi_ok
+
+CASES = ["allreduce", "fused", "fp8", "pool", "bad_input", "linear", "compile"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 4])
+def test_torch_fallback(mpi, np):
+    assert_mpi_ok(mpi(np, MPI_WORKER, "torch", *CASES))

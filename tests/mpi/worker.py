@@ -1,0 +1,444 @@
+"""Multi-rank test cases, run under ``mpirun -np N python tests/mpi/worker.py MODE CASE...``.
+
+MODE is ``torch`` (torch.distributed/gloo fallback), ``emulator`` (the real csrc kernels on
+the CPU emulator) or ``gpu``. A failing assertion exits the rank with status 1, which makes
+mpirun end the job; pytest asserts the exit status.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import ubnext  # noqa: E402
+from ubnext import testing as T  # noqa: E402
+from ubnext.comm import FP8  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+MODE = "torch"
+COMM: ubnext.Communicator = None  # type: ignore[assignment]
+
+
+def log(*args):
+    print(f"[rank {dist.get_rank()}]", *args, flush=True)
+
+
+def device():
+    return COMM.device
+
+
+def gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def assert_identical_across_ranks(t: torch.Tensor, what: str):
+    blobs = gather(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for r, b in enumerate(blobs):
+        assert b == blobs[0], f"{what}: rank {r}'s bits differ from rank 0's"
+
+
+def expect_path(allowed: tuple[str, ...]):
+    if MODE == "torch":
+        assert COMM.last_path == "torch", COMM.last_path
+    else:
+        assert COMM.last_path in allowed, f"path {COMM.last_path}, expected one of {allowed}"
+
+
+# -- allreduce ----------------------------------------------------------------------------------
+
+
+def check_allreduce(numel: int, dtype: torch.dtype, seed: int, *, nvls_rounding=False):
+    n = dist.get_world_size()
+    inputs = [T.rank_input(r, numel, dtype, seed) for r in range(n)]
+    x = inputs[dist.get_rank()].to(device())
+    x_before = x.clone()
+    out = COMM.all_reduce(x)
+    assert torch.equal(x, x_before), "all_reduce modified its input"
+    err = (out.double().cpu() - T.reference_sum(inputs)).abs()
+    bound = T.allreduce_bound(inputs, dtype)
+    bad = err > bound
+    assert not bad.any(), (f"{COMM.last_path} {dtype} n={numel}: {int(bad.sum())} elements over the bound, "
+                           f"max err {err.max().item():.3e}")
+    if COMM.last_path != "nvls_oneshot":
+        assert_identical_across_ranks(out, f"{COMM.last_path} allreduce {dtype} n={numel}")
+    return out
+
+
+def case_allreduce():
+    for dtype in DTYPES:
+        for numel in (1, 7, 8, 33, 1000, 3 * 4096 + 5, 65536 + 8):
+            check_allreduce(numel, dtype, seed=numel)
+            expect_path(("lamport",))
+    # out= and in place
+    x = T.rank_input(dist.get_rank(), 4096, torch.float32, 5).to(device())
+    out = torch.empty_like(x)
+    assert COMM.all_reduce(x, out=out) is out
+    same = COMM.all_reduce(x.clone(), out=None)
+    assert torch.equal(out, same)
+    y = x.clone()
+    assert COMM.all_reduce(y, out=y) is y and torch.equal(y, out)
+
+
+def case_paths():
+    """Every kernel path, forced, on sizes that fit and with tails."""
+    paths = ["lamport", "nvls_twoshot", "nvls_lamport", "twoshot", "nvls_oneshot", "torch"]
+    for path in paths:
+        COMM._algo = path
+        for dtype in DTYPES:
+            for numel in (5, 4096 + 3, 40000):
+                check_allreduce(numel, dtype, seed=numel + 17)
+                assert COMM.last_path == (path if MODE == "emulator" else "torch"), (path, COMM.last_path)
+    COMM._algo = None
+
+
+# -- fused add + RMSNorm ----------------------------------------------------------------------
+
+
+def check_fused(tokens: int, hidden: int, dtype: torch.dtype, seed: int, out_dtype=None, scale=None,
+                zero=False):
+    n = dist.get_world_size()
+    numel = tokens * hidden
+    inputs = [T.rank_input(r, numel, dtype, seed) for r in range(n)]
+    residual = T.rank_input(99, numel, dtype, seed).view(tokens, hidden)
+    weight = (1 + 0.1 * T.rank_input(98, hidden, torch.float64, seed)).to(dtype)
+    if zero:
+        inputs = [torch.zeros_like(t) for t in inputs]
+        residual = torch.zeros_like(residual)
+    x = inputs[dist.get_rank()].view(tokens, hidden).to(device())
+    out, residual_out, scale_inv = COMM.all_reduce_add_rmsnorm(
+        x, residual.to(device()), weight.to(device()), 1e-6, out_dtype=out_dtype,
+        scale=None if scale is None else scale.to(device()))
+    path = COMM.last_path
+    nvls = path.startswith("nvls")
+    ref, bound = T.residual_bound(inputs, residual.reshape(-1), dtype, extra_rounding=nvls)
+    err = (residual_out.reshape(-1).double().cpu() - ref).abs()
+    assert (err <= bound).all(), f"{path} residual_out {dtype} {tokens}x{hidden}: max err {err.max().item():.3e}"
+    y = T.rmsnorm_reference(residual_out, weight, 1e-6)
+    if out_dtype == FP8:
+        T.check_fp8(out, scale_inv, y, hidden, per_token=scale is None)
+        if scale is not None:
+            assert scale_inv.numel() == 1 and scale_inv.item() == scale.item(), "static scale_inv must equal scale"
+        else:
+            assert scale_inv.shape == (tokens,)
+    else:
+        assert scale_inv is None
+        e = (out.double().cpu() - y).abs()
+        b = T.rmsnorm_bound(y, dtype, hidden)
+        assert (e <= b).all(), f"{path} out {dtype} {tokens}x{hidden}: max err {e.max().item():.3e}"
+    assert_identical_across_ranks(residual_out, f"{path} residual_out")
+    assert_identical_across_ranks(out, f"{path} out")
+    if scale_inv is not None:
+        assert_identical_across_ranks(scale_inv, f"{path} scale_inv")
+    return out, residual_out, scale_inv
+
+
+def case_fused():
+    n = dist.get_world_size()
+    for dtype in DTYPES:
+        for tokens, hidden in ((1, 64), (3, 1000), (n + 1, 256), (2, 4096)):
+            check_fused(tokens, hidden, dtype, seed=tokens * hidden)
+            expect_path(("lamport",))
+    check_fused(1, 16384, torch.bfloat16, seed=3)
+
+
+def case_fused_paths():
+    n = dist.get_world_size()
+    for path in ("lamport", "nvls_twoshot", "nvls_lamport", "twoshot"):
+        COMM._algo = path
+        for dtype in DTYPES:
+            for tokens, hidden in ((1, 64), (n - 1 or 1, 520), (n + 1, 256)):
+                check_fused(tokens, hidden, dtype, seed=tokens + hidden)
+                if MODE == "emulator":
+                    assert COMM.last_path == path, (path, COMM.last_path)
+        check_fused(3, 512, torch.bfloat16, seed=9, out_dtype=FP8)
+        check_fused(3, 512, torch.bfloat16, seed=9, out_dtype=FP8, scale=torch.tensor([0.02]))
+    COMM._algo = None
+
+
+def case_fp8():
+    # per token and static, plus saturation (a tiny static scale) and all-zero rows
+    for dtype in DTYPES:
+        check_fused(4, 768, dtype, seed=11, out_dtype=FP8)
+        check_fused(4, 768, dtype, seed=11, out_dtype=FP8, scale=torch.tensor([0.01]))
+    out, _, _ = check_fused(2, 256, torch.bfloat16, seed=12, out_dtype=FP8, scale=torch.tensor([1e-4]))
+    assert out.float().abs().max().item() == 448.0, "a tiny scale must saturate to 448"
+    out, _, si = check_fused(2, 256, torch.float32, seed=13, out_dtype=FP8, zero=True)
+    assert torch.all(out.float() == 0) and torch.all(si > 0), "zero rows: q = 0 and a positive scale_inv"
+
+
+# -- long runs ----------------------------------------------------------------------------------
+
+
+def case_rotation():
+    """1000 back-to-back calls with changing sizes: buffer rotation and re-poisoning."""
+    n = dist.get_world_size()
+    sizes = [8, 4096, 1, 20000, 512, 33, 12288]
+    base = [T.rank_input(r, max(sizes), torch.bfloat16, 77) for r in range(n)]
+    refs = {s: T.reference_sum([b[:s] for b in base]) for s in sizes}
+    bounds = {s: T.allreduce_bound([b[:s] for b in base], torch.bfloat16) for s in sizes}
+    x_all = base[dist.get_rank()].to(device())
+    for i in range(1000):
+        s = sizes[(i * 5 + i // 7) % len(sizes)]
+        out = COMM.all_reduce(x_all[:s])
+        err = (out.double().cpu() - refs[s]).abs()
+        assert (err <= bounds[s]).all(), f"call {i} (n={s}) via {COMM.last_path}: max err {err.max().item():.3e}"
+    log("1000 calls ok via", COMM.last_path)
+
+
+# -- pool ---------------------------------------------------------------------------------------
+
+
+def case_pool():
+    if MODE == "torch":
+        t = COMM.empty(4, 8, dtype=torch.float32)
+        assert t.shape == (4, 8)
+        return
+    pool = COMM.pool
+    a = COMM.empty(1000, dtype=torch.bfloat16)
+    b = COMM.empty(3, 4096, dtype=torch.float32)
+    offs = (pool.offset_of(a), pool.offset_of(b))
+    assert all(o % 256 == 0 for o in offs)
+    assert len(set(gather(offs))) == 1, f"offsets differ across ranks: {gather(offs)}"
+    # data written by one rank is read by its peers through the symmetric mapping
+    b.fill_(float(dist.get_rank() + 1))
+    dist.barrier()
+    arrays = pool.backend._arrays
+    for peer in range(dist.get_world_size()):
+        peer_view = torch.from_numpy(arrays[peer][offs[1]: offs[1] + b.numel() * 4]).view(torch.float32)
+        assert torch.all(peer_view == peer + 1), f"peer {peer}'s data not visible"
+    dist.barrier()
+    used = COMM.pool_stats()["used"]
+    del a
+    assert COMM.pool_stats()["used"] < used, "releasing a pool tensor must free its slot"
+    # exhaustion: an allocation that does not fit falls back to an ordinary tensor
+    before = COMM.pool_stats()["fallbacks"]
+    huge = COMM.empty(COMM.pool_stats()["data_bytes"], dtype=torch.float32)
+    assert not pool.contains(huge) and COMM.pool_stats()["fallbacks"] == before + 1
+    # an allreduce whose staging does not fit falls back down the chain, and is still right
+    COMM._algo = "twoshot"
+    check_allreduce(COMM.pool_stats()["data_bytes"] // 2 + 1024, torch.float32, seed=4)
+    assert COMM.last_path in ("lamport", "torch"), COMM.last_path
+    COMM._algo = None
+    stats = COMM.pool_stats()
+    for key in ("size", "used", "peak", "largest_free", "fallbacks"):
+        assert key in stats
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def expect_error(exc_type, fn, match: str):
+    try:
+        fn()
+    except exc_type as exc:
+        assert match in str(exc), f"error message {exc!r} lacks {match!r}"
+        return
+    raise AssertionError(f"expected {exc_type.__name__} ({match})")
+
+
+def case_bad_input():
+    x = torch.ones(8, 16, device=device())
+    w = torch.ones(16, device=device())
+    expect_error(ValueError, lambda: COMM.all_reduce(x.t()), "contiguous")
+    expect_error(TypeError, lambda: COMM.all_reduce(x.int()), "supports bfloat16")
+    expect_error(ValueError, lambda: COMM.all_reduce(torch.ones(4, device="meta")), "is on meta")
+    expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x, torch.ones(15, device=device())), "weight must have shape")
+    expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x[:4], w), "residual must match")
+    expect_error(TypeError, lambda: COMM.all_reduce_add_rmsnorm(x, x, w, out_dtype=torch.float16), "out_dtype")
+    expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x, w, scale=torch.ones(1)), "scale")
+    expect_error(ValueError, lambda: COMM.empty(-1, 4, dtype=torch.float32), "negative")
+    expect_error(TypeError, lambda: COMM.empty(4, dtype=torch.int64), "support")
+    # shapes that differ across ranks, caught in UBNEXT_DEBUG mode before any kernel runs
+    os.environ["UBNEXT_DEBUG"] = "1"
+    try:
+        bad = torch.ones(4 + dist.get_rank(), device=device())
+        expect_error(ValueError, lambda: COMM.all_reduce(bad), "ranks called with different arguments")
+    finally:
+        del os.environ["UBNEXT_DEBUG"]
+    check_allreduce(100, torch.float32, seed=1)  # still usable afterwards
+
+
+# -- timeout ------------------------------------------------------------------------------------
+
+
+def case_timeout():
+    """Rank 1 never joins: every other rank fails within the timeout, naming peer 1."""
+    if MODE != "emulator":
+        return
+    os.environ["UBNEXT_TIMEOUT"] = "2"
+    comm = ubnext.Communicator(emulate=True, max_hidden=1024)
+    for algo in ("lamport", "nvls_twoshot", "twoshot", "nvls_lamport", "nvls_oneshot"):
+        comm = ubnext.Communicator(emulate=True, max_hidden=1024, algo=algo)
+        x = torch.ones(1024, device=device())
+        comm.all_reduce(x)  # everyone in: creates the pool
+        if dist.get_rank() != 1:
+            start = time.monotonic()
+            try:
+                comm.all_reduce(x)
+            except ubnext.UbnextTimeoutError as exc:
+                msg = str(exc)
+                took = time.monotonic() - start
+                assert f"rank {dist.get_rank()}" in msg and "peer 1" in msg and algo in msg, msg
+                assert took < 2 * 2 + 10, f"timeout took {took:.1f} s"
+                log("timeout ok:", msg)
+            else:
+                raise AssertionError(f"{algo}: the call without rank 1 did not time out")
+        dist.barrier()
+        comm._pool.close()  # the protocol state is broken now; drop it without the collective close
+    del os.environ["UBNEXT_TIMEOUT"]
+
+
+# -- traffic --------------------------------------------------------------------------------------
+
+
+def case_traffic():
+    if MODE != "emulator":
+        return
+    n = dist.get_world_size()
+    numel = 8192
+    S = numel * 2
+    x = T.rank_input(dist.get_rank(), numel, torch.bfloat16, 3)
+    emu = COMM._emu
+    for path in ("lamport", "nvls_twoshot", "twoshot"):
+        COMM._algo = path
+        COMM.all_reduce(x)
+        t = emu.traffic()
+        log(path, t)
+        if path == "lamport":
+            if COMM.pool.has_multicast:
+                assert t["mc_st_bytes"] == S, t
+                assert sum(t["st_bytes"]) == 0, t
+            else:
+                assert sum(t["st_bytes"]) == (n - 1) * S, t
+        elif path == "nvls_twoshot":
+            assert t["mc_ld_bytes"] == S // n, t
+            assert t["mc_st_bytes"] == S // n, t
+    COMM._algo = None
+
+
+# -- layers -------------------------------------------------------------------------------------
+
+
+def case_linear():
+    from ubnext.nn import Linear
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    fin, fout, tokens = 64, 48, 5
+    w_full = torch.randn(fout, fin, dtype=torch.float64)
+    b_full = torch.randn(fout, dtype=torch.float64)
+    x_full = torch.randn(tokens, fin, dtype=torch.float64)
+    shard = slice(rank * fin // n, (rank + 1) * fin // n)
+    for kind in (None, "nccl", "ubnext", "one_shot"):
+        layer = Linear(fin, fout, parallel_mode="row", symmetric_ar_type=kind, dtype=torch.float32, device=device())
+        with torch.no_grad():
+            layer.weight.copy_(w_full[:, shard])
+            layer.bias.copy_(b_full)
+        x = x_full[:, shard].float().to(device()).requires_grad_()
+        y = layer(x)
+        ref = x_full @ w_full.t() + b_full
+        assert (y.double().cpu() - ref).abs().max() < 1e-4, f"row {kind}: forward differs"
+        y.square().sum().backward()
+        g_ref = 2 * ref
+        assert (x.grad.double().cpu() - g_ref @ w_full[:, shard]).abs().max() < 1e-3, f"row {kind}: grad x"
+        assert (layer.weight.grad.double().cpu() - g_ref.t() @ x_full[:, shard]).abs().max() < 1e-3, f"row {kind}: grad w"
+    # fused: linear -> allreduce -> add -> RMSNorm, against an unfused fp64 reference
+    layer = Linear(fin, fout, parallel_mode="row", symmetric_ar_type="ubnext_add_rms", dtype=torch.float32, device=device())
+    with torch.no_grad():
+        layer.weight.copy_(w_full[:, shard])
+        layer.bias.copy_(b_full)
+        layer.norm_weight.copy_(torch.linspace(0.5, 1.5, fout))
+    residual = torch.randn(tokens, fout, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = x_full[:, shard].float().to(device()).requires_grad_()
+    res = residual.float().to(device()).requires_grad_()
+    normed, res_out = layer(x, res)
+    xr = x_full.clone().requires_grad_()
+    rr = residual.clone().requires_grad_()
+    wn = torch.linspace(0.5, 1.5, fout, dtype=torch.float64).requires_grad_()
+    ro_ref = xr @ w_full.t() + b_full + rr
+    n_ref = ro_ref * torch.rsqrt(ro_ref.square().mean(-1, keepdim=True) + 1e-6) * wn
+    assert (res_out.double().cpu() - ro_ref.detach()).abs().max() < 1e-4
+    assert (normed.double().cpu() - n_ref.detach()).abs().max() < 1e-4
+    (normed.square().sum() + res_out.sum()).backward()
+    (n_ref.square().sum() + ro_ref.sum()).backward()
+    assert (x.grad.double().cpu() - xr.grad[:, shard]).abs().max() < 1e-3, "fused: grad x"
+    assert (res.grad.double().cpu() - rr.grad).abs().max() < 1e-3, "fused: grad residual"
+    assert (layer.norm_weight.grad.double().cpu() - wn.grad).abs().max() < 1e-3, "fused: grad norm weight"
+    # column-parallel: output sharded; the backward all-reduces the input gradient
+    col = Linear(fin, fout if fout % n == 0 else n * 8, parallel_mode="column", dtype=torch.float32, device=device())
+    oshard = slice(rank * col.weight.shape[0], (rank + 1) * col.weight.shape[0])
+    wc = torch.randn(col.weight.shape[0] * n, fin, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        col.weight.copy_(wc[oshard])
+        col.bias.zero_()
+    x = x_full.float().to(device()).requires_grad_()
+    y = col(x)
+    assert (y.double().cpu() - x_full @ wc[oshard].t()).abs().max() < 1e-4
+    y.sum().backward()
+    assert (x.grad.double().cpu() - torch.ones(tokens, wc.shape[0], dtype=torch.float64) @ wc).abs().max() < 1e-3
+
+
+def case_compile():
+    import torch._dynamo
+
+    from ubnext import ops
+
+    group_name = dist.group.WORLD.group_name
+
+    class Block(torch.nn.Module):
+        def forward(self, x, residual, weight):
+            y = ops.all_reduce(x * 2, group_name)
+            out, res, _ = ops.all_reduce_add_rmsnorm(y, residual, weight, 1e-6, group_name)
+            return out + 1, res
+
+    torch._dynamo.reset()
+    block = Block()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x = T.rank_input(dist.get_rank(), 4 * 64, torch.float32, 8).view(4, 64).to(device())
+    r = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)).to(device())
+    w = torch.ones(64, device=device())
+    got = compiled(x, r, w)
+    want = block(x, r, w)
+    for g, e in zip(got, want):
+        assert torch.equal(g, e), "compiled and eager results differ"
+    explanation = torch._dynamo.explain(block)(x, r, w)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def main() -> int:
+    global MODE, COMM
+    MODE, names = sys.argv[1], sys.argv[2:]
+    try:
+        COMM = ubnext.Communicator(emulate=(MODE == "emulator"), max_hidden=16384)
+        dist.distributed_c10d._get_default_group()  # initialised by the constructor
+        for name in names:
+            t0 = time.monotonic()
+            CASES[name]()
+            dist.barrier()
+            if dist.get_rank() == 0:
+                log(f"{MODE} {name}: ok ({time.monotonic() - t0:.1f} s)")
+        COMM.close()
+        dist.destroy_process_group()
+        return 0
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # mpirun ends the job when a rank fails, instead of peers waiting forever
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""ABI checks without a GPU: every kernel's PTX .entry parameters match the argument kinds
+the Python launcher passes, and Python packs the descriptor in desc.cuh's field order."""
+
+import re
+
+import pytest
+
+from ubnext import kernels, pool
+
+PTX_KIND = {"ptr": {".u64", ".b64"}, "i32": {".u32", ".s32", ".b32"}, "f32": {".f32"}}
+ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
+PARAM = re.compile(r"\.param\s+(\.\w+)(?:\s+\.ptr[^ ]*)*(?:\s+\.align\s+\d+)?\s+(\w+)")
+
+
+def _entries(ptx: str) -> dict[str, list[str]]:
+    return {m.group(1): [p.group(1) for p in PARAM.finditer(m.group(2))] for m in ENTRY.finditer(ptx)}
+
+
+@pytest.mark.parametrize("fname", sorted(kernels.ALGOS.values() and set(kernels.ALGOS.values())))
+def test_entry_parameters_match_launcher(fname):
+    if not (kernels.CSRC / "kernels" / fname).exists():
+        pytest.fail(f"csrc/kernels/{fname} is missing")
+    entries = _entries(kernels.compile_ptx(fname, "sm_90"))
+    expected_names = kernels.sources()[fname]
+    for name in expected_names:
+        assert name in entries, f"{fname} has no .entry {name}"
+        params = entries[name]
+        assert len(params) == len(kernels.KERNEL_SIGNATURE), f"{name}: {len(params)} params, launcher passes {len(kernels.KERNEL_SIGNATURE)}"
+        for (arg, kind), ptx_type in zip(kernels.KERNEL_SIGNATURE, params):
+            assert ptx_type in PTX_KIND[kind], f"{name}: parameter {arg} is {ptx_type} in PTX, launcher passes {kind}"
+
+
+def test_abi_check_catches_a_mismatch():
+    """The parser is not vacuous: a kernel with a float where an int belongs is caught."""
+    ptx = ".entry ubnext_x(\n .param .u64 a,\n .param .f32 b\n)\n{"
+    assert _entries(ptx) == {"ubnext_x": [".u64", ".f32"]}
+    assert ".f32" not in PTX_KIND["i32"]
+
+
+def test_descriptor_field_order_matches_header():
+    text = (kernels.CSRC / "device" / "desc.cuh").read_text()
+    body = re.search(r"typedef struct ubnext_comm_desc \{(.*?)\} ubnext_comm_desc;", text, re.S).group(1)
+    fields = re.findall(r"unsigned long long (\w+(?:\[\w+\])?);", body)
+    fields = [f.replace("UBNEXT_MAX_RANKS", str(pool.MAX_RANKS)) for f in fields]
+    assert tuple(fields) == pool.DESC_FIELDS
+    assert f"#define UBNEXT_MAX_RANKS {pool.MAX_RANKS}" in text
+    assert f"#define UBNEXT_SYNC_BYTES {pool.SYNC_BYTES}" in text
+    assert f"#define UBNEXT_DESC_BYTES {pool.DESC_BYTES}" in text
+    for flag in ("FUSED_NORM", "FP8_STATIC", "FP8_PER_TOKEN", "MULTICAST"):
+        assert f"#define UBNEXT_F_{flag} {getattr(kernels, 'F_' + flag)}" in text
+    packed = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=6, mc_base=7,
+                            layout=pool.PoolLayout(2, 4096, 8192), peer_bases=[100, 200])
+    assert len(packed) == 8 * (16 + pool.MAX_RANKS) <= pool.DESC_BYTES

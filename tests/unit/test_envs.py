@@ -1,0 +1,75 @@
+import re
+from pathlib import Path
+
+import pytest
+
+from ubnext import envs
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_defaults(monkeypatch):
+    for var in envs.VARIABLES.values():
+        for name in (var.name, *var.aliases):
+            monkeypatch.delenv(name, raising=False)
+    assert envs.get("UBNEXT_MAX_BATCH") == 64
+    assert envs.get("UBNEXT_SYMM_POOL_SIZE") is None
+    assert envs.get("UBNEXT_ALGO") == "auto"
+    assert envs.get("UBNEXT_TIMEOUT") == 30.0
+
+
+def test_aliases_and_precedence(monkeypatch):
+    monkeypatch.delenv("UBNEXT_MAX_BATCH", raising=False)
+    monkeypatch.setenv("NVTE_UB_MAXBATCH", "128")
+    assert envs.get("UBNEXT_MAX_BATCH") == 128
+    monkeypatch.setenv("UBNEXT_MAX_BATCH", "32")
+    assert envs.get("UBNEXT_MAX_BATCH") == 32
+    monkeypatch.delenv("UBNEXT_SYMM_POOL_SIZE", raising=False)
+    monkeypatch.setenv("NVTE_UB_SYMM_POOL_SIZE", "256")
+    assert envs.get("UBNEXT_SYMM_POOL_SIZE") == 256
+
+
+@pytest.mark.parametrize("name,value", [
+    ("UBNEXT_ALGO", "fastest"), ("UBNEXT_MAX_BATCH", "0"), ("UBNEXT_MAX_BATCH", "many"),
+    ("UBNEXT_TIMEOUT", "-1"), ("UBNEXT_EMULATE", "maybe"), ("UBNEXT_POOL_BACKEND", "cuda"),
+])
+def test_bad_value_names_variable_and_accepted(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(envs.EnvError) as info:
+        envs.get(name)
+    msg = str(info.value)
+    assert name in msg and repr(value) in msg and envs.VARIABLES[name].accepted in msg
+
+
+def test_bad_alias_value_names_alias(monkeypatch):
+    monkeypatch.delenv("UBNEXT_MAX_BATCH", raising=False)
+    monkeypatch.setenv("NVTE_UB_MAXBATCH", "-3")
+    with pytest.raises(envs.EnvError, match="NVTE_UB_MAXBATCH.*alias of UBNEXT_MAX_BATCH"):
+        envs.get("UBNEXT_MAX_BATCH")
+
+
+def test_unknown_variable():
+    with pytest.raises(KeyError):
+        envs.get("UBNEXT_NOPE")
+
+
+def test_readme_documents_every_variable():
+    text = README.read_text()
+    for var in envs.VARIABLES.values():
+        assert f"`{var.name}`" in text, f"README lacks {var.name}"
+    assert envs.describe_table() in text, "README's env table is stale: paste envs.describe_table()"
+
+
+def test_only_envs_reads_the_environment():
+    pkg = Path(envs.__file__).parent
+    offenders = []
+    for path in pkg.glob("*.py"):
+        if path.name == "envs.py":
+            continue
+        if re.search(r"os\.environ|os\.getenv|getenv\(", path.read_text()):
+            offenders.append(path.name)
+    csrc = pkg.parent / "csrc"
+    for path in csrc.rglob("*"):
+        if path.suffix in (".cu", ".cuh", ".h", ".cpp", ".c") and "getenv" in path.read_text():
+            offenders.append(str(path.relative_to(pkg.parent)))
+    assert not offenders, f"only ubnext/envs.py may read the environment: {offenders}"
