@@ -84,6 +84,9 @@ const char* op_name(uint32_t op) {
 bool aligned(const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; }
 
 ubnext_status_t from_cuda(cudaError_t err, const char* call) {
+  // The error is reported here; consume it so that it does not resurface from
+  // cudaGetLastError in unrelated caller code.
+  if (err != cudaSuccess) (void)cudaGetLastError();
   switch (err) {
     case cudaSuccess: return UBNEXT_STATUS_SUCCESS;
     // The runtime reports a missing libcuda as an insufficient or stub driver.
@@ -344,15 +347,9 @@ ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
   void* params[] = {&a.desc,     &a.in,    &a.out,       &a.residual,
                     &a.residual_out, &a.weight, &a.scale, &a.scale_inv,
                     &a.n,        &a.hidden, &a.eps,      &a.flags};
-  const cudaError_t err =
-      cudaLaunchKernel(reinterpret_cast<const void*>(k.stub), dim3(grid), dim3(block), params, 0,
+  const cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(k.stub), dim3(grid), dim3(block), params, 0,
                        static_cast<cudaStream_t>(launch.stream));
-  if (err != cudaSuccess) {
-    // Consume the error so that it does not surface later in unrelated caller code.
-    (void)cudaGetLastError();
-    return from_cuda(err, k.name);
-  }
-  return UBNEXT_STATUS_SUCCESS;
+  return from_cuda(err, k.name);
 }
 
 }  // namespace
