@@ -1,0 +1,304 @@
+"""Binding of the CPU emulator (``csrc/emu``, ``libubnext_emu.so``).
+
+The emulator runs the real kernel sources (``csrc/kernels/*.cu``) as host C++: g++ compiles
+them with ``-DUBNEXT_EMULATOR`` together with the emulator runtime (``csrc/emu/*.cpp``) and its
+self-test kernels (``csrc/emu/*.cu``) into one shared library. See ``csrc/emu/README.md``.
+
+This is host code, and the only module of ubnext that uses ctypes.
+
+API::
+
+    path = build(break_name="")        # compile (or reuse the cached) library, return its path
+    emu = load(break_name="")          # build + dlopen once per process and break name
+    emu.launch(kernel, grid, block, [("ptr", p), ("i32", n), ("f32", eps), ...])
+    handle = emu.register(rank, nranks, peer_bases, nbytes, mc_base)
+    emu.unregister(handle)
+    mc = emu.reserve(nbytes); emu.release(mc, nbytes)
+    emu.traffic()                      # Traffic of the last launch
+    emu.configure(chaos, seed)
+
+``python -m ubnext._emu build [--break NAME]`` builds ahead of time and prints the path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from . import envs
+
+__all__ = ["BREAKS", "EmulatorError", "Traffic", "Emulator", "build", "load"]
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+# Test-only protocol breaks: name -> macro. "" is the correct build.
+BREAKS = {
+    "": None,
+    "skip_repoison": "UBNEXT_BREAK_SKIP_REPOISON",
+    "no_release": "UBNEXT_BREAK_NO_RELEASE",
+    "skip_barrier": "UBNEXT_BREAK_SKIP_BARRIER",
+}
+CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
+            "-Wno-unused-function", "-DUBNEXT_EMULATOR")
+MAX_RANKS = 16
+TRAFFIC_WORDS = 4 * MAX_RANKS + 6
+_ERRLEN = 1024
+
+
+class EmulatorError(RuntimeError):
+    """A launch the emulator refused or a kernel that failed (deadlock in a block, __trap)."""
+
+
+def _sources() -> list[Path]:
+    """Translation units of the library: the runtime, its self-test kernels, every kernel."""
+    return (sorted((CSRC / "emu").glob("*.cpp")) + sorted((CSRC / "emu").glob("*.cu"))
+            + sorted((CSRC / "kernels").glob("*.cu")))
+
+
+def _include_dirs() -> list[Path]:
+    from .kernels import cuda_include_dir
+
+    # The shim directory goes last: it only supplies crt/host_defines.h where the CUDA headers
+    # come from the pip wheel, which lacks it (csrc/emu/shim/crt/host_defines.h says why).
+    return [CSRC, cuda_include_dir(), CSRC / "emu" / "shim"]
+
+
+def _compiler() -> str:
+    cxx = shutil.which("g++")
+    if cxx is None:
+        raise EmulatorError("the emulator needs g++ (C++20), which is not on PATH")
+    return cxx
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def _flags(break_name: str) -> list[str]:
+    if break_name not in BREAKS:
+        raise ValueError(f"unknown emulator break {break_name!r}; known: {sorted(BREAKS)}")
+    flags = list(CXXFLAGS)
+    if BREAKS[break_name]:
+        flags.append(f"-D{BREAKS[break_name]}")
+    return flags + [f"-I{d}" for d in _include_dirs()]
+
+
+def _build_key(cxx: str, flags: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in CSRC.rglob("*") if p.suffix in (".h", ".cuh", ".cu", ".cpp", ".hpp")):
+        h.update(str(path.relative_to(CSRC)).encode() + b"\0" + path.read_bytes())
+    inc = _include_dirs()[1]
+    for name in ("cuda_bf16.h", "cuda_fp16.h", "cuda_fp8.h", "vector_types.h"):
+        if (inc / name).exists():
+            h.update((inc / name).read_bytes())
+    h.update("\0".join(flags).encode())
+    h.update(_compiler_version(cxx).encode())
+    return h.hexdigest()[:20]
+
+
+def _compile(cxx: str, flags: Sequence[str], sources: Iterable[Path], workdir: Path, out: Path) -> None:
+    sources = list(sources)
+
+    def one(src: Path) -> Path:
+        obj = workdir / (src.parent.name + "_" + src.name + ".o")
+        lang = ["-x", "c++"] if src.suffix == ".cu" else []
+        proc = subprocess.run([cxx, *flags, *lang, "-c", str(src), "-o", str(obj)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise EmulatorError(f"g++ failed on {src.relative_to(ROOT)}:\n{proc.stderr[-8000:]}")
+        return obj
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        objs = list(pool.map(one, sources))
+    proc = subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-ldl", "-o", str(out)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EmulatorError(f"linking the emulator failed:\n{proc.stderr[-8000:]}")
+
+
+def build(break_name: str = "", *, force: bool = False) -> Path:
+    """Compile the emulator library (or find it in the cache) and return its path.
+
+    The cache is ``UBNEXT_CACHE_DIR/emu/``, keyed by every source under csrc/, the flags (the
+    break name among them), the CUDA headers and the compiler version. Ranks that build at once
+    are safe: one builds under an fcntl lock, into a temporary file renamed into place.
+    """
+    cxx = _compiler()
+    flags = _flags(break_name)
+    key = _build_key(cxx, flags)
+    cache = Path(envs.get("UBNEXT_CACHE_DIR")) / "emu"
+    cache.mkdir(parents=True, exist_ok=True)
+    lib = cache / f"libubnext_emu-{break_name or 'ok'}-{key}.so"
+    if lib.exists() and not force:
+        return lib
+    with open(cache / f".lock-{key}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists() and not force:
+            return lib
+        with tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:
+            out = Path(tmp) / lib.name
+            _compile(cxx, flags, _sources(), Path(tmp), out)
+            os.replace(out, lib)
+    return lib
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Memory traffic of one launch on this rank. Peer lists are indexed by rank (own rank: 0).
+    Multicast accesses are counted once each, at their size."""
+
+    peer_store_bytes: tuple[int, ...]
+    peer_store_ops: tuple[int, ...]
+    peer_load_bytes: tuple[int, ...]
+    peer_load_ops: tuple[int, ...]
+    mc_store_bytes: int
+    mc_store_ops: int
+    mc_ld_reduce_bytes: int
+    mc_ld_reduce_ops: int
+    mc_red_bytes: int
+    mc_red_ops: int
+
+
+_ARG_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+
+
+class Emulator:
+    """The loaded library. One launch runs at a time per process (the library serialises)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        lib = ctypes.CDLL(str(path))
+        u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
+        lib.ubnext_emu_launch.argtypes = [ctypes.c_char_p, i32, i32, ctypes.POINTER(ctypes.c_void_p),
+                                          ctypes.c_char_p, i32]
+        lib.ubnext_emu_launch.restype = i32
+        lib.ubnext_emu_register.argtypes = [i32, i32, ctypes.POINTER(u64), u64, u64]
+        lib.ubnext_emu_register.restype = i64
+        lib.ubnext_emu_unregister.argtypes = [i64]
+        lib.ubnext_emu_unregister.restype = i32
+        lib.ubnext_emu_reserve.argtypes = [u64]
+        lib.ubnext_emu_reserve.restype = u64
+        lib.ubnext_emu_release.argtypes = [u64, u64]
+        lib.ubnext_emu_release.restype = i32
+        lib.ubnext_emu_traffic.argtypes = [ctypes.POINTER(u64), i32]
+        lib.ubnext_emu_traffic.restype = i32
+        lib.ubnext_emu_configure.argtypes = [i32, u64]
+        lib.ubnext_emu_configure.restype = None
+        lib.ubnext_emu_set_watchdog_ns.argtypes = [u64]
+        lib.ubnext_emu_set_watchdog_ns.restype = None
+        self._lib = lib
+        self._watchdog_s: float | None = None
+
+    def launch(self, kernel: str, grid: int, block: int, args: Sequence[tuple[str, object]]) -> None:
+        """Run ``kernel`` (extern "C" in the library) on ``grid`` x ``block`` emulated threads,
+        synchronously. ``args`` is the kernel's parameter list as (type, value) pairs, type in
+        "ptr" (int address or 0/None), "i32", "f32". Raises EmulatorError on failure. A launch
+        that does not end within the watchdog (default 3 x UBNEXT_TIMEOUT) aborts the process
+        with a report: a hang must not outlive the test that caused it."""
+        if len(args) != 12:
+            raise EmulatorError(f"{kernel}: the kernel ABI has 12 parameters, got {len(args)}")
+        values = []
+        for i, (kind, value) in enumerate(args):
+            try:
+                values.append(_ARG_TYPES[kind](value or 0))
+            except KeyError:
+                raise EmulatorError(f"{kernel}: parameter {i} has unknown type {kind!r}") from None
+        ptrs = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+        watchdog = self._watchdog_s if self._watchdog_s is not None else 3.0 * envs.get("UBNEXT_TIMEOUT")
+        self._lib.ubnext_emu_set_watchdog_ns(int(watchdog * 1e9))
+        err = ctypes.create_string_buffer(_ERRLEN)
+        rc = self._lib.ubnext_emu_launch(kernel.encode(), int(grid), int(block), ptrs, err, _ERRLEN)
+        if rc != 0:
+            raise EmulatorError(f"emulator launch of {kernel} (grid {grid}, block {block}) failed: "
+                                f"{err.value.decode(errors='replace')}")
+
+    def set_watchdog(self, seconds: float | None) -> None:
+        """Override the watchdog bound of later launches (None: 3 x UBNEXT_TIMEOUT)."""
+        self._watchdog_s = seconds
+
+    def register(self, rank: int, nranks: int, peer_bases: Sequence[int], nbytes: int, mc_base: int = 0) -> int:
+        """Tell the twins about a symmetric region: ``peer_bases[r]`` is rank r's copy as mapped
+        in this process, each ``nbytes`` long; ``mc_base`` its multicast range (``reserve``) or 0.
+        Returns the handle for ``unregister``. Not while a launch runs."""
+        if len(peer_bases) != nranks:
+            raise ValueError(f"{len(peer_bases)} peer bases for {nranks} ranks")
+        bases = (ctypes.c_uint64 * max(1, nranks))(*peer_bases)
+        handle = self._lib.ubnext_emu_register(rank, nranks, bases, nbytes, mc_base or 0)
+        if handle < 0:
+            raise EmulatorError(f"cannot register a region (rank {rank} of {nranks}, {nbytes} bytes): "
+                                "bad arguments or too many regions")
+        return int(handle)
+
+    def unregister(self, handle: int) -> None:
+        if self._lib.ubnext_emu_unregister(handle) != 0:
+            raise EmulatorError(f"no registered region {handle}")
+
+    def reserve(self, nbytes: int) -> int:
+        """An inaccessible address range to use as a multicast address (a plain access faults)."""
+        addr = self._lib.ubnext_emu_reserve(nbytes)
+        if not addr:
+            raise EmulatorError(f"cannot reserve {nbytes} bytes of address space")
+        return int(addr)
+
+    def release(self, addr: int, nbytes: int) -> None:
+        if self._lib.ubnext_emu_release(addr, nbytes) != 0:
+            raise EmulatorError(f"cannot release {nbytes} bytes at {addr:#x}")
+
+    def traffic(self) -> Traffic:
+        """Traffic counters of the last launch."""
+        words = (ctypes.c_uint64 * TRAFFIC_WORDS)()
+        self._lib.ubnext_emu_traffic(words, TRAFFIC_WORDS)
+        w = list(words)
+        r = MAX_RANKS
+        return Traffic(tuple(w[0:r]), tuple(w[r:2 * r]), tuple(w[2 * r:3 * r]), tuple(w[3 * r:4 * r]),
+                       *w[4 * r:4 * r + 6])
+
+    def configure(self, chaos: bool, seed: int = 0) -> None:
+        """Chaos mode on/off for later launches; seed 0 derives one from the time and pid."""
+        self._lib.ubnext_emu_configure(1 if chaos else 0, int(seed) & (2**64 - 1))
+
+
+_loaded: dict[str, Emulator] = {}
+_load_lock = threading.Lock()
+
+
+def load(break_name: str = "") -> Emulator:
+    """The emulator library for ``break_name`` ("" = correct build), built and loaded once."""
+    with _load_lock:
+        if break_name not in _loaded:
+            _loaded[break_name] = Emulator(build(break_name))
+        return _loaded[break_name]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ubnext._emu", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build the emulator library and print its path")
+    b.add_argument("--break", dest="break_name", default="", choices=sorted(BREAKS),
+                   help="TEST ONLY: a deliberately broken protocol build")
+    b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    ns = parser.parse_args(argv)
+    try:
+        print(build(ns.break_name, force=ns.force))
+    except EmulatorError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

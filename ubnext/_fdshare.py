@@ -1,0 +1,80 @@
+"""Pass file descriptors between the rank processes of one node (SCM_RIGHTS over Unix sockets).
+
+Used for the emulator's memfd pool and for cuMem POSIX-fd handles. The ranks already share a
+host-side ``allgather(obj) -> [obj of every rank]`` (torch.distributed or MPI); it carries the
+socket addresses, the fds themselves travel over the sockets.
+
+Protocol: every rank listens on a fresh abstract-namespace socket and publishes (address, pid)
+by allgather; every sending rank connects to each peer and sends one message carrying its rank
+and its fd; every rank accepts one connection per sender. Connections complete in the listen
+backlog and a Unix stream socket keeps its data after the sender closes it, so "send to all,
+then accept all" cannot deadlock. The receiver checks SO_PEERCRED against the published pid,
+so another process on the host cannot slip in a descriptor.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from typing import Callable
+
+__all__ = ["exchange_fds"]
+
+_TIMEOUT_S = 60.0
+_MSG = struct.Struct("<i")
+
+
+def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], list],
+                 only_from: int | None = None) -> list[int]:
+    """Every rank's ``fd``, as descriptors owned by the caller (the caller closes all of them;
+    its own entry is a dup of ``fd``, which the caller still owns too).
+
+    Collective over the ranks of ``allgather``. With ``only_from=r`` only rank r's fd is shared
+    (the others pass any ``fd``, e.g. -1) and every other entry of the result is -1.
+    Raises OSError/TimeoutError after closing everything it opened.
+    """
+    if not 0 <= rank < nranks:
+        raise ValueError(f"rank {rank} outside [0, {nranks})")
+    senders = list(range(nranks)) if only_from is None else [only_from]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    result = [-1] * nranks
+    try:
+        listener.bind(f"\0ubnext-fds-{os.getpid()}-{os.urandom(8).hex()}")
+        listener.listen(max(1, nranks))
+        listener.settimeout(_TIMEOUT_S)
+        peers = allgather((listener.getsockname(), os.getpid()))
+        if rank in senders:
+            result[rank] = os.dup(fd)
+            for peer in range(nranks):
+                if peer != rank:
+                    _send(peers[peer][0], rank, fd)
+        expected = [r for r in senders if r != rank]
+        for _ in expected:
+            conn, _addr = listener.accept()
+            with conn:
+                conn.settimeout(_TIMEOUT_S)
+                pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+                msg, fds, _flags, _ = socket.recv_fds(conn, _MSG.size, 1)
+                sender = _MSG.unpack(msg)[0] if len(msg) == _MSG.size else -1
+                if len(fds) != 1 or sender not in expected or result[sender] != -1 or peers[sender][1] != pid:
+                    for f in fds:
+                        os.close(f)
+                    raise OSError(f"rank {rank}: unexpected fd message (sender {sender}, pid {pid}, "
+                                  f"{len(fds)} fds)")
+                result[sender] = fds[0]
+    except BaseException:
+        for f in result:
+            if f >= 0:
+                os.close(f)
+        raise
+    finally:
+        listener.close()
+    return result
+
+
+def _send(address: str, rank: int, fd: int) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(_TIMEOUT_S)
+        s.connect(address)
+        socket.send_fds(s, [_MSG.pack(rank)], [fd])
