@@ -404,6 +404,7 @@ class SymmetricPool:
             "graph": Allocator(layout.data_off + half, layout.data_bytes - half, min_align=16),
         }
         self.fallbacks = 0
+        self._graph_tensors: list[torch.Tensor] = []
         self._closed = False
 
     @staticmethod
@@ -495,8 +496,14 @@ class SymmetricPool:
             self.fallbacks += 1
             raise
         slot = _Slot(self.base + offset, nbytes, self.device, self.backend)
-        weakref.finalize(slot, _free_if_open, weakref.ref(self), arena, offset)
-        return slot.tensor(self.device).view(dtype).view(shape)
+        tensor = slot.tensor(self.device).view(dtype).view(shape)
+        if arena == "graph":
+            # a captured graph reads and writes this memory on every replay, long after the
+            # Python tensor is gone: graph-arena memory is held for the pool's lifetime
+            self._graph_tensors.append(tensor)
+        else:
+            weakref.finalize(slot, _free_if_open, weakref.ref(self), arena, offset)
+        return tensor
 
     def offset_of(self, t: torch.Tensor) -> int:
         return t.data_ptr() - self.base
@@ -520,6 +527,7 @@ class SymmetricPool:
         if self._closed:
             return
         self._closed = True
+        self._graph_tensors.clear()
         self.backend.close()
 
 
