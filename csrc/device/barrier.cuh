@@ -70,6 +70,7 @@ UBX_DEV void report_timeout(const ubnext_comm_desc* d, uint32_t op, uint32_t pee
     st_relaxed_sys_u32(err + 1, op);
     st_relaxed_sys_u32(err + 2, static_cast<uint32_t>(d->rank));
     st_relaxed_sys_u32(err + 3, peer);
+    fence_acq_rel_sys();  // publish op/rank/peer (the host reads code with acquire, then the rest)
   }
 }
 
@@ -84,6 +85,26 @@ UBX_DEV bool wait_flag_reached(const uint32_t* flag, uint32_t target, uint64_t l
     spin_pause();
     if (epoch_reached(ld_acquire_sys_u32(flag), target)) return true;
     if (globaltimer_ns() - t0 > limit) return false;
+  }
+}
+
+// Lamport-style poll of one 16-byte vector until no 32-bit word is the sentinel 0x80000000 (vec.cuh's
+// is_ready rule, restated here so that this header does not need vec.cuh). On timeout report
+// {TIMEOUT, op, rank, peer}; give up silently when some thread already reported (checked every 256
+// spins), so that a dead peer costs one timeout rather than one per thread.
+UBX_DEV bool poll_ready_v4(const void* addr, uint4& v, const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
+  const uint32_t* err = reinterpret_cast<const uint32_t*>(static_cast<uint64_t>(d->err_ptr));
+  const uint64_t limit = timeout_ns(d);
+  const uint64_t t0 = globaltimer_ns();
+  for (uint32_t it = 1;; ++it) {
+    v = ld_volatile_v4(addr);
+    if ((v.x != 0x80000000u) & (v.y != 0x80000000u) & (v.z != 0x80000000u) & (v.w != 0x80000000u)) return true;
+    if ((it & 255u) == 0u && err != nullptr && ld_volatile_u32(err) != 0u) return false;
+    if (globaltimer_ns() - t0 > limit) {
+      report_timeout(d, op, peer);
+      return false;
+    }
+    spin_pause();
   }
 }
 

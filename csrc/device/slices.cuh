@@ -1,0 +1,160 @@
+// How the two-shot kernels (nvls_twoshot, nvls_lamport, unicast twoshot) cut a message between ranks
+// and threads, and the local "row phase" they share with nvls_oneshot.
+//
+// A message of nvec 16-byte vectors is seen as nrows rows of nv vectors:
+//   - flat mode (plain allreduce): one row, nv = nvec;
+//   - row mode (FUSED_NORM or FP8 flags): nrows = n / hidden token rows of nv = hidden / V vectors.
+// Rank r owns the portion [r*cv, min((r+1)*cv, nv)) of EVERY row, cv = ceil(nv / nranks). Its portion of
+// row `row`, item j (0 <= j < cv), is global vector gi = row*nv + r*cv + j, and has "slot position"
+// pos = row*cv + j: nvls_lamport stores it at slot [r], byte pos*16, of the Lamport buffer, so every
+// slot holds (nrows*cv)*16 <= message bytes, the same "bytes per slot" meaning as lamport.cu uses for its
+// re-poisoning.
+//
+// Why a portion of every row, rather than whole tokens per rank: with 1..N tokens (decode) whole-token
+// ownership leaves ranks idle and puts a whole row's ld_reduce on one rank; portions keep every rank
+// busy with 1/N of every row, and token counts smaller than the world size need no special case.
+// (Each RMS row still becomes local: the row math runs after the broadcast, see rows_phase.)
+//
+// Thread mapping, chosen so that block b only ever waits for data written by block b of the peers
+// (barriers and Lamport polls are per block; no block depends on another block of any rank):
+//   - flat: item j of the rank's portion belongs to global thread j % (gridDim*blockDim); after the
+//     exchange that same thread handles item j of EVERY rank's portion (vectors s*cv + j).
+//   - rows: row `row` belongs to block row % gridDim, on every rank and in every phase; inside the
+//     block, items (local row t, j) are spread over the threads.
+#pragma once
+
+#include "platform.cuh"
+#include "desc.cuh"
+#include "vec.cuh"
+#include "reduce.cuh"
+#include "norm.cuh"
+
+namespace ubx {
+
+struct Slices {
+  int64_t nv;     // vectors per row (flat: whole message)
+  int64_t nrows;  // 1 in flat mode
+  int64_t cv;     // items per rank per row: ceil(nv / nranks)
+  bool rows;      // row mode
+};
+
+UBX_DEV Slices make_slices(int64_t nvec, int64_t row_vecs /* 0: flat */, uint32_t nranks) {
+  Slices s;
+  s.rows = row_vecs > 0;
+  s.nv = s.rows ? row_vecs : nvec;
+  s.nrows = s.rows ? nvec / row_vecs : 1;
+  s.cv = (s.nv + nranks - 1) / nranks;
+  return s;
+}
+
+// Bytes each rank's slot of a Lamport buffer holds for this message.
+UBX_DEV uint64_t slice_slot_bytes(const Slices& s) { return static_cast<uint64_t>(s.nrows * s.cv) * 16u; }
+
+UBX_DEV int64_t global_tid() { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
+UBX_DEV int64_t global_threads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
+// Rows of block b (rows b, b + G, b + 2G, ...).
+UBX_DEV int64_t rows_of_block(int64_t nrows) {
+  const int64_t b = blockIdx.x, g = gridDim.x;
+  return b < nrows ? (nrows - 1 - b) / g + 1 : 0;
+}
+
+// This thread's work items of rank r's portions: k = first, first + step, ... < total.
+struct SliceWork {
+  int64_t first, step, total;
+};
+UBX_DEV SliceWork slice_work(const Slices& s) {
+  SliceWork w;
+  if (s.rows) {
+    w.first = threadIdx.x;
+    w.step = blockDim.x;
+    w.total = rows_of_block(s.nrows) * s.cv;
+  } else {
+    w.first = global_tid();
+    w.step = global_threads();
+    w.total = s.cv;
+  }
+  return w;
+}
+
+// Work item k of owner rank r -> global vector gi and slot position pos. false: past the row's end
+// (the last rank's portion can be short, or empty when nv < nranks).
+UBX_DEV bool slice_item(const Slices& s, uint32_t r, int64_t k, int64_t& gi, int64_t& pos) {
+  int64_t row = 0, j = k;
+  if (s.rows) {
+    const int64_t t = k / s.cv;
+    j = k - t * s.cv;
+    row = static_cast<int64_t>(blockIdx.x) + t * static_cast<int64_t>(gridDim.x);
+  }
+  const int64_t i = static_cast<int64_t>(r) * s.cv + j;
+  if (i >= s.nv) return false;
+  gi = row * s.nv + i;
+  pos = row * s.cv + j;
+  return true;
+}
+
+// Phase A driver: for every item of THIS rank's portions, v = load(gi) then store(gi, pos, v), kBatch
+// items at a time (all loads of a batch are issued before the first store: the loads are cross-rank
+// round trips, so they must overlap).
+template <int kBatch, class Load, class Store>
+UBX_DEV void for_my_slice(const Slices& s, uint32_t rank, Load& load, Store& store) {
+  const SliceWork w = slice_work(s);
+  for (int64_t k0 = w.first; k0 < w.total; k0 += kBatch * w.step) {
+    int64_t gi[kBatch], pos[kBatch];
+    bool ok[kBatch];
+    uint4 v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t k = k0 + u * w.step;
+      ok[u] = k < w.total && slice_item(s, rank, k, gi[u], pos[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (ok[u]) v[u] = load(gi[u]);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (ok[u]) store(gi[u], pos[u], v[u]);
+  }
+}
+
+// Reduced values that already lie in local memory (T bits): the two-shot kernels after the exchange.
+template <typename T>
+struct LocalSrc {
+  const void* x;
+  int64_t n;
+  UBX_DEV bool operator()(int64_t gi, float (&s)[DType<T>::kElems]) const {
+    unpack<T>(load_vec<T>(x, gi, n), s);
+    return true;
+  }
+};
+
+// The row phase: every block runs norm_row (csrc/device/norm.cuh) on its rows (row % gridDim ==
+// blockIdx.x), writing residual_out / out / scale_inv of THIS rank with plain stores. Collective over
+// the block. Same code path and arithmetic as lamport.cu, so identical reduced rows give identical bits.
+template <typename T, class Src>
+UBX_DEV void rows_phase(Src& src, int64_t nrows, const void* residual, void* residual_out, const void* weight,
+                        const float* scale, float* scale_inv, void* out, int64_t n, int hidden, float eps,
+                        int flags, uint4* cache, float* scratch) {
+  if ((flags & UBNEXT_F_FP8_STATIC) && !(flags & UBNEXT_F_FP8_PER_TOKEN) && blockIdx.x == 0 &&
+      threadIdx.x == 0 && scale_inv != nullptr)
+    scale_inv[0] = scale[0];  // static: the returned scale_inv IS the dequant scale, written once
+  const RowParams rp{residual, weight, scale, hidden, eps, flags};
+  const GlobalSink<T> sink{residual_out, out, scale_inv, n};
+  for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
+    if (!norm_row<T>(rp, row, src, sink, cache, UBX_ROW_CACHE_VECS, scratch)) break;  // block-uniform
+}
+
+// Flat mode, after the exchange: copy every rank's portion item j of this thread from `from` to `to`
+// (same mapping as the exchange, so only data written by this block index of the peers is touched).
+template <typename T>
+UBX_DEV void copy_all_portions(const Slices& s, uint32_t nranks, const void* from, void* to) {
+  const uint4* src = reinterpret_cast<const uint4*>(from);
+  uint4* dst = reinterpret_cast<uint4*>(to);
+  for (int64_t j = global_tid(); j < s.cv; j += global_threads())
+    for (uint32_t r = 0; r < nranks; ++r) {
+      const int64_t gi = static_cast<int64_t>(r) * s.cv + j;
+      if (gi < s.nv) dst[gi] = src[gi];
+    }
+}
+
+}  // namespace ubx

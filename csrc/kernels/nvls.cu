@@ -1,0 +1,324 @@
+// NVLS (NVLink SHARP, multicast) allreduce kernels, optionally fused with residual add + RMSNorm and
+// FP8 e4m3 output. sm_90+ with a multicast-capable pool (desc->mc_base != 0).
+//
+// Kernels (the one ABI parameter list, docs/ARCHITECTURE.md):
+//   ubnext_nvls_twoshot_{bf16,fp16,fp32}   in place: reduce-scatter by multimem.ld_reduce, broadcast by
+//                                           multimem.st, per-block barriers around it
+//   ubnext_nvls_oneshot_{...}              every rank multimem.ld_reduces the whole message
+//   ubnext_nvls_lamport_{...}              two-shot whose broadcast lands in the pre-poisoned Lamport
+//                                           buffers and is polled, instead of a final barrier
+//
+// Addresses: a pool pointer p of this rank has the multicast address mc_base + (p - peer_base[rank])
+// (barrier.cuh: mc_addr). `in` must lie in this rank's pool data arena for all three kernels.
+//
+// ---------------------------------------------------------------- nvls_twoshot
+//   barrier -> rank r reduces ITS portion of the message (slices.cuh: 1/N of the flat message, or 1/N of
+//   every token row in row mode) with multimem.ld_reduce (fp32 accumulation in the switch, result rounded
+//   to T) -> multimem.st of the T result back to the same offset of `in`, i.e. into every rank's copy ->
+//   barrier -> (row mode) every rank runs the row math (residual add, RMSNorm, FP8) on every row, from its
+//   own, now complete, copy of `in`, writing out / residual_out / scale_inv locally.
+//   Each element is reduced once and broadcast, and the row math is deterministic (norm.cuh), so every
+//   rank gets IDENTICAL bits (given identical residual and weight on every rank, the tensor-parallel case).
+//   Why the row math runs after the broadcast, on every rank, instead of on the owner before it: the
+//   outputs (out, residual_out, per-token scale_inv) then need not lie in the pool nor be broadcast (one
+//   multicast store of the reduced value instead of two or three), the residual add uses each rank's own
+//   residual (the unfused semantics: all_reduce(in) + residual), and FP8 output works. The price is
+//   N-fold duplicated row math, which is local memory traffic (HBM/L2, ~7x NVLink bandwidth).
+//   Contract:
+//     in == out (plain; in place), or out any buffer not overlapping in (copied after the exchange; in
+//       then also holds the result).
+//     Row mode: `in` is clobbered (it ends holding the allreduce result in T). out == in is allowed for
+//       dtype output; FP8 output needs out (n bytes) not overlapping in. residual / residual_out / weight /
+//       scale / scale_inv anywhere (device memory), not overlapping in or out; residual_out may alias
+//       residual. Results: residual_out = T(T(sum) + residual); out = T(T(r * rsqrt(mean(r^2) + eps)) * w)
+//       or its e4m3 quantisation; scale_inv[0] = scale[0] (FP8_STATIC), scale_inv[row] (FP8_PER_TOKEN).
+//   Ordering: barrier 1 (release/acquire .sys) orders every rank's earlier writes of `in` before any
+//   ld_reduce; barrier 2 orders every rank's multimem.st before the reads of the row phase / the end of the
+//   kernel. No trailing barrier is needed in row mode: after barrier 2 no rank touches another rank's
+//   memory in this call, and block b passes barrier 2 only when block b of every rank has finished its
+//   ld_reduces and stores; the next call's barrier 1 covers the rest (its peers' previous kernels are
+//   complete by stream order).
+//   Traffic per rank (B = message bytes): multimem.ld_reduce of B/N bytes and multimem.st of B/N bytes;
+//   the switch reads B bytes out of each rank's memory in total (every slice) and delivers B bytes of
+//   broadcast into it. Barriers: 2 x one 4-byte multimem.st.release per block.
+//
+// ---------------------------------------------------------------- nvls_oneshot
+//   barrier -> every rank multimem.ld_reduces the WHOLE message into its own `out` (anywhere), or runs the
+//   row math on every row from ld_reduce -> barrier.
+//   The trailing barrier: peers read our `in` through the multicast address until they are done; without
+//   it our next producer (any kernel after this one on our stream) could overwrite `in` while a slow peer
+//   still reads it. Block b passes it only when block b of every rank has finished reading.
+//   Bits: every rank reduces every element itself and the switch's summation order is not specified, so
+//   results MAY DIFFER IN THE LAST BIT BETWEEN RANKS. Use nvls_twoshot when ranks must agree bitwise.
+//   In row mode with rows longer than the shared-memory row cache (hidden > 16384 for 16-bit types,
+//   > 8192 for fp32) and no residual_out, norm_row re-reads a vector through ld_reduce; the switch may
+//   round that second sum differently, so r may differ in the last bit from the value used for the RMS.
+//   Contract: in in the pool (not modified); out, residual, residual_out, weight, scale, scale_inv anywhere,
+//   not overlapping in; residual_out may alias residual.
+//   Traffic per rank: multimem.ld_reduce of B bytes (the switch reads N*B bytes out of each rank's memory,
+//   in total), no multicast stores except the barriers (2 per block).
+//
+// ---------------------------------------------------------------- nvls_lamport
+//   barrier -> reduce our portion with ld_reduce, sanitise -0 (so no word can equal the sentinel), and
+//   multimem.st it into slot [rank] of Lamport buffer k % 3 (slices.cuh gives the position) -> re-poison our
+//   copy of buffer (k + 2) % 3 -> poll our own copy (volatile loads, every word ready) and copy to out, or
+//   run the row math from it -> last block advances the rotation (lamport_rotation.cuh, shared with
+//   lamport.cu: same counters, same buffers, same bytes-per-slot meaning).
+//   No final barrier: when our poll completes, every rank has finished its ld_reduces (each vector is
+//   stored only after it was reduced), so nobody reads our `in` any more; the Lamport buffer is protected
+//   by the rotation (see lamport.cu), and barrier 1 even guarantees that every peer is in this call.
+//   Bits: identical on every rank (as nvls_twoshot; -0 results come out as +0).
+//   Contract: in in the pool (NOT modified); out, residual, residual_out, weight, scale, scale_inv anywhere,
+//   not overlapping in; residual_out may alias residual. Per-slot bytes nrows*ceil(nv/N)*16 <= message
+//   bytes must fit desc->lamport_slot_bytes (the host checks bytes <= slot, which implies it).
+//   Traffic per rank: multimem.ld_reduce of B/N bytes, multimem.st of ~B/N bytes into the Lamport buffers
+//   (each rank receives ~B bytes); locally: the poll reads ~B bytes, the re-poison writes ~B bytes.
+//
+// Common: n * sizeof(T) % 16 == 0 (whole vectors); row mode needs hidden % V == 0 and n % hidden == 0;
+// gridDim.x <= UBNEXT_MAX_BLOCKS and the same grid on every rank; blockDim.x a multiple of 32. Violations
+// (all ranks see the same arguments) make every rank return at once, touching nothing.
+// On a timeout the kernel reports {TIMEOUT, op, rank, peer} (barrier.cuh) and returns; the communicator
+// must then be re-created.
+#include "../device/platform.cuh"
+#include "../device/desc.cuh"
+#include "../device/ptx.cuh"
+#include "../device/barrier.cuh"
+#include "../device/vec.cuh"
+#include "../device/reduce.cuh"
+#include "../device/norm.cuh"
+#include "../device/slices.cuh"
+#include "../device/lamport_rotation.cuh"
+
+namespace ubx {
+
+// multimem.ld_reduce for the kernel dtype.
+template <typename T>
+struct McReduce;
+template <>
+struct McReduce<__nv_bfloat16> {
+  UBX_DEV static uint4 ld(uint64_t mc) { return multimem_ld_reduce_bf16x8(reinterpret_cast<const void*>(mc)); }
+};
+template <>
+struct McReduce<__half> {
+  UBX_DEV static uint4 ld(uint64_t mc) { return multimem_ld_reduce_f16x8(reinterpret_cast<const void*>(mc)); }
+};
+template <>
+struct McReduce<float> {
+  UBX_DEV static uint4 ld(uint64_t mc) { return multimem_ld_reduce_f32x4(reinterpret_cast<const void*>(mc)); }
+};
+
+// Host contract checks shared by the NVLS kernels; false: return without touching anything.
+template <typename T>
+UBX_DEV bool nvls_args_ok(const ubnext_comm_desc* d, int n, int hidden, int flags) {
+  constexpr int V = DType<T>::kElems;
+  if (d->mc_base == 0 || gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0 || n % V != 0) return false;
+  if (uses_rows(flags) && (hidden <= 0 || hidden % V != 0 || n % hidden != 0)) return false;
+  return true;
+}
+
+// Row-mode source for nvls_oneshot: the sum comes straight from the switch.
+template <typename T>
+struct McSrc {
+  uint64_t mc_in;
+  UBX_DEV bool operator()(int64_t gi, float (&s)[DType<T>::kElems]) const {
+    unpack<T>(McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u), s);
+    return true;
+  }
+};
+
+// Row-mode source for nvls_lamport: vector gi of the message, polled in our own Lamport buffer, at the
+// slot and position where its owner rank stored it.
+template <typename T>
+struct LamportSliceSrc {
+  const uint8_t* buf;  // our copy of buffer b, slot 0
+  uint64_t slot_bytes;
+  Slices sl;
+  const ubnext_comm_desc* d;
+  bool failed;
+  UBX_DEV bool operator()(int64_t gi, float (&s)[DType<T>::kElems]) {
+    constexpr int V = DType<T>::kElems;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (!failed) {
+      const int64_t row = gi / sl.nv, i = gi - row * sl.nv;
+      const uint32_t owner = static_cast<uint32_t>(i / sl.cv);
+      const int64_t pos = row * sl.cv + (i - static_cast<int64_t>(owner) * sl.cv);
+      const uint8_t* addr = buf + owner * slot_bytes + static_cast<uint64_t>(pos) * 16u;
+      v = ld_volatile_v4(addr);
+      if (!is_ready(v) && !poll_ready_v4(addr, v, d, UBNEXT_OP_NVLS_LAMPORT, owner)) {
+        failed = true;
+        v = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    unpack<T>(v, s);
+    if (failed) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) s[j] = 0.f;
+    }
+    return !failed;
+  }
+};
+
+// ---------------------------------------------------------------- nvls_twoshot
+template <typename T>
+UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, const void* residual,
+                          void* residual_out, const void* weight, const float* scale, float* scale_inv, int n,
+                          int hidden, float eps, int flags) {
+  constexpr int V = DType<T>::kElems;
+  __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
+  __shared__ float s_red[UBX_RED_SCRATCH];
+  if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
+  const bool rows = uses_rows(flags);
+  const uint32_t rank = static_cast<uint32_t>(d->rank);
+  const uint32_t nranks = static_cast<uint32_t>(d->nranks);
+  const Slices sl = make_slices(n / V, rows ? hidden / V : 0, nranks);
+  const uint64_t mc_in = mc_addr(d, in);
+
+  if (!rank_barrier(d, UBNEXT_OP_NVLS_TWOSHOT)) return;
+  auto load = [&](int64_t gi) -> uint4 { return McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u); };
+  auto store = [&](int64_t gi, int64_t, const uint4& v) {
+    multimem_st_v4(reinterpret_cast<void*>(mc_in + static_cast<uint64_t>(gi) * 16u), v);
+  };
+  for_my_slice<4>(sl, rank, load, store);
+  if (!rank_barrier(d, UBNEXT_OP_NVLS_TWOSHOT)) return;
+
+  if (!rows) {
+    if (out != in) copy_all_portions<T>(sl, nranks, in, out);
+    return;
+  }
+  LocalSrc<T> src{in, static_cast<int64_t>(n)};
+  rows_phase<T>(src, sl.nrows, residual, residual_out, weight, scale, scale_inv, out, n, hidden, eps, flags,
+                s_cache, s_red);
+}
+
+// ---------------------------------------------------------------- nvls_oneshot
+template <typename T>
+UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, const void* residual,
+                          void* residual_out, const void* weight, const float* scale, float* scale_inv, int n,
+                          int hidden, float eps, int flags) {
+  constexpr int V = DType<T>::kElems;
+  constexpr int kBatch = 4;
+  __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
+  __shared__ float s_red[UBX_RED_SCRATCH];
+  if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
+  const uint64_t mc_in = mc_addr(d, in);
+  const int64_t nvec = n / V;
+
+  if (!rank_barrier(d, UBNEXT_OP_NVLS_ONESHOT)) return;
+  if (!uses_rows(flags)) {
+    uint4* dst = reinterpret_cast<uint4*>(out);
+    const int64_t first = global_tid(), step = global_threads();
+    for (int64_t g0 = first; g0 < nvec; g0 += kBatch * step) {
+      uint4 v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (g0 + u * step < nvec) v[u] = McReduce<T>::ld(mc_in + static_cast<uint64_t>(g0 + u * step) * 16u);
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (g0 + u * step < nvec) dst[g0 + u * step] = v[u];
+    }
+  } else {
+    McSrc<T> src{mc_in};
+    rows_phase<T>(src, nvec / (hidden / V), residual, residual_out, weight, scale, scale_inv, out, n, hidden,
+                  eps, flags, s_cache, s_red);
+  }
+  // Trailing barrier: peers may still be reading our `in` (see the header).
+  (void)rank_barrier(d, UBNEXT_OP_NVLS_ONESHOT);
+}
+
+// ---------------------------------------------------------------- nvls_lamport
+template <typename T>
+UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, const void* residual,
+                          void* residual_out, const void* weight, const float* scale, float* scale_inv, int n,
+                          int hidden, float eps, int flags) {
+  constexpr int V = DType<T>::kElems;
+  __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
+  __shared__ float s_red[UBX_RED_SCRATCH];
+  if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
+  const bool rows = uses_rows(flags);
+  const uint32_t rank = static_cast<uint32_t>(d->rank);
+  const uint32_t nranks = static_cast<uint32_t>(d->nranks);
+  const Slices sl = make_slices(n / V, rows ? hidden / V : 0, nranks);
+  const uint64_t slot = d->lamport_slot_bytes;
+  const uint64_t slot_bytes_used = slice_slot_bytes(sl);
+  if (slot_bytes_used > slot) return;  // host contract (bytes <= slot implies this)
+
+  const LamportRot rot = lamport_rot_begin(d);  // before this block's done increment (finish)
+  const uint64_t buf_off = lamport_buffer_off(d, rot.b);
+  const uint8_t* my_buf = rot.own + buf_off;  // our copy of buffer b, slot 0
+  const uint64_t mc_in = mc_addr(d, in);
+  const uint64_t mc_slot = static_cast<uint64_t>(d->mc_base) + buf_off + static_cast<uint64_t>(rank) * slot;
+
+  if (rank_barrier(d, UBNEXT_OP_NVLS_LAMPORT)) {
+    // ---- exchange: our portion, reduced and sanitised, into slot [rank] of every rank's buffer b
+    auto load = [&](int64_t gi) -> uint4 {
+      return sanitize<T>(McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u));
+    };
+    auto store = [&](int64_t, int64_t pos, const uint4& v) {
+      multimem_st_v4(reinterpret_cast<void*>(mc_slot + static_cast<uint64_t>(pos) * 16u), v);
+    };
+    for_my_slice<4>(sl, rank, load, store);
+
+    // ---- re-poison our copy of the previous call's buffer while the peers' data is in flight
+    lamport_repoison(d, rot);
+
+    // ---- poll our copy of buffer b, write out (or the row math)
+    if (!rows) {
+      uint4* dst = reinterpret_cast<uint4*>(out);
+      bool failed = false;
+      for (int64_t j = global_tid(); j < sl.cv && !failed; j += global_threads()) {
+        // Every owner's item j: issue all loads first, then wait for the ones not yet there.
+        constexpr int kPeers = 8;
+        for (uint32_t r0 = 0; r0 < nranks && !failed; r0 += kPeers) {
+          uint4 v[kPeers];
+#pragma unroll
+          for (int u = 0; u < kPeers; ++u) {
+            const uint32_t r = r0 + u;
+            if (r < nranks && static_cast<int64_t>(r) * sl.cv + j < sl.nv)
+              v[u] = ld_volatile_v4(my_buf + r * slot + static_cast<uint64_t>(j) * 16u);
+          }
+#pragma unroll
+          for (int u = 0; u < kPeers; ++u) {
+            const uint32_t r = r0 + u;
+            const int64_t gi = static_cast<int64_t>(r) * sl.cv + j;
+            if (r < nranks && gi < sl.nv && !failed) {
+              if (!is_ready(v[u]) &&
+                  !poll_ready_v4(my_buf + r * slot + static_cast<uint64_t>(j) * 16u, v[u], d,
+                                 UBNEXT_OP_NVLS_LAMPORT, r)) {
+                failed = true;
+              } else {
+                dst[gi] = v[u];
+              }
+            }
+          }
+        }
+      }
+    } else {
+      LamportSliceSrc<T> src{my_buf, slot, sl, d, false};
+      rows_phase<T>(src, sl.nrows, residual, residual_out, weight, scale, scale_inv, out, n, hidden, eps, flags,
+                    s_cache, s_red);
+    }
+  }
+  // Even after a timeout: keep the done counter consistent (the communicator is dead anyway, but a
+  // half-counted launch would leave the counter off by some blocks forever).
+  lamport_rot_finish(rot, slot_bytes_used);
+}
+
+}  // namespace ubx
+
+#define UBX_NVLS_ENTRY(ALGO, NAME, T)                                                                   \
+  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,             \
+                                  const void* residual, void* residual_out, const void* weight,        \
+                                  const float* scale, float* scale_inv, int n, int hidden, float eps,  \
+                                  int flags) {                                                          \
+    ::ubx::ALGO<T>(desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags); \
+  }
+
+UBX_NVLS_ENTRY(nvls_twoshot, ubnext_nvls_twoshot_bf16, __nv_bfloat16)
+UBX_NVLS_ENTRY(nvls_twoshot, ubnext_nvls_twoshot_fp16, __half)
+UBX_NVLS_ENTRY(nvls_twoshot, ubnext_nvls_twoshot_fp32, float)
+UBX_NVLS_ENTRY(nvls_oneshot, ubnext_nvls_oneshot_bf16, __nv_bfloat16)
+UBX_NVLS_ENTRY(nvls_oneshot, ubnext_nvls_oneshot_fp16, __half)
+UBX_NVLS_ENTRY(nvls_oneshot, ubnext_nvls_oneshot_fp32, float)
+UBX_NVLS_ENTRY(nvls_lamport, ubnext_nvls_lamport_bf16, __nv_bfloat16)
+UBX_NVLS_ENTRY(nvls_lamport, ubnext_nvls_lamport_fp16, __half)
+UBX_NVLS_ENTRY(nvls_lamport, ubnext_nvls_lamport_fp32, float)

@@ -1,0 +1,131 @@
+// Unicast two-shot allreduce (no multicast: PCIe/NVLink P2P without NVLS, or several ranks on one GPU),
+// optionally fused with residual add + RMSNorm and FP8 e4m3 output.
+//
+// Kernels: ubnext_twoshot_{bf16,fp16,fp32}, with the one ABI parameter list (docs/ARCHITECTURE.md).
+//
+//   barrier -> reduce-scatter: rank r sums ITS portion (slices.cuh: 1/N of the flat message, or 1/N of
+//   every token row in row mode) by loading the same offset of `in` from every rank's pool
+//   (ld.relaxed.sys, all peers' loads issued before the first add) and adding in fp32 in RANK ORDER
+//   0..N-1, rounded once to T -> all-gather: st.relaxed.sys of the T result to that offset of `in` on every
+//   rank (starting with rank r+1, so the ranks do not all hit the same peer first) -> barrier (its
+//   release/acquire orders the stores before anyone reads them) -> (row mode) every rank runs the row math
+//   (norm.cuh: residual add, RMSNorm, FP8) on every row from its own, now complete, copy of `in`.
+//   Why the row math runs after the all-gather on every rank: see csrc/kernels/nvls.cu (outputs need not
+//   be in the pool, per-rank residual, FP8 works, one broadcast instead of two or three).
+//
+// Bits: each element is summed once, in a fixed order, and broadcast; the row math is deterministic, so
+// every rank gets IDENTICAL bits (given identical residual and weight on every rank).
+//
+// Contract (the same as nvls_twoshot):
+//   in lies in this rank's pool data arena (peers read and write it at the same offset).
+//   in == out (plain; in place), or out any buffer not overlapping in (copied after the exchange; in then
+//   also holds the result).
+//   Row mode (FUSED_NORM or an FP8 flag; needs hidden % V == 0, n % hidden == 0): `in` is clobbered (it
+//   ends holding the allreduce result in T); out == in is allowed for dtype output; FP8 output needs out
+//   (n bytes) not overlapping in. residual / residual_out / weight / scale / scale_inv anywhere, not
+//   overlapping in or out; residual_out may alias residual.
+//   residual_out = T(T(sum) + residual); out = T(T(r * rsqrt(mean(r^2) + eps)) * w) or its e4m3 values;
+//   scale_inv[0] = scale[0] (FP8_STATIC) or scale_inv[row] = max(amax_row / 448, 1e-12) (FP8_PER_TOKEN).
+//   n * sizeof(T) % 16 == 0; gridDim.x <= UBNEXT_MAX_BLOCKS, same grid on every rank.
+//
+// Ordering: barrier 1 (st.release.sys / ld.acquire.sys flags) orders every rank's earlier writes of `in`
+// before any peer load; barrier 2 orders every rank's peer stores before the reads of the row phase and
+// before this kernel ends (so the next kernel on our stream sees the whole result). No trailing barrier in
+// row mode: after barrier 2 no rank touches another rank's memory in this call (see nvls.cu).
+//
+// Traffic per rank (B = message bytes, N ranks): peer loads (N-1)*B/N bytes (+ B/N local), peer stores
+// (N-1)*B/N bytes (+ B/N local); each rank's memory serves (N-1)*B/N bytes of loads to peers and receives
+// (N-1)*B/N bytes of stores. Barriers: 2 x (N-1) 4-byte release stores per block.
+#include "../device/platform.cuh"
+#include "../device/desc.cuh"
+#include "../device/ptx.cuh"
+#include "../device/barrier.cuh"
+#include "../device/vec.cuh"
+#include "../device/reduce.cuh"
+#include "../device/norm.cuh"
+#include "../device/slices.cuh"
+
+namespace ubx {
+
+template <typename T>
+UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* out, const void* residual,
+                             void* residual_out, const void* weight, const float* scale, float* scale_inv, int n,
+                             int hidden, float eps, int flags) {
+  constexpr int V = DType<T>::kElems;
+  constexpr int kPeers = 8;  // peer loads in flight per vector before the first add
+  __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
+  __shared__ float s_red[UBX_RED_SCRATCH];
+  const bool rows = uses_rows(flags);
+  if (gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0 || n % V != 0) return;
+  if (rows && (hidden <= 0 || hidden % V != 0 || n % hidden != 0)) return;
+
+  const uint32_t rank = static_cast<uint32_t>(d->rank);
+  const uint32_t nranks = static_cast<uint32_t>(d->nranks);
+  const Slices sl = make_slices(n / V, rows ? hidden / V : 0, nranks);
+  // Byte offset of `in` in every pool (layouts are identical on every rank).
+  const uint64_t in_off = reinterpret_cast<uint64_t>(in) - static_cast<uint64_t>(d->peer_base[rank]);
+
+  if (!rank_barrier(d, UBNEXT_OP_TWOSHOT)) return;
+
+  // Reduce-scatter of one vector: rank order 0..N-1, fp32, rounded once to T.
+  auto load = [&](int64_t gi) -> uint4 {
+    const uint64_t off = in_off + static_cast<uint64_t>(gi) * 16u;
+    float acc[V];
+    for (uint32_t p0 = 0; p0 < nranks; p0 += kPeers) {
+      uint4 v[kPeers];
+#pragma unroll
+      for (int u = 0; u < kPeers; ++u)
+        if (p0 + u < nranks)
+          v[u] = ld_relaxed_sys_v4(reinterpret_cast<const void*>(static_cast<uint64_t>(d->peer_base[p0 + u]) + off));
+#pragma unroll
+      for (int u = 0; u < kPeers; ++u) {
+        if (p0 + u < nranks) {
+          float f[V];
+          unpack<T>(v[u], f);
+          if (p0 + u == 0) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[e] = f[e];  // start from rank 0's value itself (keeps -0)
+          } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[e] += f[e];
+          }
+        }
+      }
+    }
+    return pack<T>(acc);
+  };
+  // All-gather of one vector: to every rank, starting after ourselves.
+  auto store = [&](int64_t gi, int64_t, const uint4& v) {
+    const uint64_t off = in_off + static_cast<uint64_t>(gi) * 16u;
+    uint32_t p = rank;
+    for (uint32_t i = 0; i < nranks; ++i) {
+      p = (p + 1u == nranks) ? 0u : p + 1u;
+      st_relaxed_sys_v4(reinterpret_cast<void*>(static_cast<uint64_t>(d->peer_base[p]) + off), v);
+    }
+  };
+  for_my_slice<2>(sl, rank, load, store);
+  if (!rank_barrier(d, UBNEXT_OP_TWOSHOT)) return;
+
+  if (!rows) {
+    if (out != in) copy_all_portions<T>(sl, nranks, in, out);
+    return;
+  }
+  LocalSrc<T> src{in, static_cast<int64_t>(n)};
+  rows_phase<T>(src, sl.nrows, residual, residual_out, weight, scale, scale_inv, out, n, hidden, eps, flags,
+                s_cache, s_red);
+}
+
+}  // namespace ubx
+
+#define UBX_TWOSHOT_ENTRY(NAME, T)                                                                          \
+  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,                 \
+                                  const void* residual, void* residual_out, const void* weight,            \
+                                  const float* scale, float* scale_inv, int n, int hidden, float eps,      \
+                                  int flags) {                                                              \
+    ::ubx::twoshot_unicast<T>(desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden,  \
+                              eps, flags);                                                                  \
+  }
+
+UBX_TWOSHOT_ENTRY(ubnext_twoshot_bf16, __nv_bfloat16)
+UBX_TWOSHOT_ENTRY(ubnext_twoshot_fp16, __half)
+UBX_TWOSHOT_ENTRY(ubnext_twoshot_fp32, float)
