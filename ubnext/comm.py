@@ -104,14 +104,18 @@ def _bootstrap() -> None:
 
 def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
-    """add + RMSNorm (+FP8) in torch with the kernels' contract: residual_out rounded to the
-    input dtype, statistics in fp32 from that rounded value, FP8 from the same fp32 y."""
+    """add + RMSNorm (+FP8) in torch with the kernels' contract (csrc/device/norm.cuh):
+    residual_out rounded to the input dtype, statistics in fp32 from that rounded value,
+    y = (r * rms) * weight rounded to the input dtype, FP8 from that same rounded y."""
     residual_out = (reduced.float() + residual.float()).to(residual.dtype)
     r = residual_out.float()
     rms = torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps)
-    y = r * rms * weight.float()
+    # (r * rms) * weight in this order, as the kernels multiply
+    y = (r * rms * weight.float()).to(residual.dtype)
     if out_dtype != FP8:
-        return y.to(out_dtype), residual_out, None
+        return y, residual_out, None
+    # FP8 quantises y rounded to the input dtype; amax comes from those same rounded values
+    y = y.float()
     if scale is not None:
         scale_inv = scale.float().reshape(1).clone()
         q = (y / scale_inv).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -313,14 +317,18 @@ class Communicator:
 
     # -- path choice ----------------------------------------------------------------------------
 
-    def _capabilities(self, nbytes: int, dtype: torch.dtype, fused: bool) -> dict[str, str | None]:
+    def _capabilities(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> dict[str, str | None]:
         """For each path: None if it can run this call, else why not."""
         why: dict[str, str | None] = {}
         pool = self.pool if self.mode != "torch" else None
+        elem = torch.empty((), dtype=dtype).element_size()
         if pool is None:
             no_kernels = self._pool_error or "no symmetric pool"
         elif dtype not in DTYPE_CODES:
             no_kernels = f"dtype {dtype} has no ubnext kernel"
+        elif fused and (hidden * elem) % 16:
+            # the norm kernels work on whole 16-byte vectors per row (csrc/device/norm.cuh)
+            no_kernels = f"hidden size {hidden} is not a multiple of {16 // elem} elements"
         else:
             no_kernels = None
         arena = pool.arenas["eager"].largest_free() if pool is not None else 0
@@ -363,8 +371,8 @@ class Communicator:
             order.append("lamport")
         return order + ["torch_symm", "torch"]
 
-    def _plan(self, nbytes: int, dtype: torch.dtype, fused: bool) -> _Plan:
-        caps = self._capabilities(nbytes, dtype, fused)
+    def _plan(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> _Plan:
+        caps = self._capabilities(nbytes, dtype, fused, hidden)
         pool = self._pool
         order = self._auto_order(nbytes, fused, bool(pool is not None and pool.has_multicast))
         forced = self._algo or envs.get("UBNEXT_ALGO")
@@ -387,9 +395,10 @@ class Communicator:
         raise AssertionError("torch.distributed is always available")  # pragma: no cover
 
     def explain(self, x: torch.Tensor, *, fused: bool = False) -> str:
-        """Which path an allreduce of ``x`` would take, and why the better ones would not."""
+        """Which path an allreduce (``fused``: the fused norm over x's last dimension) of ``x``
+        would take, and why the better ones would not."""
         nbytes = x.numel() * x.element_size()
-        plan = self._plan(nbytes, x.dtype, fused)
+        plan = self._plan(nbytes, x.dtype, fused, x.shape[-1] if fused and x.dim() else 0)
         lines = [f"{plan.path}: {plan.reason} ({nbytes} bytes, {self.world_size} ranks, mode {self.mode})"]
         lines += [f"  not {p}: {why}" for p, why in plan.skipped]
         return "\n".join(lines)
@@ -579,7 +588,7 @@ class Communicator:
             self.last_path = "torch"
             return reference_add_rmsnorm(x, residual, weight, eps, out_dtype, scale)
         nbytes = x.numel() * x.element_size()
-        plan = self._plan(nbytes, x.dtype, fused=True)
+        plan = self._plan(nbytes, x.dtype, fused=True, hidden=hidden)
         path = self._take(plan)
         if path not in KERNEL_PATHS:
             reduced = torch.empty_like(x)
