@@ -113,20 +113,39 @@ extern "C" __global__ void ubnext_emu_selftest_multicast(EMU_ST_PARAMS) {
   }
 }
 
-// Message-passing litmus test. Block 0 threads are writers, block 1 threads readers (grid 2),
-// pairs by threadIdx, `n` messages each. residual_out (uint32) layout, per thread t of blockDim:
-// data[t] at [t], flag[t] at [B + t], ack[t] at [2B + t] (B = blockDim.x), all zeroed.
+// Message-passing litmus test: writers push data then a flag, readers wait for the flag and check
+// the data. Pairs by threadIdx, `n` messages each; all words zeroed beforehand.
+//   desc == 0 (one process): block 0 threads write, block 1 threads read (grid 2); the words are
+//     in residual_out (uint32): data[t] at [t], flag[t] at [B + t], ack[t] at [2B + t], B = blockDim.
+//   desc != 0 (ranks): rank 0 writes, rank 1 reads, other ranks return (grid 1). data and flag are
+//     in rank 1's pool at data_off, ack in rank 0's pool at data_off + 2B words.
 // Writer: wait ack == i, data := i+1 (relaxed), [flags & 1: fence], flag := i+1 (relaxed).
 // Reader: wait flag == i+1, read data, count data != i+1, ack := i+1 (release).
-// out (uint32 [blockDim]) = violations seen by each reader; 0xffffffff on a 20 s timeout.
+// out (uint32 [blockDim], reader side) = violations per reader thread; 0xffffffff on a 20 s timeout.
 extern "C" __global__ void ubnext_emu_selftest_litmus(EMU_ST_PARAMS) {
-  uint32_t* w = static_cast<uint32_t*>(residual_out);
   const uint32_t B = blockDim.x, t = threadIdx.x;
-  uint32_t *data = w + t, *flag = w + B + t, *ack = w + 2 * B + t;
+  uint32_t *data, *flag, *ack;
+  bool writer;
+  if (desc) {
+    const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
+    if (d->rank > 1) return;
+    writer = d->rank == 0;
+    uint32_t* rd = reinterpret_cast<uint32_t*>(d->peer_base[1] + d->data_off);
+    uint32_t* wr = reinterpret_cast<uint32_t*>(d->peer_base[0] + d->data_off);
+    data = rd + t;
+    flag = rd + B + t;
+    ack = wr + 2 * B + t;
+  } else {
+    uint32_t* w = static_cast<uint32_t*>(residual_out);
+    writer = blockIdx.x == 0;
+    data = w + t;
+    flag = w + B + t;
+    ack = w + 2 * B + t;
+  }
   const uint64_t t0 = ubx::globaltimer_ns();
   uint32_t violations = 0;
   for (uint32_t i = 0; i < uint32_t(n); ++i) {
-    if (blockIdx.x == 0) {
+    if (writer) {
       while (ubx::ld_acquire_sys_u32(ack) != i) {
         if (ubx::globaltimer_ns() - t0 > 20000000000ull) return;
         ubx::spin_pause();
@@ -146,7 +165,7 @@ extern "C" __global__ void ubnext_emu_selftest_litmus(EMU_ST_PARAMS) {
       ubx::st_release_sys_u32(ack, i + 1);
     }
   }
-  if (blockIdx.x == 1) static_cast<uint32_t*>(out)[t] = violations;
+  if (!writer) static_cast<uint32_t*>(out)[t] = violations;
 }
 
 // A wait on a peer that never arrives. desc: ubnext_comm_desc (rank, timeout_ns, err_ptr,

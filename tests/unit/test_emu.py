@@ -282,18 +282,26 @@ def test_build_is_cached_and_break_builds_are_separate(emu):
         _emu.build("no_such_break")
 
 
-def test_concurrent_builds_share_one_library(tmp_path):
-    """Ranks that start at once with an empty cache: one compiles, the others wait and reuse it."""
-    env = dict(os.environ, UBNEXT_CACHE_DIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "ubnext._emu", "build"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(3)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    paths = {o.strip() for o, _ in outs}
-    assert len(paths) == 1
-    libs = list((tmp_path / "emu").glob("*.so"))
-    assert [str(p) for p in libs] == list(paths)
+def test_concurrent_builds_share_one_library(tmp_path, monkeypatch):
+    """Ranks that start at once with an empty cache: one compiles, the others wait for its lock
+    and reuse the result (compilation replaced by a slow fake: the lock is what is tested)."""
+    monkeypatch.setenv("UBNEXT_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_compile(cxx, flags, sources, workdir, out):
+        calls.append(out)
+        time.sleep(0.5)
+        Path(out).write_bytes(b"lib")
+
+    monkeypatch.setattr(_emu, "_compile", fake_compile)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(_emu.build())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(calls) == 1 and len(paths) == 3 and len(set(paths)) == 1
+    assert paths[0].read_bytes() == b"lib"
     assert not list((tmp_path / "emu").glob(".build-*")), "temporary build directories left behind"
 
 
