@@ -244,6 +244,34 @@ def case_pool():
         assert key in stats
 
 
+def case_pool_cycles():
+    """1000 create/close cycles of an emulator-backend pool leak no fd and no mapping."""
+    if MODE != "emulator":
+        return
+    from ubnext.pool import PoolLayout, SymmetricPool
+
+    layout = PoolLayout(dist.get_world_size(), 4096, 65536)
+
+    def counts():
+        return len(os.listdir("/proc/self/fd")), len(open("/proc/self/maps").read().splitlines())
+
+    def cycle():
+        p = SymmetricPool(layout=layout, rank=dist.get_rank(), group=None, device=torch.device("cpu"),
+                          allgather=gather, barrier=dist.barrier, backend="emulator")
+        t = p.empty((16,), torch.float32)
+        t.fill_(1.0)
+        del t
+        p.close()
+
+    cycle()  # first use loads libraries and warms caches
+    before = counts()
+    for _ in range(1000):
+        cycle()
+    after = counts()
+    assert after[0] == before[0], f"fd leak: {before[0]} -> {after[0]}"
+    assert after[1] <= before[1] + 2, f"mapping leak: {before[1]} -> {after[1]} lines in /proc/self/maps"
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 

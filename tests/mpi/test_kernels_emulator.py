@@ -1,0 +1,44 @@
+"""The real csrc kernels on the CPU emulator, ranks as processes under mpirun, in normal and
+chaos mode; and deliberately broken protocol builds, which these same tests must catch."""
+
+import pytest
+
+from tests.conftest import MPI_WORKER, assert_mpi_ok
+
+FULL = ["allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "traffic", "pool",
+        "bad_input", "timeout", "linear", "compile", "pool_cycles"]
+CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout"]
+CHAOS = ["allreduce", "paths", "fused_paths", "rotation"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np,chaos,cases", [
+    (2, "0", FULL),
+    (4, "0", CORE),
+    (2, "1", CHAOS),
+    (4, "1", CHAOS),
+], ids=["np2", "np4", "np2-chaos", "np4-chaos"])
+def test_kernels_on_emulator(mpi, np, chaos, cases):
+    proc = mpi(np, MPI_WORKER, "emulator", *cases, env={"UBNEXT_EMU_CHAOS": chaos}, timeout=900)
+    assert_mpi_ok(proc)
+
+
+# Each deliberately broken build (csrc, behind a test-only macro) must make a protocol test
+# fail with a wrong or diverging result, not pass and not crash the emulator.
+BROKEN = {
+    "skip_repoison": ["rotation"],    # Lamport buffer not re-poisoned: stale data read as ready
+    "no_release": ["rotation"],      # ordering dropped from the rotation / data path
+    "skip_barrier": ["paths"],       # two-shot barrier does not wait: peers read half-written data
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("break_name", sorted(BROKEN))
+def test_broken_protocol_is_caught(mpi, break_name):
+    proc = mpi(2, MPI_WORKER, "emulator", *BROKEN[break_name],
+               env={"UBNEXT_EMU_BREAK": break_name, "UBNEXT_EMU_CHAOS": "1", "UBNEXT_TIMEOUT": "5"},
+               timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"the {break_name} build passed the tests that should catch it:\n{output[-3000:]}"
+    assert ("AssertionError" in output or "UbnextTimeoutError" in output), \
+        f"the {break_name} build failed for another reason than a caught protocol violation:\n{output[-4000:]}"
