@@ -23,6 +23,10 @@
 // can be at most one barrier ahead of us (it cannot pass a barrier we have not arrived at), so the
 // signed 32-bit difference is exact across wrap-around (2^32 barriers).
 //
+// Every kernel of a communicator signals the same way (multicast iff the pool has it), also the unicast
+// two-shot: a slot must never receive epoch e through the multicast path and e+1 through a unicast store,
+// since a regression of the slot to e (the two paths reordering) would hang the next barrier.
+//
 // After a timeout the epochs of the ranks no longer agree: the communicator is unusable and must be
 // re-created (the sync region is zeroed at init). That is the documented contract for timeouts.
 #pragma once

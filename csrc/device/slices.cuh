@@ -28,6 +28,7 @@
 #include "vec.cuh"
 #include "reduce.cuh"
 #include "norm.cuh"
+#include "ptx.cuh"
 
 namespace ubx {
 
@@ -102,7 +103,8 @@ UBX_DEV void for_my_slice(const Slices& s, uint32_t rank, Load& load, Store& sto
   for (int64_t k0 = w.first; k0 < w.total; k0 += kBatch * w.step) {
     int64_t gi[kBatch], pos[kBatch];
     bool ok[kBatch];
-    uint4 v[kBatch];
+    uint4 v[kBatch];  // zeroed: only entries with a valid index are loaded / used
+    for (int u = 0; u < kBatch; ++u) v[u] = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int64_t k = k0 + u * w.step;
@@ -146,15 +148,42 @@ UBX_DEV void rows_phase(Src& src, int64_t nrows, const void* residual, void* res
 
 // Flat mode, after the exchange: copy every rank's portion item j of this thread from `from` to `to`
 // (same mapping as the exchange, so only data written by this block index of the peers is touched).
+// n: elements; a partial last vector is copied element-wise (vec.cuh load_vec / store_vec).
 template <typename T>
-UBX_DEV void copy_all_portions(const Slices& s, uint32_t nranks, const void* from, void* to) {
-  const uint4* src = reinterpret_cast<const uint4*>(from);
-  uint4* dst = reinterpret_cast<uint4*>(to);
+UBX_DEV void copy_all_portions(const Slices& s, uint32_t nranks, const void* from, void* to, int64_t n) {
   for (int64_t j = global_tid(); j < s.cv; j += global_threads())
     for (uint32_t r = 0; r < nranks; ++r) {
       const int64_t gi = static_cast<int64_t>(r) * s.cv + j;
-      if (gi < s.nv) dst[gi] = src[gi];
+      if (gi < s.nv) store_vec<T>(to, gi, n, load_vec<T>(from, gi, n));
     }
+}
+
+// ---------------------------------------------------------------- messages that end inside a vector
+// Flat mode accepts any n (the Python layer passes n = 5 bf16, say). Loads of the last, partial vector
+// read the whole 16 bytes: `in` is 16-byte aligned inside the pool (host contract), so the bytes past n
+// are mapped; their values are summed too but never stored anywhere a caller can see. Stores of it must
+// not touch the bytes past n (they may belong to the caller: `in` can be a view of a larger pool tensor),
+// so the partial vector goes to each rank with 32-bit relaxed .sys stores, and a 32-bit word that is half
+// inside (16-bit types, odd n) is merged by CAS so that the outside half keeps its bits. At most one
+// vector per call takes this path; peer atomics need NVLink (or PCIe atomics) between the GPUs.
+template <typename T>
+UBX_DEV void store_partial_sys(void* vec, const uint4& v, int64_t valid /* elements inside, 0 < valid < V */) {
+  uint32_t* w = reinterpret_cast<uint32_t*>(vec);
+  constexpr int kPerWord = 4 / DType<T>::kBytes;  // elements per 32-bit word
+  for (int k = 0; k < 4; ++k) {
+    const int64_t e0 = static_cast<int64_t>(k) * kPerWord;
+    const uint32_t x = vec_word(v, k);
+    if (e0 + kPerWord <= valid) {
+      st_relaxed_sys_u32(w + k, x);
+    } else if (e0 < valid) {  // 16-bit type: only the low half (element e0) is inside
+      uint32_t old = ld_volatile_u32(w + k);
+      for (;;) {
+        const uint32_t seen = atom_cas_relaxed_sys_u32(w + k, old, (old & 0xFFFF0000u) | (x & 0xFFFFu));
+        if (seen == old) break;
+        old = seen;
+      }
+    }
+  }
 }
 
 }  // namespace ubx

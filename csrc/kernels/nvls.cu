@@ -74,7 +74,7 @@
 //   Traffic per rank: multimem.ld_reduce of B/N bytes, multimem.st of ~B/N bytes into the Lamport buffers
 //   (each rank receives ~B bytes); locally: the poll reads ~B bytes, the re-poison writes ~B bytes.
 //
-// Common: n * sizeof(T) % 16 == 0 (whole vectors); row mode needs hidden % V == 0 and n % hidden == 0;
+// Common: any n >= 1 in flat mode (a partial last vector: see slices.cuh); row mode needs hidden % V == 0 and n % hidden == 0;
 // gridDim.x <= UBNEXT_MAX_BLOCKS and the same grid on every rank; blockDim.x a multiple of 32. Violations
 // (all ranks see the same arguments) make every rank return at once, touching nothing.
 // On a timeout the kernel reports {TIMEOUT, op, rank, peer} (barrier.cuh) and returns; the communicator
@@ -111,7 +111,7 @@ struct McReduce<float> {
 template <typename T>
 UBX_DEV bool nvls_args_ok(const ubnext_comm_desc* d, int n, int hidden, int flags) {
   constexpr int V = DType<T>::kElems;
-  if (d->mc_base == 0 || gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0 || n % V != 0) return false;
+  if (d->mc_base == 0 || gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0) return false;
   if (uses_rows(flags) && (hidden <= 0 || hidden % V != 0 || n % hidden != 0)) return false;
   return true;
 }
@@ -170,19 +170,26 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   const bool rows = uses_rows(flags);
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
-  const Slices sl = make_slices(n / V, rows ? hidden / V : 0, nranks);
+  const Slices sl = make_slices((static_cast<int64_t>(n) + V - 1) / V, rows ? hidden / V : 0, nranks);
   const uint64_t mc_in = mc_addr(d, in);
 
   if (!rank_barrier(d, UBNEXT_OP_NVLS_TWOSHOT)) return;
   auto load = [&](int64_t gi) -> uint4 { return McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u); };
+  const int64_t partial = (n % V != 0) ? static_cast<int64_t>(n) / V : -1;  // index of a partial last vector
   auto store = [&](int64_t gi, int64_t, const uint4& v) {
-    multimem_st_v4(reinterpret_cast<void*>(mc_in + static_cast<uint64_t>(gi) * 16u), v);
+    if (gi != partial) {
+      multimem_st_v4(reinterpret_cast<void*>(mc_in + static_cast<uint64_t>(gi) * 16u), v);
+    } else {  // slices.cuh: never store past n
+      for (uint32_t p = 0; p < nranks; ++p)
+        store_partial_sys<T>(reinterpret_cast<void*>(peer_addr(d, in, p) + static_cast<uint64_t>(gi) * 16u), v,
+                             static_cast<int64_t>(n) - gi * V);
+    }
   };
   for_my_slice<4>(sl, rank, load, store);
   if (!rank_barrier(d, UBNEXT_OP_NVLS_TWOSHOT)) return;
 
   if (!rows) {
-    if (out != in) copy_all_portions<T>(sl, nranks, in, out);
+    if (out != in) copy_all_portions<T>(sl, nranks, in, out, n);
     return;
   }
   LocalSrc<T> src{in, static_cast<int64_t>(n)};
@@ -201,20 +208,20 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
   const uint64_t mc_in = mc_addr(d, in);
-  const int64_t nvec = n / V;
+  const int64_t nvec = (static_cast<int64_t>(n) + V - 1) / V;  // last one may be partial
 
   if (!rank_barrier(d, UBNEXT_OP_NVLS_ONESHOT)) return;
   if (!uses_rows(flags)) {
-    uint4* dst = reinterpret_cast<uint4*>(out);
     const int64_t first = global_tid(), step = global_threads();
     for (int64_t g0 = first; g0 < nvec; g0 += kBatch * step) {
-      uint4 v[kBatch];
+      uint4 v[kBatch];  // zeroed: only entries with a valid index are loaded / used
+      for (int u = 0; u < kBatch; ++u) v[u] = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
       for (int u = 0; u < kBatch; ++u)
         if (g0 + u * step < nvec) v[u] = McReduce<T>::ld(mc_in + static_cast<uint64_t>(g0 + u * step) * 16u);
 #pragma unroll
       for (int u = 0; u < kBatch; ++u)
-        if (g0 + u * step < nvec) dst[g0 + u * step] = v[u];
+        if (g0 + u * step < nvec) store_vec<T>(out, g0 + u * step, n, v[u]);
     }
   } else {
     McSrc<T> src{mc_in};
@@ -237,7 +244,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
   const bool rows = uses_rows(flags);
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
-  const Slices sl = make_slices(n / V, rows ? hidden / V : 0, nranks);
+  const Slices sl = make_slices((static_cast<int64_t>(n) + V - 1) / V, rows ? hidden / V : 0, nranks);
   const uint64_t slot = d->lamport_slot_bytes;
   const uint64_t slot_bytes_used = slice_slot_bytes(sl);
   if (slot_bytes_used > slot) return;  // host contract (bytes <= slot implies this)
@@ -263,13 +270,13 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
 
     // ---- poll our copy of buffer b, write out (or the row math)
     if (!rows) {
-      uint4* dst = reinterpret_cast<uint4*>(out);
       bool failed = false;
       for (int64_t j = global_tid(); j < sl.cv && !failed; j += global_threads()) {
         // Every owner's item j: issue all loads first, then wait for the ones not yet there.
         constexpr int kPeers = 8;
         for (uint32_t r0 = 0; r0 < nranks && !failed; r0 += kPeers) {
-          uint4 v[kPeers];
+          uint4 v[kPeers];  // zeroed: only entries with a valid index are loaded / used
+          for (int u = 0; u < kPeers; ++u) v[u] = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
           for (int u = 0; u < kPeers; ++u) {
             const uint32_t r = r0 + u;
@@ -286,7 +293,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
                                  UBNEXT_OP_NVLS_LAMPORT, r)) {
                 failed = true;
               } else {
-                dst[gi] = v[u];
+                store_vec<T>(out, gi, n, v[u]);
               }
             }
           }

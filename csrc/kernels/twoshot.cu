@@ -26,7 +26,7 @@
 //   overlapping in or out; residual_out may alias residual.
 //   residual_out = T(T(sum) + residual); out = T(T(r * rsqrt(mean(r^2) + eps)) * w) or its e4m3 values;
 //   scale_inv[0] = scale[0] (FP8_STATIC) or scale_inv[row] = max(amax_row / 448, 1e-12) (FP8_PER_TOKEN).
-//   n * sizeof(T) % 16 == 0; gridDim.x <= UBNEXT_MAX_BLOCKS, same grid on every rank.
+//   any n >= 1 in flat mode (a partial last vector: see slices.cuh); gridDim.x <= UBNEXT_MAX_BLOCKS, same grid on every rank.
 //
 // Ordering: barrier 1 (st.release.sys / ld.acquire.sys flags) orders every rank's earlier writes of `in`
 // before any peer load; barrier 2 orders every rank's peer stores before the reads of the row phase and
@@ -35,7 +35,8 @@
 //
 // Traffic per rank (B = message bytes, N ranks): peer loads (N-1)*B/N bytes (+ B/N local), peer stores
 // (N-1)*B/N bytes (+ B/N local); each rank's memory serves (N-1)*B/N bytes of loads to peers and receives
-// (N-1)*B/N bytes of stores. Barriers: 2 x (N-1) 4-byte release stores per block.
+// (N-1)*B/N bytes of stores. Barriers: 2 x (N-1) 4-byte release stores per block (or one multimem store
+// per block when the pool has multicast anyway: barrier.cuh says why every kernel signals the same way).
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
 #include "../device/ptx.cuh"
@@ -56,12 +57,12 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   const bool rows = uses_rows(flags);
-  if (gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0 || n % V != 0) return;
+  if (gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0) return;
   if (rows && (hidden <= 0 || hidden % V != 0 || n % hidden != 0)) return;
 
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
-  const Slices sl = make_slices(n / V, rows ? hidden / V : 0, nranks);
+  const Slices sl = make_slices((static_cast<int64_t>(n) + V - 1) / V, rows ? hidden / V : 0, nranks);
   // Byte offset of `in` in every pool (layouts are identical on every rank).
   const uint64_t in_off = reinterpret_cast<uint64_t>(in) - static_cast<uint64_t>(d->peer_base[rank]);
 
@@ -72,7 +73,8 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
     const uint64_t off = in_off + static_cast<uint64_t>(gi) * 16u;
     float acc[V];
     for (uint32_t p0 = 0; p0 < nranks; p0 += kPeers) {
-      uint4 v[kPeers];
+      uint4 v[kPeers];  // zeroed: only entries with a valid index are loaded / used
+      for (int u = 0; u < kPeers; ++u) v[u] = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
       for (int u = 0; u < kPeers; ++u)
         if (p0 + u < nranks)
@@ -95,19 +97,24 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
     return pack<T>(acc);
   };
   // All-gather of one vector: to every rank, starting after ourselves.
+  const int64_t partial = (n % V != 0) ? static_cast<int64_t>(n) / V : -1;  // index of a partial last vector
   auto store = [&](int64_t gi, int64_t, const uint4& v) {
     const uint64_t off = in_off + static_cast<uint64_t>(gi) * 16u;
     uint32_t p = rank;
     for (uint32_t i = 0; i < nranks; ++i) {
       p = (p + 1u == nranks) ? 0u : p + 1u;
-      st_relaxed_sys_v4(reinterpret_cast<void*>(static_cast<uint64_t>(d->peer_base[p]) + off), v);
+      void* dst = reinterpret_cast<void*>(static_cast<uint64_t>(d->peer_base[p]) + off);
+      if (gi != partial)
+        st_relaxed_sys_v4(dst, v);
+      else
+        store_partial_sys<T>(dst, v, static_cast<int64_t>(n) - gi * V);  // slices.cuh: never past n
     }
   };
   for_my_slice<2>(sl, rank, load, store);
   if (!rank_barrier(d, UBNEXT_OP_TWOSHOT)) return;
 
   if (!rows) {
-    if (out != in) copy_all_portions<T>(sl, nranks, in, out);
+    if (out != in) copy_all_portions<T>(sl, nranks, in, out, n);
     return;
   }
   LocalSrc<T> src{in, static_cast<int64_t>(n)};
