@@ -1,0 +1,27 @@
+"""The emulator across rank processes (mpirun -np 2 and 4): memfd pools shared by fd passing,
+multicast semantics, traffic, chaos-mode reordering between processes, and bounded waits."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_mpi_ok
+from ubnext import _emu
+
+WORKER = Path(__file__).resolve().parent / "emu_worker.py"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_library():
+    _emu.build()  # once here, rather than every rank queueing on the build lock
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("chaos", [False, True], ids=["plain", "chaos"])
+@pytest.mark.parametrize("np", [2, 4])
+def test_emulator_across_ranks(mpi, np, chaos):
+    args = ["multicast", "litmus", "timeout"] + (["--chaos"] if chaos else [])
+    proc = mpi(np, WORKER, *args, timeout=180)
+    assert_mpi_ok(proc)
+    for case in ("multicast", "litmus", "timeout"):
+        assert f"emu_worker {case} chaos={chaos} np={np}: ok" in proc.stdout, proc.stdout
