@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# On a GPU node: the GPU test tier and the benchmark in one go (one rank per GPU).
+# Output also goes to ${OUT:-build}/gpu_check.log.
+source "$(dirname "$0")/_setup.sh"
+out="${OUT:-$ROOT/build}"
+mkdir -p "$out"
+export UBNEXT_CACHE_DIR="${UBNEXT_CACHE_DIR:-$ROOT/build/cache}"
+ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
+{
+  nvidia-smi -L || true
+  python -m ubnext.kernels build --arch sm_90 sm_100 --fail-on-spill
+  python -m pytest -q -rs tests/gpu
+  if [ "$ngpu" -ge 2 ]; then
+    mpirun -np "$ngpu" python -m ubnext.bench
+    mpirun -np "$ngpu" python -m ubnext.bench --fused
+  else
+    echo "bench: needs >= 2 GPUs for a collective ($ngpu found)"
+  fi
+} 2>&1 | tee "$out/gpu_check.log"
+exit "${PIPESTATUS[0]}"
