@@ -193,3 +193,23 @@ extern "C" __global__ void ubnext_emu_selftest_wait(EMU_ST_PARAMS) {
     ubx::spin_pause();
   }
 }
+
+// Warp-op variants: segment widths, shfl_up, 64-bit shuffles, block votes, exited lanes.
+// out: uint32 [grid][blockDim][8], in the order written below.
+extern "C" __global__ void ubnext_emu_selftest_warp(EMU_ST_PARAMS) {
+  uint32_t* o = static_cast<uint32_t*>(out) + (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  const uint32_t tid = threadIdx.x, lane = tid % 32;
+  const unsigned full = 0xffffffffu;
+  o[0] = __shfl_xor_sync(full, lane, 1, 16);
+  o[1] = __shfl_down_sync(full, lane, 4, 8);
+  o[2] = __shfl_up_sync(full, lane, 3);
+  o[3] = __shfl_sync(full, lane, 3, 8);
+  const double dv = __shfl_xor_sync(full, double(lane) * 1e10 + 0.5, 2);
+  o[4] = uint32_t(dv / 1e10);
+  const long long lv = __shfl_sync(full, (static_cast<long long>(lane) << 33) | 7, 31);
+  o[5] = uint32_t(lv >> 33) + uint32_t(lv & 7) * 1000;
+  o[6] = uint32_t(__syncthreads_and(tid < blockDim.x)) | uint32_t(__syncthreads_or(tid == 5)) << 1 |
+         uint32_t(__syncthreads_and(tid != 3)) << 2;
+  if (lane >= 16) return;
+  o[7] = __activemask();
+}

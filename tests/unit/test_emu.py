@@ -62,6 +62,23 @@ def test_block_model(emu, chaos, grid, block):
     assert counter[0] == grid * block
 
 
+def test_warp_op_variants(emu, chaos):
+    grid, block = 2, 96
+    out = np.zeros((grid, block, 8), np.uint32)
+    emu.launch("ubnext_emu_selftest_warp", grid, block, kargs(out=out))
+    lane = np.arange(block) % 32
+    for b in range(grid):
+        o = out[b]
+        np.testing.assert_array_equal(o[:, 0], lane ^ 1, "shfl_xor width 16")
+        np.testing.assert_array_equal(o[:, 1], np.where(lane % 8 + 4 < 8, lane + 4, lane), "shfl_down width 8")
+        np.testing.assert_array_equal(o[:, 2], np.where(lane >= 3, lane - 3, lane), "shfl_up")
+        np.testing.assert_array_equal(o[:, 3], (lane & ~7) + 3, "shfl width 8")
+        np.testing.assert_array_equal(o[:, 4], lane ^ 2, "64-bit float shuffle")
+        assert (o[:, 5] == 31 + 7000).all(), "64-bit integer shuffle"
+        assert (o[:, 6] == 3).all(), "__syncthreads_and/or"
+        np.testing.assert_array_equal(o[:, 7], np.where(lane < 16, 0xFFFF, 0), "__activemask after exits")
+
+
 def test_blocks_wait_on_each_other(emu, chaos):
     grid, rounds = 32, 5
     out = np.zeros(grid, np.uint32)
