@@ -20,7 +20,12 @@
 //   - flat: item j of the rank's portion belongs to global thread j % (gridDim*blockDim); after the
 //     exchange that same thread handles item j of EVERY rank's portion (vectors s*cv + j).
 //   - rows: row `row` belongs to block row % gridDim, on every rank and in every phase; inside the
-//     block, items (local row t, j) are spread over the threads.
+//     block, vector i of a row belongs to thread i % blockDim -- the mapping of norm_row's loops
+//     (norm.cuh), so the thread that stores vector i in the exchange is the thread that reads it back in
+//     the row phase. That matters for nvls_lamport: a thread must not wait in a __syncthreads of the row
+//     math while a vector that a peer (or this rank) polls for sits only in its own store path. GPUs drain
+//     stores eventually anyway; the emulator's chaos mode holds them until the storing thread's next
+//     access, and with this mapping that access is the storing thread's own poll of the vector.
 #pragma once
 
 #include "platform.cuh"
@@ -63,14 +68,22 @@ UBX_DEV int64_t rows_of_block(int64_t nrows) {
 // This thread's work items of rank r's portions: k = first, first + step, ... < total.
 struct SliceWork {
   int64_t first, step, total;
+  int64_t i_first, n_i;  // rows: the thread's first vector index in the portion, and how many per row
 };
-UBX_DEV SliceWork slice_work(const Slices& s) {
+UBX_DEV SliceWork slice_work(const Slices& s, uint32_t r) {
   SliceWork w;
   if (s.rows) {
-    w.first = threadIdx.x;
-    w.step = blockDim.x;
-    w.total = rows_of_block(s.nrows) * s.cv;
+    // Vectors i of the portion [lo, hi) with i % blockDim == threadIdx.x.
+    const int64_t bd = blockDim.x;
+    const int64_t lo = static_cast<int64_t>(r) * s.cv;
+    const int64_t hi = lo + s.cv < s.nv ? lo + s.cv : s.nv;
+    w.i_first = lo + ((static_cast<int64_t>(threadIdx.x) - lo % bd) % bd + bd) % bd;
+    w.n_i = w.i_first < hi ? (hi - 1 - w.i_first) / bd + 1 : 0;
+    w.first = 0;
+    w.step = 1;
+    w.total = rows_of_block(s.nrows) * w.n_i;
   } else {
+    w.i_first = w.n_i = 0;
     w.first = global_tid();
     w.step = global_threads();
     w.total = s.cv;
@@ -79,18 +92,19 @@ UBX_DEV SliceWork slice_work(const Slices& s) {
 }
 
 // Work item k of owner rank r -> global vector gi and slot position pos. false: past the row's end
-// (the last rank's portion can be short, or empty when nv < nranks).
-UBX_DEV bool slice_item(const Slices& s, uint32_t r, int64_t k, int64_t& gi, int64_t& pos) {
-  int64_t row = 0, j = k;
+// (flat mode: the last rank's portion can be short, or empty when nv < nranks).
+UBX_DEV bool slice_item(const Slices& s, const SliceWork& w, uint32_t r, int64_t k, int64_t& gi, int64_t& pos) {
+  int64_t row = 0, i;
   if (s.rows) {
-    const int64_t t = k / s.cv;
-    j = k - t * s.cv;
+    const int64_t t = k / w.n_i;
+    i = w.i_first + (k - t * w.n_i) * static_cast<int64_t>(blockDim.x);
     row = static_cast<int64_t>(blockIdx.x) + t * static_cast<int64_t>(gridDim.x);
+  } else {
+    i = static_cast<int64_t>(r) * s.cv + k;
   }
-  const int64_t i = static_cast<int64_t>(r) * s.cv + j;
   if (i >= s.nv) return false;
   gi = row * s.nv + i;
-  pos = row * s.cv + j;
+  pos = row * s.cv + (i - static_cast<int64_t>(r) * s.cv);
   return true;
 }
 
@@ -99,7 +113,7 @@ UBX_DEV bool slice_item(const Slices& s, uint32_t r, int64_t k, int64_t& gi, int
 // round trips, so they must overlap).
 template <int kBatch, class Load, class Store>
 UBX_DEV void for_my_slice(const Slices& s, uint32_t rank, Load& load, Store& store) {
-  const SliceWork w = slice_work(s);
+  const SliceWork w = slice_work(s, rank);
   for (int64_t k0 = w.first; k0 < w.total; k0 += kBatch * w.step) {
     int64_t gi[kBatch], pos[kBatch];
     bool ok[kBatch];
@@ -108,7 +122,7 @@ UBX_DEV void for_my_slice(const Slices& s, uint32_t rank, Load& load, Store& sto
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int64_t k = k0 + u * w.step;
-      ok[u] = k < w.total && slice_item(s, rank, k, gi[u], pos[u]);
+      ok[u] = k < w.total && slice_item(s, w, rank, k, gi[u], pos[u]);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u)
