@@ -213,10 +213,10 @@ class Emulator:
             raise EmulatorError(f"{kernel}: the kernel ABI has 12 parameters, got {len(args)}")
         values = []
         for i, (kind, value) in enumerate(args):
-            try:
-                values.append(_ARG_TYPES[kind](value or 0))
-            except KeyError:
-                raise EmulatorError(f"{kernel}: parameter {i} has unknown type {kind!r}") from None
+            if kind not in _ARG_TYPES:
+                raise EmulatorError(f"{kernel}: parameter {i} has unknown type {kind!r}")
+            # numpy scalars and None are accepted: convert to the Python type ctypes wants
+            values.append(_ARG_TYPES[kind](float(value or 0) if kind == "f32" else int(value or 0)))
         ptrs = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
         watchdog = self._watchdog_s if self._watchdog_s is not None else 3.0 * envs.get("UBNEXT_TIMEOUT")
         self._lib.ubnext_emu_set_watchdog_ns(int(watchdog * 1e9))
