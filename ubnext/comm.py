@@ -163,6 +163,13 @@ class Communicator:
         self.last_path: str | None = None
         if self.mode == "torch":
             self._pool_error = f"no GPU ({no_gpu_reason()}) and emulation is off"
+        if self.mode == "emulator":
+            from . import _emu
+
+            self._emu = _emu.load(envs.get("UBNEXT_EMU_BREAK"))
+            seed = envs.get("UBNEXT_EMU_SEED")
+            # 0 lets the emulator derive a seed per process; a fixed seed differs per rank
+            self._emu.configure(envs.get("UBNEXT_EMU_CHAOS"), seed + self.rank if seed else 0)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -219,11 +226,6 @@ class Communicator:
             raise
         pool, error = None, None
         try:
-            if self.mode == "emulator":
-                from . import _emu
-
-                self._emu = _emu.load(envs.get("UBNEXT_EMU_BREAK"))
-                self._emu.configure(envs.get("UBNEXT_EMU_CHAOS"), envs.get("UBNEXT_EMU_SEED") + self.rank)
             pool = SymmetricPool(layout=layout, rank=self.rank, group=self.group, device=self.device,
                                  allgather=self._allgather, barrier=self._barrier)
         except (RuntimeError, OSError, ImportError) as exc:
