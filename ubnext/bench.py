@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=2.0, help="seconds per size at most (CPU)")
     parser.add_argument("--fused", action="store_true", help="time all_reduce_add_rmsnorm instead")
     parser.add_argument("--modes", nargs="+", choices=["gpu", "emulator", "torch"], default=None)
+    parser.add_argument("--algo", default=None, help="force a path (UBNEXT_ALGO's values) in the gpu/emulator modes")
     args = parser.parse_args(argv)
 
     gpu = gpu_available()
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "gpu" and not gpu:
             continue
         comm = Communicator(emulate=(mode == "emulator"), max_hidden=4096,
-                            algo="torch" if mode == "torch" else None)
+                            algo="torch" if mode == "torch" else args.algo)
         label = {"gpu": f"gpu:{torch.cuda.get_device_name() if gpu else ''}", "emulator": "cpu-emulator",
                  "torch": "torch.distributed"}[mode]
         bench_mode(comm, label, sizes, dtype, iters, args.budget, args.fused, rows)
