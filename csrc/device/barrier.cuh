@@ -3,14 +3,17 @@
 //
 // Protocol (block b of every rank takes part; all ranks launch the same grid):
 //   1. __syncthreads(): every thread's earlier stores of this block are ordered before the signal.
-//   2. lane 0 of warp 0 bumps the block's LOCAL epoch sync[BARRIER_EPOCH + b] (never reset, so a
-//      captured CUDA graph replays correctly and no reset race exists between calls).
+//   2. the block's epoch goes up by one: a register copy, loaded from the LOCAL word
+//      sync[BARRIER_EPOCH + b] by barrier_open at kernel entry and written back at each barrier (never
+//      reset, so a captured CUDA graph replays correctly and no reset race exists between calls).
 //   3. signal: slot barrier_flag[b][my_rank] := epoch on EVERY rank, with release semantics at .sys
 //      scope: one multimem.st.release through the multicast address when the pool has one, else one
 //      st.release.sys per peer (lane p of warp 0 writes peer p, in parallel).
 //   4. wait: lane p of warp 0 spins with ld.acquire.sys on its own copy of slot [b][p] until it holds
 //      an epoch >= ours (wrap-safe signed compare), bounded by desc->timeout_ns.
 //   5. __syncthreads(): the acquire of warp 0 is ordered before every thread's later accesses.
+// A given slot is always written by the same thread of the same rank (lane 0 through multicast, or lane p
+// to peer p), so successive epochs reach it in program order.
 //
 // Why one slot per (block, peer) instead of one counter per block bumped by multimem.red.add
 // (the DESIGN.md suggestion): the counter only says HOW MANY ranks arrived, not WHICH one is missing.
@@ -112,51 +115,81 @@ UBX_DEV bool poll_ready_v4(const void* addr, uint4& v, const ubnext_comm_desc* d
   }
 }
 
-// The barrier. Collective over the whole block (every thread must call it, uniformly).
-// Returns true when block blockIdx.x of every rank has arrived; false on timeout (the error has been
-// reported, and the caller must return from the kernel: every thread of the block gets `false`).
-UBX_DEV bool rank_barrier(const ubnext_comm_desc* d, uint32_t op) {
-  __shared__ uint32_t s_failed;
-  __syncthreads();
+// The barrier, as a per-block object: open it once at kernel entry (the descriptor loads and the
+// epoch load are then issued early, overlapping each other and the kernel's other setup, instead of
+// sitting on the critical path of the first barrier), then call sync() at each barrier point.
+// Warp 0 does all the work; every lane keeps only its own peer's addresses.
+struct RankBarrier {
+  const ubnext_comm_desc* d;
+  uint32_t* epoch_word;   // lane 0: sync[BARRIER_EPOCH + b] of this rank (local, this block only)
+  uint32_t* signal;       // lane 0 (multicast) or lane p (peer p's copy of slot [b][rank]); else null
+  const uint32_t* wait;   // lane p != rank, p < nranks: our copy of slot [b][p]; else null
+  uint64_t limit_ns;
+  uint32_t epoch;         // the last epoch this block reached (register copy, written back each sync)
+  uint32_t op;
+};
+
+UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op) {
+  RankBarrier br;
+  br.d = d;
+  br.op = op;
+  br.epoch_word = nullptr;
+  br.signal = nullptr;
+  br.wait = nullptr;
+  br.limit_ns = 0;
+  br.epoch = 0;
   if (threadIdx.x < 32) {
     const uint32_t lane = threadIdx.x;
     const uint32_t rank = static_cast<uint32_t>(d->rank);
     const uint32_t nranks = static_cast<uint32_t>(d->nranks);
+    const uint64_t mc = d->mc_base;
     const uint32_t b = blockIdx.x;
     uint32_t* my_sync = sync_words(d, rank);
-    uint32_t epoch = 0;
-    if (lane == 0) {
-      epoch = my_sync[UBNEXT_SYNC_BARRIER_EPOCH + b] + 1u;  // local, only this block touches it
-      my_sync[UBNEXT_SYNC_BARRIER_EPOCH + b] = epoch;
-    }
-    epoch = __shfl_sync(0xffffffffu, epoch, 0);
     const uint32_t slot = UBNEXT_SYNC_BARRIER_FLAG + b * UBNEXT_MAX_RANKS + rank;
-    if (d->mc_base != 0) {
-      if (lane == 0) {
-        uint32_t* mc_sync = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->mc_base + d->sync_off));
-        multimem_st_release_u32(mc_sync + slot, epoch);
-      }
+    br.epoch_word = my_sync + UBNEXT_SYNC_BARRIER_EPOCH + b;
+    if (lane == 0) br.epoch = *br.epoch_word;
+    br.epoch = __shfl_sync(0xffffffffu, br.epoch, 0);
+    if (mc != 0) {
+      if (lane == 0) br.signal = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(mc + d->sync_off)) + slot;
     } else if (lane < nranks && lane != rank) {
-      st_release_sys_u32(sync_words(d, lane) + slot, epoch);
+      br.signal = sync_words(d, lane) + slot;
+    }
+    if (lane < nranks && lane != rank) br.wait = my_sync + UBNEXT_SYNC_BARRIER_FLAG + b * UBNEXT_MAX_RANKS + lane;
+    br.limit_ns = timeout_ns(d);
+  }
+  return br;
+}
+
+// One barrier. Collective over the whole block (every thread calls it, uniformly). Returns true when
+// block blockIdx.x of every rank has arrived; false on timeout (reported; the caller must leave the
+// kernel's cross-rank work: every thread of the block gets `false`).
+UBX_DEV bool barrier_sync(RankBarrier& br) {
+  __shared__ uint32_t s_failed;
+  __syncthreads();  // every thread's earlier accesses of this block happen before the signal
+  if (threadIdx.x < 32) {
+    const uint32_t lane = threadIdx.x;
+    const uint32_t epoch = ++br.epoch;
+    if (lane == 0) *br.epoch_word = epoch;  // persist for the next kernel; nobody waits on it
+    if (br.signal != nullptr) {
+      if (br.d->mc_base != 0)
+        multimem_st_release_u32(br.signal, epoch);
+      else
+        st_release_sys_u32(br.signal, epoch);
     }
     uint32_t failed = 0;
 #if !defined(UBNEXT_BREAK_SKIP_BARRIER)
-    if (lane < nranks && lane != rank) {
-      const uint32_t* flag = my_sync + UBNEXT_SYNC_BARRIER_FLAG + b * UBNEXT_MAX_RANKS + lane;
-      if (!wait_flag_reached(flag, epoch, timeout_ns(d))) {
-        report_timeout(d, op, lane);
-        failed = 1;
-      }
+    if (br.wait != nullptr && !wait_flag_reached(br.wait, epoch, br.limit_ns)) {
+      report_timeout(br.d, br.op, lane);  // lane p waits for peer p: the timeout names it
+      failed = 1;
     }
 #else
     // Test-only broken build: signal but never wait. The integration tests must catch the
     // resulting races (stale or partially reduced data), proving that they exercise the barrier.
-    (void)op;
 #endif
     failed = __any_sync(0xffffffffu, failed);
     if (lane == 0) s_failed = failed;
   }
-  __syncthreads();
+  __syncthreads();  // warp 0's acquire happens before every thread's later accesses
   return s_failed == 0;
 }
 

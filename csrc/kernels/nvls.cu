@@ -167,13 +167,14 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
+  RankBarrier br = barrier_open(d, UBNEXT_OP_NVLS_TWOSHOT);  // early: its loads overlap the setup below
   const bool rows = uses_rows(flags);
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
   const Slices sl = make_slices((static_cast<int64_t>(n) + V - 1) / V, rows ? hidden / V : 0, nranks);
   const uint64_t mc_in = mc_addr(d, in);
 
-  if (!rank_barrier(d, UBNEXT_OP_NVLS_TWOSHOT)) return;
+  if (!barrier_sync(br)) return;
   auto load = [&](int64_t gi) -> uint4 { return McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u); };
   const int64_t partial = (n % V != 0) ? static_cast<int64_t>(n) / V : -1;  // index of a partial last vector
   auto store = [&](int64_t gi, int64_t, const uint4& v) {
@@ -186,7 +187,7 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
     }
   };
   for_my_slice<4>(sl, rank, load, store);
-  if (!rank_barrier(d, UBNEXT_OP_NVLS_TWOSHOT)) return;
+  if (!barrier_sync(br)) return;
 
   if (!rows) {
     if (out != in) copy_all_portions<T>(sl, nranks, in, out, n);
@@ -207,10 +208,11 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
+  RankBarrier br = barrier_open(d, UBNEXT_OP_NVLS_ONESHOT);  // early: its loads overlap the setup below
   const uint64_t mc_in = mc_addr(d, in);
   const int64_t nvec = (static_cast<int64_t>(n) + V - 1) / V;  // last one may be partial
 
-  if (!rank_barrier(d, UBNEXT_OP_NVLS_ONESHOT)) return;
+  if (!barrier_sync(br)) return;
   if (!uses_rows(flags)) {
     const int64_t first = global_tid(), step = global_threads();
     for (int64_t g0 = first; g0 < nvec; g0 += kBatch * step) {
@@ -229,7 +231,7 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
                   eps, flags, s_cache, s_red);
   }
   // Trailing barrier: peers may still be reading our `in` (see the header).
-  (void)rank_barrier(d, UBNEXT_OP_NVLS_ONESHOT);
+  (void)barrier_sync(br);
 }
 
 // ---------------------------------------------------------------- nvls_lamport
@@ -241,6 +243,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
+  RankBarrier br = barrier_open(d, UBNEXT_OP_NVLS_LAMPORT);  // early: its loads overlap the setup below
   const bool rows = uses_rows(flags);
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
@@ -255,7 +258,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
   const uint64_t mc_in = mc_addr(d, in);
   const uint64_t mc_slot = static_cast<uint64_t>(d->mc_base) + buf_off + static_cast<uint64_t>(rank) * slot;
 
-  if (rank_barrier(d, UBNEXT_OP_NVLS_LAMPORT)) {
+  if (barrier_sync(br)) {
     // ---- exchange: our portion, reduced and sanitised, into slot [rank] of every rank's buffer b
     auto load = [&](int64_t gi) -> uint4 {
       return sanitize<T>(McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u));

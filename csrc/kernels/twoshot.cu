@@ -59,6 +59,7 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
   const bool rows = uses_rows(flags);
   if (gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0) return;
   if (rows && (hidden <= 0 || hidden % V != 0 || n % hidden != 0)) return;
+  RankBarrier br = barrier_open(d, UBNEXT_OP_TWOSHOT);  // early: its loads overlap the setup below
 
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
@@ -66,7 +67,7 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
   // Byte offset of `in` in every pool (layouts are identical on every rank).
   const uint64_t in_off = reinterpret_cast<uint64_t>(in) - static_cast<uint64_t>(d->peer_base[rank]);
 
-  if (!rank_barrier(d, UBNEXT_OP_TWOSHOT)) return;
+  if (!barrier_sync(br)) return;
 
   // Reduce-scatter of one vector: rank order 0..N-1, fp32, rounded once to T.
   auto load = [&](int64_t gi) -> uint4 {
@@ -111,7 +112,7 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
     }
   };
   for_my_slice<2>(sl, rank, load, store);
-  if (!rank_barrier(d, UBNEXT_OP_TWOSHOT)) return;
+  if (!barrier_sync(br)) return;
 
   if (!rows) {
     if (out != in) copy_all_portions<T>(sl, nranks, in, out, n);
