@@ -74,8 +74,8 @@
 //   Traffic per rank: multimem.ld_reduce of B/N bytes, multimem.st of ~B/N bytes into the Lamport buffers
 //   (each rank receives ~B bytes); locally: the poll reads ~B bytes, the re-poison writes ~B bytes.
 //
-// Common: any n >= 1 in flat mode (a partial last vector: see slices.cuh); row mode needs hidden % V == 0 and n % hidden == 0;
-// gridDim.x <= UBNEXT_MAX_BLOCKS and the same grid on every rank; blockDim.x a multiple of 32. Violations
+// Common: any n >= 1 in flat mode (a partial last vector: see slices.cuh); row mode needs hidden % V == 0
+// and n % hidden == 0; gridDim.x <= UBNEXT_MAX_BLOCKS and the same grid on every rank; blockDim.x a multiple of 32. Violations
 // (all ranks see the same arguments) make every rank return at once, touching nothing.
 // On a timeout the kernel reports {TIMEOUT, op, rank, peer} (barrier.cuh) and returns; the communicator
 // must then be re-created.
