@@ -147,6 +147,7 @@ class Communicator:
             self.mode, self.device = "emulator", torch.device("cpu")
         elif gpu_available():
             self.mode, self.device = "gpu", torch.device("cuda", torch.cuda.current_device())
+            self._sm_count = min(128, torch.cuda.get_device_properties(self.device).multi_processor_count)
         else:
             self.mode, self.device = "torch", torch.device("cpu")
         self._max_hidden = max_hidden or 0
@@ -334,7 +335,7 @@ class Communicator:
         else:
             no_kernels = None
         arena = pool.arenas["eager"].largest_free() if pool is not None else 0
-        staging = nbytes * (3 if fused else 1)
+        staging = nbytes
         for path in KERNEL_PATHS:
             if no_kernels:
                 why[path] = no_kernels
@@ -417,14 +418,14 @@ class Communicator:
         if self.mode == "emulator":
             block, max_blocks = 64, 4  # emulated threads are fibers on 2 cores: keep it small
         else:
-            block = 256
-            props = torch.cuda.get_device_properties(self.device)
-            max_blocks = min(128, props.multi_processor_count)
+            # 256 threads: the kernels' register use (up to 168 on sm_100) allows it, not 512;
+            # one block per SM at most keeps the grid co-resident (blocks wait on peers' blocks)
+            block, max_blocks = 256, self._sm_count
         if fused:
             return max(1, min(tokens, max_blocks)), block
         vectors = -(-n * elem // 16)
-        if algo in ("nvls_twoshot", "twoshot"):
-            vectors = -(-vectors // self.world_size)
+        if algo in ("nvls_twoshot", "twoshot", "nvls_lamport"):
+            vectors = -(-vectors // self.world_size)  # each rank reduces its 1/N share
         return max(1, min(-(-vectors // block), max_blocks)), block
 
     def _launch(self, algo: str, dtype: torch.dtype, *, inp: torch.Tensor, out: torch.Tensor,
@@ -603,20 +604,13 @@ class Communicator:
             scale_inv = torch.empty(1 if scale is not None else tokens, dtype=torch.float32, device=x.device)
         else:
             scale_inv = None
-        if path == "lamport":
-            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-            residual_out = torch.empty_like(residual)
-            self._launch(path, x.dtype, inp=x, out=out, residual=residual, residual_out=residual_out,
-                         weight=weight, scale=scale, scale_inv=scale_inv, hidden=hidden, eps=eps, flags=flags)
-        else:
-            # the NVLS/two-shot kernels broadcast out and residual_out, so both live in the pool
-            stage = self._pool.empty(x.shape, x.dtype).copy_(x)
-            out_stage = self._pool.empty(x.shape, out_dtype)
-            res_stage = self._pool.empty(x.shape, x.dtype)
-            self._launch(path, x.dtype, inp=stage, out=out_stage, residual=residual,
-                         residual_out=res_stage, weight=weight, scale=scale, scale_inv=scale_inv,
-                         hidden=hidden, eps=eps, flags=flags)
-            out, residual_out = out_stage.clone(), res_stage.clone()
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        residual_out = torch.empty_like(residual)
+        # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool, so x is
+        # staged there unless it already lives in it (they overwrite it: never the caller's x)
+        inp = x if path == "lamport" else self._pool.empty(x.shape, x.dtype).copy_(x)
+        self._launch(path, x.dtype, inp=inp, out=out, residual=residual, residual_out=residual_out,
+                     weight=weight, scale=scale, scale_inv=scale_inv, hidden=hidden, eps=eps, flags=flags)
         if scale_inv is not None and scale is None:
             scale_inv = scale_inv.reshape(x.shape[:-1])
         return out, residual_out, scale_inv

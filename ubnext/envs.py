@@ -108,6 +108,9 @@ VARIABLES: dict[str, Var] = {
         Var("UBNEXT_EMU_CHAOS", _bool, False, "0|1",
             "Emulator chaos mode: random delays at cross-rank accesses and reordering of "
             "stores that no fence or release orders."),
+        Var("UBNEXT_EMU_MULTICAST", _bool, True, "0|1",
+            "Give emulator pools a multicast address (1) or none (0: the unicast paths, as on "
+            "PCIe P2P or several ranks per GPU)."),
         Var("UBNEXT_EMU_SEED", _nonnegative_int, 0, "integer >= 0",
             "Seed of the emulator's chaos mode (0: derived from time and rank)."),
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier"), "",

@@ -193,7 +193,7 @@ class EmulatorBackend(_Backend):
                 os.close(peer_fd)
         self._arrays = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
         self.peer_bases = [a.__array_interface__["data"][0] for a in self._arrays]
-        self.mc_base = self._lib.reserve(size)
+        self.mc_base = self._lib.reserve(size) if envs.get("UBNEXT_EMU_MULTICAST") else 0
         self._handle = self._lib.register(rank, nranks, self.peer_bases, size, self.mc_base)
         self._local = torch.from_numpy(self._arrays[rank])
 
@@ -205,7 +205,8 @@ class EmulatorBackend(_Backend):
             return
         # the multicast range goes first, so no twin can reach a peer mapping being removed
         self._lib.unregister(self._handle)
-        self._lib.release(self.mc_base, self.size)
+        if self.mc_base:
+            self._lib.release(self.mc_base, self.size)
         self._handle = None
         self._local = None
         self._arrays = []

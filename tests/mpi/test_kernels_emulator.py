@@ -9,18 +9,22 @@ FULL = ["allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "traffi
         "bad_input", "timeout", "linear", "compile", "pool_cycles"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation"]
+# without a multicast address: unicast Lamport push, unicast two-shot and its barrier
+UNICAST = ["allreduce", "paths", "fused_paths", "traffic", "rotation", "timeout"]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("np,chaos,cases", [
-    (2, "0", FULL),
-    (4, "0", CORE),
-    (2, "1", CHAOS),
-    (4, "1", CHAOS),
-], ids=["np2", "np4", "np2-chaos", "np4-chaos"])
-def test_kernels_on_emulator(mpi, np, chaos, cases):
-    proc = mpi(np, MPI_WORKER, "emulator", *cases, env={"UBNEXT_EMU_CHAOS": chaos}, timeout=900)
-    assert_mpi_ok(proc)
+@pytest.mark.parametrize("np,chaos,multicast,cases", [
+    (2, "0", "1", FULL),
+    (4, "0", "1", CORE),
+    (3, "0", "0", UNICAST),
+    (2, "1", "1", CHAOS),
+    (4, "1", "1", CHAOS),
+    (3, "1", "0", CHAOS),
+], ids=["np2", "np4", "np3-unicast", "np2-chaos", "np4-chaos", "np3-unicast-chaos"])
+def test_kernels_on_emulator(mpi, np, chaos, multicast, cases):
+    env = {"UBNEXT_EMU_CHAOS": chaos, "UBNEXT_EMU_MULTICAST": multicast}
+    assert_mpi_ok(mpi(np, MPI_WORKER, "emulator", *cases, env=env, timeout=900))
 
 
 # Each deliberately broken build (csrc, behind a test-only macro) must make a protocol test

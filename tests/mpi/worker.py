@@ -99,8 +99,8 @@ def case_paths():
                 nbytes = numel * torch.empty((), dtype=dtype).element_size()
                 runnable = COMM._capabilities(nbytes, dtype, fused=False)[path] is None
                 check_allreduce(numel, dtype, seed=numel + 17)
-                if MODE == "emulator":
-                    assert runnable, f"{path} must run on the emulator (multicast is emulated)"
+                if MODE == "emulator" and (COMM.pool.has_multicast or not path.startswith("nvls")):
+                    assert runnable, f"{path} must run on the emulator"
                 assert COMM.last_path == (path if runnable else COMM.last_path), (path, COMM.last_path)
                 assert runnable or COMM.last_path != path
     COMM._algo = None
@@ -166,7 +166,7 @@ def case_fused_paths():
         for dtype in DTYPES:
             for tokens, hidden in ((1, 64), (n - 1 or 1, 520), (n + 1, 256)):
                 check_fused(tokens, hidden, dtype, seed=tokens + hidden)
-                if MODE == "emulator":
+                if MODE == "emulator" and (COMM.pool.has_multicast or not path.startswith("nvls")):
                     assert COMM.last_path == path, (path, COMM.last_path)
         check_fused(3, 512, torch.bfloat16, seed=9, out_dtype=FP8)
         check_fused(3, 512, torch.bfloat16, seed=9, out_dtype=FP8, scale=torch.tensor([0.02]))
@@ -353,27 +353,35 @@ def case_traffic():
     if MODE != "emulator":
         return
     n = dist.get_world_size()
-    numel = 8192
+    numel = 4096 * n  # whole 16-byte vectors in every rank's 1/N share
     S = numel * 2
     x = T.rank_input(dist.get_rank(), numel, torch.bfloat16, 3)
     emu = COMM._emu
-    for path in ("lamport", "nvls_twoshot", "twoshot"):
+    mc = COMM.pool.has_multicast
+    for path in ("lamport", "nvls_twoshot", "twoshot") if mc else ("lamport", "twoshot"):
         COMM._algo = path
         COMM.all_reduce(x)
+        assert COMM.last_path == path
         t = emu.traffic()
         log(path, t)
-        if path == "lamport":
-            # one multicast push of the S-byte message (the pool has an emulated multicast)
+        if path == "lamport" and mc:
+            # one multicast push of the S-byte message
             assert t.mc_store_bytes == S and sum(t.peer_store_bytes) == 0, t
+        elif path == "lamport":
+            # unicast push: S bytes to each of the N-1 peers, nothing read from them
+            assert sum(t.peer_store_bytes) == (n - 1) * S and sum(t.peer_load_bytes) == 0, t
+            assert all(b == S for r, b in enumerate(t.peer_store_bytes[:n]) if r != dist.get_rank()), t
         elif path == "nvls_twoshot":
             # each rank reduces and broadcasts its 1/N slice; barrier flags are extra 4-byte ops
             assert t.mc_ld_reduce_bytes == S // n, t
             data_ops = (S // n) // 16  # the slice in 16-byte vectors; the rest are 4-byte flags
             assert t.mc_store_bytes == S // n + 4 * (t.mc_store_ops - data_ops), t
         elif path == "twoshot":
-            # reduce-scatter by peer loads, broadcast by peer stores: (N-1)/N * S each way
+            # reduce-scatter by peer loads, broadcast by peer stores: (N-1)/N * S each way, plus
+            # 4-byte barrier flags (through multicast when the pool has it)
             assert sum(t.peer_load_bytes) == (n - 1) * S // n, t
-            assert sum(t.peer_store_bytes) == (n - 1) * S // n, t
+            flags = 0 if mc else 4 * (sum(t.peer_store_ops) - (n - 1) * (S // n) // 16)
+            assert sum(t.peer_store_bytes) == (n - 1) * S // n + flags, t
     COMM._algo = None
 
 
