@@ -262,6 +262,9 @@ def load_kernel(name: str, device_index: int):
         return _loaded[key]
     from ._cuda import core, device_arch
 
+    # cuda.core loads modules into the current context: make it the device's primary context,
+    # the one torch uses, so kernels and torch's tensors share an address space
+    core().Device(device_index).set_current()
     algo = name[len("ubnext_"):].rsplit("_", 1)[0]
     fname = ALGOS[algo]
     arch = device_arch(device_index)
