@@ -106,6 +106,29 @@ def case_paths():
     COMM._algo = None
 
 
+def case_auto():
+    """The automatic choice by size and multicast, and what explain() says."""
+    if MODE == "torch":
+        assert "torch" in COMM.explain(torch.ones(8))
+        return
+    mc = COMM.pool.has_multicast
+    check_allreduce(1000, torch.bfloat16, seed=1)
+    assert COMM.last_path == "lamport"
+    big = (1 << 20) // 4 + 1024  # fp32 elements: just over the Lamport size threshold
+    check_allreduce(big, torch.float32, seed=2)
+    assert COMM.last_path == ("nvls_twoshot" if mc else "twoshot"), COMM.last_path
+    text = COMM.explain(torch.empty(big, device=device()))
+    assert text.splitlines()[0].startswith(COMM.last_path + ":"), text
+    # nvls_oneshot never serves the fused norm (ranks could normalise different bits)
+    COMM._algo = "nvls_oneshot"
+    check_fused(2, 256, torch.bfloat16, seed=3)
+    assert COMM.last_path != "nvls_oneshot"
+    text = COMM.explain(torch.empty(2, 256, dtype=torch.bfloat16, device=device()), fused=True)
+    if mc:
+        assert "not nvls_oneshot: nvls_oneshot does not promise identical bits" in text, text
+    COMM._algo = None
+
+
 # -- fused add + RMSNorm ----------------------------------------------------------------------
 
 
