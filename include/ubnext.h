@@ -117,20 +117,28 @@ UBNEXT_API ubnext_status_t ubnext_device_count(int* count);
 /* ---------------------------------------------------------------------------------------- */
 
 /* Allreduce algorithms; see docs/ARCHITECTURE.md for the protocols. "Arena" is this rank's
- * data arena of the symmetric pool, [peer_base[rank] + data_off, peer_base[rank] + pool_bytes).
- *  LAMPORT       one-shot push into Lamport buffers; lowest latency. Buffers anywhere.
- *                Needs count * dtype size <= the descriptor's lamport_slot_bytes.
+ * data arena of the symmetric pool, [peer_base[rank] + data_off, peer_base[rank] + pool_bytes);
+ * "anywhere" means any device memory. Buffer contracts of ubnext_allreduce:
+ *  LAMPORT       one-shot push into Lamport buffers; lowest latency. `in` anywhere, not
+ *                modified; `out` anywhere, may equal `in`. Needs count * dtype size, rounded up
+ *                to 16 bytes, <= the descriptor's lamport_slot_bytes.
  *  NVLS_ONESHOT  every rank reduces the whole message through the multicast address. `in` in
- *                the arena. Needs multicast. Ranks may differ in the last bits (the switch
+ *                the arena, not modified (peers read it during the call); `out` anywhere but
+ *                never on `in`. Needs multicast. Ranks may differ in the last bits (the switch
  *                picks the reduction order), hence never fused.
- *  NVLS_TWOSHOT  multicast reduce-scatter + broadcast, in place: `out == in`, in the arena.
- *                Needs multicast. Bitwise identical on every rank.
- *  NVLS_LAMPORT  NVLS two-shot whose broadcast lands in the Lamport buffers: `in` in the arena,
- *                needs multicast, and the message must fit the Lamport slot.
- *  TWOSHOT       unicast reduce-scatter + broadcast, in place like NVLS_TWOSHOT; no multicast.
- * Fused op (ubnext_allreduce_add_rmsnorm) with any algorithm but LAMPORT: the kernel broadcasts
- * `out` and `residual_out`, so `in`, `out` and `residual_out` all lie in the arena; `out` may
- * differ from `in`. Everywhere: `out` equals `in` or does not overlap it. */
+ *  NVLS_TWOSHOT  multicast reduce-scatter + broadcast. `in` in the arena and OVERWRITTEN with
+ *                the allreduce result; `out` may equal `in`, or be any buffer not overlapping
+ *                it (the result is copied there after the exchange). Needs multicast. Bitwise
+ *                identical on every rank.
+ *  NVLS_LAMPORT  NVLS two-shot whose broadcast lands in the Lamport buffers. `in` in the arena,
+ *                not modified; `out` anywhere but never on `in`. Needs multicast, and the
+ *                message (rounded up to 16 bytes) must fit the Lamport slot.
+ *  TWOSHOT       unicast reduce-scatter + broadcast; `in` and `out` as NVLS_TWOSHOT (`in` is
+ *                overwritten with the result). No multicast.
+ * Everywhere: `out` equals `in` (where allowed above) or does not overlap it.
+ * Fused op (ubnext_allreduce_add_rmsnorm, every algorithm but NVLS_ONESHOT): `in` as above; the
+ * row math runs on every rank after the exchange, so `out`, `residual`, `residual_out`,
+ * `weight`, `scale` and `scale_inv` lie anywhere (see ubnext_rmsnorm_args_t). */
 typedef enum ubnext_algo {
   UBNEXT_ALGO_LAMPORT = 0,
   UBNEXT_ALGO_NVLS_ONESHOT = 1,
@@ -167,9 +175,12 @@ typedef struct ubnext_launch {
   /* A cudaStream_t; NULL is the legacy default stream. */
   void* stream;
   /* Blocks, 1..128 and at most the kernel's co-resident limit. 0 picks the rule the Python
-   * launcher uses: one block per token row (fused op), else one 16-byte vector per thread of
-   * this rank's share, capped at min(128, SM count). Must be equal on every rank: pass it
-   * explicitly when ranks run different GPU models. */
+   * launcher uses (ubnext/comm.py): fused op, one block per token row, min(tokens, SM count);
+   * plain allreduce, one 16-byte vector per thread of the vectors this rank reduces --
+   * ceil(vectors / nranks) for NVLS_TWOSHOT, TWOSHOT and NVLS_LAMPORT, the whole message for
+   * LAMPORT and NVLS_ONESHOT -- capped at the SM count. Always capped at 128 and the
+   * co-resident limit. Must be equal on every rank: pass it explicitly when ranks run
+   * different GPU models. */
   unsigned int grid;
   /* Threads per block, a multiple of 32 up to 1024; 0 means 256. Equal on every rank. */
   unsigned int block;
@@ -195,8 +206,12 @@ typedef struct ubnext_launch {
  *   correct because the Lamport buffer rotation lives in device memory. Make the first call
  *   of each algorithm and dtype on a device outside capture: it loads the kernel module and
  *   probes the launch limits.
- * Buffers: device pointers, 16-byte aligned; count * dtype size a multiple of 16 bytes;
- *   1 <= count <= INT32_MAX.
+ * Buffers: device pointers, 16-byte aligned, placed as the algorithm requires (see
+ *   ubnext_algo_t); 1 <= count <= INT32_MAX, any count (a partial last 16-byte vector is
+ *   handled; nothing is stored past `count` elements). The padded size, count * dtype size
+ *   rounded up to 16 bytes, is what must fit the arena (`in`) and the Lamport slot.
+ * Ownership: every pointer is borrowed for the duration of the enqueued kernel; `in` of
+ *   NVLS_TWOSHOT and TWOSHOT is written by this rank and its peers during the call.
  * Errors: INVALID_ARGUMENT (all checked before any CUDA call, except an explicit grid above
  *   the kernel's co-resident limit), NO_ROOM (the message exceeds the descriptor's Lamport
  *   slot), UNSUPPORTED (no multicast for an NVLS algorithm, kernel not compiled in),
@@ -205,7 +220,9 @@ typedef struct ubnext_launch {
  */
 
 /* out[i] = sum over ranks of in[i], for i < count, in `dtype` (bf16, fp16 or fp32; summed in
- * fp32). `in` and `out` as the algorithm requires (see ubnext_algo_t). */
+ * fp32). `in` and `out` as the algorithm requires (see ubnext_algo_t): NVLS_TWOSHOT and TWOSHOT
+ * also leave the result in `in`; the others leave `in` unmodified. Collective, stream-ordered
+ * and capturable as described above. */
 UBNEXT_API ubnext_status_t ubnext_allreduce(const ubnext_launch_t* launch, ubnext_algo_t algo,
                                             ubnext_dtype_t dtype, const void* in, void* out,
                                             size_t count);
@@ -226,7 +243,15 @@ typedef enum ubnext_fp8_scaling {
  * UBNEXT_RMSNORM_ARGS_INIT. All pointers are device memory. With `tokens = count / hidden`:
  *   r              = allreduce(in) + residual
  *   residual_out   = r                                   (tokens x hidden, dtype)
- *   out            = r / sqrt(mean_row(r^2) + eps) * weight   (dtype or e4m3, see fp8) */
+ *   out            = r / sqrt(mean_row(r^2) + eps) * weight   (dtype or e4m3, see fp8)
+ * Placement: `in` as the algorithm requires (see ubnext_algo_t; NVLS_TWOSHOT and TWOSHOT
+ * overwrite it with the allreduce result). Every rank runs the row math on every row after the
+ * exchange, from its own residual and weight, so `out`, `residual`, `residual_out`, `weight`,
+ * `scale` and `scale_inv` may lie anywhere; they need not be in the pool. Overlaps: `out` may
+ * equal `in` for dtype output with LAMPORT, NVLS_TWOSHOT and TWOSHOT; e4m3 output never
+ * overlaps `in`; `residual_out` may equal `residual`; otherwise no buffer the kernel writes
+ * (`in`, `out`, `residual_out`, `scale_inv`) overlaps any other buffer here. Ranks get
+ * bitwise-identical results given identical residual and weight. */
 typedef struct ubnext_rmsnorm_args {
   size_t struct_size;
   const void* in;       /* this rank's partial sums, count elements of dtype */
@@ -234,7 +259,7 @@ typedef struct ubnext_rmsnorm_args {
   const void* residual; /* count elements of dtype */
   void* residual_out;   /* count elements of dtype; may alias residual */
   const void* weight;   /* hidden elements of dtype */
-  size_t count;         /* elements, a multiple of hidden */
+  size_t count;         /* elements, a multiple of hidden, 1..INT32_MAX */
   size_t hidden;        /* row length; hidden * dtype size a multiple of 16 bytes */
   float eps;            /* finite, >= 0 */
   ubnext_fp8_scaling_t fp8;
@@ -246,9 +271,10 @@ typedef struct ubnext_rmsnorm_args {
   {sizeof(ubnext_rmsnorm_args_t), NULL, NULL, NULL, NULL, NULL, 0, 0, 1e-6f, UBNEXT_FP8_NONE, \
    NULL, NULL}
 
-/* The fused op above, with buffers placed as `algo` requires (see ubnext_algo_t). FP8 output
- * is never written in place (`out != in`). NVLS_ONESHOT gives UNSUPPORTED. Same collective,
- * graph and error rules as ubnext_allreduce. */
+/* The fused op above with `algo` LAMPORT, NVLS_TWOSHOT, NVLS_LAMPORT or TWOSHOT (NVLS_ONESHOT
+ * gives UNSUPPORTED: ranks could normalise different bits). Buffers as ubnext_rmsnorm_args_t
+ * says; `args` itself is read during the call only. Collective (args.count, hidden, eps and fp8
+ * equal on every rank), stream-ordered, capturable, with the error rules of ubnext_allreduce. */
 UBNEXT_API ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* launch,
                                                         ubnext_algo_t algo, ubnext_dtype_t dtype,
                                                         const ubnext_rmsnorm_args_t* args);

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "device/desc.cuh"
+#include "launch_rules.h"
 #include "status.h"
 #include "ubnext.h"
 
@@ -35,14 +36,11 @@ UBNEXT_FOR_EACH_KERNEL(UBNEXT_DECLARE_STUB)
 namespace ubnext {
 namespace {
 
-constexpr int kNumAlgos = 5;
 constexpr int kNumDtypes = 3;  // inputs: bf16, fp16, fp32 (ubnext_dtype_t order)
 constexpr unsigned kDefaultBlock = 256;
 constexpr unsigned kMaxBlock = 1024;
 constexpr int kMaxCachedDevices = 64;
 constexpr uint32_t kKnownLaunchFlags = UBNEXT_LAUNCH_LAMPORT_MULTICAST;
-
-static_assert(UBNEXT_ALGO_TWOSHOT + 1 == kNumAlgos, "algo table out of date");
 
 struct KernelEntry {
   const char* name;
@@ -53,24 +51,6 @@ struct KernelEntry {
 #define UBNEXT_KERNEL_ENTRY(algo, dt) {"ubnext_" #algo "_" #dt, &ubnext_##algo##_##dt},
 const KernelEntry kKernels[kNumAlgos * kNumDtypes] = {UBNEXT_FOR_EACH_KERNEL(UBNEXT_KERNEL_ENTRY)};
 #undef UBNEXT_KERNEL_ENTRY
-
-struct AlgoTraits {
-  int op;               // UBNEXT_OP_* written by the kernel into the error word
-  bool uses_pool;       // `in` is read from this rank's data arena, and the fused op
-                        // broadcasts out and residual_out, so they live there too
-  bool in_place;        // plain allreduce: out must equal in
-  bool needs_multicast;
-  bool uses_lamport;    // the message passes through one Lamport slot
-  bool can_fuse;        // fused norm needs bitwise-identical sums on every rank
-};
-
-const AlgoTraits kAlgos[kNumAlgos] = {
-    /* LAMPORT      */ {UBNEXT_OP_LAMPORT, false, false, false, true, true},
-    /* NVLS_ONESHOT */ {UBNEXT_OP_NVLS_ONESHOT, true, false, true, false, false},
-    /* NVLS_TWOSHOT */ {UBNEXT_OP_NVLS_TWOSHOT, true, true, true, false, true},
-    /* NVLS_LAMPORT */ {UBNEXT_OP_NVLS_LAMPORT, true, false, true, true, true},
-    /* TWOSHOT      */ {UBNEXT_OP_TWOSHOT, true, true, false, false, true},
-};
 
 const char* op_name(uint32_t op) {
   for (int a = 0; a < kNumAlgos; ++a) {
@@ -204,11 +184,22 @@ ubnext_status_t check_in_arena(const ubnext_comm_desc* d, ubnext_algo_t algo, co
   return UBNEXT_STATUS_SUCCESS;
 }
 
-// Element count, placement of in/out for the algorithm, and capacity. `out_bytes` is the
-// size of the output (e4m3 output of the fused op is narrower than the input).
+size_t round_up16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// [p, +bytes) and [q, +bytes) share a byte.
+bool overlaps(const void* p, size_t p_bytes, const void* q, size_t q_bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), b = reinterpret_cast<uintptr_t>(q);
+  return p_bytes > 0 && q_bytes > 0 && a < b + q_bytes && b < a + p_bytes;
+}
+
+// Element count, placement of in/out for the algorithm, and capacity. `out_elem` is the size of
+// an output element (e4m3 output of the fused op is narrower than the input). Any count >= 1:
+// the kernels handle a partial last 16-byte vector (csrc/device/slices.cuh, vec.cuh) and never
+// store past count elements, but they do read and move the whole vector, so the padded size is
+// what must fit the data arena and the Lamport slot.
 ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo,
                               ubnext_dtype_t dtype, const void* in, const void* out,
-                              size_t count, bool fused, size_t out_elem) {
+                              size_t count, size_t out_elem) {
   UBNEXT_TRY(check_buffer(in, "in", 16));
   UBNEXT_TRY(check_buffer(out, "out", 16));
   const size_t elem = ubnext_dtype_size(dtype);
@@ -218,30 +209,25 @@ ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo,
                 INT32_MAX);
   }
   const size_t bytes = count * elem, out_bytes = count * out_elem;
-  if (bytes % 16 != 0) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "count %zu x %zu bytes is not a multiple of 16 bytes (kernels move 16-byte "
-                "vectors)",
-                count, elem);
-  }
+  const size_t padded = round_up16(bytes);
   const AlgoTraits& t = kAlgos[algo];
-  if (!fused && t.in_place && out != in) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "%s works in place: out must equal in",
-                ubnext_algo_string(algo));
-  }
-  // Equal pointers are the in-place case; a partial overlap would read what was just written.
-  const uintptr_t i0 = reinterpret_cast<uintptr_t>(in), o0 = reinterpret_cast<uintptr_t>(out);
-  if (out != in && i0 < o0 + out_bytes && o0 < i0 + bytes) {
+  if (out == in) {
+    if (!t.out_may_be_in) {
+      return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                  "%s leaves in unmodified (peers read it during the call): out must not be "
+                  "in nor overlap it",
+                  ubnext_algo_string(algo));
+    }
+  } else if (overlaps(in, bytes, out, out_bytes)) {
+    // A partial overlap would read what was just written.
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "out overlaps in without being equal to it");
   }
-  if (t.uses_pool) {
-    UBNEXT_TRY(check_in_arena(d, algo, in, bytes, "in"));
-    if (fused) UBNEXT_TRY(check_in_arena(d, algo, out, out_bytes, "out"));
-  }
-  if (t.uses_lamport && bytes > d->lamport_slot_bytes) {
+  if (t.in_in_arena) UBNEXT_TRY(check_in_arena(d, algo, in, padded, "in"));
+  if (t.uses_lamport && padded > d->lamport_slot_bytes) {
     return fail(UBNEXT_STATUS_NO_ROOM,
-                "%s: %zu bytes do not fit the Lamport slot of %llu bytes",
-                ubnext_algo_string(algo), bytes, d->lamport_slot_bytes);
+                "%s: %zu bytes (%zu as 16-byte vectors) do not fit the Lamport slot of %llu "
+                "bytes",
+                ubnext_algo_string(algo), bytes, padded, d->lamport_slot_bytes);
   }
   return UBNEXT_STATUS_SUCCESS;
 }
@@ -282,26 +268,6 @@ ubnext_status_t device_limits(int device, int kernel, unsigned block, Limits* ou
   return UBNEXT_STATUS_SUCCESS;
 }
 
-// The same geometry as the Python launcher (ubnext/comm.py, _geometry), so that a job gets the
-// same grid whichever front end launches: one block per token row for the fused op; otherwise
-// one 16-byte vector per thread of this rank's share, at most one block per SM.
-unsigned default_grid(ubnext_algo_t algo, const ubnext_comm_desc* d, size_t bytes,
-                      size_t tokens, unsigned block, const Limits& lim) {
-  size_t want;
-  if (tokens > 0) {
-    want = tokens;
-  } else {
-    size_t vectors = (bytes + 15) / 16;
-    if (kAlgos[algo].in_place) vectors = (vectors + d->nranks - 1) / d->nranks;
-    want = (vectors + block - 1) / block;
-  }
-  size_t cap = UBNEXT_MAX_BLOCKS;
-  if (static_cast<size_t>(lim.sms) < cap) cap = lim.sms;
-  if (static_cast<size_t>(lim.coresident) < cap) cap = lim.coresident;
-  if (want > cap) want = cap;
-  return want ? static_cast<unsigned>(want) : 1u;
-}
-
 struct KernelArgs {
   const void* desc;
   const void* in;
@@ -334,8 +300,9 @@ ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
   UBNEXT_TRY(device_limits(device, kernel, block, &lim));
   unsigned grid = launch.grid;
   if (grid == 0) {
-    grid = default_grid(algo, d, static_cast<size_t>(a.n) * ubnext_dtype_size(dtype), tokens,
-                        block, lim);
+    grid = default_grid(kAlgos[algo].per_rank_share,
+                        static_cast<size_t>(a.n) * ubnext_dtype_size(dtype), tokens,
+                        static_cast<size_t>(d->nranks), block, lim.sms, lim.coresident);
   } else if (grid > static_cast<unsigned>(lim.coresident)) {
     // Blocks wait on their peers' blocks; more than fit at once could wait forever.
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
@@ -398,7 +365,7 @@ ubnext_status_t ubnext_allreduce(const ubnext_launch_t* user_launch, ubnext_algo
   ubnext_launch_t launch;
   const ubnext_comm_desc* d = nullptr;
   UBNEXT_TRY(check_common(user_launch, algo, dtype, &launch, &d));
-  UBNEXT_TRY(check_message(d, algo, dtype, in, out, count, false, ubnext_dtype_size(dtype)));
+  UBNEXT_TRY(check_message(d, algo, dtype, in, out, count, ubnext_dtype_size(dtype)));
   KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr,
                static_cast<int32_t>(count), 0, 0.0f, 0};
   return launch_kernel(launch, algo, dtype, d, 0, a);
@@ -445,21 +412,19 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
                 "fuse with lamport, nvls_twoshot, nvls_lamport or twoshot",
                 ubnext_algo_string(algo));
   }
-  // e4m3 output in place would overwrite partial sums that other ranks still read.
+  // e4m3 output over `in` would overwrite partial sums that are still to be exchanged.
   if (args.fp8 != UBNEXT_FP8_NONE && args.out == args.in) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "FP8 output cannot be written in place (out == in)");
   }
+  const size_t elem = ubnext_dtype_size(dtype);
   const size_t out_elem = ubnext_dtype_size(args.fp8 == UBNEXT_FP8_NONE ? dtype
                                                                          : UBNEXT_DTYPE_FP8_E4M3);
-  UBNEXT_TRY(check_message(d, algo, dtype, args.in, args.out, args.count, true, out_elem));
+  UBNEXT_TRY(check_message(d, algo, dtype, args.in, args.out, args.count, out_elem));
+  // The row math runs on every rank after the exchange, so these are plain device memory
+  // anywhere (not in the pool, not broadcast).
   UBNEXT_TRY(check_buffer(args.residual, "residual", 16));
   UBNEXT_TRY(check_buffer(args.residual_out, "residual_out", 16));
-  if (kAlgos[algo].uses_pool) {
-    UBNEXT_TRY(check_in_arena(d, algo, args.residual_out, args.count * ubnext_dtype_size(dtype),
-                              "residual_out"));
-  }
   UBNEXT_TRY(check_buffer(args.weight, "weight", 16));
-  const size_t elem = ubnext_dtype_size(dtype);
   if (args.hidden == 0 || args.hidden > static_cast<size_t>(INT32_MAX) ||
       args.count % args.hidden != 0) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
@@ -475,6 +440,43 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
   if (!std::isfinite(args.eps) || args.eps < 0.0f) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "eps %g must be finite and >= 0",
                 static_cast<double>(args.eps));
+  }
+  // No buffer the kernel writes (out, residual_out, scale_inv; in, which the two-shot kernels
+  // overwrite and the others read during the exchange) may overlap another one, except
+  // out == in (check_message) and residual_out == residual (each element is read before the
+  // same thread writes it). Read-only buffers (residual, weight, scale) may overlap each other.
+  {
+    const size_t tokens = args.count / args.hidden;
+    const size_t bytes = args.count * elem;
+    struct Region {
+      const void* p;
+      size_t bytes;
+      const char* name;
+      bool written;
+    };
+    const Region r[] = {
+        {args.in, bytes, "in", true},
+        {args.out, args.count * out_elem, "out", true},
+        {args.residual_out, bytes, "residual_out", true},
+        {args.scale_inv,
+         args.fp8 == UBNEXT_FP8_PER_TOKEN ? tokens * sizeof(float)
+                                          : (args.fp8 == UBNEXT_FP8_STATIC ? sizeof(float) : 0),
+         "scale_inv", true},
+        {args.residual, bytes, "residual", false},
+        {args.weight, args.hidden * elem, "weight", false},
+        {args.scale, args.fp8 == UBNEXT_FP8_STATIC ? sizeof(float) : 0, "scale", false},
+    };
+    const size_t nr = sizeof r / sizeof r[0];
+    for (size_t i = 0; i < nr; ++i) {
+      for (size_t j = i + 1; j < nr; ++j) {
+        if (!r[i].written && !r[j].written) continue;
+        if (i == 0 && j == 1) continue;  // in / out: check_message
+        if (i == 2 && j == 4 && r[i].p == r[j].p) continue;  // residual_out aliases residual
+        if (overlaps(r[i].p, r[i].bytes, r[j].p, r[j].bytes)) {
+          return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "%s overlaps %s", r[i].name, r[j].name);
+        }
+      }
+    }
   }
   KernelArgs a{launch.desc,  args.in,     args.out,
                args.residual, args.residual_out, args.weight,

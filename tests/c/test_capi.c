@@ -188,8 +188,6 @@ static void test_allreduce_arguments(void) {
          "outside 1..");
   EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, a + 4096, SIZE_MAX), INV,
          "outside 1..");
-  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_FP32, a, a + 4096, 6), INV,
-         "multiple of 16 bytes");
   EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_FP8_E4M3, a, a + 4096, 64), INV,
          "output format only");
   EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, (ubnext_dtype_t)7, a, a + 4096, 64), INV,
@@ -197,20 +195,35 @@ static void test_allreduce_arguments(void) {
   EXPECT(allreduce((ubnext_algo_t)5, UBNEXT_DTYPE_BF16, a, a + 4096, 64), INV, "algo 5");
   EXPECT(allreduce((ubnext_algo_t)-1, UBNEXT_DTYPE_BF16, a, a + 4096, 64), INV, "algo -1");
 
-  /* Placement rules of each algorithm. */
-  EXPECT(allreduce(UBNEXT_ALGO_TWOSHOT, UBNEXT_DTYPE_BF16, a, a + 4096, 64), INV,
-         "out must equal in");
-  EXPECT(allreduce(UBNEXT_ALGO_NVLS_TWOSHOT, UBNEXT_DTYPE_BF16, a, a + 4096, 64), INV,
-         "out must equal in");
+  /* Placement rules of each algorithm. out == in is allowed where the kernel overwrites in
+   * (two-shot) or never reads in after writing out (lamport); a partial overlap never is. */
   EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, a + 16, 64), INV, "overlaps");
   EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a + 16, a, 64), INV, "overlaps");
+  EXPECT(allreduce(UBNEXT_ALGO_TWOSHOT, UBNEXT_DTYPE_BF16, a, a + 16, 64), INV, "overlaps");
+  EXPECT(allreduce(UBNEXT_ALGO_NVLS_TWOSHOT, UBNEXT_DTYPE_BF16, a + 16, a, 64), INV,
+         "overlaps");
+  /* Odd counts: the overlap is judged on count elements, not on whole 16-byte vectors. */
+  EXPECT(allreduce(UBNEXT_ALGO_TWOSHOT, UBNEXT_DTYPE_BF16, a, a + 16, 9), INV, "overlaps");
+  /* nvls_oneshot and nvls_lamport leave in unmodified: peers read it during the call. */
+  EXPECT(allreduce(UBNEXT_ALGO_NVLS_ONESHOT, UBNEXT_DTYPE_BF16, a, a, 64), INV,
+         "out must not be in");
+  EXPECT(allreduce(UBNEXT_ALGO_NVLS_LAMPORT, UBNEXT_DTYPE_BF16, a, a, 64), INV,
+         "out must not be in");
+  EXPECT(allreduce(UBNEXT_ALGO_NVLS_ONESHOT, UBNEXT_DTYPE_BF16, a, a + 16, 64), INV,
+         "overlaps");
   EXPECT(allreduce(UBNEXT_ALGO_TWOSHOT, UBNEXT_DTYPE_BF16, outside, outside, 64), INV,
          "data arena");
   EXPECT(allreduce(UBNEXT_ALGO_NVLS_ONESHOT, UBNEXT_DTYPE_BF16, a - 4096, a, 64), INV,
          "data arena");
+  EXPECT(allreduce(UBNEXT_ALGO_NVLS_LAMPORT, UBNEXT_DTYPE_BF16, outside, a, 64), INV,
+         "data arena");
   /* Straddling the end of the pool is as bad as lying outside it. */
   EXPECT(allreduce(UBNEXT_ALGO_TWOSHOT, UBNEXT_DTYPE_FP32, a + POOL_BYTES - DATA_OFF - 16,
                    a + POOL_BYTES - DATA_OFF - 16, 8),
+         INV, "data arena");
+  /* A partial last vector is read whole: its 16 bytes must lie in the arena too. */
+  EXPECT(allreduce(UBNEXT_ALGO_NVLS_TWOSHOT, UBNEXT_DTYPE_BF16, a + POOL_BYTES - DATA_OFF - 16,
+                   a, 9),
          INV, "data arena");
   EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_FP32, a, a + SLOT_BYTES * 2,
                    SLOT_BYTES / 4 + 4),
@@ -218,6 +231,13 @@ static void test_allreduce_arguments(void) {
   EXPECT(allreduce(UBNEXT_ALGO_NVLS_LAMPORT, UBNEXT_DTYPE_FP32, a, a + SLOT_BYTES * 2,
                    SLOT_BYTES / 4 + 4),
          UBNEXT_STATUS_NO_ROOM, "Lamport slot");
+  /* ... and the Lamport slot: 1000 bytes of bf16 move as 1008 bytes of vectors. */
+  g_desc.lamport_slot_bytes = 1000;
+  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, a + SLOT_BYTES, 500),
+         UBNEXT_STATUS_NO_ROOM, "1008 as 16-byte vectors");
+  EXPECT(allreduce(UBNEXT_ALGO_NVLS_LAMPORT, UBNEXT_DTYPE_BF16, a, a + SLOT_BYTES, 500),
+         UBNEXT_STATUS_NO_ROOM, "Lamport slot");
+  reset_fixture();
 
   /* Multicast algorithms on a communicator without multicast. */
   g_desc.mc_base = 0;
@@ -372,18 +392,53 @@ static void test_rmsnorm_arguments(void) {
   EXPECT(fused(UBNEXT_ALGO_LAMPORT), INV, "in place");
   EXPECT(fused(UBNEXT_ALGO_TWOSHOT), INV, "in place");
 
-  /* Placement: the pool algorithms broadcast out and residual_out. */
+  /* FP8 output partly over in is as bad as exactly on it. */
+  reset_fixture();
+  g_args.fp8 = UBNEXT_FP8_PER_TOKEN;
+  g_args.scale_inv = fake_scale;
+  g_args.out = (char*)g_args.in + 16;
+  EXPECT(fused(UBNEXT_ALGO_NVLS_TWOSHOT), INV, "out overlaps in");
+
+  /* Placement: `in` where the algorithm needs it; the outputs anywhere (see
+   * test_no_device_launches), but no written buffer over another one. */
   reset_fixture();
   EXPECT(fused(UBNEXT_ALGO_NVLS_ONESHOT), UBNEXT_STATUS_UNSUPPORTED, "switch's order");
-  g_args.out = (char*)(uintptr_t)(POOL1 + DATA_OFF);
-  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), INV, "needs out in the symmetric pool");
-  EXPECT(fused(UBNEXT_ALGO_NVLS_LAMPORT), INV, "needs out in the symmetric pool");
-  reset_fixture();
-  g_args.residual_out = (char*)(uintptr_t)(POOL1 + DATA_OFF);
-  EXPECT(fused(UBNEXT_ALGO_NVLS_TWOSHOT), INV, "needs residual_out in the symmetric pool");
+  g_args.in = (char*)(uintptr_t)(POOL1 + DATA_OFF);
+  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), INV, "needs in in the symmetric pool");
+  EXPECT(fused(UBNEXT_ALGO_NVLS_LAMPORT), INV, "needs in in the symmetric pool");
   reset_fixture();
   g_args.out = (char*)g_args.in + 16;
   EXPECT(fused(UBNEXT_ALGO_LAMPORT), INV, "overlaps");
+  reset_fixture();
+  g_args.out = (void*)g_args.in; /* nvls_lamport leaves in unmodified: never out == in */
+  EXPECT(fused(UBNEXT_ALGO_NVLS_LAMPORT), INV, "out must not be in");
+  reset_fixture();
+  g_args.residual_out = (void*)g_args.in;
+  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), INV, "in overlaps residual_out");
+  reset_fixture();
+  g_args.residual = (char*)g_args.in + 0x100;
+  EXPECT(fused(UBNEXT_ALGO_LAMPORT), INV, "in overlaps residual");
+  reset_fixture();
+  g_args.residual_out = (char*)g_args.out + 16;
+  EXPECT(fused(UBNEXT_ALGO_NVLS_TWOSHOT), INV, "out overlaps residual_out");
+  reset_fixture();
+  g_args.residual_out = (char*)g_args.residual + 16; /* aliasing is fine, a shift is not */
+  EXPECT(fused(UBNEXT_ALGO_LAMPORT), INV, "residual_out overlaps residual");
+  reset_fixture();
+  g_args.weight = g_args.out;
+  EXPECT(fused(UBNEXT_ALGO_NVLS_LAMPORT), INV, "out overlaps weight");
+  reset_fixture();
+  g_args.weight = g_args.residual; /* fine when only read, but residual_out aliases residual */
+  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), INV, "residual_out overlaps weight");
+  reset_fixture();
+  g_args.fp8 = UBNEXT_FP8_PER_TOKEN; /* 4 tokens: 16 bytes of scales */
+  g_args.scale_inv = (float*)((char*)g_args.weight + 8192 - 8);
+  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), INV, "scale_inv overlaps weight");
+  reset_fixture();
+  g_args.fp8 = UBNEXT_FP8_STATIC;
+  g_args.scale = fake_scale;
+  g_args.scale_inv = fake_scale;
+  EXPECT(fused(UBNEXT_ALGO_LAMPORT), INV, "scale_inv overlaps scale");
 
   /* The message checks are shared with ubnext_allreduce. */
   reset_fixture();
@@ -420,28 +475,79 @@ static void test_kernel_error(void) {
 
 /* Requests that pass validation; without a GPU each must end in NO_DEVICE, not a crash. */
 static void test_no_device_launches(void) {
+  const ubnext_status_t NODEV = UBNEXT_STATUS_NO_DEVICE;
+  /* Device memory outside the pool (fake address: nothing is launched). */
+  char* elsewhere = (char*)(uintptr_t)0x7e0000000000ull;
+  char* arena_end = (char*)(uintptr_t)(POOL0 + POOL_BYTES);
+  static const size_t odd_counts[] = {1, 3, 5, 7, 9, 4095, 4097};
   char* a;
   int algo;
+  size_t i;
   reset_fixture();
   a = (char*)g_arena;
   for (algo = 0; algo <= UBNEXT_ALGO_TWOSHOT; ++algo) {
-    int in_place = algo == UBNEXT_ALGO_NVLS_TWOSHOT || algo == UBNEXT_ALGO_TWOSHOT;
-    EXPECT(allreduce((ubnext_algo_t)algo, UBNEXT_DTYPE_BF16, a, in_place ? a : a + 8192, 4096),
-           UBNEXT_STATUS_NO_DEVICE, NULL);
-    if (algo != UBNEXT_ALGO_NVLS_ONESHOT) {
-      EXPECT(fused((ubnext_algo_t)algo), UBNEXT_STATUS_NO_DEVICE, NULL);
+    const ubnext_algo_t al = (ubnext_algo_t)algo;
+    const int out_may_be_in = algo == UBNEXT_ALGO_LAMPORT || algo == UBNEXT_ALGO_NVLS_TWOSHOT ||
+                              algo == UBNEXT_ALGO_TWOSHOT;
+    reset_fixture();
+    /* Plain: out anywhere, for every algorithm (two-shot copies the result out of in). */
+    EXPECT(allreduce(al, UBNEXT_DTYPE_BF16, a, a + 8192, 4096), NODEV, NULL);
+    EXPECT(allreduce(al, UBNEXT_DTYPE_FP16, a, elsewhere, 4096), NODEV, NULL);
+    if (out_may_be_in) EXPECT(allreduce(al, UBNEXT_DTYPE_FP32, a, a, 4096), NODEV, NULL);
+    /* Any count: no "multiple of 16 bytes" rule for plain calls. */
+    for (i = 0; i < sizeof odd_counts / sizeof odd_counts[0]; ++i) {
+      EXPECT(allreduce(al, UBNEXT_DTYPE_BF16, a, elsewhere, odd_counts[i]), NODEV, NULL);
+      EXPECT(allreduce(al, UBNEXT_DTYPE_FP32, a, elsewhere, odd_counts[i]), NODEV, NULL);
+      if (out_may_be_in) {
+        EXPECT(allreduce(al, UBNEXT_DTYPE_FP16, a, a, odd_counts[i]), NODEV, NULL);
+      }
     }
+    /* Out right after an odd-sized in (16-byte aligned) does not overlap it. */
+    EXPECT(allreduce(al, UBNEXT_DTYPE_BF16, a, a + 16, 7), NODEV, NULL);
+    /* A partial last vector at the very end of the arena: its 16 bytes still lie inside. */
+    EXPECT(allreduce(al, UBNEXT_DTYPE_BF16, arena_end - 16, elsewhere, 5), NODEV, NULL);
+
+    if (algo == UBNEXT_ALGO_NVLS_ONESHOT) continue; /* never fused (UNSUPPORTED, tested above) */
+    EXPECT(fused(al), NODEV, NULL);
+    /* Fused: out and residual_out need not be in the pool (the norm runs on every rank after
+     * the exchange), nor residual, weight, scale or scale_inv. */
+    g_args.out = elsewhere;
+    g_args.residual = elsewhere + 0x100000;
+    g_args.residual_out = elsewhere + 0x200000;
+    g_args.weight = elsewhere + 0x300000;
+    EXPECT(fused(al), NODEV, NULL);
+    g_args.residual_out = (void*)g_args.residual; /* may alias residual */
+    EXPECT(fused(al), NODEV, NULL);
+    g_args.residual_out = elsewhere + 0x200000;
+    g_args.weight = g_args.residual; /* read-only buffers may overlap each other */
+    EXPECT(fused(al), NODEV, NULL);
+    g_args.fp8 = UBNEXT_FP8_STATIC;
+    g_args.scale = (const float*)(elsewhere + 0x400000);
+    g_args.scale_inv = (float*)(elsewhere + 0x400010);
+    EXPECT(fused(al), NODEV, NULL);
+    g_args.fp8 = UBNEXT_FP8_PER_TOKEN;
+    g_args.scale = NULL;
+    EXPECT(fused(al), NODEV, NULL);
+    g_args.out = (char*)g_args.in + 0x8000; /* e4m3 out right after in: no overlap */
+    EXPECT(fused(al), NODEV, NULL);
+    /* Dtype output in place, where the algorithm allows out == in. */
+    reset_fixture();
+    g_args.out = (void*)g_args.in;
+    if (out_may_be_in) EXPECT(fused(al), NODEV, NULL);
   }
-  g_args.out = (void*)g_args.in; /* fused in place is fine without FP8 */
-  EXPECT(fused(UBNEXT_ALGO_TWOSHOT), UBNEXT_STATUS_NO_DEVICE, NULL);
-  g_args.out = (char*)g_arena + 0x10000;
+  reset_fixture();
+  /* A message exactly the size of the Lamport slot fits. */
+  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, elsewhere, SLOT_BYTES / 2), NODEV,
+         NULL);
+  EXPECT(allreduce(UBNEXT_ALGO_NVLS_LAMPORT, UBNEXT_DTYPE_FP32, a, elsewhere, SLOT_BYTES / 4),
+         NODEV, NULL);
   g_launch.flags = UBNEXT_LAUNCH_LAMPORT_MULTICAST;
   g_launch.grid = 7;
   g_launch.block = 128;
   g_args.fp8 = UBNEXT_FP8_STATIC;
   g_args.scale = (const float*)((char*)g_arena + 0x40000);
   g_args.scale_inv = (float*)((char*)g_arena + 0x40010);
-  EXPECT(fused(UBNEXT_ALGO_LAMPORT), UBNEXT_STATUS_NO_DEVICE, NULL);
+  EXPECT(fused(UBNEXT_ALGO_LAMPORT), NODEV, NULL);
   /* A longer struct whose extra bytes are zero is accepted. */
   {
     struct {
@@ -453,7 +559,7 @@ static void test_no_device_launches(void) {
     longer.launch.struct_size = sizeof longer;
     EXPECT(ubnext_allreduce(&longer.launch, UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_FP32, a,
                             a + 8192, 64),
-           UBNEXT_STATUS_NO_DEVICE, NULL);
+           NODEV, NULL);
   }
 }
 

@@ -1,0 +1,70 @@
+// The kernels' buffer contracts as the C API enforces them, and the default launch geometry.
+// Pure data and arithmetic (no CUDA), so that tests/c/test_launch_rules.cpp can check them
+// without a GPU. Change together with the header comments of csrc/kernels/*.cu, the contracts
+// in include/ubnext.h and ubnext/comm.py (_geometry).
+#pragma once
+
+#include <cstddef>
+
+#include "device/desc.cuh"
+#include "ubnext.h"
+
+namespace ubnext {
+
+constexpr int kNumAlgos = 5;
+static_assert(UBNEXT_ALGO_TWOSHOT + 1 == kNumAlgos, "algo table out of date");
+
+// Buffer contracts of the kernels (their header comments in csrc/kernels/*.cu say why):
+//   lamport       in anywhere, not modified; out anywhere (out == in allowed).
+//   nvls_oneshot  in in the arena, read by the peers through the multicast address until the
+//                 trailing barrier, not modified: out anywhere but never over in. Not fusable.
+//   nvls_twoshot  in in the arena and OVERWRITTEN with the result (peers store into it); out == in,
+//   twoshot       or out anywhere else (copied from in after the exchange).
+//   nvls_lamport  in in the arena, not modified; out anywhere but never over in.
+// Every kernel takes any count >= 1 in flat mode (a partial last 16-byte vector is never stored
+// past n); row mode (fused) needs hidden * elem % 16 == 0 and count % hidden == 0.
+// Fused (every fusable algorithm): the row math runs on every rank after the exchange, so out,
+// residual_out, residual, weight, scale and scale_inv are plain device memory anywhere.
+struct AlgoTraits {
+  int op;               // UBNEXT_OP_* written by the kernel into the error word
+  bool in_in_arena;     // peers read (and two-shot: write) `in` at the same pool offset
+  bool out_may_be_in;   // out == in is allowed (dtype output); otherwise out must not overlap in
+  bool per_rank_share;  // each rank reduces 1/nranks of the message (default grid sizing)
+  bool needs_multicast;
+  bool uses_lamport;    // the message passes through one Lamport slot
+  bool can_fuse;        // fused norm needs bitwise-identical sums on every rank
+};
+
+constexpr AlgoTraits kAlgos[kNumAlgos] = {
+    /*                 op                      arena  out=in share  mcast  lamport fuse */
+    /* LAMPORT      */ {UBNEXT_OP_LAMPORT,      false, true,  false, false, true,  true},
+    /* NVLS_ONESHOT */ {UBNEXT_OP_NVLS_ONESHOT, true,  false, false, true,  false, false},
+    /* NVLS_TWOSHOT */ {UBNEXT_OP_NVLS_TWOSHOT, true,  true,  true,  true,  false, true},
+    /* NVLS_LAMPORT */ {UBNEXT_OP_NVLS_LAMPORT, true,  false, true,  true,  true,  true},
+    /* TWOSHOT      */ {UBNEXT_OP_TWOSHOT,      true,  true,  true,  false, false, true},
+};
+
+// The same geometry as the Python launcher (ubnext/comm.py, _geometry), so that a job gets the
+// same grid whichever front end launches: fused op (tokens > 0), one block per token row;
+// otherwise one 16-byte vector per thread of what this rank reduces (1/nranks of the message for
+// the two-shot family: nvls_twoshot, twoshot, nvls_lamport; the whole message for lamport and
+// nvls_oneshot). Capped at one block per SM and UBNEXT_MAX_BLOCKS (as Python's _sm_count), and
+// at the kernel's co-resident limit (below both on any supported GPU); at least 1.
+inline unsigned default_grid(bool per_rank_share, size_t bytes, size_t tokens, size_t nranks,
+                             unsigned block, int sms, int coresident) {
+  size_t want;
+  if (tokens > 0) {
+    want = tokens;
+  } else {
+    size_t vectors = (bytes + 15) / 16;
+    if (per_rank_share && nranks > 0) vectors = (vectors + nranks - 1) / nranks;
+    want = (vectors + block - 1) / block;
+  }
+  size_t cap = UBNEXT_MAX_BLOCKS;
+  if (sms > 0 && static_cast<size_t>(sms) < cap) cap = static_cast<size_t>(sms);
+  if (coresident > 0 && static_cast<size_t>(coresident) < cap) cap = static_cast<size_t>(coresident);
+  if (want > cap) want = cap;
+  return want ? static_cast<unsigned>(want) : 1u;
+}
+
+}  // namespace ubnext

@@ -1,0 +1,128 @@
+// The C API's per-algorithm buffer rules and default grid (csrc/host/launch_rules.h), checked
+// without a GPU. The grid must match the Python launcher (ubnext/comm.py, _geometry) so that a
+// job gets the same geometry whichever front end launches it; py_grid below transcribes it.
+#include <cstdio>
+#include <string_view>
+
+#include "launch_rules.h"
+
+static int g_failures = 0;
+
+#define CHECK(cond)                                                                \
+  do {                                                                             \
+    if (!(cond)) {                                                                 \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      ++g_failures;                                                                \
+    }                                                                              \
+  } while (0)
+
+namespace {
+
+using ubnext::default_grid;
+using ubnext::kAlgos;
+
+// ubnext/comm.py Communicator._geometry on a GPU (block 256, max_blocks = _sm_count =
+// min(128, SM count)), grid only.
+long long py_grid(const char* algo, long long n, long long elem, long long tokens, bool fused,
+                  long long world, long long sms) {
+  const long long block = 256, max_blocks = sms < 128 ? sms : 128;
+  auto ceil_div = [](long long a, long long b) { return (a + b - 1) / b; };
+  auto clamp = [](long long x, long long hi) { return x < 1 ? 1 : (x > hi ? hi : x); };
+  if (fused) return clamp(tokens, max_blocks);
+  long long vectors = ceil_div(n * elem, 16);
+  const std::string_view a(algo);
+  if (a == "nvls_twoshot" || a == "twoshot" || a == "nvls_lamport") vectors = ceil_div(vectors, world);
+  return clamp(ceil_div(vectors, block), max_blocks);
+}
+
+const char* const kNames[ubnext::kNumAlgos] = {"lamport", "nvls_oneshot", "nvls_twoshot",
+                                                "nvls_lamport", "twoshot"};
+
+void test_traits() {
+  // Per-rank share: the two-shot family, nvls_lamport included.
+  CHECK(!kAlgos[UBNEXT_ALGO_LAMPORT].per_rank_share);
+  CHECK(!kAlgos[UBNEXT_ALGO_NVLS_ONESHOT].per_rank_share);
+  CHECK(kAlgos[UBNEXT_ALGO_NVLS_TWOSHOT].per_rank_share);
+  CHECK(kAlgos[UBNEXT_ALGO_NVLS_LAMPORT].per_rank_share);
+  CHECK(kAlgos[UBNEXT_ALGO_TWOSHOT].per_rank_share);
+  // in in the arena: everything but lamport.
+  CHECK(!kAlgos[UBNEXT_ALGO_LAMPORT].in_in_arena);
+  for (int a = 1; a < ubnext::kNumAlgos; ++a) CHECK(kAlgos[a].in_in_arena);
+  // out == in: where in is overwritten (two-shot) or never read by peers (lamport).
+  CHECK(kAlgos[UBNEXT_ALGO_LAMPORT].out_may_be_in);
+  CHECK(!kAlgos[UBNEXT_ALGO_NVLS_ONESHOT].out_may_be_in);
+  CHECK(kAlgos[UBNEXT_ALGO_NVLS_TWOSHOT].out_may_be_in);
+  CHECK(!kAlgos[UBNEXT_ALGO_NVLS_LAMPORT].out_may_be_in);
+  CHECK(kAlgos[UBNEXT_ALGO_TWOSHOT].out_may_be_in);
+  // Fusable: all but nvls_oneshot. Multicast: the nvls_* kernels. Lamport slot: the *lamport.
+  for (int a = 0; a < ubnext::kNumAlgos; ++a) {
+    CHECK(kAlgos[a].can_fuse == (a != UBNEXT_ALGO_NVLS_ONESHOT));
+    CHECK(kAlgos[a].needs_multicast == (std::string_view(kNames[a]).substr(0, 5) == "nvls_"));
+    CHECK(kAlgos[a].uses_lamport == (a == UBNEXT_ALGO_LAMPORT || a == UBNEXT_ALGO_NVLS_LAMPORT));
+    CHECK(std::string_view(ubnext_algo_string(static_cast<ubnext_algo_t>(a))) == kNames[a]);
+  }
+}
+
+void test_grid_matches_python() {
+  const long long counts[] = {1, 5, 7, 8, 255, 2048, 4096, 65536, 1 << 20, 3 << 20, 1 << 24};
+  const long long elems[] = {2, 4};
+  const long long worlds[] = {1, 2, 4, 8};
+  const long long smss[] = {8, 78, 114, 132, 148};  // H100 PCIe / SXM, B200
+  int checked = 0;
+  for (int a = 0; a < ubnext::kNumAlgos; ++a)
+    for (long long n : counts)
+      for (long long e : elems)
+        for (long long w : worlds)
+          for (long long sms : smss) {
+            const unsigned got = default_grid(kAlgos[a].per_rank_share, n * e, 0, w, 256,
+                                              static_cast<int>(sms), 1 << 20);
+            const long long want = py_grid(kNames[a], n, e, 0, false, w, sms);
+            if (got != want) {
+              std::fprintf(stderr, "%s n=%lld elem=%lld world=%lld sms=%lld: grid %u, python %lld\n",
+                           kNames[a], n, e, w, sms, got, want);
+              ++g_failures;
+            }
+            ++checked;
+          }
+  // Fused: one block per token row, min(tokens, SMs), whatever the algorithm.
+  const long long tokens[] = {1, 3, 8, 77, 128, 4096};
+  for (int a = 0; a < ubnext::kNumAlgos; ++a)
+    for (long long t : tokens)
+      for (long long sms : smss) {
+        const unsigned got = default_grid(kAlgos[a].per_rank_share, t * 4096 * 2, t, 8, 256,
+                                          static_cast<int>(sms), 1 << 20);
+        CHECK(got == py_grid(kNames[a], t * 4096, 2, t, true, 8, sms));
+        ++checked;
+      }
+  std::printf("default grid: %d cases match ubnext/comm.py _geometry\n", checked);
+}
+
+void test_grid_caps() {
+  // nvls_lamport sizes its grid by the per-rank share: 1 MiB on 8 ranks = 8192 vectors per rank.
+  CHECK(default_grid(kAlgos[UBNEXT_ALGO_NVLS_LAMPORT].per_rank_share, 1 << 20, 0, 8, 256, 132,
+                     1 << 20) == 32);
+  CHECK(default_grid(kAlgos[UBNEXT_ALGO_LAMPORT].per_rank_share, 1 << 20, 0, 8, 256, 132,
+                     1 << 20) == 128);
+  // Odd byte counts round up to whole vectors; never 0 blocks.
+  CHECK(default_grid(false, 2, 0, 8, 256, 132, 1 << 20) == 1);
+  CHECK(default_grid(true, 2, 0, 8, 256, 132, 1 << 20) == 1);
+  CHECK(default_grid(false, 256 * 16 + 2, 0, 1, 256, 132, 1 << 20) == 2);
+  // Caps: UBNEXT_MAX_BLOCKS (an SM count above it, B200's 148), and the co-resident limit.
+  CHECK(default_grid(false, 1 << 28, 0, 8, 256, 148, 1 << 20) == UBNEXT_MAX_BLOCKS);
+  CHECK(default_grid(false, 1 << 28, 0, 8, 256, 148, 40) == 40);
+  CHECK(default_grid(false, 0, 500, 8, 256, 148, 1 << 20) == UBNEXT_MAX_BLOCKS);
+}
+
+}  // namespace
+
+int main() {
+  test_traits();
+  test_grid_matches_python();
+  test_grid_caps();
+  if (g_failures) {
+    std::fprintf(stderr, "test_launch_rules: %d check(s) failed\n", g_failures);
+    return 1;
+  }
+  std::printf("test_launch_rules: all checks passed\n");
+  return 0;
+}
