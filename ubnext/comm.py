@@ -490,7 +490,9 @@ class Communicator:
         elif path in ("nvls_twoshot", "twoshot"):
             self._in_place(path, x, out)
         elif path in ("nvls_oneshot", "nvls_lamport"):
-            stage = x if self._pool.contains(x) else self._pool.empty(x.shape, x.dtype).copy_(x)
+            # peers read `in` through multicast while this rank writes `out`: never the same memory
+            in_pool = self._pool.contains(x) and out is not x
+            stage = x if in_pool else self._pool.empty(x.shape, x.dtype).copy_(x)
             self._launch(path, x.dtype, inp=stage, out=out)
         elif path == "torch_symm":
             self._torch_symm_all_reduce(x, out)
