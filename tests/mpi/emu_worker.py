@@ -6,6 +6,9 @@ the emulator and runs the cases named on the command line:
              traffic counters, identical bits on every rank (plain mode)
   litmus     message passing rank 0 -> rank 1 without a fence (must be caught in chaos mode) and
              with one (must never fail)
+  parked     every rank's thread 0 pushes data + flag (no fence) to the next rank, then parks
+             (barrier, warp op, pause loops) until its block saw the previous rank's flag: the
+             parked thread's stores must drain (no deadlock), still unordered in chaos mode
   timeout    rank 0 waits for rank 1, which never comes: the error names op, rank and peer within
              the timeout; then rank 1 does come (a host write to rank 0's pool) and the wait ends
   --chaos    chaos mode for every case
@@ -149,6 +152,26 @@ def case_litmus(emu, pool, chaos):
         check(unfenced == 0, "plain mode reordered stores")  # x86 is TSO: documents the need for chaos
 
 
+def case_parked(emu, pool, chaos):
+    launches, stale = 5, 0
+    inbox = pool.own[DATA_OFF:DATA_OFF + 64].view(np.uint32)
+    for mode in range(4):  # __syncthreads, __syncwarp, spin_pause, __nanosleep
+        for i in range(launches):
+            inbox[:] = 0
+            out = np.zeros(2, np.uint32)
+            COMM.Barrier()
+            emu.launch("ubnext_emu_selftest_parked", 1, 64,
+                       kargs(desc=pool.desc(), out=out, n=(mode * launches + i + 1) << 8, flags=mode))
+            COMM.Barrier()
+            check(out[0] == 1, f"mode {mode}: the previous rank's flag never came (parked stores stuck)")
+            stale += int(out[1])
+    stale = sum(COMM.allgather(stale))
+    if chaos:
+        check(stale > 0, "a parked thread's stores became visible in order, every time")
+    else:
+        check(stale == 0, "plain mode reordered stores")
+
+
 def case_timeout(emu, pool, chaos):
     sync = pool.own[:DATA_OFF].view(np.uint32)
     sync[:] = 0
@@ -183,7 +206,7 @@ def case_timeout(emu, pool, chaos):
     COMM.Barrier()
 
 
-CASES = {"multicast": case_multicast, "litmus": case_litmus, "timeout": case_timeout}
+CASES = {"multicast": case_multicast, "litmus": case_litmus, "parked": case_parked, "timeout": case_timeout}
 
 
 def main(argv):

@@ -1,5 +1,6 @@
 """The emulator across rank processes (mpirun -np 2 and 4): memfd pools shared by fd passing,
-multicast semantics, traffic, chaos-mode reordering between processes, and bounded waits."""
+multicast semantics, traffic, chaos-mode reordering between processes, stores of parked threads,
+and bounded waits."""
 
 from pathlib import Path
 
@@ -20,8 +21,8 @@ def built_library():
 @pytest.mark.parametrize("chaos", [False, True], ids=["plain", "chaos"])
 @pytest.mark.parametrize("np", [2, 4])
 def test_emulator_across_ranks(mpi, np, chaos):
-    args = ["multicast", "litmus", "timeout"] + (["--chaos"] if chaos else [])
+    args = ["multicast", "litmus", "parked", "timeout"] + (["--chaos"] if chaos else [])
     proc = mpi(np, WORKER, *args, timeout=180)
     assert_mpi_ok(proc)
-    for case in ("multicast", "litmus", "timeout"):
+    for case in ("multicast", "litmus", "parked", "timeout"):
         assert f"emu_worker {case} chaos={chaos} np={np}: ok" in proc.stdout, proc.stdout

@@ -103,6 +103,15 @@ def case_paths():
                     assert runnable, f"{path} must run on the emulator"
                 assert COMM.last_path == (path if runnable else COMM.last_path), (path, COMM.last_path)
                 assert runnable or COMM.last_path != path
+        # in place on a pool tensor (the GEMM-output case): out is x
+        n = dist.get_world_size()
+        inputs = [T.rank_input(r, 3000, torch.bfloat16, 21) for r in range(n)]
+        x = COMM.empty(3000, dtype=torch.bfloat16)
+        x.copy_(inputs[dist.get_rank()])
+        assert COMM.all_reduce(x, out=x) is x
+        err = (x.double().cpu() - T.reference_sum(inputs)).abs()
+        assert (err <= T.allreduce_bound(inputs, torch.bfloat16)).all(), f"{COMM.last_path} in place on a pool tensor"
+        del x
     COMM._algo = None
 
 

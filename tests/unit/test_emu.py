@@ -244,6 +244,33 @@ def test_plain_mode_is_in_order(emu):
     assert _litmus(emu, fence=False, messages=10) == 0
 
 
+PARKED_MODES = {0: "__syncthreads", 1: "__syncwarp", 2: "spin_pause", 3: "__nanosleep"}
+_parked_tag = iter(range(1 << 8, 1 << 30, 1 << 8))  # distinct flag values: see the kernel
+
+
+@pytest.mark.parametrize("mode", list(PARKED_MODES), ids=list(PARKED_MODES.values()))
+def test_parked_thread_stores_become_visible(emu, chaos, mode):
+    """Each block's thread 0 pushes data + flag to the other block without a fence, then parks
+    (barrier, warp op, or a pause loop on __shared__) until its block has seen the other's flag.
+    Hardware drains the parked thread's stores eventually: chaos mode must not hold them until
+    the thread runs again (a deadlock), and must still not order them (stale data after a flag
+    stays possible)."""
+    launches, stale = 12, 0
+    t0 = time.monotonic()
+    for _ in range(launches):
+        words = np.zeros(32, np.uint32)
+        out = np.zeros((2, 2), np.uint32)
+        emu.launch("ubnext_emu_selftest_parked", 2, 128,
+                   kargs(out=out, residual_out=words, n=next(_parked_tag), flags=mode))
+        assert (out[:, 0] == 1).all(), f"a block never saw the other's flag (5 s): {out[:, 0]}"
+        stale += int(out[:, 1].sum())
+    assert time.monotonic() - t0 < 5
+    if chaos:
+        assert stale > 0, "draining a parked thread's buffer made its stores visible in order"
+    else:
+        assert stale == 0
+
+
 # ---------------------------------------------------------------------------- bounded waits
 
 def _wait_setup(timeout_s: float):
