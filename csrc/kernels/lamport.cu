@@ -6,43 +6,23 @@
 // Call k (k = sync[LAMPORT_CALL], local) uses buffer b = k % 3 of every rank:
 //   1. push: each thread loads 16-byte vectors of `in`, sanitises -0 -> +0 and stores them into slot
 //      [rank] of buffer b on every rank (relaxed .sys stores; or once through the multicast address).
-//   2. re-poison buffer (k + 2) % 3 of THIS rank (local stores of the sentinel), for the byte count that
-//      call k - 1 recorded. Why that buffer, and why it is safe:
-//        - it is the buffer of the PREVIOUS call (k - 1). This rank consumed every slot of it during call
-//          k - 1 (it saw every word non-sentinel), so every peer's call k - 1 stores have landed and no
-//          peer will store into it again before call k + 2 -- which needs our call k + 1 data, which we
-//          push only after this kernel has ended (stream order).
-//        - NOT (k + 1) % 3: a faster peer that has finished call k may already be pushing call k + 1 data
-//          into it. It was re-poisoned by our call k - 1, before any such push could start (the peer
-//          needed our call k data first).
-//        - NOT b: this call's own data is arriving there.
-//      So the re-poisoning blocks never race with this call's pushes or polls (different buffer).
+//   2. re-poison buffer (k + 2) % 3 of THIS rank, the previous call's.
 //   3. poll: volatile 16-byte loads of our own buffer b, every slot, until no word is the sentinel
 //      (bounded by desc->timeout_ns); sum in fp32 in rank order 0..N-1 (bitwise identical on every
 //      rank); write `out`, or run the fused row math (csrc/device/norm.cuh), one block per token row.
-//   4. finish: the last block to finish (done counter) records this call's byte count in
-//      sync[LAMPORT_BYTES + b], resets the done counter and advances sync[LAMPORT_CALL]. The counter lives
-//      in device memory and is only touched by the kernel, so a captured CUDA graph replays correctly.
+//   4. finish: the last block to finish records this call's byte count and advances the rotation.
+// Steps 2 and 4 (the 3-buffer rotation: why that buffer is safe to re-poison, the counters, their
+// ordering and the test-only broken builds) live in csrc/device/lamport_rotation.cuh, shared with
+// nvls_lamport.
 //
 // Dependencies between blocks: none. Each thread polls exactly the vectors it pushed itself (same index
 // mapping on every rank, since every rank launches the same grid), so a block's waits depend only on the
 // same block of the peers, which pushes before it waits. That keeps the kernel deadlock-free for any grid,
 // including grids larger than the co-resident limit and an emulator running one block at a time.
 //
-// Ordering ("why" for each):
-//   - Data path: no fence and no release. Every 32-bit word is self-validating (sentinel vs sanitised
-//     data), so a reader needs no flag; a vector is consumed only when all four words have arrived.
-//   - Re-poison -> reuse two calls later: the poison stores target our OWN memory and are published at gpu
-//     scope by the release of the done counter (cumulative over the block via __syncthreads), i.e. they
-//     sit in our L2 -- the point where peers' NVLink stores to our memory are serialised -- before the
-//     call ends, and the peers' next stores into that buffer are causally after our next call's pushes
-//     (kernel boundaries on both sides order the rest).
-//   - Rotation: every thread reads sync[LAMPORT_CALL] and sync[LAMPORT_BYTES + (k+2)%3] at kernel start,
-//     before its block's __syncthreads + done increment (release); the last block's increment acquires all
-//     of them, so its advance cannot be seen by any thread of this launch, and the next launch sees all
-//     three updates (kernel boundary). Nobody ever observes a half-advanced state.
-//   UBNEXT_BREAK_NO_RELEASE (test-only) turns the done-counter acq_rel into a relaxed CAS loop.
-//   UBNEXT_BREAK_SKIP_REPOISON (test-only) skips step 2: call k + 3 then sees stale data as ready.
+// Ordering of the data path: no fence and no release. Every 32-bit word is self-validating (sentinel vs
+// sanitised data), so a reader needs no flag; a vector is consumed only when all four words have arrived.
+// (The rotation's ordering: lamport_rotation.cuh.)
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
 #include "../device/ptx.cuh"
@@ -50,14 +30,9 @@
 #include "../device/vec.cuh"
 #include "../device/reduce.cuh"
 #include "../device/norm.cuh"
+#include "../device/lamport_rotation.cuh"
 
 namespace ubx {
-
-// The rotation counter wraps at a multiple of 3 so that k % 3 stays continuous (2^32 is not a multiple of
-// 3: wrapping there would reuse a buffer that has not been re-poisoned).
-#define UBX_LAMPORT_CALL_WRAP 3221225472u /* 3 * 2^30 */
-
-UBX_DEV uint32_t lamport_next_call(uint32_t k) { return (k + 1u >= UBX_LAMPORT_CALL_WRAP) ? 0u : k + 1u; }
 
 // Reduced sums of one 16-byte vector of our own Lamport buffer: polls every slot, sums in rank order.
 template <typename T>
@@ -134,19 +109,10 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
-  uint8_t* own = reinterpret_cast<uint8_t*>(static_cast<uint64_t>(d->peer_base[rank]));
-  uint32_t* sync = reinterpret_cast<uint32_t*>(own + d->sync_off);
   const uint64_t slot = d->lamport_slot_bytes;
 
-  // Read before this block's done increment (see the header): the last block may only advance these once
-  // every thread of the grid has read them.
-  const uint32_t k = ld_volatile_u32(sync + UBNEXT_SYNC_LAMPORT_CALL);
-  const uint32_t b = k % 3u;
-  const uint32_t bprev = (k + 2u) % 3u;
-  uint64_t prev_bytes = ld_volatile_u32(sync + UBNEXT_SYNC_LAMPORT_BYTES + bprev);
-  if (prev_bytes > slot) prev_bytes = slot;  // never poison past a slot, whatever the word holds
-
-  const uint64_t buf_off = d->lamport_off + static_cast<uint64_t>(b) * nranks * slot;  // buffer b, slot 0
+  const LamportRot rot = lamport_rot_begin(d);  // before this block's done increment (step 4)
+  const uint64_t buf_off = lamport_buffer_off(d, rot.b);                                // buffer b, slot 0
   const uint64_t my_off = buf_off + static_cast<uint64_t>(rank) * slot;               // our slot in it
   const uint64_t mc = (flags & UBNEXT_F_MULTICAST) ? static_cast<uint64_t>(d->mc_base) : 0ull;
   const int64_t nvec = (static_cast<int64_t>(n) + V - 1) / V;
@@ -178,19 +144,11 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   }
 
   // ---- 2. re-poison the previous call's buffer (our copy only), while the peers' data is in flight
-#if !defined(UBNEXT_BREAK_SKIP_REPOISON)
-  {
-    uint8_t* pbuf = own + d->lamport_off + static_cast<uint64_t>(bprev) * nranks * slot;
-    const int64_t pv = static_cast<int64_t>(prev_bytes / 16u);
-    const uint4 poison = sentinel_vec();
-    for (uint32_t s = 0; s < nranks; ++s)
-      for (int64_t i = tid; i < pv; i += stride) st_volatile_v4(pbuf + s * slot + i * 16, poison);
-  }
-#endif
+  lamport_repoison(d, rot);
 
   // ---- 3. poll, reduce, write
   const uint32_t* err = reinterpret_cast<const uint32_t*>(static_cast<uint64_t>(d->err_ptr));
-  LamportSrc<T> src{own + buf_off, slot, nranks, d, err, timeout_ns(d), false};
+  LamportSrc<T> src{rot.own + buf_off, slot, nranks, d, err, timeout_ns(d), false};
   if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) {
       float x[V];
@@ -207,32 +165,8 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
       if (!norm_row<T>(rp, row, src, sink, s_cache, UBX_ROW_CACHE_VECS, s_red)) break;  // block-uniform
   }
 
-  // ---- 4. finish: the last block advances the rotation
-  __syncthreads();  // why: every thread of this block has read k / prev_bytes and done all its stores
-  if (threadIdx.x == 0) {
-    uint32_t* done = sync + UBNEXT_SYNC_LAMPORT_BLOCKS_DONE;
-#if defined(UBNEXT_BREAK_NO_RELEASE)
-    // Test-only broken build: relaxed increment, no release of this block's work, no acquire of others'.
-    uint32_t prev = ld_volatile_u32(done);
-    for (;;) {
-      const uint32_t seen = atom_cas_relaxed_sys_u32(done, prev, prev + 1u);
-      if (seen == prev) break;
-      prev = seen;
-    }
-#else
-    // why acq_rel: release publishes this block's reads of the counter and its re-poison stores (through
-    // __syncthreads cumulativity) before it counts as done; acquire in the last block orders all of that
-    // before the advance below.
-    const uint32_t prev = atom_add_acq_rel_gpu_u32(done, 1u);
-#endif
-    if (prev == gridDim.x - 1u) {
-      // Every block of this launch has finished reading the sync words: reset and advance. The next
-      // launch (stream order) sees all three; CALL is written last anyway.
-      st_relaxed_sys_u32(done, 0u);
-      st_relaxed_sys_u32(sync + UBNEXT_SYNC_LAMPORT_BYTES + b, static_cast<uint32_t>(nvec * 16));
-      st_relaxed_sys_u32(sync + UBNEXT_SYNC_LAMPORT_CALL, lamport_next_call(k));
-    }
-  }
+  // ---- 4. finish: the last block advances the rotation (also after a timeout)
+  lamport_rot_finish(rot, static_cast<uint64_t>(nvec) * 16u);
 }
 
 }  // namespace ubx

@@ -66,7 +66,8 @@
 //   lamport.cu: same counters, same buffers, same bytes-per-slot meaning).
 //   No final barrier: when our poll completes, every rank has finished its ld_reduces (each vector is
 //   stored only after it was reduced), so nobody reads our `in` any more; the Lamport buffer is protected
-//   by the rotation (see lamport.cu), and barrier 1 even guarantees that every peer is in this call.
+//   by the rotation (see lamport_rotation.cuh), and barrier 1 even guarantees that every peer is in this
+//   call.
 //   Bits: identical on every rank (as nvls_twoshot; -0 results come out as +0).
 //   Contract: in in the pool (NOT modified); out, residual, residual_out, weight, scale, scale_inv anywhere,
 //   not overlapping in; residual_out may alias residual. Per-slot bytes nrows*ceil(nv/N)*16 <= message
