@@ -43,6 +43,12 @@ enum { kOutDtype = 0, kOutFp8Static = 1, kOutFp8Token = 2 };
 UBX_DEV bool uses_rows(int flags) {
   return (flags & (UBNEXT_F_FUSED_NORM | UBNEXT_F_FP8_STATIC | UBNEXT_F_FP8_PER_TOKEN)) != 0;
 }
+// Host contract of row mode (the host checks before launching): whole vectors per row, whole rows. All
+// ranks see the same arguments, so a kernel that returns when this fails leaves every rank untouched.
+template <typename T>
+UBX_DEV bool row_shape_ok(int n, int hidden, int flags) {
+  return !uses_rows(flags) || (hidden > 0 && hidden % DType<T>::kElems == 0 && n % hidden == 0);
+}
 UBX_DEV int out_mode(int flags) {
   return (flags & UBNEXT_F_FP8_PER_TOKEN) ? kOutFp8Token : (flags & UBNEXT_F_FP8_STATIC) ? kOutFp8Static : kOutDtype;
 }

@@ -19,30 +19,37 @@
 
 namespace ubx {
 
-UBX_DEV float warp_sum(float v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
-
+struct SumOp {
+  UBX_DEV float operator()(float a, float b) const { return a + b; }
+};
 // fmaxf: NaN inputs are ignored unless every input is NaN.
-UBX_DEV float warp_max(float v) {
+struct MaxOp {
+  UBX_DEV float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+template <class Op>
+UBX_DEV float warp_reduce(float v, Op op) {
 #pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  for (int m = 16; m > 0; m >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
 }
+UBX_DEV float warp_sum(float v) { return warp_reduce(v, SumOp{}); }
+UBX_DEV float warp_max(float v) { return warp_reduce(v, MaxOp{}); }
 
-// Sum over the block; every thread gets the result.
-UBX_DEV float block_sum(float v, float* scratch) {
+// Reduction over the block; every thread gets the result.
+template <class Op>
+UBX_DEV float block_reduce(float v, float* scratch, Op op) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = warp_sum(v);
+  v = warp_reduce(v, op);
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   float s = scratch[0];
-  for (int w = 1; w < nwarps; ++w) s += scratch[w];
+  for (int w = 1; w < nwarps; ++w) s = op(s, scratch[w]);
   __syncthreads();  // scratch is free again
   return s;
 }
+UBX_DEV float block_sum(float v, float* scratch) { return block_reduce(v, scratch, SumOp{}); }
+UBX_DEV float block_max(float v, float* scratch) { return block_reduce(v, scratch, MaxOp{}); }
 
 // Two independent sums in one pass (one pair of barriers instead of two).
 UBX_DEV void block_sum2(float& a, float& b, float* scratch) {
@@ -62,17 +69,6 @@ UBX_DEV void block_sum2(float& a, float& b, float* scratch) {
   __syncthreads();
   a = sa;
   b = sb;
-}
-
-UBX_DEV float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = warp_max(v);
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float s = scratch[0];
-  for (int w = 1; w < nwarps; ++w) s = fmaxf(s, scratch[w]);
-  __syncthreads();
-  return s;
 }
 
 }  // namespace ubx

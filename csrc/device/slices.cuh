@@ -53,6 +53,21 @@ UBX_DEV Slices make_slices(int64_t nvec, int64_t row_vecs /* 0: flat */, uint32_
   return s;
 }
 
+// The slices of a kernel's message: n elements of T, rows of `hidden` in row mode (uses_rows(flags)).
+template <typename T>
+UBX_DEV Slices message_slices(int n, int hidden, int flags, uint32_t nranks) {
+  constexpr int V = DType<T>::kElems;
+  return make_slices((static_cast<int64_t>(n) + V - 1) / V, uses_rows(flags) ? hidden / V : 0, nranks);
+}
+
+// Host contract checks of the kernels that wait on peers through per-block barriers (barrier.cuh: the
+// block index selects the barrier slots); false: return at once, touching nothing (every rank sees the
+// same arguments, so nobody is left waiting).
+template <typename T>
+UBX_DEV bool barrier_kernel_args_ok(int n, int hidden, int flags) {
+  return gridDim.x <= UBNEXT_MAX_BLOCKS && n > 0 && row_shape_ok<T>(n, hidden, flags);
+}
+
 // Bytes each rank's slot of a Lamport buffer holds for this message.
 UBX_DEV uint64_t slice_slot_bytes(const Slices& s) { return static_cast<uint64_t>(s.nrows * s.cv) * 16u; }
 
@@ -170,6 +185,22 @@ UBX_DEV void copy_all_portions(const Slices& s, uint32_t nranks, const void* fro
       const int64_t gi = static_cast<int64_t>(r) * s.cv + j;
       if (gi < s.nv) store_vec<T>(to, gi, n, load_vec<T>(from, gi, n));
     }
+}
+
+// After the exchange of an in-place two-shot kernel (nvls_twoshot, unicast twoshot) and its barrier,
+// this rank's copy of `in` holds the whole reduced message in T. Flat mode: copy it to `out` unless in
+// place; row mode: the row phase from it. Collective over the block.
+template <typename T>
+UBX_DEV void twoshot_local_phase(const Slices& sl, uint32_t nranks, const void* in, void* out, const void* residual,
+                                 void* residual_out, const void* weight, const float* scale, float* scale_inv,
+                                 int n, int hidden, float eps, int flags, uint4* cache, float* scratch) {
+  if (!sl.rows) {
+    if (out != in) copy_all_portions<T>(sl, nranks, in, out, n);
+    return;
+  }
+  LocalSrc<T> src{in, static_cast<int64_t>(n)};
+  rows_phase<T>(src, sl.nrows, residual, residual_out, weight, scale, scale_inv, out, n, hidden, eps, flags, cache,
+                scratch);
 }
 
 // ---------------------------------------------------------------- messages that end inside a vector

@@ -103,9 +103,9 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   __shared__ float s_red[UBX_RED_SCRATCH];
 
   const bool rows = uses_rows(flags);
-  // Host contract (ubnext checks before launching): whole vectors per row, whole rows. All ranks see the
-  // same arguments, so returning here leaves every rank's state untouched and nobody waiting.
-  if (n < 0 || (rows && (hidden <= 0 || hidden % V != 0 || n % hidden != 0))) return;
+  // Host contract (ubnext checks before launching). All ranks see the same arguments, so returning here
+  // leaves every rank's state untouched and nobody waiting.
+  if (n < 0 || !row_shape_ok<T>(n, hidden, flags)) return;
 
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);

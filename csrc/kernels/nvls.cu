@@ -111,10 +111,7 @@ struct McReduce<float> {
 // Host contract checks shared by the NVLS kernels; false: return without touching anything.
 template <typename T>
 UBX_DEV bool nvls_args_ok(const ubnext_comm_desc* d, int n, int hidden, int flags) {
-  constexpr int V = DType<T>::kElems;
-  if (d->mc_base == 0 || gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0) return false;
-  if (uses_rows(flags) && (hidden <= 0 || hidden % V != 0 || n % hidden != 0)) return false;
-  return true;
+  return d->mc_base != 0 && barrier_kernel_args_ok<T>(n, hidden, flags);
 }
 
 // Row-mode source for nvls_oneshot: the sum comes straight from the switch.
@@ -169,10 +166,9 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
   RankBarrier br = barrier_open(d, UBNEXT_OP_NVLS_TWOSHOT);  // early: its loads overlap the setup below
-  const bool rows = uses_rows(flags);
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
-  const Slices sl = make_slices((static_cast<int64_t>(n) + V - 1) / V, rows ? hidden / V : 0, nranks);
+  const Slices sl = message_slices<T>(n, hidden, flags, nranks);
   const uint64_t mc_in = mc_addr(d, in);
 
   if (!barrier_sync(br)) return;
@@ -189,14 +185,8 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   };
   for_my_slice<4>(sl, rank, load, store);
   if (!barrier_sync(br)) return;
-
-  if (!rows) {
-    if (out != in) copy_all_portions<T>(sl, nranks, in, out, n);
-    return;
-  }
-  LocalSrc<T> src{in, static_cast<int64_t>(n)};
-  rows_phase<T>(src, sl.nrows, residual, residual_out, weight, scale, scale_inv, out, n, hidden, eps, flags,
-                s_cache, s_red);
+  twoshot_local_phase<T>(sl, nranks, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags,
+                         s_cache, s_red);
 }
 
 // ---------------------------------------------------------------- nvls_oneshot
@@ -240,15 +230,13 @@ template <typename T>
 UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, const void* residual,
                           void* residual_out, const void* weight, const float* scale, float* scale_inv, int n,
                           int hidden, float eps, int flags) {
-  constexpr int V = DType<T>::kElems;
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
   RankBarrier br = barrier_open(d, UBNEXT_OP_NVLS_LAMPORT);  // early: its loads overlap the setup below
-  const bool rows = uses_rows(flags);
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
-  const Slices sl = make_slices((static_cast<int64_t>(n) + V - 1) / V, rows ? hidden / V : 0, nranks);
+  const Slices sl = message_slices<T>(n, hidden, flags, nranks);
   const uint64_t slot = d->lamport_slot_bytes;
   const uint64_t slot_bytes_used = slice_slot_bytes(sl);
   if (slot_bytes_used > slot) return;  // host contract (bytes <= slot implies this)
@@ -273,7 +261,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
     lamport_repoison(d, rot);
 
     // ---- poll our copy of buffer b, write out (or the row math)
-    if (!rows) {
+    if (!sl.rows) {
       bool failed = false;
       for (int64_t j = global_tid(); j < sl.cv && !failed; j += global_threads()) {
         // Every owner's item j: issue all loads first, then wait for the ones not yet there.

@@ -56,14 +56,12 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
   constexpr int kPeers = 8;  // peer loads in flight per vector before the first add
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
-  const bool rows = uses_rows(flags);
-  if (gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0) return;
-  if (rows && (hidden <= 0 || hidden % V != 0 || n % hidden != 0)) return;
+  if (!barrier_kernel_args_ok<T>(n, hidden, flags)) return;
   RankBarrier br = barrier_open(d, UBNEXT_OP_TWOSHOT);  // early: its loads overlap the setup below
 
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
-  const Slices sl = make_slices((static_cast<int64_t>(n) + V - 1) / V, rows ? hidden / V : 0, nranks);
+  const Slices sl = message_slices<T>(n, hidden, flags, nranks);
   // Byte offset of `in` in every pool (layouts are identical on every rank).
   const uint64_t in_off = reinterpret_cast<uint64_t>(in) - static_cast<uint64_t>(d->peer_base[rank]);
 
@@ -113,14 +111,8 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
   };
   for_my_slice<2>(sl, rank, load, store);
   if (!barrier_sync(br)) return;
-
-  if (!rows) {
-    if (out != in) copy_all_portions<T>(sl, nranks, in, out, n);
-    return;
-  }
-  LocalSrc<T> src{in, static_cast<int64_t>(n)};
-  rows_phase<T>(src, sl.nrows, residual, residual_out, weight, scale, scale_inv, out, n, hidden, eps, flags,
-                s_cache, s_red);
+  twoshot_local_phase<T>(sl, nranks, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags,
+                         s_cache, s_red);
 }
 
 }  // namespace ubx
