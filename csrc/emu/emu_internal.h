@@ -107,6 +107,8 @@ void yield_fiber(bool work);
 
 // Memory-model hooks used by the scheduler.
 void drain_all(Block& b, std::vector<PendingStore>& buf);
+void chaos_spin(Block& b);   // at spin_pause/__nanosleep: maybe drain one store of the thread
+void chaos_round(Block& b);  // after each round: maybe drain one store of each parked thread
 void reset_traffic();
 void merge_traffic(const Traffic& t);
 bool chaos_enabled();

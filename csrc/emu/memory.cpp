@@ -4,9 +4,11 @@
 // host atomics on it are real cross-process accesses. What the hardware may do and x86 never does
 // is modelled explicitly, in chaos mode:
 //   - relaxed/volatile stores wait in a per-thread store buffer and become visible one at a time
-//     in random order (at random later accesses, or when forced); fences, release stores/reds and
-//     acq_rel atomics drain the buffer first, kernel end drains everything. A thread's own loads
-//     drain its buffered stores to the same bytes first, so it always reads its own writes.
+//     in random order (at random later accesses and pauses of the thread, at random scheduling
+//     rounds while it is parked in a barrier or warp op, or when forced); fences, release
+//     stores/reds and acq_rel atomics drain the buffer first, kernel end drains everything. A
+//     thread's own loads drain its buffered stores to the same bytes first, so it always reads
+//     its own writes.
 //   - random delays (extra yields, short OS-level stalls) at every access;
 //   - multimem.ld_reduce sums the ranks' copies in a random rank order; multimem stores and reds
 //     reach the ranks' copies in a random order.
@@ -165,13 +167,42 @@ static void buffer_store(Block& b, const Where& w, uint64_t addr, const void* sr
   if (buf.size() > kMaxBuffered) commit_at(b, buf, b.rng.below(uint32_t(buf.size())));
 }
 
-// Chaos at every access: let some buffered stores out (hardware drains eventually, and a waiting
-// thread must not deadlock on its own buffered signal), and delay this thread or the whole block.
+// Lets out, with probability 1/one_in, ONE entry of `buf` chosen at random. Without a fence,
+// release or kernel end, buffered stores leave only this way (or, the same, on buffer overflow):
+// one at a time, in random order, so that no drain implies an order between a thread's stores.
+static void drain_one_maybe(Block& b, std::vector<PendingStore>& buf, uint32_t one_in) {
+  if (!buf.empty() && b.rng.one_in(one_in)) commit_at(b, buf, b.rng.below(uint32_t(buf.size())));
+}
+
+// Eventual visibility for the running thread (hardware drains eventually, and a waiting thread
+// must not deadlock on its own buffered signal): at every twin access, and (more rarely, so as
+// not to shorten the reordering window of a thread that pauses between its accesses) at every
+// spin_pause / __nanosleep, so that a thread polling plain __shared__ memory drains too.
+static void drain_some(Block& b, uint32_t one_in) {
+  drain_one_maybe(b, b.cur->sbuf, one_in);
+  drain_one_maybe(b, b.cumulative, 2 * one_in);
+}
+
+void chaos_spin(Block& b) {
+  if (b.chaos && b.cur) drain_some(b, 16);
+}
+
+// Eventual visibility for threads that are parked (waiting in __syncthreads or a warp op for
+// threads that may themselves wait on a peer that waits on these very stores): the scheduler calls
+// this after every round, and each parked thread's buffer loses one random entry with probability
+// 1/2. The entries stay in their thread's own buffer until then, so everything else holds: the
+// thread's later fence/release drains them, a completed barrier moves them to `cumulative`, its
+// loads see them. Nothing here orders them (any entry may leave first, a fence is still needed).
+void chaos_round(Block& b) {
+  if (!b.chaos) return;
+  for (Fiber& f : b.fibers)
+    if (f.state == kWaitBarrier || f.state == kWaitWarp) drain_one_maybe(b, f.sbuf, 2);
+  drain_one_maybe(b, b.cumulative, 8);  // even when no thread of the block accesses memory any more
+}
+
+// Chaos at every access: let some buffered stores out, and delay this thread or the whole block.
 static void chaos_point(Block& b) {
-  std::vector<PendingStore>& own = b.cur->sbuf;
-  if (!own.empty() && b.rng.one_in(4)) commit_at(b, own, b.rng.below(uint32_t(own.size())));
-  if (!b.cumulative.empty() && b.rng.one_in(8))
-    commit_at(b, b.cumulative, b.rng.below(uint32_t(b.cumulative.size())));
+  drain_some(b, 4);
   if (b.rng.one_in(16))
     for (uint32_t k = 1 + b.rng.below(4); k; --k) yield_fiber(false);
   if (b.rng.one_in(512)) {

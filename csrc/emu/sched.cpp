@@ -242,8 +242,12 @@ uint32_t warp_exchange(uint32_t mask, uint32_t value, int src, int kind) {
   return f.xchg_result;
 }
 
-void spin_pause() { yield_fiber(false); }
-void nanosleep_ns(unsigned) { yield_fiber(false); }
+// A thread that spins without touching memory through the twins still drains its store buffer.
+void spin_pause() {
+  yield_fiber(false);
+  if (Block* b = tl_block) chaos_spin(*b);
+}
+void nanosleep_ns(unsigned) { spin_pause(); }
 
 uint64_t globaltimer_ns() {
   timespec ts;
@@ -338,6 +342,7 @@ static void run_block(Block& b, char* arena) {
       if (!b.error.empty()) break;
     }
     if (!b.error.empty()) break;
+    if (b.chaos) chaos_round(b);  // parked threads' stores become visible eventually, unordered
     bool runnable = false;
     for (const Fiber& f : b.fibers) runnable |= f.state == kRunnable;
     if (!runnable && b.live > 0) {

@@ -213,3 +213,66 @@ extern "C" __global__ void ubnext_emu_selftest_warp(EMU_ST_PARAMS) {
   if (lane >= 16) return;
   o[7] = __activemask();
 }
+
+// Stores of a thread that parks. Thread 0 pushes 8 data words then a flag (all relaxed, no fence)
+// and then parks until the rest of its block has seen the PEER's flag; threads 1..8 wait for the
+// peer's flag and then read the peer's data word t-1 (all other threads also wait for the flag).
+// On hardware the parked thread's stores drain eventually, in no particular order; an emulator
+// that kept them buffered while the thread is parked deadlocks (each side waits for the other).
+// How thread 0 parks: flags 0: __syncthreads; 1: __syncwarp (threads 1..31 of its warp poll,
+// then __syncwarp; the other warps exit); 2: spin_pause on a __shared__ word that thread 1 sets
+// after the peer's flag; 3: the same with __nanosleep.
+//   desc == 0 (one process, grid 2): block b is "rank" b; words in residual_out (uint32, zeroed):
+//     rank r's inbox at [r * 16]: data [0..8), flag [8].
+//   desc != 0 (ranks, grid 1): rank r pushes into the inbox at data_off of rank (r+1) % nranks.
+// n: the flag value, nonzero and different in consecutive launches (it also tags the __shared__
+// word of modes 2/3, which survives launches). out (uint32 [grid][2], zeroed) per block: [0] 1 =
+// saw the peer's flag, 0xffffffff = timed out (5 s); [1] data words found stale after the flag
+// (a reordering, which is allowed: nothing orders the data before the flag).
+extern "C" __global__ void ubnext_emu_selftest_parked(EMU_ST_PARAMS) {
+  const uint32_t t = threadIdx.x, mode = uint32_t(flags) & 3;
+  uint32_t *inbox, *outbox;
+  if (desc) {
+    const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
+    inbox = reinterpret_cast<uint32_t*>(d->peer_base[d->rank] + d->data_off);
+    outbox = reinterpret_cast<uint32_t*>(d->peer_base[(d->rank + 1) % d->nranks] + d->data_off);
+  } else {
+    uint32_t* w = static_cast<uint32_t*>(residual_out);
+    inbox = w + blockIdx.x * 16;
+    outbox = w + (blockIdx.x ^ 1) * 16;
+  }
+  const uint32_t v = uint32_t(n);
+  uint32_t* o = static_cast<uint32_t*>(out) + blockIdx.x * 2;
+  if (t == 0) {
+    for (uint32_t i = 0; i < 8; ++i) ubx::st_relaxed_sys_u32(outbox + i, v + i);
+    ubx::st_relaxed_sys_u32(outbox + 8, v);
+    if (mode == 0) {
+      __syncthreads();
+    } else if (mode == 1) {
+      __syncwarp();
+    } else {
+      while (s_block_tag != v) {  // plain __shared__: fibers switch only at the pause
+        if (mode == 2) ubx::spin_pause();
+        else __nanosleep(100);
+      }
+    }
+    return;
+  }
+  if (mode == 1 && t >= 32) return;
+  const uint64_t t0 = ubx::globaltimer_ns();
+  bool ok = true;
+  while (ubx::ld_acquire_sys_u32(inbox + 8) != v) {
+    if (ubx::globaltimer_ns() - t0 > 5000000000ull) {
+      ok = false;
+      break;
+    }
+    ubx::spin_pause();
+  }
+  if (ok && t <= 8) atomicAdd(o + 1, uint32_t(ubx::ld_volatile_u32(inbox + t - 1) != v + t - 1));
+  if (t == 1) {
+    o[0] = ok ? 1u : 0xffffffffu;
+    s_block_tag = v;
+  }
+  if (mode == 0) __syncthreads();
+  else if (mode == 1) __syncwarp();
+}
