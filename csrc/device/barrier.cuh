@@ -30,6 +30,9 @@
 // two-shot: a slot must never receive epoch e through the multicast path and e+1 through a unicast store,
 // since a regression of the slot to e (the two paths reordering) would hang the next barrier.
 //
+// UBNEXT_BREAK_NO_RELEASE (test-only) signals with relaxed stores (step 3 without release);
+// UBNEXT_BREAK_SKIP_BARRIER (test-only) signals but never waits (no step 4).
+//
 // After a timeout the epochs of the ranks no longer agree: the communicator is unusable and must be
 // re-created (the sync region is zeroed at init). That is the documented contract for timeouts.
 #pragma once
@@ -171,10 +174,19 @@ UBX_DEV bool barrier_sync(RankBarrier& br) {
     const uint32_t epoch = ++br.epoch;
     if (lane == 0) *br.epoch_word = epoch;  // persist for the next kernel; nobody waits on it
     if (br.signal != nullptr) {
+#if !defined(UBNEXT_BREAK_NO_RELEASE)
       if (br.d->mc_base != 0)
         multimem_st_release_u32(br.signal, epoch);
       else
         st_release_sys_u32(br.signal, epoch);
+#else
+      // Test-only broken build: a relaxed signal publishes nothing, so the block's earlier stores (the
+      // two-shot broadcast) may reach a peer after the flag does. The integration tests must catch it.
+      if (br.d->mc_base != 0)
+        multimem_st_relaxed_u32(br.signal, epoch);
+      else
+        st_relaxed_sys_u32(br.signal, epoch);
+#endif
     }
     uint32_t failed = 0;
 #if !defined(UBNEXT_BREAK_SKIP_BARRIER)

@@ -41,7 +41,9 @@
 //     before its block's __syncthreads + done increment (release); the last block's increment acquires
 //     all of them, so its advance cannot be seen by any thread of this launch, and the next launch sees
 //     all three updates (kernel boundary). Nobody ever observes a half-advanced state.
-//   UBNEXT_BREAK_NO_RELEASE (test-only) turns the done-counter acq_rel into a relaxed CAS loop.
+//   UBNEXT_BREAK_NO_RELEASE (test-only) turns the done-counter acq_rel into a relaxed CAS loop (no test
+//     can observe that on its own; the same build also drops the release of the barrier signal,
+//     barrier.cuh, which the two-shot tests do catch).
 //   UBNEXT_BREAK_SKIP_REPOISON (test-only) skips the re-poison: call k + 3 then sees stale data as ready.
 #pragma once
 

@@ -250,6 +250,20 @@ UBX_DEV void multimem_st_release_u32(uint32_t* p, uint32_t v) {
 #endif
 }
 
+// Relaxed: orders nothing. Only the test-only broken build UBNEXT_BREAK_NO_RELEASE signals barriers with
+// it (barrier.cuh); a correct barrier signal is multimem_st_release_u32.
+UBX_DEV void multimem_st_relaxed_u32(uint32_t* p, uint32_t v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mc_store(p, &v, 4, ::ubx_emu::kRelaxed);
+#elif defined(UBX_NO_MULTIMEM)
+  (void)p;
+  (void)v;
+  __trap();
+#else
+  asm volatile("multimem.st.relaxed.sys.global.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+#endif
+}
+
 UBX_DEV void multimem_red_release_add_u32(uint32_t* p, uint32_t v) {
 #if defined(UBNEXT_EMULATOR)
   ::ubx_emu::mc_red_add_u32(p, v, ::ubx_emu::kRelease);

@@ -31,6 +31,7 @@ extern "C" __global__ void ptx_probe(uint32_t* f, uint4* d, void* mc, uint32_t* 
   ubx::multimem_st_v4((char*)mc + 64, e);
   ubx::multimem_st_v4((char*)mc + 80, g);
   ubx::multimem_st_release_u32((uint32_t*)mc + 32, 1);
+  ubx::multimem_st_relaxed_u32((uint32_t*)mc + 34, 1);
   ubx::multimem_red_release_add_u32((uint32_t*)mc + 33, 1);
   ubx::spin_pause();
   *t = ubx::globaltimer_ns();
@@ -57,6 +58,7 @@ INSTRUCTIONS = [
     "multimem.ld_reduce.relaxed.sys.global.add.v4.f32",
     "multimem.st.relaxed.sys.global.v4.f32",
     "multimem.st.release.sys.global.u32",
+    "multimem.st.relaxed.sys.global.u32",
     "multimem.red.release.sys.global.add.u32",
     "%globaltimer",
     "nanosleep.u32",
