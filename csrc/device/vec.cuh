@@ -118,7 +118,9 @@ UBX_DEV void unpack(const uint4& v, float (&f)[DType<T>::kElems]) {
 // Rounds each float to T (round to nearest even) and packs.
 template <typename T>
 UBX_DEV uint4 pack(const float (&f)[DType<T>::kElems]) {
-  uint4 v;
+  // Every word is written below; the zeros only tell g++ so (its -Wmaybe-uninitialized cannot follow
+  // set_vec_word through the loop). NVVM drops them.
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if constexpr (DType<T>::kBytes == 4) {
     v.x = f32_as_u32(f[0]);
     v.y = f32_as_u32(f[1]);
