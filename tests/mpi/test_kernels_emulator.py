@@ -5,12 +5,12 @@ import pytest
 
 from tests.conftest import MPI_WORKER, assert_mpi_ok
 
-FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation", "traffic", "pool",
+FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation", "long_runs", "traffic", "pool",
         "bad_input", "timeout", "linear", "compile", "pool_cycles"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear"]
-CHAOS = ["allreduce", "paths", "fused_paths", "rotation"]
+CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
-UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "timeout"]
+UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout"]
 
 
 @pytest.mark.mpi

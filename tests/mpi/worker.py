@@ -235,6 +235,35 @@ def case_rotation():
     log("1000 calls ok via", COMM.last_path)
 
 
+def case_long_runs():
+    """Hundreds of calls cycling through every path, sizes and fused/plain in one sequence
+    (the same on every rank): lamport and nvls_lamport share the buffer rotation, the two-shot
+    barriers keep their epochs across kernels and grids."""
+    n = dist.get_world_size()
+    rng = __import__("random").Random(1234)  # same sequence on every rank
+    paths = ["lamport", "nvls_lamport", "nvls_twoshot", "twoshot", "nvls_oneshot"]
+    sizes = [7, 256, 4096 + 8, 12000, 30000]
+    base = [T.rank_input(r, max(sizes), torch.bfloat16, 5) for r in range(n)]
+    refs = {s: (T.reference_sum([b[:s] for b in base]), T.allreduce_bound([b[:s] for b in base], torch.bfloat16))
+            for s in sizes}
+    x_all = base[dist.get_rank()].to(device())
+    counts: dict[str, int] = {}
+    for i in range(300):
+        COMM._algo = rng.choice(paths)
+        if rng.random() < 0.25:
+            tokens = rng.choice([1, 3, n + 1])
+            check_fused(tokens, 512, torch.bfloat16, seed=i)
+        else:
+            s = rng.choice(sizes)
+            out = COMM.all_reduce(x_all[:s])
+            ref, bound = refs[s]
+            err = (out.double().cpu() - ref).abs()
+            assert (err <= bound).all(), f"call {i} ({COMM.last_path}, n={s}): max err {err.max().item():.3e}"
+        counts[COMM.last_path] = counts.get(COMM.last_path, 0) + 1
+    COMM._algo = None
+    log("calls per path:", counts)
+
+
 # -- pool ---------------------------------------------------------------------------------------
 
 
