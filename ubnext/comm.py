@@ -250,10 +250,12 @@ class Communicator:
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"negative dimension in shape {shape}")
+        if math.prod(shape) == 0:
+            raise ValueError(f"pool tensors must hold at least one element, got shape {shape}")
         if dtype not in DTYPE_CODES and dtype != FP8:
             raise TypeError(f"ubnext pool tensors support bf16, fp16, fp32 and e4m3, got {dtype}")
         pool = self.pool
-        if pool is None or math.prod(shape) == 0:
+        if pool is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
         try:
             return pool.empty(shape, dtype)

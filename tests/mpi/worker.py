@@ -362,6 +362,7 @@ def case_bad_input():
     expect_error(TypeError, lambda: COMM.all_reduce_add_rmsnorm(x, x, w, out_dtype=torch.float16), "out_dtype")
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x, w, scale=torch.ones(1)), "scale")
     expect_error(ValueError, lambda: COMM.empty(-1, 4, dtype=torch.float32), "negative")
+    expect_error(ValueError, lambda: COMM.empty(0, 4, dtype=torch.float32), "at least one element")
     expect_error(TypeError, lambda: COMM.empty(4, dtype=torch.int64), "support")
     # shapes that differ across ranks, caught in UBNEXT_DEBUG mode before any kernel runs
     os.environ["UBNEXT_DEBUG"] = "1"
