@@ -19,9 +19,10 @@ import socket
 import struct
 from typing import Callable
 
+from . import envs
+
 __all__ = ["exchange_fds"]
 
-_TIMEOUT_S = 60.0
 _MSG = struct.Struct("<i")
 
 
@@ -37,23 +38,29 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
     if not 0 <= rank < nranks:
         raise ValueError(f"rank {rank} outside [0, {nranks})")
     senders = list(range(nranks)) if only_from is None else [only_from]
+    timeout = envs.get("UBNEXT_TIMEOUT")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     result = [-1] * nranks
     try:
         listener.bind(f"\0ubnext-fds-{os.getpid()}-{os.urandom(8).hex()}")
         listener.listen(max(1, nranks))
-        listener.settimeout(_TIMEOUT_S)
+        listener.settimeout(timeout)
         peers = allgather((listener.getsockname(), os.getpid()))
         if rank in senders:
             result[rank] = os.dup(fd)
             for peer in range(nranks):
                 if peer != rank:
-                    _send(peers[peer][0], rank, fd)
+                    _send(peers[peer][0], rank, fd, timeout)
         expected = [r for r in senders if r != rank]
         for _ in expected:
-            conn, _addr = listener.accept()
+            try:
+                conn, _addr = listener.accept()
+            except socket.timeout:
+                missing = [r for r in expected if result[r] == -1]
+                raise TimeoutError(f"ubnext fd exchange: rank {rank} timed out after {timeout:g} s "
+                                   f"(UBNEXT_TIMEOUT) waiting for peer(s) {missing}") from None
             with conn:
-                conn.settimeout(_TIMEOUT_S)
+                conn.settimeout(timeout)
                 pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
                 msg, fds, _flags, _ = socket.recv_fds(conn, _MSG.size, 1)
                 sender = _MSG.unpack(msg)[0] if len(msg) == _MSG.size else -1
@@ -73,8 +80,8 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
     return result
 
 
-def _send(address: str, rank: int, fd: int) -> None:
+def _send(address: str, rank: int, fd: int, timeout: float) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
-        s.settimeout(_TIMEOUT_S)
+        s.settimeout(timeout)
         s.connect(address)
         socket.send_fds(s, [_MSG.pack(rank)], [fd])
