@@ -21,9 +21,11 @@ rank) and are freed when the returned tensor is released.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import struct
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -53,6 +55,13 @@ SENTINEL_WORD = -0x80000000  # 0x80000000 as int32: -0.0f, the Lamport "not yet 
 
 def _align(value: int, to: int) -> int:
     return (value + to - 1) // to * to
+
+
+def _lcm(*values: int) -> int:
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
 
 
 @dataclass(frozen=True)
@@ -233,11 +242,21 @@ class TorchSymmBackend(_Backend):
         self.size = size
         group_name = group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # torch < 2.8 needs it
-            symm_mem.enable_symm_mem_for_group(group_name)
+            # newer torch keeps it as a deprecated no-op-in-effect that warns (FutureWarning:
+            # "There is no need to call this function anymore")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(group_name)
         self._tensor = symm_mem.empty(size, dtype=torch.uint8, device=device)
         self._handle = symm_mem.rendezvous(self._tensor, group_name)
-        self.peer_bases = [int(p) for p in self._handle.buffer_ptrs]
-        self.mc_base = int(getattr(self._handle, "multicast_ptr", 0) or 0)
+        bases = [int(p) for p in self._handle.buffer_ptrs]
+        # buffer_ptrs are the bases of the symmetric blocks; symm_mem.empty allocates from
+        # torch's symmetric memory pool in newer torch, where the tensor need not start a
+        # block. The offset is the same on every rank (symmetric allocation); 0 when it does.
+        offset = self._tensor.data_ptr() - bases[group.rank()]
+        self.peer_bases = [b + offset for b in bases]
+        mc = int(getattr(self._handle, "multicast_ptr", 0) or 0)
+        self.mc_base = mc + offset if mc else 0
 
     def local_tensor(self) -> torch.Tensor:
         return self._tensor
@@ -257,7 +276,7 @@ class VmmBackend(_Backend):
     def __init__(self, size: int, rank: int, nranks: int, device: torch.device,
                  allgather: Callable[[object], list]):
         from . import _fdshare
-        from ._cuda import check, driver
+        from ._cuda import CudaError, check, driver
 
         drv = driver()
         self.device = device
@@ -272,9 +291,29 @@ class VmmBackend(_Backend):
         prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = device.index
         prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        gran = check(drv.cuMemGetAllocationGranularity(
-            prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity")
-        self.size = size = _align(size, int(gran))
+        gran = int(check(drv.cuMemGetAllocationGranularity(
+            prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity"))
+        # A multicast object's size and every bind's size/offsets must be multiples of
+        # cuMulticastGetGranularity(CU_MULTICAST_GRANULARITY_MINIMUM) (cuMulticastCreate and
+        # cuMulticastBindMem docs), so the allocation is sized for it before cuMemCreate. Every
+        # rank must map the same size: the granularities are agreed across ranks.
+        mc_supported = bool(check(drv.cuDeviceGetAttribute(
+            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev), "attribute"))
+        mc_gran = 0
+        if mc_supported:
+            try:
+                mc_gran = int(check(drv.cuMulticastGetGranularity(
+                    self._mc_prop(nranks, _align(size, gran)),
+                    drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM), "multicast granularity"))
+            except CudaError as exc:  # a rank must not leave the allgather below: no multicast
+                log.info("ubnext vmm pool: %s; unicast paths only", exc)
+                mc_supported = False
+        agreed = allgather((gran, mc_supported, mc_gran))
+        self._mc_everywhere = all(s for _, s, _ in agreed)
+        self._mc_gran = _lcm(*(g for _, _, g in agreed if g)) if self._mc_everywhere else 0
+        gran = _lcm(*(g for g, _, _ in agreed), self._mc_gran or 1)
+        self.size = size = _align(size, gran)
+        self._dev = dev
         self._handles = []
         self._mapped: list[tuple[int, int]] = []
         self._reserved: list[tuple[int, int]] = []
@@ -315,15 +354,10 @@ class VmmBackend(_Backend):
         from . import _fdshare
 
         drv, check = self._drv, self._check
-        supported = check(drv.cuDeviceGetAttribute(
-            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev), "attribute")
-        if not all(allgather(bool(supported))):
+        if not self._mc_everywhere:  # agreed across ranks in __init__
             log.info("ubnext vmm pool: no multicast on every rank; unicast paths only")
             return
-        prop = drv.CUmulticastObjectProp()
-        prop.numDevices = nranks
-        prop.size = self.size
-        prop.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop = self._mc_prop(nranks, self.size)
         fd = -1
         if rank == 0:
             self._mc = check(drv.cuMulticastCreate(prop), "cuMulticastCreate")
@@ -343,16 +377,28 @@ class VmmBackend(_Backend):
         check(drv.cuMulticastAddDevice(self._mc, dev), "cuMulticastAddDevice")
         allgather(None)  # every device added before any bind
         check(drv.cuMulticastBindMem(self._mc, 0, self._handles[0], 0, self.size, 0), "cuMulticastBindMem")
-        va = int(check(drv.cuMemAddressReserve(self.size, 0, 0, 0), "reserve mc"))
+        # the multicast mapping's address is aligned to the multicast granularity
+        # (cuMulticastGetGranularity: "a multiple for size, bind offsets and address mappings")
+        align = self._mc_gran if (self._mc_gran & (self._mc_gran - 1)) == 0 else 0
+        va = int(check(drv.cuMemAddressReserve(self.size, align, 0, 0), "reserve mc"))
         self._reserved.append((va, self.size))
         check(drv.cuMemMap(va, self.size, 0, self._mc, 0), "map mc")
         self._mapped.insert(0, (va, self.size))
         access = drv.CUmemAccessDesc()
         access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = dev
+        access.location.id = self.device.index
         access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         check(drv.cuMemSetAccess(va, self.size, [access], 1), "set access mc")
         self.mc_base = va
+
+    def _mc_prop(self, nranks: int, size: int):
+        drv = self._drv
+        prop = drv.CUmulticastObjectProp()
+        prop.numDevices = nranks
+        prop.size = size
+        prop.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop.flags = 0
+        return prop
 
     def local_tensor(self) -> torch.Tensor:
         return self._local
@@ -362,7 +408,7 @@ class VmmBackend(_Backend):
         torch.cuda.synchronize(self.device)
         # multicast first: unbind before the peers' memory is unmapped
         if self._mc is not None:
-            drv.cuMulticastUnbind(self._mc, drv.CUdevice(self.device.index), 0, self.size)
+            drv.cuMulticastUnbind(self._mc, self._dev, 0, self.size)
         for va, size in self._mapped:
             drv.cuMemUnmap(va, size)
         for va, size in self._reserved:
@@ -397,6 +443,7 @@ class SymmetricPool:
         # GPU's address space under UVA, so kernels write it and the host reads it unsynchronised
         pin = self.device.type == "cuda"
         self.err_word = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
+        self._err_ptr = _device_pointer_of_pinned(self.err_word) if pin else self.err_word.data_ptr()
         self._initialise()
         barrier()  # no peer may push into our Lamport buffers before they are poisoned
         half = layout.data_bytes // 2 // 256 * 256
@@ -437,7 +484,7 @@ class SymmetricPool:
         desc = pack_desc(
             rank=self.rank, nranks=lay.nranks,
             timeout_ns=int(envs.get("UBNEXT_TIMEOUT") * 1e9),
-            err_ptr=self.err_word.data_ptr(), mc_base=self.backend.mc_base, layout=lay,
+            err_ptr=self._err_ptr, mc_base=self.backend.mc_base, layout=lay,
             peer_bases=self.backend.peer_bases,
         )
         local = self.backend.local_tensor()
@@ -530,6 +577,23 @@ class SymmetricPool:
         self._closed = True
         self._graph_tensors.clear()
         self.backend.close()
+
+
+def _device_pointer_of_pinned(t: torch.Tensor) -> int:
+    """The device-side address of a pinned host tensor. torch pins with cudaHostAlloc (mapped
+    under UVA, device pointer == host pointer) or, with ``pinned_use_cuda_host_register``,
+    with cudaHostRegister, whose device pointer equals the host pointer only where
+    CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM holds on every visible device
+    (cuMemHostGetDevicePointer docs). cuMemHostGetDevicePointer answers for both."""
+    from ._cuda import CudaError, check, driver
+
+    host = t.data_ptr()
+    try:
+        return int(check(driver().cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
+    except CudaError as exc:
+        # not mapped for the device: the UVA host pointer is the only candidate left
+        log.warning("ubnext: %s; kernels write the error word through its host address", exc)
+        return host
 
 
 def _free_if_open(pool_ref, arena: str, offset: int) -> None:

@@ -1,0 +1,153 @@
+"""VmmBackend's cuMem*/cuMulticast* call sequence, without a GPU: the driver functions are
+replaced by a recorder (the structs and enums are cuda.bindings' own), one rank. Checks the
+documented constraints: sizes multiples of the allocation and the multicast (MINIMUM)
+granularity, argument order of cuMulticastBindMem/Unbind, the multicast mapping aligned to the
+multicast granularity, and the teardown order (unbind, unmap, free the ranges, release)."""
+
+import os
+
+import pytest
+import torch
+
+driver = pytest.importorskip("cuda.bindings.driver")
+
+from ubnext import pool  # noqa: E402
+
+ALLOC_GRAN = 2 << 20
+MC_GRAN = 8 << 20  # deliberately larger than the allocation granularity
+
+
+class FakeDriver:
+    def __init__(self, multicast: bool):
+        self.calls = []
+        self.multicast = multicast
+        self._next = 0x7F00_0000_0000
+        self._handles = 100
+
+    def __getattr__(self, name):  # structs and enums: the real ones
+        return getattr(driver, name)
+
+    def _rec(self, name, *args):
+        self.calls.append((name, args))
+
+    def cuDeviceGet(self, i):
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUdevice(i))
+
+    def cuMemGetAllocationGranularity(self, prop, flag):
+        assert isinstance(prop, driver.CUmemAllocationProp)
+        return (driver.CUresult.CUDA_SUCCESS, ALLOC_GRAN)
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        assert attr == driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
+        return (driver.CUresult.CUDA_SUCCESS, int(self.multicast))
+
+    def cuMulticastGetGranularity(self, prop, flag):
+        assert isinstance(prop, driver.CUmulticastObjectProp)
+        assert flag == driver.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM
+        return (driver.CUresult.CUDA_SUCCESS, MC_GRAN)
+
+    def cuMemCreate(self, size, prop, flags):
+        self._rec("cuMemCreate", size, flags)
+        self._handles += 1
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUmemGenericAllocationHandle(self._handles))
+
+    def cuMemExportToShareableHandle(self, handle, kind, flags):
+        assert kind == driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return (driver.CUresult.CUDA_SUCCESS, os.open(os.devnull, os.O_RDONLY))
+
+    def cuMemAddressReserve(self, size, align, addr, flags):
+        self._rec("cuMemAddressReserve", size, align)
+        va = self._next
+        self._next += size + (64 << 20)
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUdeviceptr(va))
+
+    def cuMemMap(self, va, size, offset, handle, flags):
+        self._rec("cuMemMap", int(va), size, int(handle))
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuMemSetAccess(self, va, size, descs, count):
+        assert count == len(descs) == 1 and isinstance(descs[0], driver.CUmemAccessDesc)
+        assert descs[0].location.type == driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._rec("cuMemSetAccess", int(va), size)
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuMulticastCreate(self, prop):
+        self._rec("cuMulticastCreate", prop.size, prop.numDevices)
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUmemGenericAllocationHandle(999))
+
+    def cuMulticastAddDevice(self, mc, dev):
+        self._rec("cuMulticastAddDevice", int(mc), int(dev))
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuMulticastBindMem(self, mc, mc_off, mem, mem_off, size, flags):
+        self._rec("cuMulticastBindMem", int(mc), mc_off, int(mem), mem_off, size, flags)
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuMulticastUnbind(self, mc, dev, mc_off, size):
+        self._rec("cuMulticastUnbind", int(mc), int(dev), mc_off, size)
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuMemUnmap(self, va, size):
+        self._rec("cuMemUnmap", int(va), size)
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuMemAddressFree(self, va, size):
+        self._rec("cuMemAddressFree", int(va), size)
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuMemRelease(self, handle):
+        self._rec("cuMemRelease", int(handle))
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    def make(multicast):
+        drv = FakeDriver(multicast)
+        import ubnext._cuda as cu
+
+        monkeypatch.setattr(cu, "driver", lambda: drv)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+        monkeypatch.setattr(pool._Slot, "tensor", lambda self, device: None)
+        return drv
+    return make
+
+
+def _names(drv):
+    return [c[0] for c in drv.calls]
+
+
+@pytest.mark.parametrize("multicast", [False, True])
+def test_vmm_sizes_and_teardown(fake, multicast):
+    drv = fake(multicast)
+    backend = pool.VmmBackend(5 << 20, 0, 1, torch.device("cuda", 0), lambda obj: [obj])
+    gran = MC_GRAN if multicast else ALLOC_GRAN
+    assert backend.size % gran == 0 and backend.size >= 5 << 20
+    (create,) = [c for c in drv.calls if c[0] == "cuMemCreate"]
+    assert create[1] == (backend.size, 0)
+    if multicast:
+        (mc,) = [c for c in drv.calls if c[0] == "cuMulticastCreate"]
+        assert mc[1] == (backend.size, 1)
+        (bind,) = [c for c in drv.calls if c[0] == "cuMulticastBindMem"]
+        assert bind[1] == (999, 0, int(backend._handles[0]), 0, backend.size, 0)
+        reserves = [c for c in drv.calls if c[0] == "cuMemAddressReserve"]
+        assert reserves[-1][1] == (backend.size, MC_GRAN)
+        assert backend.mc_base
+        names = _names(drv)
+        assert names.index("cuMulticastAddDevice") < names.index("cuMulticastBindMem")
+    size = backend.size
+    drv.calls.clear()
+    backend.close()
+    names = _names(drv)
+    if multicast:
+        assert names[0] == "cuMulticastUnbind"
+        assert drv.calls[0][1] == (999, 0, 0, size)
+    last_unmap = max(i for i, n in enumerate(names) if n == "cuMemUnmap")
+    first_free = names.index("cuMemAddressFree")
+    first_release = names.index("cuMemRelease")
+    assert last_unmap < first_free < first_release
+    assert names.count("cuMemUnmap") == names.count("cuMemAddressFree") == (2 if multicast else 1)
+    assert names.count("cuMemRelease") == (2 if multicast else 1)
+
