@@ -221,10 +221,7 @@ class Communicator:
         return self._pool
 
     def _create_pool(self) -> SymmetricPool | None:
-        try:
-            layout = plan_layout(self.world_size, self._max_hidden or DEFAULT_HIDDEN)
-        except ValueError:
-            raise
+        layout = plan_layout(self.world_size, self._max_hidden or DEFAULT_HIDDEN)
         pool, error = None, None
         try:
             pool = SymmetricPool(layout=layout, rank=self.rank, group=self.group, device=self.device,
