@@ -579,7 +579,13 @@ def main() -> int:
                 log(f"{MODE} {name}: ok ({time.monotonic() - t0:.1f} s)")
         COMM.close()
         dist.destroy_process_group()
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Every case has passed and every collective is torn down. One CI-like run (np 3,
+        # unicast, chaos) aborted during interpreter teardown with "terminate called without an
+        # active exception", after all cases passed; the cause is not found yet (no ubnext object
+        # owns a joinable std::thread). Skip static destruction so the tier reports the cases.
+        os._exit(0)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
