@@ -34,6 +34,7 @@ __all__ = [
     "UbnextTimeoutError",
     "PATHS",
     "reference_add_rmsnorm",
+    "rmsnorm",
 ]
 
 log = logging.getLogger("ubnext")
@@ -102,16 +103,19 @@ def _bootstrap() -> None:
                             world_size=info["world_size"], timeout=timeout, **kwargs)
 
 
+def rmsnorm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(r * rsqrt(mean(r^2) + eps)) * weight`` over the last dimension, in r's precision, in
+    the kernels' order of operations (the torch fallback and the fused op's backward)."""
+    return r * torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps) * weight
+
+
 def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
     """add + RMSNorm (+FP8) in torch with the kernels' contract (csrc/device/norm.cuh):
     residual_out rounded to the input dtype, statistics in fp32 from that rounded value,
     y = (r * rms) * weight rounded to the input dtype, FP8 from that same rounded y."""
     residual_out = (reduced.float() + residual.float()).to(residual.dtype)
-    r = residual_out.float()
-    rms = torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps)
-    # (r * rms) * weight in this order, as the kernels multiply
-    y = (r * rms * weight.float()).to(residual.dtype)
+    y = rmsnorm(residual_out.float(), weight.float(), eps).to(residual.dtype)
     if out_dtype != FP8:
         return y, residual_out, None
     # FP8 quantises y rounded to the input dtype; amax comes from those same rounded values
@@ -334,7 +338,6 @@ class Communicator:
         else:
             no_kernels = None
         arena = pool.arenas["eager"].largest_free() if pool is not None else 0
-        staging = nbytes
         for path in KERNEL_PATHS:
             if no_kernels:
                 why[path] = no_kernels
@@ -344,8 +347,8 @@ class Communicator:
                 why[path] = "the pool has no multicast address"
             elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:
                 why[path] = f"{nbytes} bytes exceed the Lamport slot ({pool.lamport_capacity} bytes)"
-            elif path != "lamport" and staging > arena:
-                why[path] = f"{staging} bytes do not fit the pool arena ({arena} bytes free)"
+            elif path != "lamport" and nbytes > arena:
+                why[path] = f"{nbytes} bytes do not fit the pool arena ({arena} bytes free)"
             elif path == "nvls_oneshot" and fused:
                 why[path] = "nvls_oneshot does not promise identical bits, which the fused norm needs"
             else:

@@ -115,7 +115,7 @@ class Linear(torch.nn.Module):
 
     @property
     def _group_name(self) -> str:
-        return (self.tp_group if self.tp_group is not None else dist.group.WORLD).group_name
+        return self._group().group_name
 
     def _group(self):
         return self.tp_group if self.tp_group is not None else dist.group.WORLD

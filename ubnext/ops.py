@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .comm import FP8, Communicator
+from .comm import FP8, Communicator, rmsnorm
 
 __all__ = ["all_reduce", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for"]
 
@@ -129,7 +129,7 @@ def _fused_backward(ctx, grad_out, grad_residual_out, grad_scale_inv):
     with torch.enable_grad():
         r = residual_out.detach().float().requires_grad_()
         w = weight.detach().float().requires_grad_()
-        y = r * torch.rsqrt(r.square().mean(-1, keepdim=True) + ctx.eps) * w
+        y = rmsnorm(r, w, ctx.eps)
         g_out = torch.zeros_like(y) if (grad_out is None or ctx.fp8) else grad_out.float()
         grad_r, grad_w = torch.autograd.grad(y, (r, w), g_out)
     if grad_residual_out is not None:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from .comm import FP8_MAX, FP8_TINY_SCALE_INV
+
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 # smallest positive subnormal: the absolute floor of any rounding error
 TINY = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}
 FP32_U = 2.0**-24
-E4M3_MAX = 448.0
+E4M3_MAX = FP8_MAX  # the contract's constants, from the one place that defines them
 
 
 def rank_input(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -93,7 +95,7 @@ def check_fp8(q: torch.Tensor, scale_inv: torch.Tensor, y: torch.Tensor, hidden:
     assert (err <= e4m3_step(target) + slack).all(), f"FP8 code off by more than one step: {err.max().item()}"
     if per_token:
         amax = yv.abs().amax(-1)
-        expect = torch.clamp(amax / E4M3_MAX, min=1e-12)
+        expect = torch.clamp(amax / E4M3_MAX, min=FP8_TINY_SCALE_INV)
         rel = (si.reshape(-1) - expect).abs() / expect
         u = UNIT_ROUNDOFF[dtype]
         assert (rel <= u * (1 + u) + (hidden / 2 + 8) * FP32_U + 2 * FP32_U).all(), f"scale_inv off: {rel.max().item()}"
