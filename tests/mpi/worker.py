@@ -585,6 +585,12 @@ def main() -> int:
         # unicast, chaos) aborted during interpreter teardown with "terminate called without an
         # active exception", after all cases passed; the cause is not found yet (no ubnext object
         # owns a joinable std::thread). Skip static destruction so the tier reports the cases.
+        # MPI is finalised first: mpirun (hydra) treats a rank that ends without MPI_Finalize
+        # as failed and SIGKILLs the ranks still running.
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
         os._exit(0)
     except BaseException:
         traceback.print_exc()
