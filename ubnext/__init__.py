@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from . import envs
+import torch
+
+from . import _lifecycle, envs, ops
 from .comm import PATHS, Communicator, UbnextError, UbnextTimeoutError
 from .envs import EnvError
 
@@ -31,30 +33,31 @@ if not _log.handlers:
     _handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
     _log.addHandler(_handler)
 
-_communicators: dict[str, Communicator] = {}
 
 
 def get_communicator(group=None) -> Communicator:
     """The cached communicator of ``group`` (the default group when None); created on first
-    use, which is collective."""
+    use, which is collective. Bootstraps torch.distributed from mpirun/torchrun variables when
+    it is not initialised; ubnext then also tears it down at exit."""
+    return _lifecycle.communicator_of(group)
+
+
+def _group_key(group) -> str:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        comm = Communicator(group)
-        _communicators[comm.group.group_name] = comm
-        return comm
-    key = (group if group is not None else dist.group.WORLD).group_name
-    comm = _communicators.get(key)
-    if comm is None or comm._closed:
-        comm = _communicators[key] = Communicator(group)
-    return comm
+        _lifecycle.communicator_of(None)
+    return (group if group is not None else dist.group.WORLD).group_name
 
 
 def all_reduce(x, group=None, *, out=None):
-    """``get_communicator(group).all_reduce(x, out=out)``."""
-    return get_communicator(group).all_reduce(x, out=out)
+    """``get_communicator(group).all_reduce(x, out=out)``; compiles under torch.compile."""
+    if out is None:
+        return torch.ops.ubnext.all_reduce(x, _group_key(group), "")
+    torch.ops.ubnext.all_reduce_out(x, out, _group_key(group))
+    return out
 
 
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *, group=None, out_dtype=None, scale=None):
-    """``get_communicator(group).all_reduce_add_rmsnorm(...)``."""
-    return get_communicator(group).all_reduce_add_rmsnorm(x, residual, weight, eps, out_dtype=out_dtype, scale=scale)
+    """``get_communicator(group).all_reduce_add_rmsnorm(...)``; compiles under torch.compile."""
+    return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, _group_key(group), out_dtype=out_dtype, scale=scale)

@@ -14,17 +14,15 @@ step is logged once per communicator with its reason.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import envs, kernels
+from . import _lifecycle, envs, kernels
 from ._cuda import gpu_available, no_gpu_reason
 from .pool import NoRoom, SymmetricPool, plan_layout
 
@@ -53,6 +51,21 @@ DEFAULT_HIDDEN = 8192
 _OP_NAMES = {1: "lamport", 2: "nvls_oneshot", 3: "nvls_twoshot", 4: "nvls_lamport", 5: "twoshot"}
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of equal shape are the same memory (the dispatcher may hand an
+    operator a different Python object for the tensor the caller passed)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.device == b.device and a.stride() == b.stride())
+
+
+def fp8_output(x: torch.Tensor, out_dtype: torch.dtype | None, scale) -> bool:
+    """Whether the fused op writes FP8 (``out_dtype`` is x's dtype, None or e4m3)."""
+    if out_dtype is not None and out_dtype not in (x.dtype, FP8):
+        raise TypeError(f"out_dtype must be x.dtype ({x.dtype}) or torch.float8_e4m3fn, got {out_dtype}")
+    if scale is not None and out_dtype != FP8:
+        raise ValueError("scale is only meaningful with out_dtype=torch.float8_e4m3fn")
+    return out_dtype == FP8
+
+
 class UbnextError(RuntimeError):
     """A ubnext collective failed."""
 
@@ -66,41 +79,6 @@ class _Plan:
     path: str
     reason: str
     skipped: list[tuple[str, str]]
-
-
-def _bootstrap() -> None:
-    """Initialise torch.distributed from torchrun's or an MPI launcher's variables."""
-    info = envs.launcher_info()
-    if info is None:
-        raise UbnextError(
-            "torch.distributed is not initialised and no launcher was found: call "
-            "torch.distributed.init_process_group(), or start under torchrun or mpirun"
-        )
-    use_gpu = gpu_available()
-    backend = "nccl" if use_gpu else "gloo"
-    if info["launcher"] == "torchrun":
-        init = "env://"
-    else:
-        from mpi4py import MPI
-
-        mpi = MPI.COMM_WORLD
-        addr = None
-        if mpi.Get_rank() == 0:
-            with socket.socket() as probe:
-                probe.bind(("", 0))
-                port = probe.getsockname()[1]
-            host = socket.gethostname() if mpi.Get_size() > 1 else "127.0.0.1"
-            addr = (socket.gethostbyname(host) if host != "127.0.0.1" else host, port)
-        host, port = mpi.bcast(addr, root=0)
-        init = f"tcp://{host}:{port}"
-    kwargs: dict[str, Any] = {}
-    if use_gpu:
-        torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
-        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    # a rank that dies must not leave its peers waiting for gloo's default 30 minutes
-    timeout = datetime.timedelta(seconds=max(60.0, 4 * envs.get("UBNEXT_TIMEOUT")))
-    dist.init_process_group(backend, init_method=init, rank=info["rank"],
-                            world_size=info["world_size"], timeout=timeout, **kwargs)
 
 
 def rmsnorm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,7 +120,7 @@ class Communicator:
     def __init__(self, group=None, *, emulate: bool | None = None, max_hidden: int | None = None,
                  algo: str | None = None):
         if not dist.is_initialized():
-            _bootstrap()
+            _lifecycle.bootstrap()
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -175,6 +153,8 @@ class Communicator:
             seed = envs.get("UBNEXT_EMU_SEED")
             # 0 lets the emulator derive a seed per process; a fixed seed differs per rank
             self._emu.configure(envs.get("UBNEXT_EMU_CHAOS"), seed + self.rank if seed else 0)
+        # the name under which torch.ops.ubnext.* find this communicator
+        self.key = _lifecycle.register(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -184,17 +164,29 @@ class Communicator:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Release the pool (collective: every rank calls it)."""
+        self._release()
+
+    def _release(self, at_exit: bool = False) -> None:
+        """Release the pool and drop the process group: a held group keeps gloo's worker
+        threads alive into interpreter finalisation (ubnext/_lifecycle.py says why that aborts)."""
         if self._closed:
             return
         self._closed = True
-        if self._pool is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self._pool.close()
+        try:
+            if self._pool is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self._pool.close()
+        finally:
             self._pool = None
-        self._symm_buffers.clear()
+            self._symm_buffers.clear()
+            self.group = None
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, mode={self.mode})"
@@ -468,19 +460,26 @@ class Communicator:
 
     def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sum of ``x`` over the ranks. ``x`` is unchanged unless ``out is x``."""
+        if out is None:
+            return torch.ops.ubnext.all_reduce(x, self.key, "")
+        torch.ops.ubnext.all_reduce_out(x, out, self.key)
+        return out
+
+    def _all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x."""
         self._validate("x", x)
-        if out is not None:
+        if not _same_memory(out, x):
             self._validate("out", out)
             if out.shape != x.shape or out.dtype != x.dtype:
                 raise ValueError(f"out must match x ({tuple(x.shape)}, {x.dtype}), got "
                                  f"({tuple(out.shape)}, {out.dtype})")
         self._check_usable()
         self._check_same_across_ranks(("all_reduce", tuple(x.shape), str(x.dtype)))
-        if out is None:
-            out = torch.empty_like(x)
         if self.world_size == 1 or x.numel() == 0:
             self.last_path = "torch"
-            return out if out is x else out.copy_(x)
+            return out if _same_memory(out, x) else out.copy_(x)
+        if _same_memory(out, x):
+            out = x  # the kernels' in-place test is identity
         nbytes = x.numel() * x.element_size()
         path = self._take(self._plan(nbytes, x.dtype, fused=False))
         self._all_reduce_by(path, x, out)
@@ -539,13 +538,16 @@ class Communicator:
     def all_reduce_torch_symm(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
         """Allreduce by one named torch symmetric-memory op where it exists (CUDA tensors),
         else by the normal path choice (logged once)."""
+        return torch.ops.ubnext.all_reduce(x, self.key, op_name)
+
+    def _all_reduce_torch_symm(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
         self._validate("x", x)
         self._check_usable()
         usable = self.mode == "gpu" and hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, op_name)
         if not usable or self.world_size == 1:
             self._log_once("torch_symm", f"torch symmetric-memory op {op_name} unavailable here; "
                            "using the ubnext path choice")
-            return self.all_reduce(x)
+            return self._all_reduce(x, torch.empty_like(x))
         out = torch.empty_like(x)
         self._torch_symm_all_reduce(x, out, op_name)
         self.last_path = "torch_symm"
@@ -562,6 +564,14 @@ class Communicator:
         satisfies ``y ≈ out.float() * scale_inv`` (one value, or one per token). ``scale_inv``
         is None for non-FP8 outputs.
         """
+        fp8 = fp8_output(x, out_dtype, scale)
+        out, residual_out, scale_inv = torch.ops.ubnext.all_reduce_add_rmsnorm(
+            x, residual, weight, float(eps), fp8, scale, self.key)
+        return out, residual_out, (scale_inv if fp8 else None)
+
+    def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
+        """The fused op itself (torch.ops.ubnext.all_reduce_add_rmsnorm's implementation)."""
         self._validate("x", x)
         self._validate("residual", residual)
         self._validate("weight", weight)
@@ -577,9 +587,6 @@ class Communicator:
             raise TypeError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
         if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
             raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-        out_dtype = x.dtype if out_dtype is None else out_dtype
-        if out_dtype not in (x.dtype, FP8):
-            raise TypeError(f"out_dtype must be x.dtype ({x.dtype}) or torch.float8_e4m3fn, got {out_dtype}")
         if scale is not None:
             if out_dtype != FP8:
                 raise ValueError("scale is only meaningful with out_dtype=torch.float8_e4m3fn")

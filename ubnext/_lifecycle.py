@@ -1,0 +1,168 @@
+"""Process-wide lifecycle: bootstrapping torch.distributed, the communicator registry, and the
+teardown at interpreter exit.
+
+Why the teardown exists: gloo runs each collective on a worker thread
+(``ProcessGroupGloo::runLoop``), which drops its reference to a finished work object, and with it
+the work's tensors, a moment after the caller's ``wait()`` returned. Dropping a tensor that owns
+a Python object takes the GIL. If the interpreter has begun finalising by then, taking the GIL
+ends the thread with ``pthread_exit``, whose forced unwind passes through a ``noexcept``
+destructor (``~AsyncWork``): ``std::terminate``, "terminate called without an active exception".
+Those worker threads are joined only when the last reference to the process group goes away
+(``destroy_process_group`` alone is not enough while something still holds the group). So, at
+exit, ubnext closes its communicators, drops every reference it holds to a process group, and,
+when it initialised torch.distributed itself, destroys the process group before finalisation.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import gc
+import itertools
+import logging
+import socket
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from . import envs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .comm import Communicator
+
+log = logging.getLogger("ubnext")
+
+_lock = threading.Lock()
+_registry: "weakref.WeakValueDictionary[str, Communicator]" = weakref.WeakValueDictionary()
+# communicators cached per process group (ubnext.get_communicator): group_name -> Communicator
+cached: dict[str, "Communicator"] = {}
+_serial = itertools.count()
+_we_initialised = False
+_atexit_registered = False
+
+
+def register(comm: "Communicator") -> str:
+    """A process-local key under which the ops (``torch.ops.ubnext.*``) find ``comm``."""
+    _ensure_atexit()
+    key = f"{comm.group.group_name}#{next(_serial)}"
+    with _lock:
+        _registry[key] = comm
+    return key
+
+
+def lookup(key: str) -> "Communicator":
+    """The communicator registered under ``key``; a bare group name means that group's cached
+    communicator (created on first use, collectively)."""
+    comm = _registry.get(key)
+    if comm is not None:
+        return comm
+    if "#" in key:
+        from .comm import UbnextError
+
+        raise UbnextError(f"no live ubnext communicator {key!r} (it was closed or garbage-collected)")
+    group = dist.distributed_c10d._resolve_process_group(key)
+    return communicator_of(group)
+
+
+def communicator_of(group=None) -> "Communicator":
+    """The cached communicator of ``group`` (the default group when None); created on first
+    use, which is collective."""
+    from .comm import Communicator
+
+    if not dist.is_initialized():
+        bootstrap()
+    group = group if group is not None else dist.group.WORLD
+    comm = cached.get(group.group_name)
+    if comm is None or comm.closed:
+        comm = cached[group.group_name] = Communicator(group)
+    return comm
+
+
+def bootstrap() -> None:
+    """Initialise torch.distributed from torchrun's or an MPI launcher's variables; ubnext then
+    owns the process group and destroys it at exit."""
+    global _we_initialised
+    from ._cuda import gpu_available
+    from .comm import UbnextError
+
+    info = envs.launcher_info()
+    if info is None:
+        raise UbnextError(
+            "torch.distributed is not initialised and no launcher was found: call "
+            "torch.distributed.init_process_group(), or start under torchrun or mpirun"
+        )
+    use_gpu = gpu_available()
+    backend = "nccl" if use_gpu else "gloo"
+    # a rank that dies must not leave its peers waiting for gloo's default 30 minutes
+    timeout = datetime.timedelta(seconds=max(60.0, 4 * envs.get("UBNEXT_TIMEOUT")))
+    kwargs: dict[str, Any] = {"backend": backend, "rank": info["rank"],
+                              "world_size": info["world_size"], "timeout": timeout}
+    if info["launcher"] == "torchrun":
+        kwargs["init_method"] = "env://"
+    else:
+        kwargs["store"] = _mpi_store(info["rank"], info["world_size"], timeout)
+    if use_gpu:
+        torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    _ensure_atexit()
+    dist.init_process_group(**kwargs)
+    _we_initialised = True
+
+
+def _mpi_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """A TCPStore whose server (rank 0) binds a port the kernel picks, announced over MPI.
+    Probing a free port and binding it later races with every other process on the host."""
+    from mpi4py import MPI
+
+    mpi = MPI.COMM_WORLD
+    address = None
+    store = None
+    if rank == 0:
+        host = socket.gethostname() if world_size > 1 else "127.0.0.1"
+        try:
+            host = socket.gethostbyname(host)
+        except OSError:
+            host = "127.0.0.1"
+        try:
+            store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            address = (host, store.port)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            address = exc
+    address = mpi.bcast(address, root=0)
+    if isinstance(address, BaseException):
+        raise RuntimeError(f"rank 0 could not start the rendezvous store: {address}") from address
+    if store is None:
+        store = dist.TCPStore(address[0], address[1], world_size, is_master=False, timeout=timeout)
+    return store
+
+
+def _ensure_atexit() -> None:
+    global _atexit_registered
+    with _lock:
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Close every live communicator and drop their process groups; destroy the process group
+    when ubnext created it. Runs at interpreter exit; safe to call more than once."""
+    global _we_initialised
+    comms = list(_registry.values())
+    cached.clear()
+    for comm in comms:
+        try:
+            comm._release(at_exit=True)
+        except Exception as exc:  # noqa: BLE001 - exit must go on; say what was not released
+            log.warning("closing %r at exit failed: %s", comm, exc)
+    del comms
+    if _we_initialised and dist.is_initialized():
+        dist.destroy_process_group()
+    _we_initialised = False
+    # the group's worker threads are joined when its last reference goes: collect cycles now,
+    # before finalisation, rather than during it
+    gc.collect()
