@@ -15,7 +15,7 @@ MPI_WORKER = ROOT / "tests" / "mpi" / "worker.py"
 
 
 def run_mpi(np: int, script: Path | str, *args: str, env: dict | None = None,
-            timeout: float = 240) -> subprocess.CompletedProcess:
+            timeout: float = 240, cwd: Path | str | None = None) -> subprocess.CompletedProcess:
     """Run ``script`` on ``np`` ranks; a hung job is killed after ``timeout`` seconds."""
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
     if mpirun is None:
@@ -26,7 +26,7 @@ def run_mpi(np: int, script: Path | str, *args: str, env: dict | None = None,
     cmd = [mpirun, "-np", str(np), sys.executable, str(script), *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                              start_new_session=True)
+                              start_new_session=True, cwd=cwd)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"mpirun -np {np} {script} {' '.join(args)} hung for {timeout} s:\n"
                              f"{(exc.stdout or b'')[-4000:]!r}\n{(exc.stderr or b'')[-4000:]!r}") from None

@@ -39,11 +39,10 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import envs
+from ._sources import CSRC
 
 __all__ = ["BREAKS", "EmulatorError", "Traffic", "Emulator", "build", "load"]
 
-ROOT = Path(__file__).resolve().parent.parent
-CSRC = ROOT / "csrc"
 # Test-only protocol breaks: name -> macro. "" is the correct build.
 BREAKS = {
     "": None,
@@ -119,7 +118,7 @@ def _compile(cxx: str, flags: Sequence[str], sources: Iterable[Path], workdir: P
         proc = subprocess.run([cxx, *flags, *lang, "-c", str(src), "-o", str(obj)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise EmulatorError(f"g++ failed on {src.relative_to(ROOT)}:\n{proc.stderr[-8000:]}")
+            raise EmulatorError(f"g++ failed on {src.relative_to(CSRC.parent)}:\n{proc.stderr[-8000:]}")
         return obj
 
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:

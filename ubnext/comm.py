@@ -57,6 +57,52 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.data_ptr() == b.data_ptr() and a.device == b.device and a.stride() == b.stride())
 
 
+def check_tensor(name: str, x: torch.Tensor) -> None:
+    """What every ubnext operator asks of a tensor argument, whatever its device."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPE_CODES:
+        raise TypeError(f"{name}: ubnext supports bfloat16, float16 and float32, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def check_all_reduce_args(x: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    """Argument checks of the allreduce operators, shared by the real and the fake (tracing)
+    implementations, so a compiled call fails at trace time as an eager call fails."""
+    check_tensor("x", x)
+    if out is not None:
+        check_tensor("out", out)
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(f"out must match x ({tuple(x.shape)}, {x.dtype}), got "
+                             f"({tuple(out.shape)}, {out.dtype})")
+
+
+def check_fused_args(x, residual, weight, eps, fp8: bool, scale) -> None:
+    """Argument checks of the fused operator (real and fake implementations)."""
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        check_tensor(name, t)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last (hidden) dimension, got {tuple(x.shape)}")
+    hidden = x.shape[-1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x ({tuple(x.shape)}, {x.dtype}), got "
+                         f"({tuple(residual.shape)}, {residual.dtype})")
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must have shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if scale is not None:
+        if not fp8:
+            raise ValueError("scale is only meaningful with out_dtype=torch.float8_e4m3fn")
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError("scale must be a one-element float32 tensor (the dequantisation scale)")
+        if scale.device != x.device:
+            raise ValueError(f"scale is on {scale.device}, x on {x.device}")
+
+
 def fp8_output(x: torch.Tensor, out_dtype: torch.dtype | None, scale) -> bool:
     """Whether the fused op writes FP8 (``out_dtype`` is x's dtype, None or e4m3)."""
     if out_dtype is not None and out_dtype not in (x.dtype, FP8):
@@ -295,15 +341,10 @@ class Communicator:
         self._broken = msg
         raise UbnextTimeoutError(msg) if code == 1 else UbnextError(msg)
 
-    def _validate(self, name: str, x: torch.Tensor, *, allow_any_float: bool = False) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in DTYPE_CODES:
-            raise TypeError(f"{name}: ubnext supports bfloat16, float16 and float32, got {x.dtype}")
-        if not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
-        if x.device != self.device and not (x.device.type == self.device.type == "cuda" and x.device.index is None):
-            raise ValueError(f"{name} is on {x.device}, but this communicator works on {self.device}")
+    def _check_device(self, *tensors: torch.Tensor) -> None:
+        for name, x in zip(("x", "out", "weight"), tensors):
+            if x.device != self.device and not (x.device.type == self.device.type == "cuda" and x.device.index is None):
+                raise ValueError(f"{name} is on {x.device}, but this communicator works on {self.device}")
 
     def _check_same_across_ranks(self, what: tuple) -> None:
         if not envs.get("UBNEXT_DEBUG"):
@@ -467,12 +508,8 @@ class Communicator:
 
     def _all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x."""
-        self._validate("x", x)
-        if not _same_memory(out, x):
-            self._validate("out", out)
-            if out.shape != x.shape or out.dtype != x.dtype:
-                raise ValueError(f"out must match x ({tuple(x.shape)}, {x.dtype}), got "
-                                 f"({tuple(out.shape)}, {out.dtype})")
+        check_all_reduce_args(x, out)
+        self._check_device(x, out)
         self._check_usable()
         self._check_same_across_ranks(("all_reduce", tuple(x.shape), str(x.dtype)))
         if self.world_size == 1 or x.numel() == 0:
@@ -541,7 +578,8 @@ class Communicator:
         return torch.ops.ubnext.all_reduce(x, self.key, op_name)
 
     def _all_reduce_torch_symm(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
-        self._validate("x", x)
+        check_all_reduce_args(x)
+        self._check_device(x)
         self._check_usable()
         usable = self.mode == "gpu" and hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, op_name)
         if not usable or self.world_size == 1:
@@ -572,28 +610,9 @@ class Communicator:
     def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
         """The fused op itself (torch.ops.ubnext.all_reduce_add_rmsnorm's implementation)."""
-        self._validate("x", x)
-        self._validate("residual", residual)
-        self._validate("weight", weight)
-        if x.dim() < 1 or x.shape[-1] == 0:
-            raise ValueError(f"x must have a non-empty last (hidden) dimension, got {tuple(x.shape)}")
+        check_fused_args(x, residual, weight, eps, out_dtype == FP8, scale)
+        self._check_device(x, residual, weight)
         hidden = x.shape[-1]
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(f"residual must match x ({tuple(x.shape)}, {x.dtype}), got "
-                             f"({tuple(residual.shape)}, {residual.dtype})")
-        if weight.shape != (hidden,):
-            raise ValueError(f"weight must have shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
-        if weight.dtype != x.dtype:
-            raise TypeError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
-        if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
-            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-        if scale is not None:
-            if out_dtype != FP8:
-                raise ValueError("scale is only meaningful with out_dtype=torch.float8_e4m3fn")
-            if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
-                raise ValueError("scale must be a one-element float32 tensor (the dequantisation scale)")
-            if scale.device != x.device:
-                raise ValueError(f"scale is on {scale.device}, x on {x.device}")
         self._check_usable()
         self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), str(out_dtype)))
 

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from . import _lifecycle
-from .comm import FP8, Communicator, fp8_output, rmsnorm
+from .comm import FP8, Communicator, check_all_reduce_args, check_fused_args, fp8_output, rmsnorm
 
 __all__ = ["all_reduce", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for"]
 
@@ -79,12 +79,13 @@ for _name, _fn in (("all_reduce", _all_reduce_impl), ("all_reduce_out", _all_red
 
 @torch.library.register_fake("ubnext::all_reduce", lib=_lib)
 def _(x, comm, torch_symm_op=""):
+    check_all_reduce_args(x)
     return torch.empty_like(x)
 
 
 @torch.library.register_fake("ubnext::all_reduce_out", lib=_lib)
 def _(x, out, comm):
-    return None
+    check_all_reduce_args(x, out)
 
 
 @torch.library.register_fake("ubnext::linear_all_reduce", lib=_lib)
@@ -94,6 +95,7 @@ def _(x, weight, comm):
 
 @torch.library.register_fake("ubnext::all_reduce_add_rmsnorm", lib=_lib)
 def _(x, residual, weight, eps, fp8, scale, comm):
+    check_fused_args(x, residual, weight, eps, fp8, scale)
     out = torch.empty_like(x, dtype=FP8 if fp8 else x.dtype)
     if not fp8:
         scale_inv = x.new_empty(0, dtype=torch.float32)

@@ -356,7 +356,11 @@ def case_bad_input():
     w = torch.ones(16, device=device())
     expect_error(ValueError, lambda: COMM.all_reduce(x.t()), "contiguous")
     expect_error(TypeError, lambda: COMM.all_reduce(x.int()), "supports bfloat16")
-    expect_error(ValueError, lambda: COMM.all_reduce(torch.ones(4, device="meta")), "is on meta")
+    # meta tensors get shape inference, as from any torch operator; the checks still apply
+    on_meta = COMM.all_reduce(torch.ones(4, 3, device="meta"))
+    assert on_meta.device.type == "meta" and on_meta.shape == (4, 3)
+    expect_error(ValueError, lambda: COMM.all_reduce(torch.ones(4, 3, device="meta").t()), "contiguous")
+    expect_error(ValueError, lambda: COMM.all_reduce(x, out=torch.empty(8, 15, device=device())), "out must match")
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x, torch.ones(15, device=device())), "weight must have shape")
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x[:4], w), "residual must match")
     expect_error(TypeError, lambda: COMM.all_reduce_add_rmsnorm(x, x, w, out_dtype=torch.float16), "out_dtype")

@@ -12,18 +12,17 @@ the options and the NVRTC version.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import json
 import os
 import re
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import envs
+from .. import envs
+from .._sources import CSRC
 
 __all__ = [
     "KERNEL_SIGNATURE",
@@ -37,8 +36,6 @@ __all__ = [
     "KernelResources",
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
-CSRC = ROOT / "csrc"
 
 # The one parameter list of every collective kernel (docs/ARCHITECTURE.md). The launcher,
 # the emulator binding and the ABI test (tests/unit/test_abi.py) all use this list.
@@ -130,7 +127,7 @@ def _source_hash(extra: str) -> str:
 def nvrtc_version() -> str:
     from cuda.bindings import nvrtc
 
-    from ._cuda import check
+    from .._cuda import check
 
     major, minor = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     return f"{major}.{minor}"
@@ -153,7 +150,7 @@ def _nvrtc_compile(fname: str, arch: str, want: str, defines: tuple[str, ...] = 
     """Compile csrc/kernels/<fname>; ``want`` is "cubin" or "ptx". Returns (image, log)."""
     from cuda.bindings import nvrtc
 
-    from ._cuda import CudaError, check
+    from .._cuda import CudaError, check
 
     path = CSRC / "kernels" / fname
     src = path.read_bytes()
@@ -260,7 +257,7 @@ def load_kernel(name: str, device_index: int):
     key = (name, device_index)
     if key in _loaded:
         return _loaded[key]
-    from ._cuda import core, device_arch
+    from .._cuda import core, device_arch
 
     # cuda.core loads modules into the current context: make it the device's primary context,
     # the one torch uses, so kernels and torch's tensors share an address space
@@ -274,41 +271,3 @@ def load_kernel(name: str, device_index: int):
     kernel = obj.get_kernel(name)
     _loaded[key] = kernel
     return kernel
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ubnext.kernels")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    build = sub.add_parser("build", help="compile every kernel ahead of time (no GPU needed)")
-    build.add_argument("--arch", nargs="+", default=["sm_90", "sm_100"])
-    build.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills")
-    args = parser.parse_args(argv)
-
-    files = sources()
-    if not files:
-        print("no kernel sources found under", CSRC / "kernels")
-        return 1
-    print(f"NVRTC {nvrtc_version()}; cache {_cache_dir()}")
-    print(f"{'kernel':32} {'arch':7} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} {'smem':>6}")
-    spills = 0
-    for fname, names in sorted(files.items()):
-        for arch in args.arch:
-            _, resources = compile_kernels(fname, arch)
-            found = {r.name for r in resources}
-            missing = [n for n in names if n not in found]
-            if missing:
-                print(f"error: {fname} for {arch} does not define {missing}")
-                return 1
-            for r in sorted(resources, key=lambda r: r.name):
-                if r.name not in names:
-                    continue
-                spills += r.spill_stores + r.spill_loads
-                print(f"{r.name:32} {r.arch:7} {r.registers:5d} {r.spill_stores:9d} {r.spill_loads:9d} {r.stack_bytes:6d} {r.shared_bytes:6d}")
-    if args.fail_on_spill and spills:
-        print(f"error: {spills} bytes of register spills")
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -1,0 +1,23 @@
+"""Build step that pyproject.toml cannot express: the kernel sources (csrc/) and the C header
+(include/) sit at the repository root, shared with CMake, but the wheel must carry them inside
+the package (ubnext/_data/), because ubnext compiles its kernels from them at run time."""
+
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+
+
+class BuildPyWithSources(build_py):
+    def run(self):
+        super().run()
+        for name in ("csrc", "include"):
+            target = Path(self.build_lib) / "ubnext" / "_data" / name
+            shutil.copytree(ROOT / name, target, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.o", "*.so"))
+
+
+setup(cmdclass={"build_py": BuildPyWithSources})
