@@ -22,6 +22,8 @@ __all__ = [
     "no_gpu_reason",
     "check",
     "driver",
+    "driver_problem",
+    "driver_version",
     "launch",
     "pack_kernel_args",
 ]
@@ -102,6 +104,32 @@ def gpu_available() -> bool:
 
 def no_gpu_reason() -> str:
     return _probe_once()[1]
+
+
+# The oldest driver branch that loads cubins from each NVRTC major: cubins stay loadable across
+# minor versions of one major (CUDA minor-version compatibility), never on an older major.
+DRIVER_BRANCH_FOR_CUDA_MAJOR = {12: "R525", 13: "R580"}
+
+
+def driver_version() -> int:
+    """The CUDA version the driver supports, as cuDriverGetVersion reports it (12080 = 12.8)."""
+    return check(driver().cuDriverGetVersion(), "cuDriverGetVersion")
+
+
+def format_cuda_version(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def driver_problem(driver_cuda: int, nvrtc_major: int) -> str | None:
+    """Why cubins from NVRTC ``nvrtc_major`` cannot load on a driver that supports CUDA
+    ``driver_cuda`` (cuDriverGetVersion's number), or None when they can."""
+    if driver_cuda // 1000 >= nvrtc_major:
+        return None
+    branch = DRIVER_BRANCH_FOR_CUDA_MAJOR.get(nvrtc_major, f"a CUDA {nvrtc_major} driver")
+    return (f"the NVIDIA driver supports CUDA {format_cuda_version(driver_cuda)}, but ubnext's kernels "
+            f"are compiled by NVRTC {nvrtc_major}, whose cubins need a driver for CUDA {nvrtc_major}.0 "
+            f"({branch} or newer). Fix: upgrade the driver to {branch} or newer. Until then ubnext "
+            "uses torch.distributed (NCCL)")
 
 
 def device_arch(device_index: int) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import fcntl
 import functools
 import hashlib
 import os
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import envs
+from ._filelock import exclusive
 from ._sources import CSRC
 
 __all__ = ["BREAKS", "EmulatorError", "Traffic", "Emulator", "build", "load"]
@@ -134,7 +134,8 @@ def build(break_name: str = "", *, force: bool = False) -> Path:
 
     The cache is ``UBNEXT_CACHE_DIR/emu/``, keyed by every source under csrc/, the flags (the
     break name among them), the CUDA headers and the compiler version. Ranks that build at once
-    are safe: one builds under an fcntl lock, into a temporary file renamed into place.
+    are safe: one builds under a file lock (bounded wait), into a temporary file renamed into
+    place; the others wait and load it.
     """
     cxx = _compiler()
     flags = _flags(break_name)
@@ -144,8 +145,7 @@ def build(break_name: str = "", *, force: bool = False) -> Path:
     lib = cache / f"libubnext_emu-{break_name or 'ok'}-{key}.so"
     if lib.exists() and not force:
         return lib
-    with open(cache / f".lock-{key}", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(cache / f".lock-{key}", f"build the emulator library {lib.name}"):
         if lib.exists() and not force:
             return lib
         with tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import _lifecycle, envs, kernels
+from . import _lifecycle, envs, kernels, plan
 from ._cuda import gpu_available, no_gpu_reason
+from .plan import KERNEL_PATHS, PATHS
 from .pool import NoRoom, SymmetricPool, plan_layout
 
 __all__ = [
@@ -37,18 +37,17 @@ __all__ = [
 
 log = logging.getLogger("ubnext")
 
-PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot", "torch_symm", "torch")
-KERNEL_PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot")
 DTYPE_CODES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Smallest per-token scale_inv: an all-zero row gets this scale, so q = 0 and no 0/0.
 FP8_TINY_SCALE_INV = 1e-12
-# Messages up to this size prefer Lamport one-shot: its N-1 pushes per element cost less
-# than two-shot's two barriers up to about a megabyte (DESIGN §3).
-LAMPORT_MAX_BYTES = 1 << 20
 DEFAULT_HIDDEN = 8192
 _OP_NAMES = {1: "lamport", 2: "nvls_oneshot", 3: "nvls_twoshot", 4: "nvls_lamport", 5: "twoshot"}
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -120,13 +119,6 @@ class UbnextTimeoutError(UbnextError):
     """A wait across ranks passed UBNEXT_TIMEOUT; the message names op, rank and peer."""
 
 
-@dataclass
-class _Plan:
-    path: str
-    reason: str
-    skipped: list[tuple[str, str]]
-
-
 def rmsnorm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``(r * rsqrt(mean(r^2) + eps)) * weight`` over the last dimension, in r's precision, in
     the kernels' order of operations (the torch fallback and the fused op's backward)."""
@@ -192,13 +184,6 @@ class Communicator:
         self.last_path: str | None = None
         if self.mode == "torch":
             self._pool_error = f"no GPU ({no_gpu_reason()}) and emulation is off"
-        if self.mode == "emulator":
-            from . import _emu
-
-            self._emu = _emu.load(envs.get("UBNEXT_EMU_BREAK"))
-            seed = envs.get("UBNEXT_EMU_SEED")
-            # 0 lets the emulator derive a seed per process; a fixed seed differs per rank
-            self._emu.configure(envs.get("UBNEXT_EMU_CHAOS"), seed + self.rank if seed else 0)
         # the name under which torch.ops.ubnext.* find this communicator
         self.key = _lifecycle.register(self)
 
@@ -263,6 +248,12 @@ class Communicator:
         return self._pool
 
     def _create_pool(self) -> SymmetricPool | None:
+        # kernels first: a rank that cannot build or load them sends every rank to the torch path
+        errors = [f"rank {r}: {e}" for r, e in enumerate(self._allgather(self._prepare_kernels())) if e]
+        if errors:
+            self._pool_error = f"ubnext kernels unavailable ({'; '.join(errors)})"
+            log.warning("%s; using torch.distributed", self._pool_error)
+            return None
         layout = plan_layout(self.world_size, self._max_hidden or DEFAULT_HIDDEN)
         pool, error = None, None
         try:
@@ -279,6 +270,23 @@ class Communicator:
             log.warning("%s; using torch.distributed", self._pool_error)
             return None
         return pool
+
+    def _prepare_kernels(self) -> str | None:
+        """Build or load every kernel this communicator may launch; None, or why it cannot."""
+        try:
+            if self.mode == "emulator":
+                from . import _emu
+
+                self._emu = _emu.load(envs.get("UBNEXT_EMU_BREAK"))
+                seed = envs.get("UBNEXT_EMU_SEED")
+                # 0 lets the emulator derive a seed per process; a fixed seed differs per rank
+                self._emu.configure(envs.get("UBNEXT_EMU_CHAOS"), seed + self.rank if seed else 0)
+            else:
+                kernels.load_all(self.device.index)
+        except (RuntimeError, OSError, ImportError) as exc:
+            log.warning("rank %d cannot prepare the ubnext kernels: %s: %s", self.rank, type(exc).__name__, exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def empty(self, *shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """A tensor in the symmetric pool (collective, same order on every rank), so that a
@@ -356,96 +364,37 @@ class Communicator:
 
     # -- path choice ----------------------------------------------------------------------------
 
+    def _pool_view(self) -> plan.PoolView:
+        pool = self.pool if self.mode != "torch" else None
+        if pool is None:
+            return plan.PoolView(self._pool_error or "no symmetric pool", mode=self.mode)
+        symm_op = hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
+        return plan.PoolView(None, pool.has_multicast, pool.lamport_capacity,
+                             pool.arenas["eager"].largest_free(), self.mode, symm_op)
+
     def _capabilities(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> dict[str, str | None]:
         """For each path: None if it can run this call, else why not."""
-        why: dict[str, str | None] = {}
-        pool = self.pool if self.mode != "torch" else None
-        elem = torch.empty((), dtype=dtype).element_size()
-        if pool is None:
-            no_kernels = self._pool_error or "no symmetric pool"
-        elif dtype not in DTYPE_CODES:
-            no_kernels = f"dtype {dtype} has no ubnext kernel"
-        elif fused and (hidden * elem) % 16:
-            # the norm kernels work on whole 16-byte vectors per row (csrc/device/norm.cuh)
-            no_kernels = f"hidden size {hidden} is not a multiple of {16 // elem} elements"
-        else:
-            no_kernels = None
-        arena = pool.arenas["eager"].largest_free() if pool is not None else 0
-        for path in KERNEL_PATHS:
-            if no_kernels:
-                why[path] = no_kernels
-                continue
-            needs_mc = path.startswith("nvls")
-            if needs_mc and not pool.has_multicast:
-                why[path] = "the pool has no multicast address"
-            elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:
-                why[path] = f"{nbytes} bytes exceed the Lamport slot ({pool.lamport_capacity} bytes)"
-            elif path != "lamport" and nbytes > arena:
-                why[path] = f"{nbytes} bytes do not fit the pool arena ({arena} bytes free)"
-            elif path == "nvls_oneshot" and fused:
-                why[path] = "nvls_oneshot does not promise identical bits, which the fused norm needs"
-            else:
-                why[path] = None
-        if self.mode != "gpu":
-            why["torch_symm"] = "torch symmetric-memory ops need CUDA tensors"
-        elif fused or not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce"):
-            why["torch_symm"] = "torch has no symmetric-memory allreduce op for this call"
-        else:
-            why["torch_symm"] = None
-        why["torch"] = None
-        return why
+        return plan.capabilities(nbytes, _element_size(dtype), fused, hidden, self._pool_view())
 
-    def _auto_order(self, nbytes: int, fused: bool, has_mc: bool) -> list[str]:
-        small = nbytes <= LAMPORT_MAX_BYTES
-        order: list[str] = []
-        if small:
-            order.append("lamport")
-        if has_mc:
-            if (not fused and small and envs.get("UBNEXT_ALLOW_NONDETERMINISTIC")):
-                order.append("nvls_oneshot")
-            order.append("nvls_twoshot")
-        order.append("twoshot")
-        if not small:
-            order.append("lamport")
-        return order + ["torch_symm", "torch"]
-
-    def _plan(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> _Plan:
-        caps = self._capabilities(nbytes, dtype, fused, hidden)
-        pool = self._pool
-        order = self._auto_order(nbytes, fused, bool(pool is not None and pool.has_multicast))
-        forced = self._algo or envs.get("UBNEXT_ALGO")
-        skipped: list[tuple[str, str]] = []
-        if forced != "auto":
-            wanted = ["nvls_lamport", "nvls_twoshot"] if forced == "nvls" else [forced]
-            if forced == "nvls" and nbytes > LAMPORT_MAX_BYTES:
-                wanted.reverse()
-            for path in wanted:
-                if caps[path] is None:
-                    return _Plan(path, f"UBNEXT_ALGO={forced}", skipped)
-                skipped.append((path, caps[path]))
-            order = [p for p in order if p not in wanted]
-        for path in order:
-            if caps[path] is None:
-                reason = "auto: " + ("fits a Lamport slot, lowest latency" if path == "lamport" else
-                                     "best available path for this size")
-                return _Plan(path, reason, skipped)
-            skipped.append((path, caps[path]))
-        raise AssertionError("torch.distributed is always available")  # pragma: no cover
+    def _plan(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> plan.Plan:
+        return plan.choose(nbytes, _element_size(dtype), fused, hidden, self._pool_view(),
+                           forced=self._algo or envs.get("UBNEXT_ALGO"),
+                           allow_nondeterministic=envs.get("UBNEXT_ALLOW_NONDETERMINISTIC"))
 
     def explain(self, x: torch.Tensor, *, fused: bool = False) -> str:
         """Which path an allreduce (``fused``: the fused norm over x's last dimension) of ``x``
         would take, and why the better ones would not."""
         nbytes = x.numel() * x.element_size()
-        plan = self._plan(nbytes, x.dtype, fused, x.shape[-1] if fused and x.dim() else 0)
-        lines = [f"{plan.path}: {plan.reason} ({nbytes} bytes, {self.world_size} ranks, mode {self.mode})"]
-        lines += [f"  not {p}: {why}" for p, why in plan.skipped]
+        chosen = self._plan(nbytes, x.dtype, fused, x.shape[-1] if fused and x.dim() else 0)
+        lines = [f"{chosen.path}: {chosen.reason} ({nbytes} bytes, {self.world_size} ranks, mode {self.mode})"]
+        lines += [f"  not {p}: {why}" for p, why in chosen.skipped]
         return "\n".join(lines)
 
-    def _take(self, plan: _Plan) -> str:
-        for path, why in plan.skipped:
+    def _take(self, chosen: plan.Plan) -> str:
+        for path, why in chosen.skipped:
             self._log_once(path, f"not using {path}: {why}")
-        self.last_path = plan.path
-        return plan.path
+        self.last_path = chosen.path
+        return chosen.path
 
     # -- launches -------------------------------------------------------------------------------
 
@@ -621,8 +570,7 @@ class Communicator:
             self.last_path = "torch"
             return reference_add_rmsnorm(x, residual, weight, eps, out_dtype, scale)
         nbytes = x.numel() * x.element_size()
-        plan = self._plan(nbytes, x.dtype, fused=True, hidden=hidden)
-        path = self._take(plan)
+        path = self._take(self._plan(nbytes, x.dtype, fused=True, hidden=hidden))
         if path not in KERNEL_PATHS:
             reduced = torch.empty_like(x)
             self._all_reduce_by(path, x, reduced)

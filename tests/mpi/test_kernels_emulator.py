@@ -6,7 +6,7 @@ import pytest
 from tests.conftest import MPI_WORKER, assert_mpi_ok
 
 FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation", "long_runs", "traffic", "pool",
-        "bad_input", "timeout", "linear", "compile", "pool_cycles"]
+        "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier

@@ -513,6 +513,32 @@ def case_linear():
     assert (x.grad.double().cpu() - torch.ones(tokens, wc.shape[0], dtype=torch.float64) @ wc).abs().max() < 1e-3
 
 
+def case_kernel_failure():
+    """A rank that cannot build or load the kernels sends every rank to the torch path, agreed,
+    with the cause logged; the sums stay right."""
+    from ubnext import _emu
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    real_load = _emu.load
+
+    def broken_load(*args, **kwargs):
+        raise _emu.EmulatorError("injected: g++ failed")
+
+    if rank == n - 1:
+        _emu.load = broken_load
+    try:
+        with ubnext.Communicator(emulate=(MODE == "emulator")) as comm:
+            x = torch.full((4096,), float(rank + 1), device=device())
+            y = comm.all_reduce(x)
+            assert torch.equal(y, torch.full_like(x, n * (n + 1) / 2)), y[:4]
+            assert comm.last_path == "torch", comm.last_path
+            if MODE == "emulator":
+                reason = comm.pool_stats()["reason"]
+                assert f"rank {n - 1}: EmulatorError: injected" in reason, reason
+    finally:
+        _emu.load = real_load
+
+
 def case_compile():
     """The public API inside torch.compile(fullgraph=True), default (inductor) backend and
     aot_eager: no graph break, one compile for several token counts (dynamic dim 0), results

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import envs
+from .._filelock import exclusive
 from .._sources import CSRC
 
 __all__ = [
@@ -32,7 +33,9 @@ __all__ = [
     "sources",
     "compile_kernels",
     "compile_ptx",
+    "load_all",
     "load_kernel",
+    "is_cached",
     "KernelResources",
 ]
 
@@ -230,26 +233,63 @@ def _cache_dir() -> Path:
     return path
 
 
-def compile_kernels(fname: str, arch: str) -> tuple[bytes, list[KernelResources]]:
-    """Cubin of one kernel file for one architecture, from the disk cache when possible."""
+def _cubin_path(fname: str, arch: str) -> Path:
     key = _source_hash(f"{fname}|{arch}|{nvrtc_version()}|{_options(arch, ())}")
-    cubin_path = _cache_dir() / f"{Path(fname).stem}-{arch}-{key}.cubin"
+    return _cache_dir() / f"{Path(fname).stem}-{arch}-{key}.cubin"
+
+
+def is_cached(fname: str, arch: str) -> bool:
+    """Whether the cubin of one kernel file for ``arch`` is in the cache (nothing compiles)."""
+    path = _cubin_path(fname, arch)
+    return path.exists() and path.with_suffix(".json").exists()
+
+
+def _read_cached(cubin_path: Path) -> tuple[bytes, list[KernelResources]] | None:
     info_path = cubin_path.with_suffix(".json")
-    if cubin_path.exists() and info_path.exists():
-        info = json.loads(info_path.read_text())
-        return cubin_path.read_bytes(), [KernelResources(**r) for r in info]
-    image, log = _nvrtc_compile(fname, arch, "cubin")
-    resources = parse_ptxas_log(log, arch)
-    # Atomic publish: ranks compiling the same file at once must not read a half-written file.
-    for path, data in ((cubin_path, image), (info_path, json.dumps([r.__dict__ for r in resources]).encode())):
-        fd, tmp = tempfile.mkstemp(dir=path.parent)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
+    if not (cubin_path.exists() and info_path.exists()):
+        return None
+    info = json.loads(info_path.read_text())
+    return cubin_path.read_bytes(), [KernelResources(**r) for r in info]
+
+
+def compile_kernels(fname: str, arch: str) -> tuple[bytes, list[KernelResources]]:
+    """Cubin of one kernel file for one architecture, from the disk cache when possible.
+    Ranks of one node that miss the cache together compile once: one compiles under a file
+    lock, the others wait (bounded) and read what it wrote."""
+    cubin_path = _cubin_path(fname, arch)
+    cached = _read_cached(cubin_path)
+    if cached is not None:
+        return cached
+    with exclusive(cubin_path.with_suffix(".lock"), f"compile {fname} for {arch}"):
+        cached = _read_cached(cubin_path)
+        if cached is not None:
+            return cached
+        image, log = _nvrtc_compile(fname, arch, "cubin")
+        resources = parse_ptxas_log(log, arch)
+        # Atomic publish, the JSON last: a reader that sees both files sees whole files.
+        info = json.dumps([r.__dict__ for r in resources]).encode()
+        for path, data in ((cubin_path, image), (cubin_path.with_suffix(".json"), info)):
+            fd, tmp = tempfile.mkstemp(dir=path.parent)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
     return image, resources
 
 
 _loaded: dict[tuple[str, int], object] = {}
+
+
+def load_all(device_index: int) -> None:
+    """Load every collective kernel on a GPU, after checking that its driver can load cubins
+    from this NVRTC (the communicator's preparation step; raises CudaError naming the cause)."""
+    from .._cuda import CudaError, driver_problem, driver_version
+
+    problem = driver_problem(driver_version(), int(nvrtc_version().split(".")[0]))
+    if problem:
+        raise CudaError(problem)
+    for names in sources().values():
+        for name in names:
+            load_kernel(name, device_index)
 
 
 def load_kernel(name: str, device_index: int):

@@ -1,0 +1,109 @@
+"""Path choice as a pure function: the call's signature and what the pool offers in, a plan out.
+
+The Communicator describes its pool as a :class:`PoolView`; ``python -m ubnext.info`` builds
+one from the pool layout a world size would get, so both answer "which path, and why not the
+better ones" with the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot", "torch_symm", "torch")
+KERNEL_PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot")
+# Messages up to this size prefer Lamport one-shot: its N-1 pushes per element cost less
+# than two-shot's two barriers up to about a megabyte (DESIGN §3).
+LAMPORT_MAX_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What the planner needs to know of a communicator and its pool."""
+
+    unavailable: str | None  # why no ubnext kernel can run at all, or None
+    has_multicast: bool = False
+    lamport_capacity: int = 0
+    arena_free: int = 0
+    mode: str = "torch"  # gpu | emulator | torch
+    torch_symm_op: bool = False  # torch has a symmetric-memory allreduce op
+
+
+@dataclass
+class Plan:
+    path: str
+    reason: str
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView) -> dict[str, str | None]:
+    """For each path: None if it can run this call, else why not."""
+    why: dict[str, str | None] = {}
+    if pool.unavailable:
+        no_kernels = pool.unavailable
+    elif fused and (hidden * elem_bytes) % 16:
+        # the norm kernels work on whole 16-byte vectors per row (csrc/device/norm.cuh)
+        no_kernels = f"hidden size {hidden} is not a multiple of {16 // elem_bytes} elements"
+    else:
+        no_kernels = None
+    for path in KERNEL_PATHS:
+        if no_kernels:
+            why[path] = no_kernels
+        elif path.startswith("nvls") and not pool.has_multicast:
+            why[path] = "the pool has no multicast address"
+        elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:
+            why[path] = f"{nbytes} bytes exceed the Lamport slot ({pool.lamport_capacity} bytes)"
+        elif path != "lamport" and nbytes > pool.arena_free:
+            why[path] = f"{nbytes} bytes do not fit the pool arena ({pool.arena_free} bytes free)"
+        elif path == "nvls_oneshot" and fused:
+            why[path] = "nvls_oneshot does not promise identical bits, which the fused norm needs"
+        else:
+            why[path] = None
+    if pool.mode != "gpu":
+        why["torch_symm"] = "torch symmetric-memory ops need CUDA tensors"
+    elif fused or not pool.torch_symm_op:
+        why["torch_symm"] = "torch has no symmetric-memory allreduce op for this call"
+    else:
+        why["torch_symm"] = None
+    why["torch"] = None
+    return why
+
+
+def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondeterministic: bool) -> list[str]:
+    """Paths to try, best first, for a message of ``nbytes``."""
+    small = nbytes <= LAMPORT_MAX_BYTES
+    order: list[str] = []
+    if small:
+        order.append("lamport")
+    if has_multicast:
+        if not fused and small and allow_nondeterministic:
+            order.append("nvls_oneshot")
+        order.append("nvls_twoshot")
+    order.append("twoshot")
+    if not small:
+        order.append("lamport")
+    return order + ["torch_symm", "torch"]
+
+
+def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView, *, forced: str = "auto",
+           allow_nondeterministic: bool = False) -> Plan:
+    """The path for one call. ``forced`` is UBNEXT_ALGO (or the communicator's ``algo``): a
+    forced path that cannot run falls back down the automatic order."""
+    caps = capabilities(nbytes, elem_bytes, fused, hidden, pool)
+    order = auto_order(nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic)
+    skipped: list[tuple[str, str]] = []
+    if forced != "auto":
+        wanted = ["nvls_lamport", "nvls_twoshot"] if forced == "nvls" else [forced]
+        if forced == "nvls" and nbytes > LAMPORT_MAX_BYTES:
+            wanted.reverse()
+        for path in wanted:
+            if caps[path] is None:
+                return Plan(path, f"UBNEXT_ALGO={forced}", skipped)
+            skipped.append((path, caps[path]))
+        order = [p for p in order if p not in wanted]
+    for path in order:
+        if caps[path] is None:
+            reason = "auto: " + ("fits a Lamport slot, lowest latency" if path == "lamport" else
+                                 "best available path for this size")
+            return Plan(path, reason, skipped)
+        skipped.append((path, caps[path]))
+    raise AssertionError("torch.distributed is always available")  # pragma: no cover
