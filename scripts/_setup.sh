@@ -25,11 +25,14 @@ if [ ! -f "$stamp" ]; then
       echo "[setup] GPU found and no torch: installing the default (CUDA) torch"
       python -m pip install -q torch
     else
-      echo "[setup] no GPU: installing the CPU torch $TORCH_CPU_VERSION"
-      # A local wheel (pip's find-links) first, then PyTorch's CPU index; never the default
-      # index, whose torch pulls several GB of CUDA wheels.
-      python -m pip install -q --no-index "torch==$TORCH_CPU_VERSION" 2>/dev/null ||
-        python -m pip install -q "torch==$TORCH_CPU_VERSION" --index-url https://download.pytorch.org/whl/cpu
+      echo "[setup] no GPU: installing the CPU torch $TORCH_CPU_VERSION+cpu"
+      # The exact CPU pin from pip's configured sources first (a local wheel where one lies in
+      # find-links, its dependencies from the configured index); only then PyTorch's CPU index,
+      # without retries, so an unreachable index costs seconds, not minutes. Never a bare
+      # "torch" from the default index: that is several GB of CUDA wheels.
+      python -m pip install -q "torch==$TORCH_CPU_VERSION+cpu" ||
+        python -m pip install -q --retries 0 --timeout 20 "torch==$TORCH_CPU_VERSION+cpu" \
+          --index-url https://download.pytorch.org/whl/cpu
     fi
   fi
   python -m pip install -q --no-build-isolation -e ".[test]"

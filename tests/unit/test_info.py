@@ -1,0 +1,46 @@
+"""python -m ubnext.info: runs here (no GPU) and says so; with a faked GPU and driver it reports
+the devices, the driver problem and the one-visible-GPU fallback."""
+
+import os
+import subprocess
+import sys
+
+from ubnext import _cuda, info
+
+
+def test_runs_here_and_says_there_is_no_gpu():
+    env = dict(os.environ, UBNEXT_EMULATE="0")
+    proc = subprocess.run([sys.executable, "-W", "error", "-m", "ubnext.info", "--world-size", "4", "--no-build"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for needle in ("torch ", "NVRTC", "no GPU:", "What runs instead", "pool backend", "sm_90:", "sm_100:",
+                   "emulator", "paths for 4 ranks"):
+        assert needle in out, f"{needle!r} missing:\n{out}"
+    rows = [line.split() for line in out.splitlines() if line.strip().endswith(("lamport", "twoshot", "torch", "torch_symm"))]
+    sizes = [" ".join(r[:2]) for r in rows]
+    assert sizes == ["8 KB", "64 KB", "256 KB", "1 MB", "4 MB", "16 MB", "64 MB"], out
+    assert all(r[2] == "torch" for r in rows), "without a GPU or emulation every size takes torch here"
+    assert rows[0][4] == "lamport", "an 8 KB message takes Lamport on GPUs"
+
+
+def test_emulated_paths(monkeypatch):
+    monkeypatch.setenv("UBNEXT_EMULATE", "1")
+    out = info.report(4, 8192, build_emulator=False)
+    assert "pool backend     emulator" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("8 KB"))
+    assert row.split()[2:4] == ["lamport", "lamport"], row
+
+
+def test_fake_gpu_with_old_driver(monkeypatch):
+    monkeypatch.setenv("UBNEXT_EMULATE", "0")
+    monkeypatch.setattr(info, "gpu_available", lambda: True)
+    monkeypatch.setattr(_cuda, "driver_version", lambda: 12080)
+    monkeypatch.setattr(info.kernels, "nvrtc_version", lambda: "13.0")
+    monkeypatch.setattr(info, "gpus", lambda: [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "arch": "sm_90",
+                                                "sms": 132, "multicast": True, "peers": []}])
+    out = info.report(8, 8192, build_emulator=False)
+    assert "[0] NVIDIA H100 80GB HBM3 sm_90, 132 SMs, multicast yes" in out
+    assert "supports CUDA 12.8  PROBLEM:" in out and "R580" in out
+    assert "only one GPU is visible" in out
+    assert "sm_90: " in out and "sm_100: " not in out
