@@ -170,6 +170,11 @@ def describe_table() -> str:
     return "\n".join(rows)
 
 
+def cuda_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as the launcher set it (None when unset), for reports."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 def launcher_info() -> dict[str, Any] | None:
     """Rank layout set by the launcher (torchrun or an MPI launcher), or None.
 

@@ -111,7 +111,7 @@ def report(world_size: int, hidden: int, build_emulator: bool) -> str:
         for d in devices:
             add(f"  [{d['index']}] {d['name']} {d['arch']}, {d['sms']} SMs, multicast "
                 f"{'yes' if d['multicast'] else 'no'}, P2P to {d['peers'] or 'none'}")
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = envs.cuda_visible_devices()
         if len(devices) == 1:
             add(f"  only one GPU is visible to this process (CUDA_VISIBLE_DEVICES={visible!r}): ranks that")
             add("  each see one GPU may be unable to map their peers' memory (not yet verified on hardware);")

@@ -17,13 +17,24 @@ def ptr(a) -> int:
     return 0 if a is None else int(a.__array_interface__["data"][0])
 
 
-def kargs(**kw) -> list[tuple[str, object]]:
+class KernelArgs(list):
+    """(type, value) pairs that also hold the arrays whose addresses they carry: an array
+    written inline (``kargs(out=np.zeros(...))``) must outlive the launch, or the kernel writes
+    into freed memory (seen as heap corruption with numpy 1.24)."""
+
+    def __init__(self, pairs, arrays):
+        super().__init__(pairs)
+        self.arrays = arrays
+
+
+def kargs(**kw) -> KernelArgs:
     """The 12 (type, value) kernel parameters; arrays become their addresses, the rest is 0."""
     unknown = set(kw) - set(SIGNATURE)
     assert not unknown, unknown
     vals = [kw.get(name, 0) for name in SIGNATURE]
+    arrays = [v for v in vals if isinstance(v, np.ndarray)]
     vals = [ptr(v) if isinstance(v, np.ndarray) else v for v in vals]
-    return list(zip(TYPES, vals))
+    return KernelArgs(zip(TYPES, vals), arrays)
 
 
 def pack_desc(*, rank, nranks, peer_bases, timeout_ns=0, err_ptr=0, mc_base=0, sync_off=0,

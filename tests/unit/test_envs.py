@@ -63,7 +63,7 @@ def test_readme_documents_every_variable():
 def test_only_envs_reads_the_environment():
     pkg = Path(envs.__file__).parent
     offenders = []
-    for path in pkg.glob("*.py"):
+    for path in pkg.rglob("*.py"):
         if path.name == "envs.py":
             continue
         if re.search(r"os\.environ|os\.getenv|getenv\(", path.read_text()):
