@@ -184,7 +184,9 @@ def case_timeout(emu, pool, chaos):
                          n=3, hidden=1))
         elapsed = time.monotonic() - t0
         check(list(err) == [1, 3, 0, 1], f"error words {list(err)} (want timeout, op 3, rank 0, peer 1)")
-        check(1.0 <= elapsed < 4.0, f"timeout after {elapsed:.2f} s, want ~1 s")
+        # the lower bound is the protocol's; the upper one only says "it ended", generously,
+        # because the other core may be busy (the launch watchdog catches a wait that never ends)
+        check(1.0 <= elapsed < 30.0, f"timeout after {elapsed:.2f} s, want ~1 s")
     COMM.Barrier()
     # now rank 1 does arrive: it writes the flags into rank 0's pool, from the host, late
     err[:] = 0
@@ -197,12 +199,11 @@ def case_timeout(emu, pool, chaos):
         for b in range(2):
             peer_sync[SYNC_BARRIER_FLAG + b * 16 + 1] = 1
     elif RANK == 0:
-        t0 = time.monotonic()
         emu.launch("ubnext_emu_selftest_wait", 2, 32,
                    kargs(desc=pool.desc(timeout_ns=int(10e9), err_ptr=err.__array_interface__["data"][0]),
                          n=3, hidden=1))
+        # a wait that missed the peer's flags would end at the 10 s bound with the timeout code
         check(list(err) == [0, 0, 0, 0], f"the wait failed although the peer came: {list(err)}")
-        check(time.monotonic() - t0 < 5.0, "the wait did not notice the peer")
     COMM.Barrier()
 
 
