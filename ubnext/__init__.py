@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from . import _lifecycle, envs, ops
 from .comm import PATHS, Communicator, UbnextError, UbnextTimeoutError
 from .envs import EnvError
@@ -53,9 +51,8 @@ def _group_key(group) -> str:
 def all_reduce(x, group=None, *, out=None):
     """``get_communicator(group).all_reduce(x, out=out)``; compiles under torch.compile."""
     if out is None:
-        return torch.ops.ubnext.all_reduce(x, _group_key(group), "")
-    torch.ops.ubnext.all_reduce_out(x, out, _group_key(group))
-    return out
+        return ops.all_reduce(x, _group_key(group))
+    return ops.all_reduce_out(x, out, _group_key(group))
 
 
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *, group=None, out_dtype=None, scale=None):

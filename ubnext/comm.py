@@ -121,7 +121,7 @@ class UbnextTimeoutError(UbnextError):
 
 def rmsnorm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``(r * rsqrt(mean(r^2) + eps)) * weight`` over the last dimension, in r's precision, in
-    the kernels' order of operations (the torch fallback and the fused op's backward)."""
+    the kernels' order of operations (the torch fallback)."""
     return r * torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps) * weight
 
 
@@ -450,10 +450,11 @@ class Communicator:
 
     def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sum of ``x`` over the ranks. ``x`` is unchanged unless ``out is x``."""
+        from . import ops
+
         if out is None:
-            return torch.ops.ubnext.all_reduce(x, self.key, "")
-        torch.ops.ubnext.all_reduce_out(x, out, self.key)
-        return out
+            return ops.all_reduce(x, self.key)
+        return ops.all_reduce_out(x, out, self.key)
 
     def _all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x."""
@@ -524,7 +525,9 @@ class Communicator:
     def all_reduce_torch_symm(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
         """Allreduce by one named torch symmetric-memory op where it exists (CUDA tensors),
         else by the normal path choice (logged once)."""
-        return torch.ops.ubnext.all_reduce(x, self.key, op_name)
+        from . import ops
+
+        return ops.all_reduce(x, self.key, op_name)
 
     def _all_reduce_torch_symm(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
         check_all_reduce_args(x)
@@ -551,10 +554,9 @@ class Communicator:
         satisfies ``y ≈ out.float() * scale_inv`` (one value, or one per token). ``scale_inv``
         is None for non-FP8 outputs.
         """
-        fp8 = fp8_output(x, out_dtype, scale)
-        out, residual_out, scale_inv = torch.ops.ubnext.all_reduce_add_rmsnorm(
-            x, residual, weight, float(eps), fp8, scale, self.key)
-        return out, residual_out, (scale_inv if fp8 else None)
+        from . import ops
+
+        return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, self.key, out_dtype=out_dtype, scale=scale)
 
     def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):

@@ -11,8 +11,9 @@ communicator constructed by the user). They are defined with ``torch.library.Lib
 than the ``custom_op`` decorator: the dispatcher then calls the Python implementation directly,
 which costs a few microseconds less per call on the host.
 
-Autograd: the gradient of an allreduce of partial sums is the identity; the fused norm's backward
-is recomputed in torch from the saved ``residual_out``.
+Autograd is attached by the Python entry points at the end of this module, only when a gradient
+is wanted: the gradient of an allreduce of partial sums is the identity; the fused norm's
+backward is recomputed in closed form from the saved ``residual_out``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from typing import Optional
 import torch
 
 from . import _lifecycle
-from .comm import FP8, Communicator, check_all_reduce_args, check_fused_args, fp8_output, rmsnorm
+from .comm import FP8, Communicator, check_all_reduce_args, check_fused_args, fp8_output
 
-__all__ = ["all_reduce", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for"]
+__all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for",
+           "rmsnorm_backward"]
 
 _lib = torch.library.Library("ubnext", "DEF")  # noqa: TOR901 - the operators are defined here once
 _lib.define("all_reduce(Tensor x, str comm, str torch_symm_op='') -> Tensor")
@@ -107,76 +109,118 @@ def _(x, residual, weight, eps, fp8, scale, comm):
 
 
 # -- autograd --------------------------------------------------------------------------------------
+# Autograd lives in the Python entry points below, not in the dispatcher: a Python autograd
+# kernel (torch.library.register_autograd) runs on every call, grad or not, and costs about
+# 6 us of host time per call here; these Functions run only when a gradient is wanted. Calling
+# torch.ops.ubnext.* directly on tensors that require grad gives outputs whose backward raises.
 
 
-def _identity_backward(ctx, grad):
-    return grad, None, None
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-torch.library.register_autograd("ubnext::all_reduce", _identity_backward, lib=_lib)
+class _AllReduceGrad(torch.autograd.Function):
+    """The gradient of an allreduce of partial sums is the identity."""
+
+    @staticmethod
+    def forward(ctx, x, comm, torch_symm_op):
+        return torch.ops.ubnext.all_reduce(x, comm, torch_symm_op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
 
 
-def _linear_setup(ctx, inputs, output):
-    x, weight, _ = inputs
-    ctx.save_for_backward(x, weight)
+class _LinearAllReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, comm):
+        ctx.save_for_backward(x, weight)
+        return torch.ops.ubnext.linear_all_reduce(x, weight, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight)
+        grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_w, None
 
 
-def _linear_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    grad_x = grad.matmul(weight)
-    grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-    return grad_x, grad_w, None
+def rmsnorm_backward(r: torch.Tensor, weight: torch.Tensor, eps: float, grad_y: torch.Tensor):
+    """Gradients of ``y = rmsnorm(r, weight, eps)`` (fp32 in, fp32 out), in closed form:
+    with ``inv = rsqrt(mean(r^2) + eps)`` and ``gw = grad_y * weight``,
+    ``grad_r = inv * gw - r * inv^3 * mean(gw * r)`` and ``grad_weight = sum_rows(grad_y * r * inv)``."""
+    inv = torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps)
+    gw = grad_y * weight
+    grad_r = inv * gw - r * inv.pow(3) * (gw * r).mean(dim=-1, keepdim=True)
+    grad_w = (grad_y * r * inv).reshape(-1, r.shape[-1]).sum(dim=0)
+    return grad_r, grad_w
 
 
-torch.library.register_autograd("ubnext::linear_all_reduce", _linear_backward,
-                                setup_context=_linear_setup, lib=_lib)
+class _FusedGrad(torch.autograd.Function):
+    """residual_out = allreduce(x) + residual; out = rmsnorm(residual_out) * weight. The
+    backward recomputes the norm from the saved residual_out."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, fp8, scale, comm):
+        out, residual_out, scale_inv = torch.ops.ubnext.all_reduce_add_rmsnorm(
+            x, residual, weight, eps, fp8, scale, comm)
+        ctx.save_for_backward(residual_out, weight)
+        ctx.eps, ctx.fp8 = eps, fp8
+        ctx.mark_non_differentiable(scale_inv)
+        return out, residual_out, scale_inv
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_residual_out, grad_scale_inv):
+        residual_out, weight = ctx.saved_tensors
+        if ctx.fp8 and grad_out is not None and bool(grad_out.ne(0).any()):
+            raise RuntimeError("the FP8 output of ubnext's fused norm is not differentiable")
+        r = residual_out.float()
+        if grad_out is None or ctx.fp8:
+            grad_r, grad_w = torch.zeros_like(r), torch.zeros_like(weight, dtype=torch.float32)
+        else:
+            grad_r, grad_w = rmsnorm_backward(r, weight.float(), ctx.eps, grad_out.float())
+        if grad_residual_out is not None:
+            grad_r = grad_r + grad_residual_out.float()
+        # the gradient reaches x (through the allreduce, whose gradient is the identity) and
+        # residual unchanged
+        grad = grad_r.to(residual_out.dtype)
+        return grad, grad, grad_w.to(weight.dtype), None, None, None, None
 
 
-def _fused_setup(ctx, inputs, output):
-    _, _, weight, eps, fp8, _, _ = inputs
-    ctx.save_for_backward(output[1], weight)
-    ctx.eps, ctx.fp8 = eps, fp8
+# -- Python entry points (the public API and ubnext.nn call these) -------------------------------
+# ``comm`` is a process group's name or a Communicator's key (see the module docstring).
 
 
-def _fused_backward(ctx, grad_out, grad_residual_out, grad_scale_inv):
-    residual_out, weight = ctx.saved_tensors
-    if ctx.fp8 and grad_out is not None and bool(grad_out.ne(0).any()):
-        raise RuntimeError("the FP8 output of ubnext's fused norm is not differentiable")
-    with torch.enable_grad():
-        r = residual_out.detach().float().requires_grad_()
-        w = weight.detach().float().requires_grad_()
-        y = rmsnorm(r, w, ctx.eps)
-        g_out = torch.zeros_like(y) if (grad_out is None or ctx.fp8) else grad_out.float()
-        grad_r, grad_w = torch.autograd.grad(y, (r, w), g_out)
-    if grad_residual_out is not None:
-        grad_r = grad_r + grad_residual_out.float()
-    # residual_out = allreduce(x) + residual: the gradient reaches x (through the allreduce,
-    # whose gradient is the identity) and residual unchanged
-    grad = grad_r.to(residual_out.dtype)
-    return grad, grad, grad_w.to(weight.dtype), None, None, None, None
-
-
-torch.library.register_autograd("ubnext::all_reduce_add_rmsnorm", _fused_backward,
-                                setup_context=_fused_setup, lib=_lib)
-
-
-# -- Python entry points by process-group name (ubnext.nn uses these) ----------------------------
-
-
-def all_reduce(x: torch.Tensor, group_name: str, torch_symm_op: str = "") -> torch.Tensor:
+def all_reduce(x: torch.Tensor, comm: str, torch_symm_op: str = "") -> torch.Tensor:
     """Allreduce by the communicator's path choice, or by a named torch symmetric-memory op
     (``one_shot_all_reduce``, ``two_shot_all_reduce_``, ``multimem_all_reduce_``) where
     that op exists, else by the path choice."""
-    return torch.ops.ubnext.all_reduce(x, group_name, torch_symm_op)
+    if _needs_grad(x):
+        return _AllReduceGrad.apply(x, comm, torch_symm_op)
+    return torch.ops.ubnext.all_reduce(x, comm, torch_symm_op)
 
 
-def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor:
-    return torch.ops.ubnext.linear_all_reduce(x, weight, group_name)
+def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tensor:
+    """Allreduce into ``out`` (which may be ``x``); like torch's out= variants, not differentiable."""
+    if _needs_grad(x, out):
+        raise RuntimeError("all_reduce(..., out=...) does not support automatic differentiation; "
+                           "call it without out= to get a gradient")
+    torch.ops.ubnext.all_reduce_out(x, out, comm)
+    return out
 
 
-def all_reduce_add_rmsnorm(x, residual, weight, eps: float, group_name: str, *, out_dtype=None,
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch.Tensor:
+    if _needs_grad(x, weight):
+        return _LinearAllReduceGrad.apply(x, weight, comm)
+    return torch.ops.ubnext.linear_all_reduce(x, weight, comm)
+
+
+def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, *, out_dtype=None,
                            scale: Optional[torch.Tensor] = None):
     fp8 = fp8_output(x, out_dtype, scale)
-    out, residual_out, scale_inv = torch.ops.ubnext.all_reduce_add_rmsnorm(
-        x, residual, weight, float(eps), fp8, scale, group_name)
+    args = (x, residual, weight, float(eps), fp8, scale, comm)
+    if _needs_grad(x, residual, weight):
+        out, residual_out, scale_inv = _FusedGrad.apply(*args)
+    else:
+        out, residual_out, scale_inv = torch.ops.ubnext.all_reduce_add_rmsnorm(*args)
     return out, residual_out, (scale_inv if fp8 else None)
