@@ -50,6 +50,11 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _misaligned(t: torch.Tensor | None, align: int = 16) -> bool:
+    """Whether a kernel's vector access to ``t`` would be misaligned."""
+    return t is not None and t.data_ptr() % align != 0
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of equal shape are the same memory (the dispatcher may hand an
     operator a different Python object for the tensor the caller passed)."""
@@ -422,6 +427,25 @@ class Communicator:
         grid, block = self._geometry(algo, n, inp.element_size(), tokens, bool(hidden))
         if algo == "lamport" and pool.has_multicast:
             flags |= kernels.F_MULTICAST
+        # Every pointer the kernels touch with vectors must be aligned: 16 bytes, 8 for an FP8
+        # out; a misaligned GPU access is a sticky fault that kills the context. A misaligned
+        # caller tensor is staged through a fresh (aligned) one, locally: the path, and so what
+        # the peers see, stays the same. Inputs that peers read through the pool were staged
+        # into it by the caller, aligned.
+        if algo != "lamport" and _misaligned(inp):
+            raise AssertionError(f"{algo}: pool input at {inp.data_ptr():#x} is not 16-byte aligned")
+        copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def aligned_output(t, align=16):
+            if t is None or not _misaligned(t, align):
+                return t
+            staged = torch.empty_like(t)
+            copy_back.append((t, staged))
+            return staged
+
+        inp, residual, weight = (t.clone() if _misaligned(t) else t for t in (inp, residual, weight))
+        out = aligned_output(out, 8 if out.dtype == FP8 else 16)
+        residual_out = aligned_output(residual_out)
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         values = [pool.desc_ptr, ptr(inp), ptr(out), ptr(residual), ptr(residual_out), ptr(weight),
                   ptr(scale), ptr(scale_inv), n, hidden, float(eps), flags]
@@ -429,16 +453,18 @@ class Communicator:
             self._emu.launch(name, grid, block, list(zip((k for _, k in kernels.KERNEL_SIGNATURE), values)))
             if int(pool.err_word[0]):
                 self._raise_kernel_error(pool)
-            return
-        from . import _cuda
+        else:
+            from . import _cuda
 
-        kernel = kernels.load_kernel(name, self.device.index)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        _cuda.launch(kernel, grid, block, stream, _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE, values))
-        if envs.get("UBNEXT_DEBUG"):
-            torch.cuda.synchronize(self.device)
-            if int(pool.err_word[0]):
-                self._raise_kernel_error(pool)
+            kernel = kernels.load_kernel(name, self.device.index)
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            _cuda.launch(kernel, grid, block, stream, _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE, values))
+            if envs.get("UBNEXT_DEBUG"):
+                torch.cuda.synchronize(self.device)
+                if int(pool.err_word[0]):
+                    self._raise_kernel_error(pool)
+        for target, staged in copy_back:
+            target.copy_(staged)  # stream-ordered after the kernel
 
     def synchronize(self) -> None:
         """Wait for this rank's queued ops and raise any error a kernel reported."""
@@ -479,7 +505,7 @@ class Communicator:
             self._in_place(path, x, out)
         elif path in ("nvls_oneshot", "nvls_lamport"):
             # peers read `in` through multicast while this rank writes `out`: never the same memory
-            in_pool = self._pool.contains(x) and out is not x
+            in_pool = self._pool.contains(x) and out is not x and not _misaligned(x)
             stage = x if in_pool else self._pool.empty(x.shape, x.dtype).copy_(x)
             self._launch(path, x.dtype, inp=stage, out=out)
         elif path == "torch_symm":
@@ -488,7 +514,7 @@ class Communicator:
             self._torch_all_reduce(x, out)
 
     def _in_place(self, path: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        if out is x and self._pool.contains(x):
+        if out is x and self._pool.contains(x) and not _misaligned(x):
             self._launch(path, x.dtype, inp=x, out=x)
             return
         stage = self._pool.empty(x.shape, x.dtype).copy_(x)

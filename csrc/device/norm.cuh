@@ -94,7 +94,7 @@ UBX_DEV uint4 residual_round(float (&x)[DType<T>::kElems], const void* residual,
   constexpr int V = DType<T>::kElems;
   if (residual != nullptr) {
     float rv[V];
-    unpack<T>(reinterpret_cast<const uint4*>(residual)[gi], rv);
+    unpack<T>(load_whole_vec(residual, gi), rv);
 #pragma unroll
     for (int j = 0; j < V; ++j) x[j] += rv[j];
   }
@@ -111,7 +111,7 @@ UBX_DEV uint4 norm_vec(const uint4& r, float rms, const void* weight, int iw, fl
   unpack<T>(r, y);
   if (weight != nullptr) {
     float w[V];
-    unpack<T>(reinterpret_cast<const uint4*>(weight)[iw], w);
+    unpack<T>(load_whole_vec(weight, iw), w);
 #pragma unroll
     for (int j = 0; j < V; ++j) y[j] = (y[j] * rms) * w[j];
   }

@@ -25,6 +25,9 @@ typedef long long int64_t;
 
 #if defined(UBNEXT_EMULATOR)
 #define UBX_DEV inline
+// the GPU faults on a misaligned vector access by itself; the emulator must be told to
+#define UBX_CHECK_ALIGNED(p, bytes, access) ::ubx_emu::check_aligned((p), (bytes), (access))
 #else
 #define UBX_DEV __device__ __forceinline__
+#define UBX_CHECK_ALIGNED(p, bytes, access) ((void)0)
 #endif

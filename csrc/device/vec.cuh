@@ -174,11 +174,17 @@ UBX_DEV bool is_ready(const uint4& v) {
 // Vector gi covers elements [gi*kElems, gi*kElems + kElems). Pointers are 16-byte aligned (host
 // contract). For the last, partial vector (elements >= n) only the elements below n are touched:
 // loads fill the rest with +0 (a valid, sanitised value), stores skip them.
+// Whole vector gi of a 16-byte aligned array.
+UBX_DEV uint4 load_whole_vec(const void* base, int64_t gi) {
+  UBX_CHECK_ALIGNED(reinterpret_cast<const uint4*>(base) + gi, 16, "vector load");
+  return reinterpret_cast<const uint4*>(base)[gi];
+}
+
 template <typename T>
 UBX_DEV uint4 load_vec(const void* base, int64_t gi, int64_t n) {
   constexpr int V = DType<T>::kElems;
   const int64_t e0 = gi * V;
-  if (e0 + V <= n) return reinterpret_cast<const uint4*>(base)[gi];
+  if (e0 + V <= n) return load_whole_vec(base, gi);
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   for (int j = 0; j < V && e0 + j < n; ++j) {
     if constexpr (DType<T>::kBytes == 4) {
@@ -196,6 +202,7 @@ UBX_DEV void store_vec(void* base, int64_t gi, int64_t n, const uint4& v) {
   constexpr int V = DType<T>::kElems;
   const int64_t e0 = gi * V;
   if (e0 + V <= n) {
+    UBX_CHECK_ALIGNED(reinterpret_cast<uint4*>(base) + gi, 16, "vector store");
     reinterpret_cast<uint4*>(base)[gi] = v;
     return;
   }
@@ -218,8 +225,10 @@ UBX_DEV void store_fp8(void* base, int64_t gi, int64_t n, const uint8_t (&q)[V])
       uint2 w;
       w.x = (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) | ((uint32_t)q[3] << 24);
       w.y = (uint32_t)q[4] | ((uint32_t)q[5] << 8) | ((uint32_t)q[6] << 16) | ((uint32_t)q[7] << 24);
+      UBX_CHECK_ALIGNED(p, 8, "FP8 vector store");
       *reinterpret_cast<uint2*>(p) = w;
     } else {
+      UBX_CHECK_ALIGNED(p, 4, "FP8 vector store");
       *reinterpret_cast<uint32_t*>(p) =
           (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) | ((uint32_t)q[3] << 24);
     }

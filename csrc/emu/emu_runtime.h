@@ -42,5 +42,9 @@ int syncthreads_op(int pred, int kind);
 uint32_t warp_exchange(uint32_t mask, uint32_t value, int src, int kind);
 void nanosleep_ns(unsigned ns);
 [[noreturn]] void trap();
+// A vector access of `bytes` at `p` that is not `bytes`-aligned fails the launch with a message
+// naming the access, the pointer and the thread, as the GPU faults (cudaErrorMisalignedAddress)
+// where x86 would silently go on or crash in an aligned SSE instruction.
+void check_aligned(const void* p, unsigned bytes, const char* access);
 
 }  // namespace ubx_emu

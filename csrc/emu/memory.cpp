@@ -246,6 +246,7 @@ static const Region& mc_region(const Where& w, const void* p, const char* what) 
 
 // ------------------------------------------------------------------------------ twins
 void mem_load(void* dst, const void* src, unsigned bytes, int order) {
+  if (bytes >= 8) check_aligned(src, bytes, "vector load");
   if (Block* b = enter(false)) {
     const Where w = locate(reinterpret_cast<uint64_t>(src));
     drain_overlapping(*b, w, bytes);
@@ -255,6 +256,7 @@ void mem_load(void* dst, const void* src, unsigned bytes, int order) {
 }
 
 void mem_store(void* dst, const void* src, unsigned bytes, int order) {
+  if (bytes >= 8) check_aligned(dst, bytes, "vector store");
   Block* b = enter(true);
   if (b) {
     const Where w = locate(reinterpret_cast<uint64_t>(dst));
@@ -341,6 +343,7 @@ static inline uint16_t f32_to_f16(float f) {
 }
 
 void mc_ld_reduce(void* dst16, const void* mc, int mc_type) {
+  check_aligned(mc, 16, "multimem.ld_reduce");
   Block* b = enter(false);
   const Where w = locate(reinterpret_cast<uint64_t>(mc));
   const Region& r = mc_region(w, mc, "multimem.ld_reduce");
@@ -375,6 +378,7 @@ void mc_ld_reduce(void* dst16, const void* mc, int mc_type) {
 }
 
 void mc_store(void* mc, const void* src, unsigned bytes, int order) {
+  if (bytes >= 8) check_aligned(mc, bytes, "multimem.st");
   Block* b = enter(true);
   const Where w = locate(reinterpret_cast<uint64_t>(mc));
   mc_region(w, mc, "multimem.st");

@@ -270,6 +270,19 @@ void trap() {
   abandon_fiber(*b, *b->cur);
 }
 
+void check_aligned(const void* p, unsigned bytes, const char* access) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes == 0) return;
+  char msg[200];
+  snprintf(msg, sizeof msg, "misaligned %u-byte %s at %p (needs %u-byte alignment)", bytes, access, p, bytes);
+  Block* b = tl_block;
+  if (!b || !b->cur) {
+    fprintf(stderr, "ubnext emulator: %s outside a kernel launch\n", msg);
+    abort();
+  }
+  fail_block(*b, std::string(msg) + " in " + where(*b, b->cur));
+  abandon_fiber(*b, *b->cur);
+}
+
 static void fiber_exit(Block& b, Fiber& f) {
   drain_all(b, f.sbuf);  // kernel end makes every store visible
   if (*reinterpret_cast<uint64_t*>(f.stack_lo) != kCanary)

@@ -6,11 +6,12 @@ import pytest
 from tests.conftest import MPI_WORKER, assert_mpi_ok
 
 FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation", "long_runs", "traffic", "pool",
-        "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure"]
-CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear"]
+        "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure",
+        "misaligned", "misaligned_unstaged"]
+CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
-UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout"]
+UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout", "misaligned"]
 
 
 @pytest.mark.mpi
