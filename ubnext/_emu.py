@@ -49,6 +49,7 @@ BREAKS = {
     "skip_repoison": "UBNEXT_BREAK_SKIP_REPOISON",
     "no_release": "UBNEXT_BREAK_NO_RELEASE",
     "skip_barrier": "UBNEXT_BREAK_SKIP_BARRIER",
+    "no_header_check": "UBNEXT_BREAK_NO_HEADER_CHECK",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")

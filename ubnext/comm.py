@@ -44,6 +44,20 @@ FP8_MAX = 448.0
 FP8_TINY_SCALE_INV = 1e-12
 DEFAULT_HIDDEN = 8192
 _OP_NAMES = {1: "lamport", 2: "nvls_oneshot", 3: "nvls_twoshot", 4: "nvls_lamport", 5: "twoshot"}
+# csrc/device/desc.cuh: error codes and the call header's words
+ERR_TIMEOUT, ERR_MISMATCH = 1, 2
+_HEADER_FIELDS = {0: "op/dtype/flags", 1: "element count", 2: "hidden size", 3: "in offset"}
+_HEADER_DTYPES = {1: "bf16", 2: "fp16", 3: "fp32"}
+
+
+def _header_value(field: int, value: int) -> str:
+    """One call-header word as the user would write it."""
+    if field == 0:
+        dtype = _HEADER_DTYPES.get((value >> 8) & 0xFF, f"dtype {(value >> 8) & 0xFF}")
+        return f"({_OP_NAMES.get(value & 0xFF, value & 0xFF)}, {dtype}, flags {value >> 16:#x})"
+    if field == 3:
+        return f"+{value * 16:#x}"
+    return str(value)
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -343,16 +357,25 @@ class Communicator:
                 self._raise_kernel_error(pool)
 
     def _raise_kernel_error(self, pool: SymmetricPool) -> None:
-        code, op, rank, peer = (int(v) for v in pool.err_word.tolist())
+        if self.device.type == "cuda":
+            # the details are complete once the writing kernel has ended (csrc/device/barrier.cuh)
+            torch.cuda.synchronize(self.device)
+        code, op, rank, peer, field, mine, theirs, _ = (int(v) & 0xFFFFFFFF for v in pool.err_word.tolist())
         op_name = _OP_NAMES.get(op, f"op {op}")
         timeout = envs.get("UBNEXT_TIMEOUT")
-        if code == 1:
+        if code == ERR_TIMEOUT:
             msg = (f"ubnext {op_name} allreduce: rank {rank} timed out after {timeout:g} s "
                    f"(UBNEXT_TIMEOUT) waiting for peer {peer}")
+        elif code == ERR_MISMATCH:
+            name = _HEADER_FIELDS.get(field, f"header word {field}")
+            msg = (f"ubnext {op_name}: ranks called it with different arguments: rank {rank} with {name} "
+                   f"{_header_value(field, mine)} but rank {peer} with {name} {_header_value(field, theirs)}; "
+                   "every rank must make the same calls, and pool tensors it reduces in place must sit "
+                   "at the same offset on every rank (allocate and free them in the same order)")
         else:
-            msg = f"ubnext {op_name}: kernel reported error code {code} on rank {rank} (peer {peer})"
+            msg = f"ubnext {op_name}: kernel reported error code {code:#x} on rank {rank} (peer {peer})"
         self._broken = msg
-        raise UbnextTimeoutError(msg) if code == 1 else UbnextError(msg)
+        raise UbnextTimeoutError(msg) if code == ERR_TIMEOUT else UbnextError(msg)
 
     def _check_device(self, *tensors: torch.Tensor) -> None:
         for name, x in zip(("x", "out", "weight"), tensors):

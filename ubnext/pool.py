@@ -50,6 +50,7 @@ DESC_FIELDS = (
     "magic", "rank", "nranks", "timeout_ns", "err_ptr", "mc_base", "sync_off", "lamport_off",
     "lamport_slot_bytes", "data_off", "pool_bytes", "reserved[5]", f"peer_base[{MAX_RANKS}]",
 )
+ERR_WORDS = 8  # UBNEXT_ERR_WORDS: {code, op, rank, peer, field, mine, theirs, 0}
 SENTINEL_WORD = -0x80000000  # 0x80000000 as int32: -0.0f, the Lamport "not yet written" mark
 
 
@@ -439,10 +440,10 @@ class SymmetricPool:
         self.device = self.backend.device
         log.info("ubnext pool: backend %s, %d bytes, multicast %s", self.backend.name,
                  layout.pool_bytes, "yes" if self.backend.mc_base else "no")
-        # host-visible error word {code, op, rank, peer}: pinned memory is mapped into the
+        # host-visible error word (ERR_WORDS): pinned memory is mapped into the
         # GPU's address space under UVA, so kernels write it and the host reads it unsynchronised
         pin = self.device.type == "cuda"
-        self.err_word = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
+        self.err_word = torch.zeros(ERR_WORDS, dtype=torch.int32, pin_memory=pin)
         self._err_ptr = _device_pointer_of_pinned(self.err_word) if pin else self.err_word.data_ptr()
         self._initialise()
         barrier()  # no peer may push into our Lamport buffers before they are poisoned

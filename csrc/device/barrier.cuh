@@ -32,6 +32,12 @@
 //
 // UBNEXT_BREAK_NO_RELEASE (test-only) signals with relaxed stores (step 3 without release);
 // UBNEXT_BREAK_SKIP_BARRIER (test-only) signals but never waits (no step 4).
+// UBNEXT_BREAK_NO_HEADER_CHECK (test-only) publishes call headers but never compares them.
+//
+// Call headers: a kernel that reads its peers' `in` at its own offset opens the barrier with its
+// call header (call_header); the first sync writes it next to the signal, and after the wait each
+// lane p compares peer p's header with ours. A difference is reported as UBNEXT_ERR_MISMATCH
+// naming the field and both values, and the barrier fails on every rank.
 //
 // After a timeout the epochs of the ranks no longer agree: the communicator is unusable and must be
 // re-created (the sync region is zeroed at init). That is the documented contract for timeouts.
@@ -70,18 +76,36 @@ UBX_DEV uint64_t timeout_ns(const ubnext_comm_desc* d) {
   return t ? t : UBNEXT_DEFAULT_TIMEOUT_NS;
 }
 
-// Record {code, op, rank, peer} in the host-visible error word. First writer wins (CAS on code);
-// the other three words follow the CAS, so the host must read them after the kernel has ended
-// (stream sync), which is what the Python side does.
-UBX_DEV void report_timeout(const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
+// Record an error in the host-visible error word (desc.cuh: UBNEXT_ERR_WORDS). The first failing
+// thread wins: it claims the word by CAS of code 0 -> BUSY, writes the details, fences, and only then
+// stores the final code with release, so a reader that sees a final code sees its details. Pollers
+// treat any non-zero code (BUSY included) as "someone failed".
+UBX_DEV void report_error(const ubnext_comm_desc* d, uint32_t code, uint32_t op, uint32_t peer,
+                          uint32_t field = 0, uint32_t mine = 0, uint32_t theirs = 0) {
   uint32_t* err = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->err_ptr));
   if (err == nullptr) return;
-  if (atom_cas_relaxed_sys_u32(err, 0u, (uint32_t)UBNEXT_ERR_TIMEOUT) == 0u) {
-    st_relaxed_sys_u32(err + 1, op);
-    st_relaxed_sys_u32(err + 2, static_cast<uint32_t>(d->rank));
-    st_relaxed_sys_u32(err + 3, peer);
-    fence_acq_rel_sys();  // publish op/rank/peer (the host reads code with acquire, then the rest)
-  }
+  if (atom_cas_relaxed_sys_u32(err, 0u, UBNEXT_ERR_BUSY) != 0u) return;
+  st_relaxed_sys_u32(err + 1, op);
+  st_relaxed_sys_u32(err + 2, static_cast<uint32_t>(d->rank));
+  st_relaxed_sys_u32(err + 3, peer);
+  st_relaxed_sys_u32(err + 4, field);
+  st_relaxed_sys_u32(err + 5, mine);
+  st_relaxed_sys_u32(err + 6, theirs);
+  st_release_sys_u32(err, code);
+}
+
+UBX_DEV void report_timeout(const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
+  report_error(d, UBNEXT_ERR_TIMEOUT, op, peer);
+}
+
+// What this rank was asked to do, as the 4 words peers compare (desc.cuh: UBNEXT_HDR_*). Only
+// kernels that read their peers' `in` at their own offset publish one: two ranks whose pool
+// histories differ would otherwise reduce unrelated memory without noticing.
+UBX_DEV uint4 call_header(uint32_t op, uint32_t dtype, int n, int hidden, int flags, const ubnext_comm_desc* d,
+                          const void* in) {
+  const uint64_t off = reinterpret_cast<uint64_t>(in) - static_cast<uint64_t>(d->peer_base[d->rank]);
+  return make_uint4(op | (dtype << 8) | ((static_cast<uint32_t>(flags) & 0xffffu) << 16), static_cast<uint32_t>(n),
+                    static_cast<uint32_t>(hidden), static_cast<uint32_t>(off >> 4));
 }
 
 // Wrap-safe "a has reached b".
@@ -130,12 +154,21 @@ struct RankBarrier {
   uint64_t limit_ns;
   uint32_t epoch;         // the last epoch this block reached (register copy, written back each sync)
   uint32_t op;
+  // call header, published with the first signal and compared after the first wait
+  bool header_pending;
+  uint4 header;
+  void* header_out;       // the signalling lane's target for our header (multicast or peer p's copy)
+  const void* header_in;  // lane p: our copy of peer p's header for this block
 };
 
-UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op) {
+UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op, const uint4* header = nullptr) {
   RankBarrier br;
   br.d = d;
   br.op = op;
+  br.header_pending = header != nullptr;
+  br.header = header ? *header : make_uint4(0u, 0u, 0u, 0u);
+  br.header_out = nullptr;
+  br.header_in = nullptr;
   br.epoch_word = nullptr;
   br.signal = nullptr;
   br.wait = nullptr;
@@ -159,8 +192,26 @@ UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op) {
     }
     if (lane < nranks && lane != rank) br.wait = my_sync + UBNEXT_SYNC_BARRIER_FLAG + b * UBNEXT_MAX_RANKS + lane;
     br.limit_ns = timeout_ns(d);
+    if (br.header_pending) {
+      const uint32_t hslot = UBNEXT_SYNC_CALL_HEADER + (b * UBNEXT_MAX_RANKS + rank) * 4;
+      if (mc != 0) {
+        if (lane == 0) br.header_out = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(mc + d->sync_off)) + hslot;
+      } else if (lane < nranks && lane != rank) {
+        br.header_out = sync_words(d, lane) + hslot;
+      }
+      if (lane < nranks && lane != rank)
+        br.header_in = my_sync + UBNEXT_SYNC_CALL_HEADER + (b * UBNEXT_MAX_RANKS + lane) * 4;
+    }
   }
   return br;
+}
+
+// The barrier of a kernel that reads its peers' `in` at its own offset: its first sync compares call
+// headers (see call_header).
+UBX_DEV RankBarrier barrier_open_checked(const ubnext_comm_desc* d, uint32_t op, uint32_t dtype, int n, int hidden,
+                                        int flags, const void* in) {
+  const uint4 header = call_header(op, dtype, n, hidden, flags, d, in);
+  return barrier_open(d, op, &header);
 }
 
 // One barrier. Collective over the whole block (every thread calls it, uniformly). Returns true when
@@ -173,6 +224,12 @@ UBX_DEV bool barrier_sync(RankBarrier& br) {
     const uint32_t lane = threadIdx.x;
     const uint32_t epoch = ++br.epoch;
     if (lane == 0) *br.epoch_word = epoch;  // persist for the next kernel; nobody waits on it
+    if (br.header_out != nullptr) {  // before the signal, whose release publishes it
+      if (br.d->mc_base != 0)
+        multimem_st_v4(br.header_out, br.header);
+      else
+        st_relaxed_sys_v4(br.header_out, br.header);
+    }
     if (br.signal != nullptr) {
 #if !defined(UBNEXT_BREAK_NO_RELEASE)
       if (br.d->mc_base != 0)
@@ -194,6 +251,26 @@ UBX_DEV bool barrier_sync(RankBarrier& br) {
       report_timeout(br.d, br.op, lane);  // lane p waits for peer p: the timeout names it
       failed = 1;
     }
+#if !defined(UBNEXT_BREAK_NO_HEADER_CHECK)
+    // Peer p's header came with its signal (ordered by our acquire of it). Every rank compares
+    // every peer, so a difference is seen on every rank, at this same barrier: all of them leave
+    // before touching data, and their epochs stay in step.
+    if (!failed && br.header_in != nullptr) {
+      const uint4 theirs = ld_relaxed_sys_v4(br.header_in);
+      const uint32_t m[4] = {br.header.x, br.header.y, br.header.z, br.header.w};
+      const uint32_t t[4] = {theirs.x, theirs.y, theirs.z, theirs.w};
+      for (uint32_t f = 0; f < 4; ++f) {
+        if (m[f] != t[f]) {
+          report_error(br.d, UBNEXT_ERR_MISMATCH, br.op, lane, f, m[f], t[f]);
+          failed = 1;
+          break;
+        }
+      }
+    }
+#endif
+    br.header_pending = false;
+    br.header_out = nullptr;
+    br.header_in = nullptr;
 #else
     // Test-only broken build: signal but never wait. The integration tests must catch the
     // resulting races (stale or partially reduced data), proving that they exercise the barrier.

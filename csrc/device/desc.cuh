@@ -15,8 +15,13 @@
 #define UBNEXT_F_FP8_PER_TOKEN 4
 #define UBNEXT_F_MULTICAST 8
 
-/* Error codes and ops written to err_ptr[0..3] = {code, op, rank, peer}. */
+/* The error word, err_ptr[0..7] = {code, op, rank, peer, field, mine, theirs, 0}: the first
+ * kernel thread to fail claims it by CAS of code from 0 to UBNEXT_ERR_BUSY, writes the other words,
+ * fences, then stores the final code with release. field/mine/theirs are set for a mismatch only. */
+#define UBNEXT_ERR_WORDS 8
+#define UBNEXT_ERR_BUSY 0xffffffffu
 #define UBNEXT_ERR_TIMEOUT 1
+#define UBNEXT_ERR_MISMATCH 2 /* a peer's call header differs from ours (field, mine, theirs) */
 #define UBNEXT_OP_LAMPORT 1
 #define UBNEXT_OP_NVLS_ONESHOT 2
 #define UBNEXT_OP_NVLS_TWOSHOT 3
@@ -30,7 +35,7 @@ typedef struct ubnext_comm_desc {
   unsigned long long rank;
   unsigned long long nranks;
   unsigned long long timeout_ns;
-  unsigned long long err_ptr;            /* host-visible uint32_t[4] */
+  unsigned long long err_ptr;            /* host-visible uint32_t[UBNEXT_ERR_WORDS] */
   unsigned long long mc_base;            /* multicast address of the pool base, 0 if none */
   unsigned long long sync_off;
   unsigned long long lamport_off;
@@ -47,3 +52,15 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_SYNC_LAMPORT_BYTES 2 /* [3] */
 #define UBNEXT_SYNC_BARRIER_EPOCH 64 /* [UBNEXT_MAX_BLOCKS], local */
 #define UBNEXT_SYNC_BARRIER_FLAG 1024 /* [UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS], peers write */
+/* Call headers, published with the first barrier signal of every kernel that reads its peers'
+ * `in` at its own offset: [UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS][4] words, peers write. */
+#define UBNEXT_SYNC_CALL_HEADER 4096
+/* Words of a call header (also the `field` of a mismatch error). */
+#define UBNEXT_HDR_KIND 0      /* op | dtype << 8 | (flags & 0xffff) << 16 */
+#define UBNEXT_HDR_COUNT 1     /* n */
+#define UBNEXT_HDR_HIDDEN 2    /* hidden */
+#define UBNEXT_HDR_IN_OFFSET 3 /* offset of `in` from the pool base, in 16-byte units */
+/* dtype codes in a call header */
+#define UBNEXT_HDR_DTYPE_BF16 1
+#define UBNEXT_HDR_DTYPE_FP16 2
+#define UBNEXT_HDR_DTYPE_FP32 3

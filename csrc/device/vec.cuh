@@ -10,6 +10,7 @@
 #pragma once
 
 #include "platform.cuh"
+#include "desc.cuh"
 
 namespace ubx {
 
@@ -46,6 +47,7 @@ struct DType;
 template <>
 struct DType<__nv_bfloat16> {
   typedef uint16_t Bits;
+  static constexpr uint32_t kCode = UBNEXT_HDR_DTYPE_BF16;
   static constexpr int kElems = 8;
   static constexpr int kBytes = 2;
   // Exact: a bf16 is the high half of an fp32.
@@ -65,6 +67,7 @@ struct DType<__nv_bfloat16> {
 template <>
 struct DType<__half> {
   typedef uint16_t Bits;
+  static constexpr uint32_t kCode = UBNEXT_HDR_DTYPE_FP16;
   static constexpr int kElems = 8;
   static constexpr int kBytes = 2;
   UBX_DEV static float to_float(uint32_t bits16) {
@@ -82,6 +85,7 @@ struct DType<__half> {
 template <>
 struct DType<float> {
   typedef uint32_t Bits;
+  static constexpr uint32_t kCode = UBNEXT_HDR_DTYPE_FP32;
   static constexpr int kElems = 4;
   static constexpr int kBytes = 4;
   UBX_DEV static float to_float(uint32_t bits) { return u32_as_f32(bits); }

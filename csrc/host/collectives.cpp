@@ -497,14 +497,18 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
                 "host_desc.err_ptr is 0 or misaligned: no error word to read");
   }
   uint32_t* word = reinterpret_cast<uint32_t*>(static_cast<uintptr_t>(host_desc->err_ptr));
-  // Kernels claim the word by CAS on code and then fill op/rank/peer: acquire pairs with
-  // their release fence, and code is cleared last so a new claim cannot interleave.
+  // A kernel claims the word with UBNEXT_ERR_BUSY, fills the details, then releases the final
+  // code: acquire on code pairs with that release. BUSY means the kernel has not finished.
   const uint32_t code = __atomic_load_n(&word[0], __ATOMIC_ACQUIRE);
   if (code == 0) return UBNEXT_STATUS_SUCCESS;
-  const uint32_t op = __atomic_load_n(&word[1], __ATOMIC_RELAXED);
-  const uint32_t rank = __atomic_load_n(&word[2], __ATOMIC_RELAXED);
-  const uint32_t peer = __atomic_load_n(&word[3], __ATOMIC_RELAXED);
-  for (int i = 1; i < 4; ++i) __atomic_store_n(&word[i], 0u, __ATOMIC_RELAXED);
+  if (code == UBNEXT_ERR_BUSY) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "a kernel is still writing the error word: synchronise the stream first");
+  }
+  uint32_t w[UBNEXT_ERR_WORDS];
+  for (int i = 1; i < UBNEXT_ERR_WORDS; ++i) w[i] = __atomic_load_n(&word[i], __ATOMIC_RELAXED);
+  const uint32_t op = w[1], rank = w[2], peer = w[3];
+  for (int i = 1; i < UBNEXT_ERR_WORDS; ++i) __atomic_store_n(&word[i], 0u, __ATOMIC_RELAXED);
   __atomic_store_n(&word[0], 0u, __ATOMIC_RELEASE);
 
   const char* name = op_name(op);
@@ -518,6 +522,13 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
                 "%s timed out on rank %u waiting for peer %u (timeout %.3f ms); every rank "
                 "must issue the same collectives in the same order",
                 name, rank, peer, static_cast<double>(host_desc->timeout_ns) * 1e-6);
+  }
+  if (code == UBNEXT_ERR_MISMATCH) {
+    static const char* const fields[4] = {"op/dtype/flags", "count", "hidden", "in offset (16-byte units)"};
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "%s: ranks made different calls: rank %u has %s %u but rank %u has %u; every rank "
+                "must make the same call, with `in` at the same pool offset",
+                name, rank, w[4] < 4 ? fields[w[4]] : "header word", w[5], peer, w[6]);
   }
   return fail(UBNEXT_STATUS_INTERNAL,
               "kernel error word holds unknown code %u (%s, rank %u, peer %u)", code, name,

@@ -165,7 +165,7 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
-  RankBarrier br = barrier_open(d, UBNEXT_OP_NVLS_TWOSHOT);  // early: its loads overlap the setup below
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_TWOSHOT, DType<T>::kCode, n, hidden, flags, in);  // early: its loads overlap the setup below
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
   const Slices sl = message_slices<T>(n, hidden, flags, nranks);
@@ -199,7 +199,7 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
-  RankBarrier br = barrier_open(d, UBNEXT_OP_NVLS_ONESHOT);  // early: its loads overlap the setup below
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_ONESHOT, DType<T>::kCode, n, hidden, flags, in);  // early: its loads overlap the setup below
   const uint64_t mc_in = mc_addr(d, in);
   const int64_t nvec = (static_cast<int64_t>(n) + V - 1) / V;  // last one may be partial
 
@@ -233,7 +233,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
-  RankBarrier br = barrier_open(d, UBNEXT_OP_NVLS_LAMPORT);  // early: its loads overlap the setup below
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_LAMPORT, DType<T>::kCode, n, hidden, flags, in);  // early: its loads overlap the setup below
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
   const Slices sl = message_slices<T>(n, hidden, flags, nranks);

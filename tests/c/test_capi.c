@@ -56,7 +56,7 @@ static void expect_status(int line, ubnext_status_t got, ubnext_status_t want,
 #define SLOT_BYTES (1ull << 20)
 
 static ubnext_comm_desc g_desc;
-static uint32_t g_err_word[4];
+static uint32_t g_err_word[UBNEXT_ERR_WORDS];
 static ubnext_launch_t g_launch;
 static ubnext_rmsnorm_args_t g_args;
 static void* g_arena; /* start of rank 0's data arena */
@@ -460,6 +460,21 @@ static void test_kernel_error(void) {
   CHECK(g_err_word[0] == 0 && g_err_word[1] == 0 && g_err_word[2] == 0 && g_err_word[3] == 0);
   /* Taken means cleared: the next check is clean. */
   EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_SUCCESS, NULL);
+
+  g_err_word[0] = UBNEXT_ERR_MISMATCH;
+  g_err_word[1] = UBNEXT_OP_TWOSHOT;
+  g_err_word[2] = 0;
+  g_err_word[3] = 2;
+  g_err_word[4] = UBNEXT_HDR_IN_OFFSET;
+  g_err_word[5] = 0x300;
+  g_err_word[6] = 0x100;
+  EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_INVALID_ARGUMENT,
+         "twoshot: ranks made different calls: rank 0 has in offset (16-byte units) 768 but rank 2 has 256");
+  CHECK(g_err_word[0] == 0 && g_err_word[4] == 0 && g_err_word[5] == 0 && g_err_word[6] == 0);
+
+  g_err_word[0] = UBNEXT_ERR_BUSY;
+  EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_INVALID_ARGUMENT, "still writing");
+  g_err_word[0] = 0;
 
   g_err_word[0] = 9;
   g_err_word[1] = UBNEXT_OP_LAMPORT;

@@ -3,6 +3,7 @@ kernel sources, and a 2-rank emulated allreduce builds the emulator from them, s
 empty cache, from a directory that is not the checkout."""
 
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -23,7 +24,7 @@ BUILD = textwrap.dedent("""
 """)
 
 RUN = textwrap.dedent("""
-    import sys
+    import os
     import torch
     import ubnext
 
@@ -34,7 +35,9 @@ RUN = textwrap.dedent("""
     n = comm.world_size
     assert torch.equal(y, torch.arange(4096, dtype=torch.float32) * (n * (n + 1) // 2)), y[:8]
     assert comm.last_path in ("lamport", "nvls_twoshot", "twoshot"), comm.last_path
-    print("rank", comm.rank, "ok", comm.last_path, ubnext.__file__, flush=True)
+    # one write(2) of under PIPE_BUF bytes: the ranks share a pipe, and a line written in pieces
+    # (print with several arguments) can interleave with the other rank's
+    os.write(1, f"rank {comm.rank} ok {comm.last_path} {ubnext.__file__}\\n".encode())
 """)
 
 
@@ -63,9 +66,9 @@ def test_wheel_installed_outside_the_checkout(mpi, tmp_path):
     env = {"PYTHONPATH": str(site), "UBNEXT_CACHE_DIR": str(cache), "UBNEXT_EMULATE": "1"}
     proc = mpi(2, script, env=env, timeout=600, cwd=work)
     assert_mpi_ok(proc)
-    lines = [line for line in proc.stdout.splitlines() if " ok " in line]
-    assert len(lines) == 2, proc.stdout
-    for line in lines:
-        assert line.split()[-1].startswith(str(site)), f"ubnext was not imported from the wheel: {line}"
+    reports = re.findall(r"rank (\d) ok (\S+) (\S+)", proc.stdout)
+    assert sorted(r[0] for r in reports) == ["0", "1"], proc.stdout
+    for _, _, module in reports:
+        assert module.startswith(str(site)), f"ubnext was not imported from the wheel: {module}"
     assert any(cache.joinpath("emu").glob("libubnext_emu-*.so")), "the emulator was not built into the empty cache"
     assert not os.path.exists(ROOT / "ubnext" / "_data"), "the build wrote into the checkout"

@@ -525,6 +525,41 @@ def case_linear():
     assert (x.grad.double().cpu() - torch.ones(tokens, wc.shape[0], dtype=torch.float64) @ wc).abs().max() < 1e-3
 
 
+def case_divergent():
+    """Ranks whose pool histories differ: rank 0 holds one extra pool tensor, then every rank
+    reduces a fresh pool tensor in place. On every in-place path the result is either right or
+    the same clear error on every rank, naming the offsets; never wrong data."""
+    if MODE != "emulator":
+        return
+    n, rank = dist.get_world_size(), dist.get_rank()
+    inputs = [T.rank_input(r, 8192, torch.bfloat16, 41) for r in range(n)]
+    want = T.reference_sum(inputs)
+    for algo in ("twoshot", "nvls_twoshot", "nvls", "auto"):
+        comm = ubnext.Communicator(emulate=True, max_hidden=4096, algo=algo)
+        extra = comm.empty(3000, dtype=torch.bfloat16) if rank == 0 else None
+        x = comm.empty(8192, dtype=torch.bfloat16)
+        x.copy_(inputs[rank])
+        try:
+            comm.all_reduce(x, out=x)
+            outcome = "ok"
+        except ubnext.UbnextError as exc:
+            outcome = str(exc)
+        outcomes = gather((outcome, comm.last_path))
+        path = comm.last_path
+        if outcome == "ok":
+            err = (x.double() - want).abs()
+            assert (err <= T.allreduce_bound(inputs, torch.bfloat16)).all(), \
+                f"{algo} ({path}): {int((err > T.allreduce_bound(inputs, torch.bfloat16)).sum())} wrong elements, no error"
+        else:
+            assert "in offset" in outcome and "but rank" in outcome, outcome
+            assert f"rank {rank} with in offset" in outcome, outcome
+        assert all((o == "ok") == (outcome == "ok") for o, _ in outcomes), f"{algo}: ranks disagree: {outcomes}"
+        if path in ("twoshot", "nvls_twoshot", "nvls_lamport", "nvls_oneshot"):
+            assert outcome != "ok", f"{algo} ({path}) read peers at differing offsets without an error"
+        del extra
+        comm.close()
+
+
 def case_misaligned():
     """Contiguous views that are not 16-byte aligned reduce correctly on every path, plain and
     fused (FP8 too), in place on a pool view as well: ubnext stages them, the path stays."""
