@@ -128,7 +128,7 @@ UBX_DEV void quantize_fp8(const float (&y)[V], float div, uint8_t (&q)[V]) {
     q[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y[j] / div, __NV_SATFINITE, __NV_E4M3));
 }
 
-UBX_DEV float per_token_scale_inv(float amax) { return fmaxf(amax / UBX_FP8_E4M3_MAX, UBX_FP8_SCALE_TINY); }
+UBX_DEV float per_token_scale_inv(float amax) { return nan_max(amax / UBX_FP8_E4M3_MAX, UBX_FP8_SCALE_TINY); }
 
 // ---------------------------------------------------------------- one row, one block
 // Src: `bool operator()(int64_t gi, float (&s)[V])` gives the reduced fp32 sums of global vector gi,
@@ -191,7 +191,7 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
       sink.store_out_fp8(g0 + i, q);
     } else {
 #pragma unroll
-      for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(y[j]));
+      for (int j = 0; j < V; ++j) amax = nan_max(amax, fabsf(y[j]));
       if (cached) cache[i] = yp;  // pass 3 quantises exactly these bits
     }
   }

@@ -22,9 +22,12 @@ namespace ubx {
 struct SumOp {
   UBX_DEV float operator()(float a, float b) const { return a + b; }
 };
-// fmaxf: NaN inputs are ignored unless every input is NaN.
+// The larger of a and b, or NaN when either is NaN, as torch's amax and clamp do (fmaxf drops a NaN):
+// a row holding a NaN must give a NaN scale_inv on every path, the torch fallback included.
+UBX_DEV float nan_max(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
+
 struct MaxOp {
-  UBX_DEV float operator()(float a, float b) const { return fmaxf(a, b); }
+  UBX_DEV float operator()(float a, float b) const { return nan_max(a, b); }
 };
 
 template <class Op>

@@ -5,7 +5,7 @@ import pytest
 
 from tests.conftest import MPI_WORKER, assert_mpi_ok
 
-CASES = ["allreduce", "auto", "fused", "fp8", "pool", "bad_input", "linear", "compile", "misaligned"]
+CASES = ["allreduce", "auto", "fused", "fp8", "pool", "bad_input", "linear", "compile", "misaligned", "fp8_nan"]
 
 
 @pytest.mark.mpi

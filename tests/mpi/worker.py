@@ -560,6 +560,31 @@ def case_divergent():
         comm.close()
 
 
+def case_fp8_nan():
+    """A token row holding a NaN gives a NaN scale_inv and an all-NaN FP8 row on every path, the
+    torch fallback included (torch's amax and clamp propagate NaN); other rows stay finite."""
+    rank = dist.get_rank()
+    tokens, hidden = 3, 256
+    paths = ("lamport", "nvls_twoshot", "twoshot", "nvls_lamport") if MODE == "emulator" else ("torch",)
+    for path in paths:
+        COMM._algo = path
+        try:
+            for dtype in DTYPES:
+                x = T.rank_input(rank, tokens * hidden, dtype, 3).view(tokens, hidden).to(device())
+                if rank == 0:
+                    x[1, 17] = float("nan")
+                residual = torch.zeros(tokens, hidden, dtype=dtype, device=device())
+                weight = torch.ones(hidden, dtype=dtype, device=device())
+                out, residual_out, scale_inv = COMM.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, out_dtype=FP8)
+                where = f"{COMM.last_path} {dtype}"
+                assert torch.isnan(residual_out[1, 17]) and not torch.isnan(residual_out[[0, 2]]).any(), where
+                assert torch.isnan(scale_inv[1]) and torch.isfinite(scale_inv[[0, 2]]).all(), f"{where}: {scale_inv}"
+                q = out.float()
+                assert torch.isnan(q[1]).all() and not torch.isnan(q[[0, 2]]).any(), where
+        finally:
+            COMM._algo = None
+
+
 def case_misaligned():
     """Contiguous views that are not 16-byte aligned reduce correctly on every path, plain and
     fused (FP8 too), in place on a pool view as well: ubnext stages them, the path stays."""
