@@ -397,8 +397,9 @@ class Communicator:
         if pool is None:
             return plan.PoolView(self._pool_error or "no symmetric pool", mode=self.mode)
         symm_op = hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
-        return plan.PoolView(None, pool.has_multicast, pool.lamport_capacity,
-                             pool.arenas["eager"].largest_free(), self.mode, symm_op)
+        # sizes of the layout only, never what this rank has allocated: ranks plan identically
+        return plan.PoolView(None, pool.has_multicast, pool.lamport_capacity, pool.layout.staging_bytes,
+                             self.mode, symm_op)
 
     def _capabilities(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> dict[str, str | None]:
         """For each path: None if it can run this call, else why not."""
@@ -529,7 +530,7 @@ class Communicator:
         elif path in ("nvls_oneshot", "nvls_lamport"):
             # peers read `in` through multicast while this rank writes `out`: never the same memory
             in_pool = self._pool.contains(x) and out is not x and not _misaligned(x)
-            stage = x if in_pool else self._pool.empty(x.shape, x.dtype).copy_(x)
+            stage = x if in_pool else self._pool.staging(x.shape, x.dtype).copy_(x)
             self._launch(path, x.dtype, inp=stage, out=out)
         elif path == "torch_symm":
             self._torch_symm_all_reduce(x, out)
@@ -540,7 +541,7 @@ class Communicator:
         if out is x and self._pool.contains(x) and not _misaligned(x):
             self._launch(path, x.dtype, inp=x, out=x)
             return
-        stage = self._pool.empty(x.shape, x.dtype).copy_(x)
+        stage = self._pool.staging(x.shape, x.dtype).copy_(x)
         self._launch(path, x.dtype, inp=stage, out=stage)
         out.copy_(stage)
 
@@ -637,7 +638,7 @@ class Communicator:
         residual_out = torch.empty_like(residual)
         # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool, so x is
         # staged there unless it already lives in it (they overwrite it: never the caller's x)
-        inp = x if path == "lamport" else self._pool.empty(x.shape, x.dtype).copy_(x)
+        inp = x if path == "lamport" else self._pool.staging(x.shape, x.dtype).copy_(x)
         self._launch(path, x.dtype, inp=inp, out=out, residual=residual, residual_out=residual_out,
                      weight=weight, scale=scale, scale_inv=scale_inv, hidden=hidden, eps=eps, flags=flags)
         if scale_inv is not None and scale is None:

@@ -1,5 +1,9 @@
 """Path choice as a pure function: the call's signature and what the pool offers in, a plan out.
 
+Its inputs are identical on every rank (the call's arguments, the pool's layout and kind), never
+per-rank state such as which pool tensors this rank has allocated or freed: ranks whose
+histories differ still choose the same path.
+
 The Communicator describes its pool as a :class:`PoolView`; ``python -m ubnext.info`` builds
 one from the pool layout a world size would get, so both answer "which path, and why not the
 better ones" with the same code.
@@ -23,7 +27,7 @@ class PoolView:
     unavailable: str | None  # why no ubnext kernel can run at all, or None
     has_multicast: bool = False
     lamport_capacity: int = 0
-    arena_free: int = 0
+    staging_bytes: int = 0  # the pool's staging region (fixed by the layout, equal on every rank)
     mode: str = "torch"  # gpu | emulator | torch
     torch_symm_op: bool = False  # torch has a symmetric-memory allreduce op
 
@@ -52,8 +56,10 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             why[path] = "the pool has no multicast address"
         elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:
             why[path] = f"{nbytes} bytes exceed the Lamport slot ({pool.lamport_capacity} bytes)"
-        elif path != "lamport" and nbytes > pool.arena_free:
-            why[path] = f"{nbytes} bytes do not fit the pool arena ({pool.arena_free} bytes free)"
+        elif path != "lamport" and nbytes > pool.staging_bytes:
+            # decided on the staging size even when the input needs no staging (a pool tensor
+            # reduced in place): whether it does is this rank's business, the path is everyone's
+            why[path] = f"{nbytes} bytes exceed the pool's staging region ({pool.staging_bytes} bytes)"
         elif path == "nvls_oneshot" and fused:
             why[path] = "nvls_oneshot does not promise identical bits, which the fused norm needs"
         else:

@@ -91,6 +91,11 @@ class PoolLayout:
     def pool_bytes(self) -> int:
         return self.data_off + self.data_bytes
 
+    @property
+    def staging_bytes(self) -> int:
+        """The staging region: a quarter of the data arena, at its start (a fixed offset)."""
+        return self.data_bytes // 4 // 256 * 256
+
 
 def plan_layout(nranks: int, max_hidden: int, *, elem_bytes: int = 4) -> PoolLayout:
     """Size the pool from ``UBNEXT_MAX_BATCH`` x ``max_hidden`` (fp32 worst case), unless
@@ -447,11 +452,17 @@ class SymmetricPool:
         self._err_ptr = _device_pointer_of_pinned(self.err_word) if pin else self.err_word.data_ptr()
         self._initialise()
         barrier()  # no peer may push into our Lamport buffers before they are poisoned
-        half = layout.data_bytes // 2 // 256 * 256
+        # [staging | eager arena | graph arena]: staging sits at the same offset on every rank and
+        # for every call, so where a call stages never depends on this rank's allocation history
+        rest = layout.data_bytes - layout.staging_bytes
+        half = rest // 2 // 256 * 256
+        arena_off = layout.data_off + layout.staging_bytes
         self.arenas = {
-            "eager": Allocator(layout.data_off, half, min_align=16),
-            "graph": Allocator(layout.data_off + half, layout.data_bytes - half, min_align=16),
+            "eager": Allocator(arena_off, half, min_align=16),
+            "graph": Allocator(arena_off + half, rest - half, min_align=16),
         }
+        self._staging_bytes = _Slot(self.base + layout.data_off, layout.staging_bytes, self.device,
+                                    self.backend).tensor(self.device)
         self.fallbacks = 0
         self._graph_tensors: list[torch.Tensor] = []
         self._closed = False
@@ -554,6 +565,16 @@ class SymmetricPool:
             weakref.finalize(slot, _free_if_open, weakref.ref(self), arena, offset)
         return tensor
 
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A view of the staging region (fixed offset; every call may reuse it: each kernel that
+        reads peers' staged input ends with a barrier after its last peer access)."""
+        if self._closed:
+            raise RuntimeError("ubnext pool is closed")
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.layout.staging_bytes:
+            raise NoRoom(f"{nbytes} bytes exceed the staging region ({self.layout.staging_bytes} bytes)")
+        return self._staging_bytes[:nbytes].view(dtype).view(shape)
+
     def offset_of(self, t: torch.Tensor) -> int:
         return t.data_ptr() - self.base
 
@@ -563,6 +584,7 @@ class SymmetricPool:
             "backend": self.backend.name,
             "size": self.layout.pool_bytes,
             "data_bytes": self.layout.data_bytes,
+            "staging_bytes": self.layout.staging_bytes,
             "lamport_capacity": self.layout.lamport_slot_bytes,
             "used": eager.stats.used + graph.stats.used,
             "peak": eager.stats.peak + graph.stats.peak,
@@ -577,6 +599,7 @@ class SymmetricPool:
             return
         self._closed = True
         self._graph_tensors.clear()
+        self._staging_bytes = None
         self.backend.close()
 
 

@@ -7,7 +7,7 @@ from tests.conftest import MPI_WORKER, assert_mpi_ok
 
 FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation", "long_runs", "traffic", "pool",
         "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure",
-        "misaligned", "misaligned_unstaged", "divergent", "fp8_nan"]
+        "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent"]

@@ -1,0 +1,57 @@
+"""The planner is a pure function of rank-identical inputs: the Communicator builds its view
+from the pool's layout, never from the allocator's state."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from ubnext import plan
+from ubnext.comm import Communicator
+from ubnext.pool import plan_layout
+
+
+def _comm_with(pool):
+    comm = object.__new__(Communicator)  # no process group: only what _pool_view reads
+    comm._closed, comm._pool, comm._pool_error, comm.mode = False, pool, None, "emulator"
+    return comm
+
+
+def test_view_comes_from_the_layout_only():
+    layout = plan_layout(4, 4096)
+
+    class NoArenas:
+        has_multicast = True
+        lamport_capacity = layout.lamport_slot_bytes
+
+        def __init__(self):
+            self.layout = layout
+
+        @property
+        def arenas(self):
+            raise AssertionError("the planner read this rank's allocator state")
+
+    view = _comm_with(NoArenas())._pool_view()
+    assert view.staging_bytes == layout.staging_bytes and view.has_multicast
+
+
+@pytest.mark.parametrize("nbytes", [16, 8 << 10, 1 << 20, (1 << 20) + 16, 4 << 20, 64 << 20])
+@pytest.mark.parametrize("fused", [False, True])
+def test_same_signature_same_plan(nbytes, fused):
+    layout = plan_layout(8, 8192)
+    views = [plan.PoolView(None, mc, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True)
+             for mc in (True, True)]
+    plans = [plan.choose(nbytes, 2, fused, 8192, v) for v in views]
+    assert plans[0] == plans[1]
+    small = nbytes <= plan.LAMPORT_MAX_BYTES
+    if small:
+        assert plans[0].path == "lamport"
+    elif nbytes <= layout.staging_bytes:
+        assert plans[0].path == "nvls_twoshot"
+    else:
+        assert plans[0].path == ("torch" if fused else "torch_symm")
+
+
+def test_forced_path_falls_back_down_the_chain():
+    view = plan.PoolView(None, False, 1 << 20, 1 << 22, "emulator")
+    chosen = plan.choose(1 << 10, 2, False, 0, view, forced="nvls_twoshot")
+    assert chosen.path == "lamport" and chosen.skipped[0] == ("nvls_twoshot", "the pool has no multicast address")
