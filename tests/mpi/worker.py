@@ -434,8 +434,8 @@ def case_traffic():
     numel = 4096 * n  # whole 16-byte vectors in every rank's 1/N share
     S = numel * 2
     x = T.rank_input(dist.get_rank(), numel, torch.bfloat16, 3)
+    mc = COMM.pool.has_multicast  # creates the pool, and loads the emulator, on first use
     emu = COMM._emu
-    mc = COMM.pool.has_multicast
     for path in ("lamport", "nvls_twoshot", "twoshot") if mc else ("lamport", "twoshot"):
         COMM._algo = path
         COMM.all_reduce(x)
@@ -450,16 +450,24 @@ def case_traffic():
             assert sum(t.peer_store_bytes) == (n - 1) * S and sum(t.peer_load_bytes) == 0, t
             assert all(b == S for r, b in enumerate(t.peer_store_bytes[:n]) if r != dist.get_rank()), t
         elif path == "nvls_twoshot":
-            # each rank reduces and broadcasts its 1/N slice; barrier flags are extra 4-byte ops
+            # each rank reduces and broadcasts its 1/N slice; per block, one 16-byte call header
+            # and two 4-byte barrier flags go out through multicast too
             assert t.mc_ld_reduce_bytes == S // n, t
-            data_ops = (S // n) // 16  # the slice in 16-byte vectors; the rest are 4-byte flags
-            assert t.mc_store_bytes == S // n + 4 * (t.mc_store_ops - data_ops), t
+            data_ops = (S // n) // 16  # the slice in 16-byte vectors
+            extra = t.mc_store_ops - data_ops
+            assert extra > 0 and extra % 3 == 0, t
+            assert t.mc_store_bytes == S // n + (extra // 3) * (16 + 2 * 4), t
+            log(f"nvls_twoshot call headers: {16 * (extra // 3)} bytes multicast per call ({extra // 3} blocks)")
         elif path == "twoshot":
-            # reduce-scatter by peer loads, broadcast by peer stores: (N-1)/N * S each way, plus
-            # 4-byte barrier flags (through multicast when the pool has it)
+            # reduce-scatter by peer loads, broadcast by peer stores: (N-1)/N * S each way, plus,
+            # per block and peer, a 16-byte call header and two 4-byte barrier flags (through
+            # multicast when the pool has it)
             assert sum(t.peer_load_bytes) == (n - 1) * S // n, t
-            flags = 0 if mc else 4 * (sum(t.peer_store_ops) - (n - 1) * (S // n) // 16)
-            assert sum(t.peer_store_bytes) == (n - 1) * S // n + flags, t
+            extra = sum(t.peer_store_ops) - (n - 1) * (S // n) // 16
+            assert extra % 3 == 0 and (extra > 0) != mc, t
+            assert sum(t.peer_store_bytes) == (n - 1) * S // n + (extra // 3) * (16 + 2 * 4), t
+            if not mc:
+                log(f"twoshot call headers: {16 * (extra // 3)} bytes to peers per call")
     COMM._algo = None
 
 
