@@ -16,6 +16,9 @@ class BuildPyWithSources(build_py):
         super().run()
         for name in ("csrc", "include"):
             target = Path(self.build_lib) / "ubnext" / "_data" / name
+            # build/lib outlives a build: without this, a source deleted since the last build
+            # would still ship (and the kernel globs would compile it)
+            shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(ROOT / name, target, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("__pycache__", "*.o", "*.so"))
 

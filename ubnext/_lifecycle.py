@@ -40,7 +40,9 @@ _registry: "weakref.WeakValueDictionary[str, Communicator]" = weakref.WeakValueD
 # communicators cached per process group (ubnext.get_communicator): group_name -> Communicator
 cached: dict[str, "Communicator"] = {}
 _serial = itertools.count()
-_we_initialised = False
+# the default process group ubnext created (a weak reference: the user may destroy it and make
+# their own, which ubnext must then leave alone)
+_our_group: "weakref.ref | None" = None
 _atexit_registered = False
 
 
@@ -84,7 +86,7 @@ def communicator_of(group=None) -> "Communicator":
 def bootstrap() -> None:
     """Initialise torch.distributed from torchrun's or an MPI launcher's variables; ubnext then
     owns the process group and destroys it at exit."""
-    global _we_initialised
+    global _our_group
     from ._cuda import gpu_available
     from .comm import UbnextError
 
@@ -109,7 +111,7 @@ def bootstrap() -> None:
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     _ensure_atexit()
     dist.init_process_group(**kwargs)
-    _we_initialised = True
+    _our_group = weakref.ref(dist.group.WORLD)
 
 
 def _mpi_store(rank: int, world_size: int, timeout: datetime.timedelta):
@@ -151,18 +153,20 @@ def _ensure_atexit() -> None:
 def shutdown() -> None:
     """Close every live communicator and drop their process groups; destroy the process group
     when ubnext created it. Runs at interpreter exit; safe to call more than once."""
-    global _we_initialised
+    global _our_group
     comms = list(_registry.values())
     cached.clear()
     for comm in comms:
         try:
-            comm._release(at_exit=True)
+            comm._release()
         except Exception as exc:  # noqa: BLE001 - exit must go on; say what was not released
             log.warning("closing %r at exit failed: %s", comm, exc)
     del comms
-    if _we_initialised and dist.is_initialized():
+    ours = _our_group() if _our_group is not None else None
+    _our_group = None
+    if ours is not None and dist.is_initialized() and dist.group.WORLD is ours:
+        del ours
         dist.destroy_process_group()
-    _we_initialised = False
     # the group's worker threads are joined when its last reference goes: collect cycles now,
     # before finalisation, rather than during it
     gc.collect()

@@ -222,7 +222,7 @@ class Communicator:
         """Release the pool (collective: every rank calls it)."""
         self._release()
 
-    def _release(self, at_exit: bool = False) -> None:
+    def _release(self) -> None:
         """Release the pool and drop the process group: a held group keeps gloo's worker
         threads alive into interpreter finalisation (ubnext/_lifecycle.py says why that aborts)."""
         if self._closed:
@@ -537,11 +537,21 @@ class Communicator:
         else:
             self._torch_all_reduce(x, out)
 
+    def _staging_or_none(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A view of the pool's staging region (ops.linear_all_reduce's GEMM output), or None
+        when there is no pool or the shape does not fit."""
+        pool = self.pool if self.mode != "torch" else None
+        if pool is None or math.prod(shape) * _element_size(dtype) > pool.layout.staging_bytes:
+            return None
+        return pool.staging(shape, dtype)
+
     def _in_place(self, path: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if out is x and self._pool.contains(x) and not _misaligned(x):
             self._launch(path, x.dtype, inp=x, out=x)
             return
-        stage = self._pool.staging(x.shape, x.dtype).copy_(x)
+        stage = self._pool.staging(x.shape, x.dtype)
+        if stage.data_ptr() != x.data_ptr():  # x may already be the staging region
+            stage.copy_(x)
         self._launch(path, x.dtype, inp=stage, out=stage)
         out.copy_(stage)
 

@@ -57,10 +57,15 @@ def _all_reduce_out_impl(x, out, comm):
 
 def _linear_all_reduce_impl(x, weight, comm):
     c = communicator_for(comm)
-    # the GEMM writes straight into the pool, where the allreduce runs in place
-    y = c.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    # The GEMM writes straight into the pool's staging region, at the same offset on every rank
+    # whatever each rank has allocated, and the allreduce reads it there (no copy in); the sum
+    # lands in a fresh tensor, since the next call reuses the staging region.
+    shape = (*x.shape[:-1], weight.shape[0])
+    y = c._staging_or_none(shape, x.dtype)
+    if y is None:
+        y = torch.empty(shape, dtype=x.dtype, device=x.device)
     torch.matmul(x, weight.t(), out=y)
-    return c._all_reduce(y, y)
+    return c._all_reduce(y, torch.empty_like(y))
 
 
 def _fused_impl(x, residual, weight, eps, fp8, scale, comm):

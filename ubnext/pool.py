@@ -41,7 +41,7 @@ __all__ = ["PoolLayout", "SymmetricPool", "NoRoom", "DESC_FIELDS", "pack_desc", 
 log = logging.getLogger("ubnext")
 
 DESC_BYTES = 4096
-SYNC_BYTES = 65536
+SYNC_BYTES = 81920  # UBNEXT_SYNC_BYTES
 MAX_RANKS = 16
 DESC_MAGIC = 0x55424E5800000001
 PAGE = 4096

@@ -193,14 +193,16 @@ UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op, const u
     if (lane < nranks && lane != rank) br.wait = my_sync + UBNEXT_SYNC_BARRIER_FLAG + b * UBNEXT_MAX_RANKS + lane;
     br.limit_ns = timeout_ns(d);
     if (br.header_pending) {
-      const uint32_t hslot = UBNEXT_SYNC_CALL_HEADER + (b * UBNEXT_MAX_RANKS + rank) * 4;
+      // the slot set of the epoch the first sync will reach (desc.cuh: why two)
+      const uint32_t set = ((br.epoch + 1u) & 1u) * UBNEXT_MAX_BLOCKS;
+      const uint32_t hslot = UBNEXT_SYNC_CALL_HEADER + ((set + b) * UBNEXT_MAX_RANKS + rank) * 4;
       if (mc != 0) {
         if (lane == 0) br.header_out = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(mc + d->sync_off)) + hslot;
       } else if (lane < nranks && lane != rank) {
         br.header_out = sync_words(d, lane) + hslot;
       }
       if (lane < nranks && lane != rank)
-        br.header_in = my_sync + UBNEXT_SYNC_CALL_HEADER + (b * UBNEXT_MAX_RANKS + lane) * 4;
+        br.header_in = my_sync + UBNEXT_SYNC_CALL_HEADER + ((set + b) * UBNEXT_MAX_RANKS + lane) * 4;
     }
   }
   return br;

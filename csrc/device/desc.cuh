@@ -6,7 +6,7 @@
 #define UBNEXT_MAX_RANKS 16
 #define UBNEXT_MAX_BLOCKS 128
 #define UBNEXT_DESC_BYTES 4096
-#define UBNEXT_SYNC_BYTES 65536
+#define UBNEXT_SYNC_BYTES 81920
 #define UBNEXT_DESC_MAGIC 0x55424e5800000001ull /* "UBNX" v1 */
 
 /* Flags: kernel parameter `flags`. */
@@ -17,7 +17,7 @@
 
 /* The error word, err_ptr[0..7] = {code, op, rank, peer, field, mine, theirs, 0}: the first
  * kernel thread to fail claims it by CAS of code from 0 to UBNEXT_ERR_BUSY, writes the other words,
- * fences, then stores the final code with release. field/mine/theirs are set for a mismatch only. */
+ * then stores the final code with release (which orders them before it). field/mine/theirs are set for a mismatch only. */
 #define UBNEXT_ERR_WORDS 8
 #define UBNEXT_ERR_BUSY 0xffffffffu
 #define UBNEXT_ERR_TIMEOUT 1
@@ -53,7 +53,9 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_SYNC_BARRIER_EPOCH 64 /* [UBNEXT_MAX_BLOCKS], local */
 #define UBNEXT_SYNC_BARRIER_FLAG 1024 /* [UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS], peers write */
 /* Call headers, published with the first barrier signal of every kernel that reads its peers'
- * `in` at its own offset: [UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS][4] words, peers write. */
+ * `in` at its own offset: [2][UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS][4] words, peers write. The
+ * first index is the parity of the barrier epoch that carries the header: a peer can be one
+ * barrier ahead, and its next header must not overwrite the one we have yet to read. */
 #define UBNEXT_SYNC_CALL_HEADER 4096
 /* Words of a call header (also the `field` of a mismatch error). */
 #define UBNEXT_HDR_KIND 0      /* op | dtype << 8 | (flags & 0xffff) << 16 */

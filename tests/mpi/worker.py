@@ -589,8 +589,32 @@ def case_fp8_nan():
                 assert torch.isnan(scale_inv[1]) and torch.isfinite(scale_inv[[0, 2]]).all(), f"{where}: {scale_inv}"
                 q = out.float()
                 assert torch.isnan(q[1]).all() and not torch.isnan(q[[0, 2]]).any(), where
+                runnable = MODE != "emulator" or COMM.pool.has_multicast or not path.startswith("nvls")
+                assert COMM.last_path == path or not runnable, (path, COMM.last_path)
         finally:
             COMM._algo = None
+
+
+def case_header_race():
+    """A rank one barrier ahead publishes its next call's header while a slower peer has yet to
+    read the current one: the peer must still compare against the right header (double-buffered
+    by epoch parity). A grid wider than the work (as a C API caller may launch) leaves blocks with
+    nothing to exchange, which lets a fast rank run ahead; the sizes alternate, so a header read
+    from the wrong call is a mismatch."""
+    if MODE != "emulator":
+        return
+    rank = dist.get_rank()
+    for algo in ("nvls_lamport", "twoshot"):
+        comm = ubnext.Communicator(emulate=True, max_hidden=4096, algo=algo)
+        comm._geometry = lambda algo, n, elem, tokens, fused: (4, 64)
+        for i in range(200):
+            numel = 512 if i % 2 == 0 else 1024
+            x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16)
+            y = comm.all_reduce(x)
+            n = dist.get_world_size()
+            assert torch.all(y == n * (n + 1) / 2), (algo, i, y[:4])
+        assert comm.last_path == algo or not comm.pool.has_multicast, comm.last_path
+        comm.close()
 
 
 def case_uneven_history():
@@ -616,6 +640,18 @@ def case_uneven_history():
     assert len(set(paths)) == 1 and paths[0] == "twoshot", f"ranks took different paths: {paths}"
     err = (out.double() - T.reference_sum(inputs)).abs()
     assert (err <= T.allreduce_bound(inputs, torch.float32)).all(), "wrong sum"
+    # the row-parallel GEMM + allreduce (ubnext.nn.Linear 'ubnext'): the GEMM output goes to the
+    # staging region, never to the (full, on rank 0) arena. Small integers: every product and
+    # sum is exact in fp32, so the result must equal the float64 reference exactly.
+    from ubnext import ops
+
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randint(-2, 3, (8, 64), generator=gen).float() for _ in range(n)]
+    w = torch.randint(-2, 3, (32, 64), generator=gen).float()
+    y = ops.linear_all_reduce(xs[rank], w, comm.key)
+    paths = gather(comm.last_path)
+    assert len(set(paths)) == 1 and paths[0] == "twoshot", f"linear: ranks took different paths: {paths}"
+    assert torch.equal(y.double(), sum(x.double() @ w.double().t() for x in xs)), "linear_all_reduce: wrong sum"
     held.clear()
     comm.close()
 

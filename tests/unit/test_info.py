@@ -9,7 +9,7 @@ from ubnext import _cuda, info
 
 
 def test_runs_here_and_says_there_is_no_gpu():
-    env = dict(os.environ, UBNEXT_EMULATE="0")
+    env = dict(os.environ, UBNEXT_EMULATE="0", CUDA_VISIBLE_DEVICES="")  # no GPU, also on a GPU node
     proc = subprocess.run([sys.executable, "-W", "error", "-m", "ubnext.info", "--world-size", "4", "--no-build"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
