@@ -50,6 +50,7 @@ BREAKS = {
     "no_release": "UBNEXT_BREAK_NO_RELEASE",
     "skip_barrier": "UBNEXT_BREAK_SKIP_BARRIER",
     "no_header_check": "UBNEXT_BREAK_NO_HEADER_CHECK",
+    "single_header_slot": "UBNEXT_BREAK_SINGLE_HEADER_SLOT",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")

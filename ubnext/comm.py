@@ -267,8 +267,12 @@ class Communicator:
         return self._pool
 
     def _create_pool(self) -> SymmetricPool | None:
-        # kernels first: a rank that cannot build or load them sends every rank to the torch path
-        errors = [f"rank {r}: {e}" for r, e in enumerate(self._allgather(self._prepare_kernels())) if e]
+        # kernels first: a rank that cannot build or load them sends every rank to the torch path;
+        # the grid bound is agreed too (blocks wait on the same blocks of their peers)
+        reports = self._allgather((self._prepare_kernels(), getattr(self, "_sm_count", 0)))
+        if self.mode == "gpu":
+            self._sm_count = min(sm for _, sm in reports)
+        errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(reports) if e]
         if errors:
             self._pool_error = f"ubnext kernels unavailable ({'; '.join(errors)})"
             log.warning("%s; using torch.distributed", self._pool_error)
@@ -323,12 +327,26 @@ class Communicator:
         pool = self.pool
         if pool is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
+        tensor, offset, reason = None, None, ""
         try:
-            return pool.empty(shape, dtype)
+            tensor = pool.empty(shape, dtype)
+            offset = pool.offset_of(tensor)
         except NoRoom as exc:
-            self._log_once("pool", f"comm.empty{shape} {dtype} does not fit the pool ({exc}); "
-                           "returning an ordinary tensor")
-            return torch.empty(shape, dtype=dtype, device=self.device)
+            reason = str(exc)
+        # A tensor reduced in place must sit at the same offset on every rank, and arenas can
+        # differ (the garbage collector frees at different times on each rank): agree, and
+        # give every rank an ordinary tensor unless all got the same offset.
+        offsets = self._allgather(offset)
+        if tensor is not None and len(set(offsets)) == 1:
+            return tensor
+        if tensor is not None:
+            reason = f"the ranks' pool offsets differ ({offsets})"
+        elif any(o is not None for o in offsets):
+            reason = f"{reason} on this rank"
+        del tensor
+        self._log_once("pool", f"comm.empty{shape} {dtype} is not in the pool: {reason}; "
+                       "returning an ordinary tensor")
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def pool_stats(self) -> dict[str, Any]:
         pool = self.pool

@@ -113,8 +113,9 @@ VARIABLES: dict[str, Var] = {
             "PCIe P2P or several ranks per GPU)."),
         Var("UBNEXT_EMU_SEED", _nonnegative_int, 0, "integer >= 0",
             "Seed of the emulator's chaos mode (0: derived from time and rank)."),
-        Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check"), "",
-            "''|skip_repoison|no_release|skip_barrier|no_header_check",
+        Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
+                                     "single_header_slot"), "",
+            "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),

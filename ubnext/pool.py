@@ -3,7 +3,7 @@
 Layout (docs/ARCHITECTURE.md, csrc/device/desc.cuh)::
 
     [0, 4096)                       this rank's ubnext_comm_desc
-    [sync_off, +64 KiB)             rotation counters and barrier flags (zeroed)
+    [sync_off, +80 KiB)             rotation counters and barrier flags (zeroed)
     [lamport_off, +3*nranks*slot)   three Lamport buffers (poisoned with -0.0f words)
     [data_off, pool_bytes)          data arena: eager half, then CUDA-graph half
 
@@ -43,7 +43,7 @@ log = logging.getLogger("ubnext")
 DESC_BYTES = 4096
 SYNC_BYTES = 81920  # UBNEXT_SYNC_BYTES
 MAX_RANKS = 16
-DESC_MAGIC = 0x55424E5800000001
+DESC_MAGIC = 0x55424E5800000002
 PAGE = 4096
 # Field order of ubnext_comm_desc (csrc/device/desc.cuh); tests/unit/test_abi.py checks it.
 DESC_FIELDS = (
@@ -443,8 +443,10 @@ class SymmetricPool:
         name = backend or envs.get("UBNEXT_POOL_BACKEND")
         self.backend = self._open_backend(name, layout, rank, group, device, allgather)
         self.device = self.backend.device
+        # multicast decides which kernels run: use it only if every rank has it
+        self.mc_base = self.backend.mc_base if all(allgather(bool(self.backend.mc_base))) else 0
         log.info("ubnext pool: backend %s, %d bytes, multicast %s", self.backend.name,
-                 layout.pool_bytes, "yes" if self.backend.mc_base else "no")
+                 layout.pool_bytes, "yes" if self.mc_base else "no")
         # host-visible error word (ERR_WORDS): pinned memory is mapped into the
         # GPU's address space under UVA, so kernels write it and the host reads it unsynchronised
         pin = self.device.type == "cuda"
@@ -496,7 +498,7 @@ class SymmetricPool:
         desc = pack_desc(
             rank=self.rank, nranks=lay.nranks,
             timeout_ns=int(envs.get("UBNEXT_TIMEOUT") * 1e9),
-            err_ptr=self._err_ptr, mc_base=self.backend.mc_base, layout=lay,
+            err_ptr=self._err_ptr, mc_base=self.mc_base, layout=lay,
             peer_bases=self.backend.peer_bases,
         )
         local = self.backend.local_tensor()
@@ -518,7 +520,7 @@ class SymmetricPool:
 
     @property
     def has_multicast(self) -> bool:
-        return self.backend.mc_base != 0
+        return self.mc_base != 0
 
     @property
     def lamport_capacity(self) -> int:
@@ -566,8 +568,9 @@ class SymmetricPool:
         return tensor
 
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A view of the staging region (fixed offset; every call may reuse it: each kernel that
-        reads peers' staged input ends with a barrier after its last peer access)."""
+        """A view of the staging region (fixed offset; every call may reuse it: no kernel ends on a
+        rank before its peers are done with that rank's input: a final barrier, or for
+        nvls_lamport the Lamport polls of data its peers wrote after reading it)."""
         if self._closed:
             raise RuntimeError("ubnext pool is closed")
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -32,7 +32,8 @@
 //
 // UBNEXT_BREAK_NO_RELEASE (test-only) signals with relaxed stores (step 3 without release);
 // UBNEXT_BREAK_SKIP_BARRIER (test-only) signals but never waits (no step 4).
-// UBNEXT_BREAK_NO_HEADER_CHECK (test-only) publishes call headers but never compares them.
+// UBNEXT_BREAK_NO_HEADER_CHECK (test-only) publishes call headers but never compares them;
+// UBNEXT_BREAK_SINGLE_HEADER_SLOT (test-only) uses one header slot set instead of two.
 //
 // Call headers: a kernel that reads its peers' `in` at its own offset opens the barrier with its
 // call header (call_header); the first sync writes it next to the signal, and after the wait each
@@ -194,7 +195,11 @@ UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op, const u
     br.limit_ns = timeout_ns(d);
     if (br.header_pending) {
       // the slot set of the epoch the first sync will reach (desc.cuh: why two)
+#if !defined(UBNEXT_BREAK_SINGLE_HEADER_SLOT)
       const uint32_t set = ((br.epoch + 1u) & 1u) * UBNEXT_MAX_BLOCKS;
+#else
+      const uint32_t set = 0u;  // test-only broken build: one slot set, overwritten by a rank a call ahead
+#endif
       const uint32_t hslot = UBNEXT_SYNC_CALL_HEADER + ((set + b) * UBNEXT_MAX_RANKS + rank) * 4;
       if (mc != 0) {
         if (lane == 0) br.header_out = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(mc + d->sync_off)) + hslot;

@@ -7,7 +7,7 @@
 #define UBNEXT_MAX_BLOCKS 128
 #define UBNEXT_DESC_BYTES 4096
 #define UBNEXT_SYNC_BYTES 81920
-#define UBNEXT_DESC_MAGIC 0x55424e5800000001ull /* "UBNX" v1 */
+#define UBNEXT_DESC_MAGIC 0x55424e5800000002ull /* "UBNX" v2: 80 KiB sync region with call headers */
 
 /* Flags: kernel parameter `flags`. */
 #define UBNEXT_F_FUSED_NORM 1

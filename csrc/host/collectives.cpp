@@ -149,6 +149,13 @@ ubnext_status_t check_common(const ubnext_launch_t* user_launch, ubnext_algo_t a
       return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "host_desc.peer_base[%llu] is 0", r);
     }
   }
+  // kernels write the whole sync region (call headers included): nothing may start inside it
+  if (d->lamport_off < d->sync_off + UBNEXT_SYNC_BYTES || d->data_off < d->sync_off + UBNEXT_SYNC_BYTES) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "host_desc places the Lamport buffers (+%llu) or data (+%llu) inside the %d-byte sync "
+                "region at +%llu",
+                d->lamport_off, d->data_off, UBNEXT_SYNC_BYTES, d->sync_off);
+  }
   const bool wants_multicast = kAlgos[algo].needs_multicast ||
                                (launch->flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST);
   if (wants_multicast && d->mc_base == 0) {

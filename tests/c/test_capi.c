@@ -315,6 +315,9 @@ static void test_launch_struct(void) {
   g_desc.peer_base[1] = 0;
   EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, a + 4096, 64), INV,
          "peer_base[1]");
+  reset_fixture();
+  g_desc.lamport_off = UBNEXT_DESC_BYTES + 65536; /* the v1 layout: Lamport buffers in the call headers */
+  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, a + 4096, 64), INV, "inside the 81920-byte sync region");
 }
 
 static void test_rmsnorm_arguments(void) {

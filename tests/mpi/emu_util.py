@@ -42,7 +42,7 @@ def pack_desc(*, rank, nranks, peer_bases, timeout_ns=0, err_ptr=0, mc_base=0, s
     """ubnext_comm_desc as a uint64 array (magic, rank, nranks, timeout_ns, err_ptr, mc_base,
     sync_off, lamport_off, lamport_slot_bytes, data_off, pool_bytes, reserved[5], peer_base[16])."""
     d = np.zeros(16 + MAX_RANKS, np.uint64)
-    d[:11] = [0x55424E5800000001, rank, nranks, timeout_ns, err_ptr, mc_base, sync_off, lamport_off,
+    d[:11] = [0x55424E5800000002, rank, nranks, timeout_ns, err_ptr, mc_base, sync_off, lamport_off,
               lamport_slot_bytes, data_off, pool_bytes]
     d[16:16 + nranks] = peer_bases
     return d

@@ -37,6 +37,7 @@ BROKEN = {
     "no_release": ["paths"],         # barrier signal without release: flag overtakes the data
     "skip_barrier": ["paths"],       # two-shot barrier does not wait: peers read half-written data
     "no_header_check": ["divergent"],  # call headers not compared: differing offsets reduce wrong memory
+    "single_header_slot": ["header_race"],  # one header slot: a rank a call ahead overwrites it
 }
 
 

@@ -534,38 +534,44 @@ def case_linear():
 
 
 def case_divergent():
-    """Ranks whose pool histories differ: rank 0 holds one extra pool tensor, then every rank
-    reduces a fresh pool tensor in place. On every in-place path the result is either right or
-    the same clear error on every rank, naming the offsets; never wrong data."""
+    """Ranks whose pool histories differ: rank 0 holds one extra pool tensor (memory its garbage
+    collector has not returned yet), then every rank reduces a fresh pool tensor in place.
+    Through comm.empty (which agrees on offsets) the result is right on every path. With raw pool
+    tensors that bypass the agreement, the kernels' call headers must turn the differing offsets
+    into the same clear error on every rank; never wrong data."""
     if MODE != "emulator":
         return
     n, rank = dist.get_world_size(), dist.get_rank()
     inputs = [T.rank_input(r, 8192, torch.bfloat16, 41) for r in range(n)]
     want = T.reference_sum(inputs)
-    for algo in ("twoshot", "nvls_twoshot", "nvls", "auto"):
-        comm = ubnext.Communicator(emulate=True, max_hidden=4096, algo=algo)
-        extra = comm.empty(3000, dtype=torch.bfloat16) if rank == 0 else None
-        x = comm.empty(8192, dtype=torch.bfloat16)
-        x.copy_(inputs[rank])
-        try:
-            comm.all_reduce(x, out=x)
-            outcome = "ok"
-        except ubnext.UbnextError as exc:
-            outcome = str(exc)
-        outcomes = gather((outcome, comm.last_path))
-        path = comm.last_path
-        if outcome == "ok":
-            err = (x.double() - want).abs()
-            assert (err <= T.allreduce_bound(inputs, torch.bfloat16)).all(), \
-                f"{algo} ({path}): {int((err > T.allreduce_bound(inputs, torch.bfloat16)).sum())} wrong elements, no error"
-        else:
-            assert "in offset" in outcome and "but rank" in outcome, outcome
-            assert f"rank {rank} with in offset" in outcome, outcome
-        assert all((o == "ok") == (outcome == "ok") for o, _ in outcomes), f"{algo}: ranks disagree: {outcomes}"
-        if path in ("twoshot", "nvls_twoshot"):  # they reduce x where it lies (nvls_lamport stages it)
-            assert outcome != "ok", f"{algo} ({path}) read peers at differing offsets without an error"
-        del extra
-        comm.close()
+    bound = T.allreduce_bound(inputs, torch.bfloat16)
+    for agreed in (True, False):
+        for algo in ("twoshot", "nvls_twoshot", "nvls", "auto"):
+            comm = ubnext.Communicator(emulate=True, max_hidden=4096, algo=algo)
+            comm.pool  # collective creation before the ranks' histories diverge
+            extra = comm.pool.empty((3000,), torch.bfloat16) if rank == 0 else None
+            x = comm.empty(8192, dtype=torch.bfloat16) if agreed else comm.pool.empty((8192,), torch.bfloat16)
+            x.copy_(inputs[rank])
+            try:
+                comm.all_reduce(x, out=x)
+                outcome = "ok"
+            except ubnext.UbnextError as exc:
+                outcome = str(exc)
+            outcomes = gather((outcome, comm.last_path))
+            path = comm.last_path
+            where = f"{algo} ({path}, {'comm.empty' if agreed else 'raw pool tensors'})"
+            if outcome == "ok":
+                err = (x.double() - want).abs()
+                assert (err <= bound).all(), f"{where}: {int((err > bound).sum())} wrong elements, no error"
+            else:
+                assert f"rank {rank} with in offset" in outcome and "but rank" in outcome, outcome
+            assert all((o == "ok") == (outcome == "ok") for o, _ in outcomes), f"{where}: ranks disagree: {outcomes}"
+            if agreed:
+                assert outcome == "ok", f"{where}: {outcome}"
+            elif path in ("twoshot", "nvls_twoshot"):  # they reduce x where it lies (nvls_lamport stages it)
+                assert outcome != "ok", f"{where}: read peers at differing offsets without an error"
+            del extra, x
+            comm.close()
 
 
 def case_fp8_nan():
@@ -604,7 +610,9 @@ def case_header_race():
     if MODE != "emulator":
         return
     rank = dist.get_rank()
-    for algo in ("nvls_lamport", "twoshot"):
+    # nvls_lamport has one barrier per call, so a peer can be a whole call ahead at the header's
+    # barrier (kernels with two barriers cannot race on headers)
+    for algo in ("nvls_lamport",):
         comm = ubnext.Communicator(emulate=True, max_hidden=4096, algo=algo)
         comm._geometry = lambda algo, n, elem, tokens, fused: (4, 64)
         for i in range(200):
@@ -624,20 +632,29 @@ def case_uneven_history():
     if MODE != "emulator":
         return
     n, rank = dist.get_world_size(), dist.get_rank()
-    comm = ubnext.Communicator(emulate=True, max_hidden=4096, algo="twoshot")
+    for algo in ("twoshot", "nvls"):
+        _uneven_history(n, rank, algo)
+
+
+def _uneven_history(n, rank, algo):
+    comm = ubnext.Communicator(emulate=True, max_hidden=4096, algo=algo)
     stats = comm.pool_stats()
     held = []
     if rank == 0:
-        while True:  # fill the eager arena with 64 KiB tensors until it falls back
-            t = comm.empty(16384, dtype=torch.float32)
-            if not comm.pool.contains(t):
-                break
-            held.append(t)
+        # fill the eager arena with 64 KiB tensors, through the pool directly (rank-local, as
+        # memory the garbage collector has not yet returned on one rank only)
+        from ubnext.pool import NoRoom
+
+        try:
+            while True:
+                held.append(comm.pool.empty((16384,), torch.float32))
+        except NoRoom:
+            pass
     numel = stats["staging_bytes"] // 4 // 2  # fp32, half the staging region
     inputs = [T.rank_input(r, numel, torch.float32, 13) for r in range(n)]
     out = comm.all_reduce(inputs[rank])
     paths = gather(comm.last_path)
-    assert len(set(paths)) == 1 and paths[0] == "twoshot", f"ranks took different paths: {paths}"
+    assert len(set(paths)) == 1, f"{algo}: ranks took different paths: {paths}"
     err = (out.double() - T.reference_sum(inputs)).abs()
     assert (err <= T.allreduce_bound(inputs, torch.float32)).all(), "wrong sum"
     # the row-parallel GEMM + allreduce (ubnext.nn.Linear 'ubnext'): the GEMM output goes to the
@@ -650,8 +667,20 @@ def case_uneven_history():
     w = torch.randint(-2, 3, (32, 64), generator=gen).float()
     y = ops.linear_all_reduce(xs[rank], w, comm.key)
     paths = gather(comm.last_path)
-    assert len(set(paths)) == 1 and paths[0] == "twoshot", f"linear: ranks took different paths: {paths}"
-    assert torch.equal(y.double(), sum(x.double() @ w.double().t() for x in xs)), "linear_all_reduce: wrong sum"
+    assert len(set(paths)) == 1, f"linear: ranks took different paths: {paths}"
+    want = sum(x.double() @ w.double().t() for x in xs)
+    assert torch.equal(y.double(), want), "linear_all_reduce: wrong sum"
+    # the result is the caller's: the next call (which reuses the staging region) leaves it alone
+    ops.linear_all_reduce(-xs[rank], w, comm.key)
+    assert torch.equal(y.double(), want) and not comm.pool.contains(y), "linear_all_reduce returned pool memory"
+    # comm.empty is agreed: rank 0's arena is full, so every rank gets an ordinary tensor, and
+    # the in-place allreduce the README shows still works
+    p = comm.empty(4096, dtype=torch.float32)
+    assert not comm.pool.contains(p), "a pool tensor on a rank whose peer has none"
+    p.copy_(inputs[rank][:4096])
+    comm.all_reduce(p, out=p)
+    err = (p.double() - T.reference_sum([t[:4096] for t in inputs])).abs()
+    assert (err <= T.allreduce_bound([t[:4096] for t in inputs], torch.float32)).all(), "comm.empty in place: wrong sum"
     held.clear()
     comm.close()
 
