@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.gpu,
 
 NGPU = torch.cuda.device_count() if _cuda.gpu_available() else 0
 CASES = ["allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "pool", "bad_input",
-         "linear", "compile", "cuda_graph", "timeout"]
+         "linear", "compile", "cuda_graph", "misaligned", "fp8_nan", "divergent", "uneven_history",
+         "header_race", "kernel_failure", "timeout"]
 
 
 def test_every_kernel_loads_on_this_gpu():

@@ -7,7 +7,6 @@ mpirun end the job; pytest asserts the exit status.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
@@ -539,7 +538,7 @@ def case_divergent():
     Through comm.empty (which agrees on offsets) the result is right on every path. With raw pool
     tensors that bypass the agreement, the kernels' call headers must turn the differing offsets
     into the same clear error on every rank; never wrong data."""
-    if MODE != "emulator":
+    if MODE == "torch":
         return
     n, rank = dist.get_world_size(), dist.get_rank()
     inputs = [T.rank_input(r, 8192, torch.bfloat16, 41) for r in range(n)]
@@ -547,7 +546,7 @@ def case_divergent():
     bound = T.allreduce_bound(inputs, torch.bfloat16)
     for agreed in (True, False):
         for algo in ("twoshot", "nvls_twoshot", "nvls", "auto"):
-            comm = ubnext.Communicator(emulate=True, max_hidden=4096, algo=algo)
+            comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo)
             comm.pool  # collective creation before the ranks' histories diverge
             extra = comm.pool.empty((3000,), torch.bfloat16) if rank == 0 else None
             x = comm.empty(8192, dtype=torch.bfloat16) if agreed else comm.pool.empty((8192,), torch.bfloat16)
@@ -561,7 +560,7 @@ def case_divergent():
             path = comm.last_path
             where = f"{algo} ({path}, {'comm.empty' if agreed else 'raw pool tensors'})"
             if outcome == "ok":
-                err = (x.double() - want).abs()
+                err = (x.double().cpu() - want).abs()
                 assert (err <= bound).all(), f"{where}: {int((err > bound).sum())} wrong elements, no error"
             else:
                 assert f"rank {rank} with in offset" in outcome and "but rank" in outcome, outcome
@@ -579,7 +578,7 @@ def case_fp8_nan():
     torch fallback included (torch's amax and clamp propagate NaN); other rows stay finite."""
     rank = dist.get_rank()
     tokens, hidden = 3, 256
-    paths = ("lamport", "nvls_twoshot", "twoshot", "nvls_lamport") if MODE == "emulator" else ("torch",)
+    paths = ("lamport", "nvls_twoshot", "twoshot", "nvls_lamport") if MODE != "torch" else ("torch",)
     for path in paths:
         COMM._algo = path
         try:
@@ -595,7 +594,7 @@ def case_fp8_nan():
                 assert torch.isnan(scale_inv[1]) and torch.isfinite(scale_inv[[0, 2]]).all(), f"{where}: {scale_inv}"
                 q = out.float()
                 assert torch.isnan(q[1]).all() and not torch.isnan(q[[0, 2]]).any(), where
-                runnable = MODE != "emulator" or COMM.pool.has_multicast or not path.startswith("nvls")
+                runnable = MODE == "torch" or COMM.pool.has_multicast or not path.startswith("nvls")
                 assert COMM.last_path == path or not runnable, (path, COMM.last_path)
         finally:
             COMM._algo = None
@@ -607,17 +606,17 @@ def case_header_race():
     by epoch parity). A grid wider than the work (as a C API caller may launch) leaves blocks with
     nothing to exchange, which lets a fast rank run ahead; the sizes alternate, so a header read
     from the wrong call is a mismatch."""
-    if MODE != "emulator":
+    if MODE == "torch":
         return
     rank = dist.get_rank()
     # nvls_lamport has one barrier per call, so a peer can be a whole call ahead at the header's
     # barrier (kernels with two barriers cannot race on headers)
     for algo in ("nvls_lamport",):
-        comm = ubnext.Communicator(emulate=True, max_hidden=4096, algo=algo)
+        comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo)
         comm._geometry = lambda algo, n, elem, tokens, fused: (4, 64)
         for i in range(200):
             numel = 512 if i % 2 == 0 else 1024
-            x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16)
+            x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device())
             y = comm.all_reduce(x)
             n = dist.get_world_size()
             assert torch.all(y == n * (n + 1) / 2), (algo, i, y[:4])
@@ -629,7 +628,7 @@ def case_uneven_history():
     """Rank 0 has filled its eager arena, the others have not: every rank still takes the same
     path (planning and staging depend on the pool's layout, not on what a rank allocated), and
     the sums are right."""
-    if MODE != "emulator":
+    if MODE == "torch":
         return
     n, rank = dist.get_world_size(), dist.get_rank()
     for algo in ("twoshot", "nvls"):
@@ -637,7 +636,7 @@ def case_uneven_history():
 
 
 def _uneven_history(n, rank, algo):
-    comm = ubnext.Communicator(emulate=True, max_hidden=4096, algo=algo)
+    comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo)
     stats = comm.pool_stats()
     held = []
     if rank == 0:
@@ -652,7 +651,7 @@ def _uneven_history(n, rank, algo):
             pass
     numel = stats["staging_bytes"] // 4 // 2  # fp32, half the staging region
     inputs = [T.rank_input(r, numel, torch.float32, 13) for r in range(n)]
-    out = comm.all_reduce(inputs[rank])
+    out = comm.all_reduce(inputs[rank].to(device())).cpu()
     paths = gather(comm.last_path)
     assert len(set(paths)) == 1, f"{algo}: ranks took different paths: {paths}"
     err = (out.double() - T.reference_sum(inputs)).abs()
@@ -665,10 +664,12 @@ def _uneven_history(n, rank, algo):
     gen = torch.Generator().manual_seed(7)
     xs = [torch.randint(-2, 3, (8, 64), generator=gen).float() for _ in range(n)]
     w = torch.randint(-2, 3, (32, 64), generator=gen).float()
+    xs, w = [x.to(device()) for x in xs], w.to(device())
     y = ops.linear_all_reduce(xs[rank], w, comm.key)
     paths = gather(comm.last_path)
     assert len(set(paths)) == 1, f"linear: ranks took different paths: {paths}"
     want = sum(x.double() @ w.double().t() for x in xs)
+    # exact also if a GPU multiplies in tf32: the operands and products are small integers
     assert torch.equal(y.double(), want), "linear_all_reduce: wrong sum"
     # the result is the caller's: the next call (which reuses the staging region) leaves it alone
     ops.linear_all_reduce(-xs[rank], w, comm.key)
@@ -679,7 +680,7 @@ def _uneven_history(n, rank, algo):
     assert not comm.pool.contains(p), "a pool tensor on a rank whose peer has none"
     p.copy_(inputs[rank][:4096])
     comm.all_reduce(p, out=p)
-    err = (p.double() - T.reference_sum([t[:4096] for t in inputs])).abs()
+    err = (p.double().cpu() - T.reference_sum([t[:4096] for t in inputs])).abs()
     assert (err <= T.allreduce_bound([t[:4096] for t in inputs], torch.float32)).all(), "comm.empty in place: wrong sum"
     held.clear()
     comm.close()
@@ -744,27 +745,28 @@ def case_misaligned_unstaged():
 def case_kernel_failure():
     """A rank that cannot build or load the kernels sends every rank to the torch path, agreed,
     with the cause logged; the sums stay right."""
-    from ubnext import _emu
+    from ubnext import _emu, kernels
 
+    if MODE == "torch":
+        return
     rank, n = dist.get_rank(), dist.get_world_size()
-    real_load = _emu.load
+    real_load, real_load_all = _emu.load, kernels.load_all
 
     def broken_load(*args, **kwargs):
         raise _emu.EmulatorError("injected: g++ failed")
 
     if rank == n - 1:
-        _emu.load = broken_load
+        _emu.load = kernels.load_all = broken_load
     try:
         with ubnext.Communicator(emulate=(MODE == "emulator")) as comm:
             x = torch.full((4096,), float(rank + 1), device=device())
             y = comm.all_reduce(x)
             assert torch.equal(y, torch.full_like(x, n * (n + 1) / 2)), y[:4]
             assert comm.last_path == "torch", comm.last_path
-            if MODE == "emulator":
-                reason = comm.pool_stats()["reason"]
-                assert f"rank {n - 1}: EmulatorError: injected" in reason, reason
+            reason = comm.pool_stats()["reason"]
+            assert f"rank {n - 1}: EmulatorError: injected" in reason, reason
     finally:
-        _emu.load = real_load
+        _emu.load, kernels.load_all = real_load, real_load_all
 
 
 def case_compile():
