@@ -182,6 +182,7 @@ class Communicator:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         emulate = envs.get("UBNEXT_EMULATE") if emulate is None else bool(emulate)
+        self._sm_count = 0  # GPUs only: the grid bound, agreed at pool creation
         if emulate:
             self.mode, self.device = "emulator", torch.device("cpu")
         elif gpu_available():
@@ -269,7 +270,7 @@ class Communicator:
     def _create_pool(self) -> SymmetricPool | None:
         # kernels first: a rank that cannot build or load them sends every rank to the torch path;
         # the grid bound is agreed too (blocks wait on the same blocks of their peers)
-        reports = self._allgather((self._prepare_kernels(), getattr(self, "_sm_count", 0)))
+        reports = self._allgather((self._prepare_kernels(), self._sm_count))
         if self.mode == "gpu":
             self._sm_count = min(sm for _, sm in reports)
         errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(reports) if e]
@@ -395,8 +396,8 @@ class Communicator:
         self._broken = msg
         raise UbnextTimeoutError(msg) if code == ERR_TIMEOUT else UbnextError(msg)
 
-    def _check_device(self, *tensors: torch.Tensor) -> None:
-        for name, x in zip(("x", "out", "weight"), tensors):
+    def _check_device(self, **tensors: torch.Tensor) -> None:
+        for name, x in tensors.items():
             if x.device != self.device and not (x.device.type == self.device.type == "cuda" and x.device.index is None):
                 raise ValueError(f"{name} is on {x.device}, but this communicator works on {self.device}")
 
@@ -527,7 +528,7 @@ class Communicator:
     def _all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x."""
         check_all_reduce_args(x, out)
-        self._check_device(x, out)
+        self._check_device(x=x, out=out)
         self._check_usable()
         self._check_same_across_ranks(("all_reduce", tuple(x.shape), str(x.dtype)))
         if self.world_size == 1 or x.numel() == 0:
@@ -559,9 +560,12 @@ class Communicator:
         """A view of the pool's staging region (ops.linear_all_reduce's GEMM output), or None
         when there is no pool or the shape does not fit."""
         pool = self.pool if self.mode != "torch" else None
-        if pool is None or math.prod(shape) * _element_size(dtype) > pool.layout.staging_bytes:
+        if pool is None:
             return None
-        return pool.staging(shape, dtype)
+        try:
+            return pool.staging(shape, dtype)
+        except NoRoom:
+            return None
 
     def _in_place(self, path: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if out is x and self._pool.contains(x) and not _misaligned(x):
@@ -609,7 +613,7 @@ class Communicator:
 
     def _all_reduce_torch_symm(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
         check_all_reduce_args(x)
-        self._check_device(x)
+        self._check_device(x=x)
         self._check_usable()
         usable = self.mode == "gpu" and hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, op_name)
         if not usable or self.world_size == 1:
@@ -640,7 +644,7 @@ class Communicator:
                                 eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
         """The fused op itself (torch.ops.ubnext.all_reduce_add_rmsnorm's implementation)."""
         check_fused_args(x, residual, weight, eps, out_dtype == FP8, scale)
-        self._check_device(x, residual, weight)
+        self._check_device(x=x, residual=residual, weight=weight)
         hidden = x.shape[-1]
         self._check_usable()
         self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), str(out_dtype)))
@@ -664,8 +668,8 @@ class Communicator:
             scale_inv = None
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         residual_out = torch.empty_like(residual)
-        # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool, so x is
-        # staged there unless it already lives in it (they overwrite it: never the caller's x)
+        # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool and
+        # overwrite their input, so x is always staged (never the caller's x)
         inp = x if path == "lamport" else self._pool.staging(x.shape, x.dtype).copy_(x)
         self._launch(path, x.dtype, inp=inp, out=out, residual=residual, residual_out=residual_out,
                      weight=weight, scale=scale, scale_inv=scale_inv, hidden=hidden, eps=eps, flags=flags)
