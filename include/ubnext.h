@@ -284,15 +284,17 @@ UBNEXT_API ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* l
 /* ---------------------------------------------------------------------------------------- */
 
 /* Reads and clears the error word that kernels of this communicator write (host_desc->err_ptr:
- * host-visible uint32_t[UBNEXT_ERR_WORDS] = {code, op, rank, peer, field, mine, theirs, 0},
+ * host-visible uint32_t[UBNEXT_ERR_WORDS] = {code, op, rank, peer, field, mine, theirs, aborted},
  * mapped pinned memory). Returns SUCCESS if no kernel reported an error, TIMEOUT (last-error
  * text names the op, this rank and the peer it waited for), INVALID_ARGUMENT when ranks made
  * different calls (UBNEXT_ERR_MISMATCH: the text names the differing call-header field and both
  * values, e.g. the pool offsets of `in`) or when a kernel is still writing the word, or INTERNAL
  * (unknown code). Not collective, no CUDA call, not ordered with
  * any stream: call it after synchronising the stream (or polling an event) so that the
- * kernels that could write it have finished. After a timeout the communicator's sync state
- * is undefined; rebuild it before the next collective. */
+ * kernels that could write it have finished. A timeout or a mismatch aborts the communicator
+ * on every rank: every later kernel of it returns at once and reports the original failure again
+ * (the text then starts "communicator aborted: "). Rebuild it (a fresh, zeroed sync region)
+ * before the next collective. */
 UBNEXT_API ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_desc);
 
 #ifdef __cplusplus

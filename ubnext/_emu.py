@@ -51,11 +51,13 @@ BREAKS = {
     "skip_barrier": "UBNEXT_BREAK_SKIP_BARRIER",
     "no_header_check": "UBNEXT_BREAK_NO_HEADER_CHECK",
     "single_header_slot": "UBNEXT_BREAK_SINGLE_HEADER_SLOT",
+    "no_abort_check": "UBNEXT_BREAK_NO_ABORT_CHECK",
+    "no_proxy_fence": "UBNEXT_BREAK_NO_PROXY_FENCE",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")
 MAX_RANKS = 16
-TRAFFIC_WORDS = 4 * MAX_RANKS + 6
+TRAFFIC_WORDS = 4 * MAX_RANKS + 7
 _ERRLEN = 1024
 
 
@@ -172,6 +174,7 @@ class Traffic:
     mc_ld_reduce_ops: int
     mc_red_bytes: int
     mc_red_ops: int
+    peer_atomic_ops: int  # atomics on a peer's memory: none allowed (PCIe peers may lack them)
 
 
 _ARG_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
@@ -204,12 +207,14 @@ class Emulator:
         self._lib = lib
         self._watchdog_s: float | None = None
 
-    def launch(self, kernel: str, grid: int, block: int, args: Sequence[tuple[str, object]]) -> None:
+    def launch(self, kernel: str, grid: int, block: int, args: Sequence[tuple[str, object]],
+               *, timeout_s: float | None = None) -> None:
         """Run ``kernel`` (extern "C" in the library) on ``grid`` x ``block`` emulated threads,
         synchronously. ``args`` is the kernel's parameter list as (type, value) pairs, type in
         "ptr" (int address or 0/None), "i32", "f32". Raises EmulatorError on failure. A launch
-        that does not end within the watchdog (default 3 x UBNEXT_TIMEOUT) aborts the process
-        with a report: a hang must not outlive the test that caused it."""
+        that does not end within the watchdog (``set_watchdog``, else 3 x the kernels' timeout
+        ``timeout_s``, else 3 x UBNEXT_TIMEOUT or 30 min) aborts the process with a report: a
+        hang must not outlive the test that caused it."""
         if len(args) != 12:
             raise EmulatorError(f"{kernel}: the kernel ABI has 12 parameters, got {len(args)}")
         values = []
@@ -219,7 +224,7 @@ class Emulator:
             # numpy scalars and None are accepted: convert to the Python type ctypes wants
             values.append(_ARG_TYPES[kind](float(value or 0) if kind == "f32" else int(value or 0)))
         ptrs = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        watchdog = self._watchdog_s if self._watchdog_s is not None else 3.0 * envs.get("UBNEXT_TIMEOUT")
+        watchdog = self._watchdog_s or 3.0 * (timeout_s or envs.get("UBNEXT_TIMEOUT") or 1800.0)
         self._lib.ubnext_emu_set_watchdog_ns(int(watchdog * 1e9))
         err = ctypes.create_string_buffer(_ERRLEN)
         rc = self._lib.ubnext_emu_launch(kernel.encode(), int(grid), int(block), ptrs, err, _ERRLEN)
@@ -228,7 +233,7 @@ class Emulator:
                                 f"{err.value.decode(errors='replace')}")
 
     def set_watchdog(self, seconds: float | None) -> None:
-        """Override the watchdog bound of later launches (None: 3 x UBNEXT_TIMEOUT)."""
+        """Override the watchdog bound of later launches (None: from the kernels' timeout)."""
         self._watchdog_s = seconds
 
     def register(self, rank: int, nranks: int, peer_bases: Sequence[int], nbytes: int, mc_base: int = 0) -> int:
@@ -266,7 +271,7 @@ class Emulator:
         w = list(words)
         r = MAX_RANKS
         return Traffic(tuple(w[0:r]), tuple(w[r:2 * r]), tuple(w[2 * r:3 * r]), tuple(w[3 * r:4 * r]),
-                       *w[4 * r:4 * r + 6])
+                       *w[4 * r:4 * r + 7])
 
     def configure(self, chaos: bool, seed: int = 0) -> None:
         """Chaos mode on/off for later launches; seed 0 derives one from the time and pid."""

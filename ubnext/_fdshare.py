@@ -24,6 +24,7 @@ from . import envs
 __all__ = ["exchange_fds"]
 
 _MSG = struct.Struct("<i")
+FD_EXCHANGE_TIMEOUT_S = 300.0  # when UBNEXT_TIMEOUT is unset
 
 
 def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], list],
@@ -38,7 +39,8 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
     if not 0 <= rank < nranks:
         raise ValueError(f"rank {rank} outside [0, {nranks})")
     senders = list(range(nranks)) if only_from is None else [only_from]
-    timeout = envs.get("UBNEXT_TIMEOUT")
+    # every rank arrives from the same allgather, so only a dead peer makes this wait long
+    timeout = envs.get("UBNEXT_TIMEOUT") or FD_EXCHANGE_TIMEOUT_S
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     result = [-1] * nranks
     try:

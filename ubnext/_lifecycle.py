@@ -35,6 +35,26 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("ubnext")
 
+# torch's own default (torch.distributed.constants.default_pg_timeout), for a group whose backend
+# does not say
+_DEFAULT_GROUP_TIMEOUT_S = 1800.0
+
+
+def kernel_timeout_s(group, device: torch.device) -> float:
+    """How long a kernel waits for a peer before it aborts the communicator: ``UBNEXT_TIMEOUT``
+    if set, else the timeout of ``group``'s backend for ``device``, the bound torch.distributed
+    itself applies (NCCL's watchdog, gloo's wait). Host drift shorter than that (a checkpoint
+    written by one rank, a first-use compile) is waited out, as NCCL would."""
+    bound = envs.get("UBNEXT_TIMEOUT")
+    if bound:
+        return float(bound)
+    try:
+        backend = group._get_backend(torch.device(device.type))
+        return float(backend.options._timeout.total_seconds())
+    except Exception as exc:  # noqa: BLE001 - a backend without options: torch's default
+        log.debug("ubnext: no timeout on the group's backend (%s); using %g s", exc, _DEFAULT_GROUP_TIMEOUT_S)
+        return _DEFAULT_GROUP_TIMEOUT_S
+
 _lock = threading.Lock()
 _registry: "weakref.WeakValueDictionary[str, Communicator]" = weakref.WeakValueDictionary()
 # communicators cached per process group (ubnext.get_communicator): group_name -> Communicator
@@ -98,8 +118,11 @@ def bootstrap() -> None:
         )
     use_gpu = gpu_available()
     backend = "nccl" if use_gpu else "gloo"
-    # a rank that dies must not leave its peers waiting for gloo's default 30 minutes
-    timeout = datetime.timedelta(seconds=max(60.0, 4 * envs.get("UBNEXT_TIMEOUT")))
+    # the group's timeout is also the kernels' default bound (kernel_timeout_s): torch's default
+    # unless UBNEXT_TIMEOUT asks for a shorter one
+    bound = envs.get("UBNEXT_TIMEOUT")
+    timeout = (datetime.timedelta(seconds=max(60.0, 4 * bound)) if bound
+               else dist.distributed_c10d._get_default_timeout(backend))
     kwargs: dict[str, Any] = {"backend": backend, "rank": info["rank"],
                               "world_size": info["world_size"], "timeout": timeout}
     if info["launcher"] == "torchrun":

@@ -270,10 +270,13 @@ class Communicator:
     def _create_pool(self) -> SymmetricPool | None:
         # kernels first: a rank that cannot build or load them sends every rank to the torch path;
         # the grid bound is agreed too (blocks wait on the same blocks of their peers)
-        reports = self._allgather((self._prepare_kernels(), self._sm_count))
+        timeout_s = _lifecycle.kernel_timeout_s(self.group, self.device)
+        reports = self._allgather((self._prepare_kernels(), self._sm_count, timeout_s))
         if self.mode == "gpu":
-            self._sm_count = min(sm for _, sm in reports)
-        errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(reports) if e]
+            self._sm_count = min(sm for _, sm, _ in reports)
+        # the longest: no rank gives up on a peer that another rank is still willing to wait for
+        timeout_s = max(t for _, _, t in reports)
+        errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(reports) if e]
         if errors:
             self._pool_error = f"ubnext kernels unavailable ({'; '.join(errors)})"
             log.warning("%s; using torch.distributed", self._pool_error)
@@ -282,7 +285,7 @@ class Communicator:
         pool, error = None, None
         try:
             pool = SymmetricPool(layout=layout, rank=self.rank, group=self.group, device=self.device,
-                                 allgather=self._allgather, barrier=self._barrier)
+                                 allgather=self._allgather, barrier=self._barrier, timeout_s=timeout_s)
         except (RuntimeError, OSError, ImportError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         # every rank must agree, or one rank launches kernels its peers never join
@@ -379,20 +382,24 @@ class Communicator:
         if self.device.type == "cuda":
             # the details are complete once the writing kernel has ended (csrc/device/barrier.cuh)
             torch.cuda.synchronize(self.device)
-        code, op, rank, peer, field, mine, theirs, _ = (int(v) & 0xFFFFFFFF for v in pool.err_word.tolist())
+        code, op, rank, peer, field, mine, theirs, aborted = (int(v) & 0xFFFFFFFF for v in pool.err_word.tolist())
         op_name = _OP_NAMES.get(op, f"op {op}")
-        timeout = envs.get("UBNEXT_TIMEOUT")
         if code == ERR_TIMEOUT:
-            msg = (f"ubnext {op_name} allreduce: rank {rank} timed out after {timeout:g} s "
-                   f"(UBNEXT_TIMEOUT) waiting for peer {peer}")
+            cause = (f"rank {rank} timed out in {op_name} after {pool.timeout_s:g} s (UBNEXT_TIMEOUT, else the "
+                     f"process group's timeout) waiting for peer {peer}")
         elif code == ERR_MISMATCH:
             name = _HEADER_FIELDS.get(field, f"header word {field}")
-            msg = (f"ubnext {op_name}: ranks called it with different arguments: rank {rank} with {name} "
-                   f"{_header_value(field, mine)} but rank {peer} with {name} {_header_value(field, theirs)}; "
-                   "every rank must make the same calls, and pool tensors it reduces in place must sit "
-                   "at the same offset on every rank (allocate and free them in the same order)")
+            cause = (f"ranks called {op_name} with different arguments: rank {rank} with {name} "
+                     f"{_header_value(field, mine)} but rank {peer} with {name} {_header_value(field, theirs)}; "
+                     "every rank must make the same calls, and pool tensors it reduces in place must sit "
+                     "at the same offset on every rank (allocate and free them in the same order)")
         else:
-            msg = f"ubnext {op_name}: kernel reported error code {code:#x} on rank {rank} (peer {peer})"
+            cause = f"{op_name} reported error code {code:#x} on rank {rank} (peer {peer})"
+        if aborted:
+            # this rank stopped because the communicator had been aborted (csrc/device/barrier.cuh)
+            msg = f"ubnext: the communicator was aborted on every rank (seen by rank {self.rank}) because {cause}"
+        else:
+            msg = f"ubnext {op_name} allreduce: {cause}"
         self._broken = msg
         raise UbnextTimeoutError(msg) if code == ERR_TIMEOUT else UbnextError(msg)
 
@@ -493,7 +500,8 @@ class Communicator:
         values = [pool.desc_ptr, ptr(inp), ptr(out), ptr(residual), ptr(residual_out), ptr(weight),
                   ptr(scale), ptr(scale_inv), n, hidden, float(eps), flags]
         if self.mode == "emulator":
-            self._emu.launch(name, grid, block, list(zip((k for _, k in kernels.KERNEL_SIGNATURE), values)))
+            self._emu.launch(name, grid, block, list(zip((k for _, k in kernels.KERNEL_SIGNATURE), values)),
+                             timeout_s=pool.timeout_s)
             if int(pool.err_word[0]):
                 self._raise_kernel_error(pool)
         else:

@@ -101,8 +101,10 @@ VARIABLES: dict[str, Var] = {
             aliases=("NVTE_UB_SYMM_POOL_SIZE",)),
         Var("UBNEXT_POOL_BACKEND", _choice(*POOL_BACKENDS), "auto", "|".join(POOL_BACKENDS),
             "Symmetric memory backend. auto: torch_symm on GPUs, then vmm; emulator on CPU."),
-        Var("UBNEXT_TIMEOUT", _positive_float, 30.0, "seconds > 0",
-            "Bound on every wait across ranks; past it the op fails naming op, rank and peer."),
+        Var("UBNEXT_TIMEOUT", _positive_float, None, "seconds > 0",
+            "Bound on every wait across ranks inside a kernel (unset: the process group's timeout). "
+            "Past it the op fails naming op, rank and peer, and the communicator is aborted on "
+            "every rank."),
         Var("UBNEXT_EMULATE", _bool, False, "0|1",
             "Run ubnext kernels on the CPU emulator (CPU tensors) instead of torch.distributed."),
         Var("UBNEXT_EMU_CHAOS", _bool, False, "0|1",
@@ -114,8 +116,9 @@ VARIABLES: dict[str, Var] = {
         Var("UBNEXT_EMU_SEED", _nonnegative_int, 0, "integer >= 0",
             "Seed of the emulator's chaos mode (0: derived from time and rank)."),
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
-                                     "single_header_slot"), "",
-            "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot",
+                                     "single_header_slot", "no_abort_check", "no_proxy_fence"), "",
+            "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
+            "no_proxy_fence",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),

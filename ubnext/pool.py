@@ -436,8 +436,9 @@ class SymmetricPool:
 
     def __init__(self, *, layout: PoolLayout, rank: int, group, device: torch.device,
                  allgather: Callable[[object], list], barrier: Callable[[], None],
-                 backend: str | None = None):
+                 timeout_s: float, backend: str | None = None):
         self.layout = layout
+        self.timeout_s = timeout_s  # the kernels' bound on every wait for a peer
         self.rank = rank
         self._allgather = allgather
         name = backend or envs.get("UBNEXT_POOL_BACKEND")
@@ -497,7 +498,7 @@ class SymmetricPool:
         lay = self.layout
         desc = pack_desc(
             rank=self.rank, nranks=lay.nranks,
-            timeout_ns=int(envs.get("UBNEXT_TIMEOUT") * 1e9),
+            timeout_ns=int(self.timeout_s * 1e9),
             err_ptr=self._err_ptr, mc_base=self.mc_base, layout=lay,
             peer_bases=self.backend.peer_bases,
         )

@@ -40,13 +40,29 @@
 // lane p compares peer p's header with ours. A difference is reported as UBNEXT_ERR_MISMATCH
 // naming the field and both values, and the barrier fails on every rank.
 //
-// After a timeout the epochs of the ranks no longer agree: the communicator is unusable and must be
-// re-created (the sync region is zeroed at init). That is the documented contract for timeouts.
+// Sticky abort. A timeout or a header mismatch aborts the communicator on every rank: the rank that
+// detects it writes its failure into record [rank] of every rank's sync region and then sets each rank's
+// abort flag (release). Every wait (barrier, Lamport poll) reads the local flag on a time base
+// (UBX_ABORT_POLL_NS: a wait that ends sooner never reads it; the flag is device memory, never the host
+// word), and every barrier kernel reads it once at entry, so that:
+//   - the peers of a failed rank stop waiting at once instead of each timing out on its own;
+//   - a late rank, arriving after its peers gave up, returns at once instead of matching a barrier its
+//     peers have left and touching memory they have reused (without the flag it would pass the first
+//     barrier on the signals its peers sent before timing out);
+//   - every later kernel of the communicator returns at once, on every rank, and reports the cause.
+// A rank that stops because of the flag reports the recorded failure (error word `aborted` = 1). The
+// epochs no longer agree after an abort: the communicator is unusable for good and a new one must be
+// created (its sync region is zeroed at init). Lamport kernels check the flag at entry and in their polls.
+// UBNEXT_BREAK_NO_ABORT_CHECK (test-only) never reads the flag (failures are still recorded).
 #pragma once
 
 #include "platform.cuh"
 #include "desc.cuh"
 #include "ptx.cuh"
+
+#ifndef UBX_ABORT_POLL_NS
+#define UBX_ABORT_POLL_NS 50000ull /* a waiting thread reads the local abort flag once per 50 us */
+#endif
 
 #ifndef UBNEXT_DEFAULT_TIMEOUT_NS
 #define UBNEXT_DEFAULT_TIMEOUT_NS 10000000000ull /* used when desc->timeout_ns == 0 */
@@ -77,26 +93,67 @@ UBX_DEV uint64_t timeout_ns(const ubnext_comm_desc* d) {
   return t ? t : UBNEXT_DEFAULT_TIMEOUT_NS;
 }
 
-// Record an error in the host-visible error word (desc.cuh: UBNEXT_ERR_WORDS). The first failing
-// thread wins: it claims the word by CAS of code 0 -> BUSY, writes the details, fences, and only then
-// stores the final code with release, so a reader that sees a final code sees its details. Pollers
-// treat any non-zero code (BUSY included) as "someone failed".
-UBX_DEV void report_error(const ubnext_comm_desc* d, uint32_t code, uint32_t op, uint32_t peer,
-                          uint32_t field = 0, uint32_t mine = 0, uint32_t theirs = 0) {
+// Fill the host-visible error word (desc.cuh: UBNEXT_ERR_WORDS) unless another thread already has. The
+// first thread claims it by CAS of code 0 -> BUSY, writes the details, and only then stores the final
+// code with release, so a reader that sees a final code sees its details.
+UBX_DEV void write_error_word(const ubnext_comm_desc* d, const uint32_t (&w)[UBNEXT_ERR_WORDS]) {
   uint32_t* err = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->err_ptr));
   if (err == nullptr) return;
   if (atom_cas_relaxed_sys_u32(err, 0u, UBNEXT_ERR_BUSY) != 0u) return;
-  st_relaxed_sys_u32(err + 1, op);
-  st_relaxed_sys_u32(err + 2, static_cast<uint32_t>(d->rank));
-  st_relaxed_sys_u32(err + 3, peer);
-  st_relaxed_sys_u32(err + 4, field);
-  st_relaxed_sys_u32(err + 5, mine);
-  st_relaxed_sys_u32(err + 6, theirs);
-  st_release_sys_u32(err, code);
+  for (int i = 1; i < UBNEXT_ERR_WORDS; ++i) st_relaxed_sys_u32(err + i, w[i]);
+  st_release_sys_u32(err, w[0]);
+}
+
+// This rank's abort flag: 0, or 1 + the rank whose failure aborted the communicator.
+UBX_DEV uint32_t abort_flag(const ubnext_comm_desc* d) {
+#if !defined(UBNEXT_BREAK_NO_ABORT_CHECK)
+  return ld_acquire_sys_u32(sync_words(d, static_cast<uint32_t>(d->rank)) + UBNEXT_SYNC_ABORT);
+#else
+  (void)d;
+  return 0u;  // test-only broken build: nobody learns of an abort
+#endif
+}
+
+// A failure this thread detected: into the error word, and (first failure of this rank only) into every
+// rank's sync region, which aborts the communicator everywhere (see "Sticky abort" above). Plain stores
+// to the peers, no peer atomics; our own region first.
+UBX_DEV void report_error(const ubnext_comm_desc* d, uint32_t code, uint32_t op, uint32_t peer,
+                          uint32_t field = 0, uint32_t mine = 0, uint32_t theirs = 0) {
+  const uint32_t me = static_cast<uint32_t>(d->rank), nranks = static_cast<uint32_t>(d->nranks);
+  const uint32_t w[UBNEXT_ERR_WORDS] = {code, op, me, peer, field, mine, theirs, 0u};
+  write_error_word(d, w);
+  if (atom_cas_relaxed_sys_u32(sync_words(d, me) + UBNEXT_SYNC_ABORT_CLAIM, 0u, 1u) != 0u) return;
+  const uint32_t rec[6] = {code, op, peer, field, mine, theirs};
+  for (uint32_t i = 0; i < nranks; ++i) {
+    uint32_t* region = sync_words(d, (me + i) % nranks);
+    for (int k = 0; k < 6; ++k) st_relaxed_sys_u32(region + UBNEXT_SYNC_ABORT_RECORD + me * 8u + k, rec[k]);
+    st_release_sys_u32(region + UBNEXT_SYNC_ABORT, me + 1u);  // publishes the record
+  }
 }
 
 UBX_DEV void report_timeout(const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
   report_error(d, UBNEXT_ERR_TIMEOUT, op, peer);
+}
+
+// The communicator was found aborted (flag = 1 + r, read with acquire): report rank r's recorded failure.
+UBX_DEV void adopt_abort(const ubnext_comm_desc* d, uint32_t flag) {
+  const uint32_t r = (flag - 1u) % UBNEXT_MAX_RANKS;
+  const uint32_t* rec = sync_words(d, static_cast<uint32_t>(d->rank)) + UBNEXT_SYNC_ABORT_RECORD + r * 8u;
+  uint32_t v[6];
+  for (int k = 0; k < 6; ++k) v[k] = ld_volatile_u32(rec + k);
+  const uint32_t w[UBNEXT_ERR_WORDS] = {v[0], v[1], r, v[2], v[3], v[4], v[5], 1u};
+  write_error_word(d, w);
+}
+
+// Inside a wait: true if the communicator has been aborted (then reported). Reads the flag only once
+// `now` has reached `next_check`, then schedules the next read one period later.
+UBX_DEV bool abort_seen(const ubnext_comm_desc* d, uint64_t now, uint64_t& next_check) {
+  if (now < next_check) return false;
+  next_check = now + UBX_ABORT_POLL_NS;
+  const uint32_t f = abort_flag(d);
+  if (f == 0u) return false;
+  adopt_abort(d, f);
+  return true;
 }
 
 // What this rank was asked to do, as the 4 words peers compare (desc.cuh: UBNEXT_HDR_*). Only
@@ -112,30 +169,37 @@ UBX_DEV uint4 call_header(uint32_t op, uint32_t dtype, int n, int hidden, int fl
 // Wrap-safe "a has reached b".
 UBX_DEV bool epoch_reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
 
-// Spin (acquire, .sys) until *flag has reached `target`; false after `limit` ns.
-UBX_DEV bool wait_flag_reached(const uint32_t* flag, uint32_t target, uint64_t limit) {
-  if (epoch_reached(ld_acquire_sys_u32(flag), target)) return true;
+enum WaitResult { kArrived = 0, kTimedOut = 1, kAborted = 2 };
+
+// Spin (acquire, .sys) until *flag has reached `target`, at most `limit` ns, watching the abort flag.
+UBX_DEV WaitResult wait_flag_reached(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target,
+                                     uint64_t limit) {
+  if (epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
   const uint64_t t0 = globaltimer_ns();
+  uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
   for (;;) {
     spin_pause();
-    if (epoch_reached(ld_acquire_sys_u32(flag), target)) return true;
-    if (globaltimer_ns() - t0 > limit) return false;
+    if (epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
+    const uint64_t now = globaltimer_ns();
+    if (abort_seen(d, now, next_check)) return kAborted;
+    if (now - t0 > limit) return kTimedOut;
   }
 }
 
 // Lamport-style poll of one 16-byte vector until no 32-bit word is the sentinel 0x80000000 (vec.cuh's
 // is_ready rule, restated here so that this header does not need vec.cuh). On timeout report
-// {TIMEOUT, op, rank, peer}; give up silently when some thread already reported (checked every 256
-// spins), so that a dead peer costs one timeout rather than one per thread.
+// {TIMEOUT, op, rank, peer}; stop when the communicator is aborted (by that report from any thread,
+// here or on a peer), so that a dead peer costs one timeout rather than one per thread.
 UBX_DEV bool poll_ready_v4(const void* addr, uint4& v, const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
-  const uint32_t* err = reinterpret_cast<const uint32_t*>(static_cast<uint64_t>(d->err_ptr));
   const uint64_t limit = timeout_ns(d);
   const uint64_t t0 = globaltimer_ns();
-  for (uint32_t it = 1;; ++it) {
+  uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
+  for (;;) {
     v = ld_volatile_v4(addr);
     if ((v.x != 0x80000000u) & (v.y != 0x80000000u) & (v.z != 0x80000000u) & (v.w != 0x80000000u)) return true;
-    if ((it & 255u) == 0u && err != nullptr && ld_volatile_u32(err) != 0u) return false;
-    if (globaltimer_ns() - t0 > limit) {
+    const uint64_t now = globaltimer_ns();
+    if (abort_seen(d, now, next_check)) return false;
+    if (now - t0 > limit) {
       report_timeout(d, op, peer);
       return false;
     }
@@ -153,6 +217,7 @@ struct RankBarrier {
   uint32_t* signal;       // lane 0 (multicast) or lane p (peer p's copy of slot [b][rank]); else null
   const uint32_t* wait;   // lane p != rank, p < nranks: our copy of slot [b][p]; else null
   uint64_t limit_ns;
+  uint32_t abort_at_open;  // lane 0: the abort flag, read at kernel entry (checked by the first sync)
   uint32_t epoch;         // the last epoch this block reached (register copy, written back each sync)
   uint32_t op;
   // call header, published with the first signal and compared after the first wait
@@ -174,6 +239,7 @@ UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op, const u
   br.signal = nullptr;
   br.wait = nullptr;
   br.limit_ns = 0;
+  br.abort_at_open = 0;
   br.epoch = 0;
   if (threadIdx.x < 32) {
     const uint32_t lane = threadIdx.x;
@@ -184,7 +250,10 @@ UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op, const u
     uint32_t* my_sync = sync_words(d, rank);
     const uint32_t slot = UBNEXT_SYNC_BARRIER_FLAG + b * UBNEXT_MAX_RANKS + rank;
     br.epoch_word = my_sync + UBNEXT_SYNC_BARRIER_EPOCH + b;
-    if (lane == 0) br.epoch = *br.epoch_word;
+    if (lane == 0) {
+      br.epoch = *br.epoch_word;
+      br.abort_at_open = abort_flag(d);
+    }
     br.epoch = __shfl_sync(0xffffffffu, br.epoch, 0);
     if (mc != 0) {
       if (lane == 0) br.signal = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(mc + d->sync_off)) + slot;
@@ -221,67 +290,84 @@ UBX_DEV RankBarrier barrier_open_checked(const ubnext_comm_desc* d, uint32_t op,
   return barrier_open(d, op, &header);
 }
 
+// Steps 2-4 of the protocol for lane `lane` of warp 0 (and the call-header check); 1 if it failed.
+UBX_DEV uint32_t barrier_signal_and_wait(RankBarrier& br, uint32_t lane) {
+  const uint32_t epoch = ++br.epoch;
+  if (lane == 0) *br.epoch_word = epoch;  // persist for the next kernel; nobody waits on it
+  if (br.header_out != nullptr) {  // before the signal, whose release publishes it
+    if (br.d->mc_base != 0)
+      multimem_st_v4(br.header_out, br.header);
+    else
+      st_relaxed_sys_v4(br.header_out, br.header);
+  }
+  if (br.signal != nullptr) {
+#if !defined(UBNEXT_BREAK_NO_RELEASE)
+    if (br.d->mc_base != 0) {
+      multimem_st_release_u32(br.signal, epoch);
+      fence_proxy_alias();  // our multicast release, then unicast acquire polls (ptx.cuh)
+    } else {
+      st_release_sys_u32(br.signal, epoch);
+    }
+#else
+    // Test-only broken build: a relaxed signal publishes nothing, so the block's earlier stores (the
+    // two-shot broadcast) may reach a peer after the flag does. The integration tests must catch it.
+    if (br.d->mc_base != 0)
+      multimem_st_relaxed_u32(br.signal, epoch);
+    else
+      st_relaxed_sys_u32(br.signal, epoch);
+#endif
+  }
+  uint32_t failed = 0;
+#if !defined(UBNEXT_BREAK_SKIP_BARRIER)
+  if (br.wait != nullptr) {
+    const WaitResult r = wait_flag_reached(br.d, br.wait, epoch, br.limit_ns);
+    if (r == kTimedOut) report_timeout(br.d, br.op, lane);  // lane p waits for peer p: the timeout names it
+    failed = r != kArrived;
+  }
+#if !defined(UBNEXT_BREAK_NO_HEADER_CHECK)
+  // Peer p's header came with its signal (ordered by our acquire of it). Every rank compares
+  // every peer, so a difference is seen on every rank, at this same barrier: all of them leave
+  // before touching data, and their epochs stay in step.
+  if (!failed && br.header_in != nullptr) {
+    const uint4 theirs = ld_relaxed_sys_v4(br.header_in);
+    const uint32_t m[4] = {br.header.x, br.header.y, br.header.z, br.header.w};
+    const uint32_t t[4] = {theirs.x, theirs.y, theirs.z, theirs.w};
+    for (uint32_t f = 0; f < 4; ++f) {
+      if (m[f] != t[f]) {
+        report_error(br.d, UBNEXT_ERR_MISMATCH, br.op, lane, f, m[f], t[f]);
+        failed = 1;
+        break;
+      }
+    }
+  }
+#endif
+  br.header_pending = false;
+  br.header_out = nullptr;
+  br.header_in = nullptr;
+#else
+  // Test-only broken build: signal but never wait. The integration tests must catch the
+  // resulting races (stale or partially reduced data), proving that they exercise the barrier.
+#endif
+  return failed;
+}
+
 // One barrier. Collective over the whole block (every thread calls it, uniformly). Returns true when
-// block blockIdx.x of every rank has arrived; false on timeout (reported; the caller must leave the
+// block blockIdx.x of every rank has arrived; false on timeout, header mismatch or abort (reported; the caller must leave the
 // kernel's cross-rank work: every thread of the block gets `false`).
 UBX_DEV bool barrier_sync(RankBarrier& br) {
   __shared__ uint32_t s_failed;
   __syncthreads();  // every thread's earlier accesses of this block happen before the signal
   if (threadIdx.x < 32) {
     const uint32_t lane = threadIdx.x;
-    const uint32_t epoch = ++br.epoch;
-    if (lane == 0) *br.epoch_word = epoch;  // persist for the next kernel; nobody waits on it
-    if (br.header_out != nullptr) {  // before the signal, whose release publishes it
-      if (br.d->mc_base != 0)
-        multimem_st_v4(br.header_out, br.header);
-      else
-        st_relaxed_sys_v4(br.header_out, br.header);
+    // found aborted at kernel entry: leave before signalling or touching anything
+    const uint32_t aborted = __shfl_sync(0xffffffffu, br.abort_at_open, 0);
+    br.abort_at_open = 0;
+    uint32_t failed = aborted != 0u;
+    if (aborted != 0u) {
+      if (lane == 0) adopt_abort(br.d, aborted);
+    } else {
+      failed = barrier_signal_and_wait(br, lane);
     }
-    if (br.signal != nullptr) {
-#if !defined(UBNEXT_BREAK_NO_RELEASE)
-      if (br.d->mc_base != 0)
-        multimem_st_release_u32(br.signal, epoch);
-      else
-        st_release_sys_u32(br.signal, epoch);
-#else
-      // Test-only broken build: a relaxed signal publishes nothing, so the block's earlier stores (the
-      // two-shot broadcast) may reach a peer after the flag does. The integration tests must catch it.
-      if (br.d->mc_base != 0)
-        multimem_st_relaxed_u32(br.signal, epoch);
-      else
-        st_relaxed_sys_u32(br.signal, epoch);
-#endif
-    }
-    uint32_t failed = 0;
-#if !defined(UBNEXT_BREAK_SKIP_BARRIER)
-    if (br.wait != nullptr && !wait_flag_reached(br.wait, epoch, br.limit_ns)) {
-      report_timeout(br.d, br.op, lane);  // lane p waits for peer p: the timeout names it
-      failed = 1;
-    }
-#if !defined(UBNEXT_BREAK_NO_HEADER_CHECK)
-    // Peer p's header came with its signal (ordered by our acquire of it). Every rank compares
-    // every peer, so a difference is seen on every rank, at this same barrier: all of them leave
-    // before touching data, and their epochs stay in step.
-    if (!failed && br.header_in != nullptr) {
-      const uint4 theirs = ld_relaxed_sys_v4(br.header_in);
-      const uint32_t m[4] = {br.header.x, br.header.y, br.header.z, br.header.w};
-      const uint32_t t[4] = {theirs.x, theirs.y, theirs.z, theirs.w};
-      for (uint32_t f = 0; f < 4; ++f) {
-        if (m[f] != t[f]) {
-          report_error(br.d, UBNEXT_ERR_MISMATCH, br.op, lane, f, m[f], t[f]);
-          failed = 1;
-          break;
-        }
-      }
-    }
-#endif
-    br.header_pending = false;
-    br.header_out = nullptr;
-    br.header_in = nullptr;
-#else
-    // Test-only broken build: signal but never wait. The integration tests must catch the
-    // resulting races (stale or partially reduced data), proving that they exercise the barrier.
-#endif
     failed = __any_sync(0xffffffffu, failed);
     if (lane == 0) s_failed = failed;
   }

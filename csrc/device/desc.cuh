@@ -15,9 +15,12 @@
 #define UBNEXT_F_FP8_PER_TOKEN 4
 #define UBNEXT_F_MULTICAST 8
 
-/* The error word, err_ptr[0..7] = {code, op, rank, peer, field, mine, theirs, 0}: the first
+/* The error word, err_ptr[0..7] = {code, op, rank, peer, field, mine, theirs, aborted}: the first
  * kernel thread to fail claims it by CAS of code from 0 to UBNEXT_ERR_BUSY, writes the other words,
- * then stores the final code with release (which orders them before it). field/mine/theirs are set for a mismatch only. */
+ * then stores the final code with release (which orders them before it). field/mine/theirs are set for
+ * a mismatch only. `rank` is the rank that detected the failure; aborted = 1 when this rank stopped
+ * because the communicator had been aborted (by that rank, or by this one in an earlier launch), not
+ * because it detected the failure itself in this launch. */
 #define UBNEXT_ERR_WORDS 8
 #define UBNEXT_ERR_BUSY 0xffffffffu
 #define UBNEXT_ERR_TIMEOUT 1
@@ -50,6 +53,14 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_SYNC_LAMPORT_CALL 0
 #define UBNEXT_SYNC_LAMPORT_BLOCKS_DONE 1
 #define UBNEXT_SYNC_LAMPORT_BYTES 2 /* [3] */
+/* Sticky abort (barrier.cuh): 0, or 1 + the rank whose failure aborted the communicator. Any rank
+ * sets it in every rank's sync region (plain release stores; every writer writes a valid value). */
+#define UBNEXT_SYNC_ABORT 8
+/* Local: 0 until this rank has broadcast its abort (CAS 0 -> 1 by the first failing thread). */
+#define UBNEXT_SYNC_ABORT_CLAIM 9
+/* [UBNEXT_MAX_RANKS][8] words: record [r] is written only by rank r, before it sets ABORT:
+ * {code, op, peer, field, mine, theirs, 0, 0} of the failure rank r detected. */
+#define UBNEXT_SYNC_ABORT_RECORD 256
 #define UBNEXT_SYNC_BARRIER_EPOCH 64 /* [UBNEXT_MAX_BLOCKS], local */
 #define UBNEXT_SYNC_BARRIER_FLAG 1024 /* [UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS], peers write */
 /* Call headers, published with the first barrier signal of every kernel that reads its peers'

@@ -70,6 +70,19 @@ UBX_DEV uint32_t ld_acquire_sys_u32(const uint32_t* p) {
   return v;
 }
 
+// An ordinary 16-byte load, for memory that this kernel may have written through the multicast alias
+// (read back after fence_proxy_alias). On the GPU it is the plain load the compiler would emit; the
+// emulator routes it through its memory model, whose chaos mode checks the proxy fence.
+UBX_DEV uint4 ld_plain_v4(const void* p) {
+#if defined(UBNEXT_EMULATOR)
+  uint4 v;
+  ::ubx_emu::mem_load(&v, p, 16, ::ubx_emu::kRelaxed);
+  return v;
+#else
+  return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
 // ---------------------------------------------------------------- stores
 UBX_DEV void st_volatile_v4(void* p, uint4 v) {
 #if defined(UBNEXT_EMULATOR)
@@ -98,6 +111,15 @@ UBX_DEV void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
   ::ubx_emu::mem_store(p, &v, 4, ::ubx_emu::kRelaxed);
 #else
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+#endif
+}
+
+// 16 bits: the inside half of a 32-bit word that a message ends in the middle of (slices.cuh).
+UBX_DEV void st_relaxed_sys_u16(uint16_t* p, uint16_t v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_store(p, &v, 2, ::ubx_emu::kRelaxed);
+#else
+  asm volatile("st.relaxed.sys.global.u16 [%0], %1;" : : "l"(p), "h"(v) : "memory");
 #endif
 }
 
@@ -132,8 +154,8 @@ UBX_DEV uint32_t atom_add_acq_rel_gpu_u32(uint32_t* p, uint32_t v) {
 #endif
 }
 
-// Returns the old value. Generic addressing (no .global): the target is the host-visible error
-// word, which is mapped host memory rather than device memory.
+// Returns the old value. Generic addressing (no .global): the targets are the host-visible error
+// word (mapped host memory) and this rank's own sync region; never a peer's memory.
 UBX_DEV uint32_t atom_cas_relaxed_sys_u32(uint32_t* p, uint32_t cmp, uint32_t val) {
 #if defined(UBNEXT_EMULATOR)
   return ::ubx_emu::atomic_cas_u32(p, cmp, val, ::ubx_emu::kRelaxed);
@@ -160,6 +182,21 @@ UBX_DEV void fence_acq_rel_gpu() {
   ::ubx_emu::fence();
 #else
   asm volatile("fence.acq_rel.gpu;" : : : "memory");
+#endif
+}
+
+// Orders this thread's accesses through one virtual address before its later accesses through another
+// that maps the same memory: a multicast address and the unicast mapping of the same bytes are distinct
+// proxies in the PTX memory consistency model (PTX ISA, "Memory Consistency Model" > "Proxies";
+// CUDA Programming Guide, Virtual Memory Management > "Virtual Aliasing Support"). Needed wherever a
+// kernel reads through unicast what it (or, through a barrier, its block) wrote through multicast.
+// UBNEXT_BREAK_NO_PROXY_FENCE (test-only) drops it; the emulator's chaos mode then returns stale data.
+UBX_DEV void fence_proxy_alias() {
+#if defined(UBNEXT_BREAK_NO_PROXY_FENCE)
+#elif defined(UBNEXT_EMULATOR)
+  ::ubx_emu::fence_proxy_alias();
+#else
+  asm volatile("fence.proxy.alias;" : : : "memory");
 #endif
 }
 

@@ -148,13 +148,21 @@ UBX_DEV void for_my_slice(const Slices& s, uint32_t rank, Load& load, Store& sto
   }
 }
 
+// load_vec of this rank's copy of `in` after the exchange, which nvls_twoshot wrote through the
+// multicast alias: whole vectors through ld_plain_v4 (ptx.cuh), the load the emulator's proxy model sees.
+template <typename T>
+UBX_DEV uint4 load_exchanged_vec(const void* base, int64_t gi, int64_t n) {
+  if ((gi + 1) * DType<T>::kElems <= n) return ld_plain_v4(reinterpret_cast<const uint4*>(base) + gi);
+  return load_vec<T>(base, gi, n);
+}
+
 // Reduced values that already lie in local memory (T bits): the two-shot kernels after the exchange.
 template <typename T>
 struct LocalSrc {
   const void* x;
   int64_t n;
   UBX_DEV bool operator()(int64_t gi, float (&s)[DType<T>::kElems]) const {
-    unpack<T>(load_vec<T>(x, gi, n), s);
+    unpack<T>(load_exchanged_vec<T>(x, gi, n), s);
     return true;
   }
 };
@@ -183,7 +191,7 @@ UBX_DEV void copy_all_portions(const Slices& s, uint32_t nranks, const void* fro
   for (int64_t j = global_tid(); j < s.cv; j += global_threads())
     for (uint32_t r = 0; r < nranks; ++r) {
       const int64_t gi = static_cast<int64_t>(r) * s.cv + j;
-      if (gi < s.nv) store_vec<T>(to, gi, n, load_vec<T>(from, gi, n));
+      if (gi < s.nv) store_vec<T>(to, gi, n, load_exchanged_vec<T>(from, gi, n));
     }
 }
 
@@ -209,8 +217,9 @@ UBX_DEV void twoshot_local_phase(const Slices& sl, uint32_t nranks, const void* 
 // are mapped; their values are summed too but never stored anywhere a caller can see. Stores of it must
 // not touch the bytes past n (they may belong to the caller: `in` can be a view of a larger pool tensor),
 // so the partial vector goes to each rank with 32-bit relaxed .sys stores, and a 32-bit word that is half
-// inside (16-bit types, odd n) is merged by CAS so that the outside half keeps its bits. At most one
-// vector per call takes this path; peer atomics need NVLink (or PCIe atomics) between the GPUs.
+// inside (16-bit types, odd n) gets a 16-bit store of its inside half. No atomics: peer atomics may be
+// missing between GPUs on PCIe, and none is needed, since no other thread writes those bytes in this
+// call and the barrier after the exchange orders the stores before any reader.
 template <typename T>
 UBX_DEV void store_partial_sys(void* vec, const uint4& v, int64_t valid /* elements inside, 0 < valid < V */) {
   uint32_t* w = reinterpret_cast<uint32_t*>(vec);
@@ -220,13 +229,8 @@ UBX_DEV void store_partial_sys(void* vec, const uint4& v, int64_t valid /* eleme
     const uint32_t x = vec_word(v, k);
     if (e0 + kPerWord <= valid) {
       st_relaxed_sys_u32(w + k, x);
-    } else if (e0 < valid) {  // 16-bit type: only the low half (element e0) is inside
-      uint32_t old = ld_volatile_u32(w + k);
-      for (;;) {
-        const uint32_t seen = atom_cas_relaxed_sys_u32(w + k, old, (old & 0xFFFF0000u) | (x & 0xFFFFu));
-        if (seen == old) break;
-        old = seen;
-      }
+    } else if (e0 < valid) {  // 16-bit type: only the low half (element e0, the lower address) is inside
+      st_relaxed_sys_u16(reinterpret_cast<uint16_t*>(w + k), static_cast<uint16_t>(x & 0xFFFFu));
     }
   }
 }

@@ -16,8 +16,8 @@ extern "C" {
 #define UBNEXT_EMU_MAX_GRID 128
 /* Words of ubnext_emu_traffic: [peer_store_bytes[16], peer_store_ops[16], peer_load_bytes[16],
  * peer_load_ops[16], mc_store_bytes, mc_store_ops, mc_ld_reduce_bytes, mc_ld_reduce_ops,
- * mc_red_bytes, mc_red_ops]. */
-#define UBNEXT_EMU_TRAFFIC_WORDS (4 * UBNEXT_EMU_MAX_RANKS + 6)
+ * mc_red_bytes, mc_red_ops, peer_atomic_ops]. */
+#define UBNEXT_EMU_TRAFFIC_WORDS (4 * UBNEXT_EMU_MAX_RANKS + 7)
 
 /* Launch kernel `kernel` (an extern "C" kernel of this library with the collective ABI of
  * docs/ARCHITECTURE.md) with `grid` blocks of `block` threads; args[i] points to parameter i,

@@ -38,12 +38,22 @@ struct PendingStore {
   uint32_t data[4];
 };
 
+// A multicast store as the issuing thread's unicast loads may still see it (chaos mode's proxy model,
+// memory.cpp): the bytes every copy held before it.
+struct McShadow {
+  int region;
+  uint64_t off;
+  uint32_t bytes;
+  uint32_t old[UBNEXT_EMU_MAX_RANKS][4];
+};
+
 struct Traffic {
   uint64_t peer_store_bytes[UBNEXT_EMU_MAX_RANKS];
   uint64_t peer_store_ops[UBNEXT_EMU_MAX_RANKS];
   uint64_t peer_load_bytes[UBNEXT_EMU_MAX_RANKS];
   uint64_t peer_load_ops[UBNEXT_EMU_MAX_RANKS];
   uint64_t mc_store_bytes, mc_store_ops, mc_ld_bytes, mc_ld_ops, mc_red_bytes, mc_red_ops;
+  uint64_t peer_atomic_ops;  // atomics on a peer's memory (PCIe peers may not support them)
   void add(const Traffic& o) {
     const uint64_t* a = reinterpret_cast<const uint64_t*>(&o);
     uint64_t* b = reinterpret_cast<uint64_t*>(this);
@@ -61,6 +71,7 @@ struct Fiber {
   unsigned linear = 0;
   FiberState state = kRunnable;
   std::vector<PendingStore> sbuf;  // chaos store buffer of this CUDA thread
+  std::vector<McShadow> mc_shadow;  // its multicast stores not yet fenced by fence.proxy.alias
   uint32_t xchg_value = 0;
   int xchg_src = -1;
   uint32_t xchg_result = 0;

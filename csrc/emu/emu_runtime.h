@@ -12,13 +12,16 @@ enum Order { kRelaxed = 0, kAcquire = 1, kRelease = 2, kAcqRel = 3 };
 // Element types of multimem.ld_reduce.
 enum McType { kMcBf16 = 0, kMcF16 = 1, kMcF32 = 2 };
 
-// Loads/stores of 4 or 16 bytes (16 must be 16-byte aligned). Every call is a scheduling point:
+// Loads/stores of 4 or 16 bytes (stores also 2) (16 must be 16-byte aligned). Every call is a scheduling point:
 // the calling emulated thread yields so that a spinning thread never starves the others.
 void mem_load(void* dst, const void* src, unsigned bytes, int order);
 void mem_store(void* dst, const void* src, unsigned bytes, int order);
 uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order);                 // returns old
 uint32_t atomic_cas_u32(uint32_t* p, uint32_t cmp, uint32_t val, int order);  // returns old
 void fence();
+// fence.proxy.alias: ends the window in which this thread's unicast loads may miss its own multicast
+// stores (chaos mode's proxy model, memory.cpp).
+void fence_proxy_alias();
 
 // Multicast: `mc` lies in a registered multicast range; the twin acts on every rank's copy.
 void mc_ld_reduce(void* dst16, const void* mc, int mc_type);

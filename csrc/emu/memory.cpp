@@ -12,6 +12,11 @@
 //   - random delays (extra yields, short OS-level stalls) at every access;
 //   - multimem.ld_reduce sums the ranks' copies in a random rank order; multimem stores and reds
 //     reach the ranks' copies in a random order.
+//   - proxies: a multicast address and the unicast mapping of the same bytes are distinct proxies
+//     (PTX ISA, "Proxies"). Until the storing thread executes fence.proxy.alias, its own unicast
+//     loads of bytes it stored through multicast return what they held before the store (always,
+//     so that a missing fence is caught rather than merely possible); other threads see the store.
+//     Its own later unicast store to those bytes ends the window for them.
 // Traffic counters see every twin access: unicast bytes/ops per peer rank, multicast bytes/ops
 // once per access.
 #include <sys/mman.h>
@@ -88,12 +93,19 @@ static void count_unicast(Block& b, const Where& w, unsigned bytes, bool store) 
 }
 
 // ------------------------------------------------------------------------------ raw access
+// 2-byte accesses are stores only (the 16-bit half of a partial vector, slices.cuh).
 static inline void words_load(void* dst, const void* src, unsigned bytes, int mo) {
   const uint32_t* s = static_cast<const uint32_t*>(src);
   uint32_t* d = static_cast<uint32_t*>(dst);
   for (unsigned i = 0; i < bytes / 4; ++i) d[i] = __atomic_load_n(s + i, mo);
 }
 static inline void words_store(void* dst, const void* src, unsigned bytes, int mo) {
+  if (bytes == 2) {
+    uint16_t h;
+    memcpy(&h, src, 2);
+    __atomic_store_n(static_cast<uint16_t*>(dst), h, mo);
+    return;
+  }
   uint32_t* d = static_cast<uint32_t*>(dst);
   const uint32_t* s = static_cast<const uint32_t*>(src);
   for (unsigned i = 0; i < bytes / 4; ++i) __atomic_store_n(d + i, s[i], mo);
@@ -244,15 +256,65 @@ static const Region& mc_region(const Where& w, const void* p, const char* what) 
   return g_regions[w.region];
 }
 
+// ------------------------------------------------------------------------------ proxies
+static constexpr size_t kMaxShadows = 256;  // beyond that the oldest is forgotten (as if fenced)
+
+static bool shadow_overlaps(const McShadow& s, const Where& w, unsigned bytes) {
+  return s.region == w.region && s.off < w.off + bytes && w.off < s.off + s.bytes;
+}
+
+// Before a multicast store of the running thread (chaos mode): remember every copy's old bytes.
+static void shadow_mc_store(Block& b, const Where& w, const Region& r, unsigned bytes) {
+  std::vector<McShadow>& sh = b.cur->mc_shadow;
+  for (size_t i = 0; i < sh.size();)
+    if (shadow_overlaps(sh[i], w, bytes)) sh.erase(sh.begin() + long(i));
+    else ++i;
+  if (sh.size() >= kMaxShadows) sh.erase(sh.begin());
+  McShadow s{};
+  s.region = w.region;
+  s.off = w.off;
+  s.bytes = bytes;
+  for (int p = 0; p < r.nranks; ++p)
+    words_load(s.old[p], reinterpret_cast<const void*>(r.base[p] + w.off), bytes >= 4 ? bytes : 4, __ATOMIC_RELAXED);
+  sh.push_back(s);
+}
+
+// A unicast load of the running thread: bytes it stored through multicast and has not fenced read old.
+static void shadow_load(Block& b, const Where& w, void* dst, unsigned bytes) {
+  if (w.region < 0 || w.rank < 0) return;
+  for (const McShadow& s : b.cur->mc_shadow) {
+    if (!shadow_overlaps(s, w, bytes)) continue;
+    const uint64_t lo = s.off > w.off ? s.off : w.off;
+    const uint64_t hi = (s.off + s.bytes < w.off + bytes) ? s.off + s.bytes : w.off + bytes;
+    memcpy(static_cast<char*>(dst) + (lo - w.off), reinterpret_cast<const char*>(s.old[w.rank]) + (lo - s.off),
+           size_t(hi - lo));
+  }
+}
+
+// A unicast store or atomic of the running thread: its own newer bytes end the window for them.
+static void shadow_forget(Block& b, const Where& w, unsigned bytes) {
+  std::vector<McShadow>& sh = b.cur->mc_shadow;
+  for (size_t i = 0; i < sh.size();)
+    if (w.rank >= 0 && shadow_overlaps(sh[i], w, bytes)) sh.erase(sh.begin() + long(i));
+    else ++i;
+}
+
+void fence_proxy_alias() {
+  if (Block* b = enter(true)) b->cur->mc_shadow.clear();
+}
+
 // ------------------------------------------------------------------------------ twins
 void mem_load(void* dst, const void* src, unsigned bytes, int order) {
   if (bytes >= 8) check_aligned(src, bytes, "vector load");
-  if (Block* b = enter(false)) {
-    const Where w = locate(reinterpret_cast<uint64_t>(src));
+  Block* b = enter(false);
+  Where w{-1, -1, 0};
+  if (b) {
+    w = locate(reinterpret_cast<uint64_t>(src));
     drain_overlapping(*b, w, bytes);
     count_unicast(*b, w, bytes, false);
   }
   words_load(dst, src, bytes, memorder(order, true));
+  if (b && !b->cur->mc_shadow.empty()) shadow_load(*b, w, dst, bytes);
 }
 
 void mem_store(void* dst, const void* src, unsigned bytes, int order) {
@@ -261,6 +323,7 @@ void mem_store(void* dst, const void* src, unsigned bytes, int order) {
   if (b) {
     const Where w = locate(reinterpret_cast<uint64_t>(dst));
     count_unicast(*b, w, bytes, true);
+    if (!b->cur->mc_shadow.empty()) shadow_forget(*b, w, bytes);
     if (order == kRelease || order == kAcqRel) {
       drain_for_release(*b);
     } else if (b->chaos) {
@@ -274,6 +337,8 @@ void mem_store(void* dst, const void* src, unsigned bytes, int order) {
 static void before_atomic(Block& b, const void* p, int order) {
   const Where w = locate(reinterpret_cast<uint64_t>(p));
   count_unicast(b, w, 4, true);
+  if (w.region >= 0 && w.rank >= 0 && w.rank != g_regions[w.region].rank) b.traffic.peer_atomic_ops += 1;
+  if (!b.cur->mc_shadow.empty()) shadow_forget(b, w, 4);
   if (order == kRelease || order == kAcqRel) drain_for_release(b);
   else drain_overlapping(b, w, 4);
 }
@@ -393,6 +458,10 @@ void mc_store(void* mc, const void* src, unsigned bytes, int order) {
   if (b) {
     b->traffic.mc_store_bytes += bytes;
     b->traffic.mc_store_ops += 1;
+    if (b->chaos) {
+      drain_overlapping(*b, w, bytes);  // the thread's own older stores are part of "before"
+      shadow_mc_store(*b, w, g_regions[w.region], bytes);
+    }
     if (order == kRelease || order == kAcqRel) {
       drain_for_release(*b);
     } else if (b->chaos) {

@@ -331,6 +331,7 @@ static void run_block(Block& b, char* arena) {
     f.linear = i;
     f.state = kRunnable;
     f.sbuf.clear();
+    f.mc_shadow.clear();
     f.stack_lo = arena + size_t(i) * kStackBytes;
     *reinterpret_cast<uint64_t*>(f.stack_lo) = kCanary;
     ctx_init(f, f.stack_lo + kStackBytes);

@@ -113,6 +113,20 @@ extern "C" __global__ void ubnext_emu_selftest_multicast(EMU_ST_PARAMS) {
   }
 }
 
+// Proxy model (chaos mode): thread t multicast-stores vector t, then reads it back through this rank's
+// unicast copy, with fence.proxy.alias between the two when flags & 1. out (uint4 [n]): what it read.
+// Vectors start zeroed; the stored value is (t + 1, 0xabcd, rank, 7).
+extern "C" __global__ void ubnext_emu_selftest_proxy(EMU_ST_PARAMS) {
+  const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
+  uint4* o = static_cast<uint4*>(out);
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
+    ubx::multimem_st_v4(reinterpret_cast<void*>(d->mc_base + uint64_t(t) * 16),
+                        make_uint4(uint32_t(t + 1), 0xabcdu, uint32_t(d->rank), 7u));
+    if (flags & 1) ubx::fence_proxy_alias();
+    o[t] = ubx::ld_plain_v4(reinterpret_cast<const void*>(d->peer_base[d->rank] + uint64_t(t) * 16));
+  }
+}
+
 // Message-passing litmus test: writers push data then a flag, readers wait for the flag and check
 // the data. Pairs by threadIdx, `n` messages each; all words zeroed beforehand.
 //   desc == 0 (one process): block 0 threads write, block 1 threads read (grid 2); the words are

@@ -515,6 +515,8 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
   uint32_t w[UBNEXT_ERR_WORDS];
   for (int i = 1; i < UBNEXT_ERR_WORDS; ++i) w[i] = __atomic_load_n(&word[i], __ATOMIC_RELAXED);
   const uint32_t op = w[1], rank = w[2], peer = w[3];
+  // w[7]: this rank stopped because the communicator had been aborted by `rank` (barrier.cuh)
+  const char* aborted = w[7] ? "communicator aborted: " : "";
   for (int i = 1; i < UBNEXT_ERR_WORDS; ++i) __atomic_store_n(&word[i], 0u, __ATOMIC_RELAXED);
   __atomic_store_n(&word[0], 0u, __ATOMIC_RELEASE);
 
@@ -526,16 +528,16 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
   }
   if (code == UBNEXT_ERR_TIMEOUT) {
     return fail(UBNEXT_STATUS_TIMEOUT,
-                "%s timed out on rank %u waiting for peer %u (timeout %.3f ms); every rank "
+                "%s%s timed out on rank %u waiting for peer %u (timeout %.3f ms); every rank "
                 "must issue the same collectives in the same order",
-                name, rank, peer, static_cast<double>(host_desc->timeout_ns) * 1e-6);
+                aborted, name, rank, peer, static_cast<double>(host_desc->timeout_ns) * 1e-6);
   }
   if (code == UBNEXT_ERR_MISMATCH) {
     static const char* const fields[4] = {"op/dtype/flags", "count", "hidden", "in offset (16-byte units)"};
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "%s: ranks made different calls: rank %u has %s %u but rank %u has %u; every rank "
+                "%s%s: ranks made different calls: rank %u has %s %u but rank %u has %u; every rank "
                 "must make the same call, with `in` at the same pool offset",
-                name, rank, w[4] < 4 ? fields[w[4]] : "header word", w[5], peer, w[6]);
+                aborted, name, rank, w[4] < 4 ? fields[w[4]] : "header word", w[5], peer, w[6]);
   }
   return fail(UBNEXT_STATUS_INTERNAL,
               "kernel error word holds unknown code %u (%s, rank %u, peer %u)", code, name,

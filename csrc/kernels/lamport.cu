@@ -41,20 +41,22 @@ struct LamportSrc {
   uint64_t slot_bytes;
   uint32_t nranks;
   const ubnext_comm_desc* desc;
-  const uint32_t* err;  // host-visible error word (may be null)
   uint64_t limit_ns;
   bool failed;
 
-  // Slow path: spin on one slot until ready. On timeout report {TIMEOUT, LAMPORT, rank, peer}; give up
-  // silently when another thread already reported (so a dead peer costs one timeout, not one per block).
+  // Slow path: spin on one slot until ready. On timeout report {TIMEOUT, LAMPORT, rank, peer}, which
+  // aborts the communicator; stop when it is aborted (barrier.cuh), so that a dead peer costs one
+  // timeout, not one per thread.
   UBX_DEV bool wait(const uint8_t* addr, uint4& v, uint32_t peer) {
     const uint64_t t0 = globaltimer_ns();
-    for (uint32_t it = 1;; ++it) {
+    uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
+    for (;;) {
       spin_pause();
       v = ld_volatile_v4(addr);
       if (is_ready(v)) return true;
-      if ((it & 255u) == 0u && err != nullptr && ld_volatile_u32(err) != 0u) return false;
-      if (globaltimer_ns() - t0 > limit_ns) {
+      const uint64_t now = globaltimer_ns();
+      if (abort_seen(desc, now, next_check)) return false;
+      if (now - t0 > limit_ns) {
         report_timeout(desc, UBNEXT_OP_LAMPORT, peer);
         return false;
       }
@@ -121,6 +123,10 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   const int nv_row = rows ? hidden / V : 0;
   const int64_t nrows = rows ? n / hidden : 0;
 
+  // An aborted communicator (barrier.cuh): report why, push nothing, consume nothing.
+  const uint32_t aborted = abort_flag(d);
+  if (aborted != 0u) adopt_abort(d, aborted);
+
   // ---- 1. push (peers first, own slot last: the local store is the one nobody waits long for)
   auto push = [&](int64_t gi) {
     const uint4 v = sanitize<T>(load_vec<T>(in, gi, n));  // tail: zero padding, a valid value
@@ -135,20 +141,21 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
       }
     }
   };
-  if (!rows) {
+  if (aborted == 0u && !rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) push(gi);
-  } else {
+  } else if (aborted == 0u) {
     // Same mapping as the row loop below: this thread pushes exactly what it will poll.
     for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
       for (int i = threadIdx.x; i < nv_row; i += blockDim.x) push(row * nv_row + i);
   }
+  // This thread polls through unicast the slot it just wrote through multicast (ptx.cuh).
+  if (mc != 0ull) fence_proxy_alias();
 
   // ---- 2. re-poison the previous call's buffer (our copy only), while the peers' data is in flight
   lamport_repoison(d, rot);
 
   // ---- 3. poll, reduce, write
-  const uint32_t* err = reinterpret_cast<const uint32_t*>(static_cast<uint64_t>(d->err_ptr));
-  LamportSrc<T> src{rot.own + buf_off, slot, nranks, d, err, timeout_ns(d), false};
+  LamportSrc<T> src{rot.own + buf_off, slot, nranks, d, timeout_ns(d), aborted != 0u};
   if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) {
       float x[V];

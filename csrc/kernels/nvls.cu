@@ -78,8 +78,8 @@
 // Common: any n >= 1 in flat mode (a partial last vector: see slices.cuh); row mode needs hidden % V == 0
 // and n % hidden == 0; gridDim.x <= UBNEXT_MAX_BLOCKS and the same grid on every rank; blockDim.x a multiple of 32. Violations
 // (all ranks see the same arguments) make every rank return at once, touching nothing.
-// On a timeout the kernel reports {TIMEOUT, op, rank, peer} (barrier.cuh) and returns; the communicator
-// must then be re-created.
+// On a timeout the kernel reports {TIMEOUT, op, rank, peer} and aborts the communicator on every rank
+// (barrier.cuh: sticky abort); it must then be re-created.
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
 #include "../device/ptx.cuh"
@@ -184,6 +184,7 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
     }
   };
   for_my_slice<4>(sl, rank, load, store);
+  fence_proxy_alias();  // the row phase reads our slice back through unicast (ptx.cuh)
   if (!barrier_sync(br)) return;
   twoshot_local_phase<T>(sl, nranks, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags,
                          s_cache, s_red);
@@ -256,6 +257,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
       multimem_st_v4(reinterpret_cast<void*>(mc_slot + static_cast<uint64_t>(pos) * 16u), v);
     };
     for_my_slice<4>(sl, rank, load, store);
+    fence_proxy_alias();  // the poll below reads our own slot through unicast (ptx.cuh)
 
     // ---- re-poison our copy of the previous call's buffer while the peers' data is in flight
     lamport_repoison(d, rot);

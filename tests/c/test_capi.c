@@ -475,6 +475,16 @@ static void test_kernel_error(void) {
          "twoshot: ranks made different calls: rank 0 has in offset (16-byte units) 768 but rank 2 has 256");
   CHECK(g_err_word[0] == 0 && g_err_word[4] == 0 && g_err_word[5] == 0 && g_err_word[6] == 0);
 
+  /* A rank that stopped because a peer aborted the communicator reports the peer's failure. */
+  g_err_word[0] = UBNEXT_ERR_TIMEOUT;
+  g_err_word[1] = UBNEXT_OP_LAMPORT;
+  g_err_word[2] = 2;
+  g_err_word[3] = 1;
+  g_err_word[7] = 1;
+  EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_TIMEOUT,
+         "communicator aborted: lamport timed out on rank 2 waiting for peer 1");
+  CHECK(g_err_word[0] == 0 && g_err_word[7] == 0);
+
   g_err_word[0] = UBNEXT_ERR_BUSY;
   EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_INVALID_ARGUMENT, "still writing");
   g_err_word[0] = 0;

@@ -332,7 +332,7 @@ def case_pool_cycles():
 
     def cycle():
         p = SymmetricPool(layout=layout, rank=dist.get_rank(), group=None, device=torch.device("cpu"),
-                          allgather=gather, barrier=dist.barrier, backend="emulator")
+                          allgather=gather, barrier=dist.barrier, timeout_s=30.0, backend="emulator")
         t = p.empty((16,), torch.float32)
         t.fill_(1.0)
         del t
@@ -419,7 +419,65 @@ def case_timeout():
             else:
                 raise AssertionError(f"{algo}: the call without rank 1 did not time out")
         dist.barrier()
-        comm._pool.close()  # the protocol state is broken now; drop it without the collective close
+        comm.close()  # after an abort, close works on every rank, the one that never joined too
+    del os.environ["UBNEXT_TIMEOUT"]
+
+
+def case_late_rank():
+    """Timeout semantics and the sticky abort. The last rank arrives late: by half the timeout (no
+    error), then by the timeout + 1 s: every rank must raise within the timeout + 5 s, the late one
+    because the communicator was aborted (not by matching a barrier its peers have left); the
+    communicator then refuses every call, with the cause, on every rank; close() works; a new
+    Communicator on the same group works."""
+    if MODE == "torch":
+        return
+    timeout = 4.0
+    os.environ["UBNEXT_TIMEOUT"] = str(timeout)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    late = n - 1
+    x = torch.full((4096,), float(rank + 1), device=device())
+    want = torch.full((4096,), float(n * (n + 1) // 2), device=device())
+    for algo in ("lamport", "twoshot", "nvls_twoshot", "nvls_lamport"):
+        comm = ubnext.Communicator(emulate=(MODE == "emulator"), max_hidden=1024, algo=algo)
+        comm.all_reduce(x)  # everyone in: creates the pool
+        if comm.last_path != algo:
+            log(f"late_rank: {algo} cannot run here ({comm.last_path} ran); skipped")
+            comm.close()
+            continue
+        dist.barrier()
+        if rank == late:
+            time.sleep(timeout / 2)
+        out = comm.all_reduce(x)  # late, but within the timeout: no error
+        comm.synchronize()
+        assert torch.equal(out, want), f"{algo}: a rank late by {timeout / 2} s changed the result"
+        dist.barrier()
+        start = time.monotonic()
+        if rank == late:
+            time.sleep(timeout + 1)
+        try:
+            comm.all_reduce(x)
+            comm.synchronize()
+        except ubnext.UbnextError as exc:
+            took, msg = time.monotonic() - start, str(exc)
+        else:
+            raise AssertionError(f"{algo}: rank {rank} completed a call that its peers gave up on")
+        assert took < timeout + 5, f"{algo}: rank {rank} raised after {took:.1f} s (timeout {timeout} s)"
+        assert f"waiting for peer {late}" in msg and algo in msg, msg
+        if rank == late:
+            assert "aborted" in msg, f"{algo}: the late rank did not learn of the abort: {msg}"
+        try:
+            comm.all_reduce(x)
+        except ubnext.UbnextError as exc:
+            assert f"waiting for peer {late}" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{algo}: an aborted communicator accepted a call")
+        comm.close()
+        fresh = ubnext.Communicator(emulate=(MODE == "emulator"), max_hidden=1024, algo=algo)
+        out = fresh.all_reduce(x)
+        fresh.synchronize()
+        assert fresh.last_path == algo and torch.equal(out, want), f"{algo}: a new communicator failed"
+        fresh.close()
+        log(f"late_rank {algo}: raised after {took:.1f} s: {msg}")
     del os.environ["UBNEXT_TIMEOUT"]
 
 
@@ -467,6 +525,19 @@ def case_traffic():
             assert sum(t.peer_store_bytes) == (n - 1) * S // n + (extra // 3) * (16 + 2 * 4), t
             if not mc:
                 log(f"twoshot call headers: {16 * (extra // 3)} bytes to peers per call")
+        assert t.peer_atomic_ops == 0, f"{path}: {t.peer_atomic_ops} atomics on peer memory"
+    # A message ending inside a 32-bit word (odd bf16 count) has its last half-word written to the
+    # peers too: with plain 16-bit stores, since peers on PCIe may not support atomics.
+    COMM._algo = "twoshot"
+    odd = COMM.empty(8 * 1024 + 3, dtype=torch.bfloat16)
+    inputs = [T.rank_input(r, odd.numel(), torch.bfloat16, 4) for r in range(n)]
+    odd.copy_(inputs[dist.get_rank()])
+    COMM.all_reduce(odd, out=odd)
+    assert COMM.last_path == "twoshot", COMM.last_path
+    t = emu.traffic()
+    err = (odd.double() - T.reference_sum(inputs)).abs()
+    assert not (err > T.allreduce_bound(inputs, torch.bfloat16)).any(), "odd-length twoshot: wrong sum"
+    assert t.peer_atomic_ops == 0, f"odd-length twoshot: {t.peer_atomic_ops} atomics on peer memory"
     COMM._algo = None
 
 

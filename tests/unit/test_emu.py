@@ -195,6 +195,28 @@ def test_multicast_semantics_and_traffic(emu, chaos, nranks):
         fake.close()
 
 
+@pytest.mark.parametrize("fence", [False, True], ids=["no-fence", "fence"])
+def test_proxy_model(emu, chaos, fence):
+    """A thread that reads back through unicast what it stored through multicast sees its store only
+    after fence.proxy.alias, in chaos mode (PTX: distinct virtual aliases are distinct proxies).
+    Every peer copy gets the store either way."""
+    n = 96
+    fake = FakeRanks(emu, 2, n * 16)
+    try:
+        desc = pack_desc(rank=0, nranks=2, peer_bases=fake.bases, mc_base=fake.mc)
+        out = np.zeros((n, 4), np.uint32)
+        emu.launch("ubnext_emu_selftest_proxy", 2, 32, kargs(desc=desc, out=out, n=n, flags=1 if fence else 0))
+        stored = np.stack([np.arange(1, n + 1), np.full(n, 0xABCD), np.zeros(n), np.full(n, 7)], 1).astype(np.uint32)
+        for c in fake.copies:
+            np.testing.assert_array_equal(c.view(np.uint32)[:4 * n].reshape(n, 4), stored)
+        if fence or not chaos:
+            np.testing.assert_array_equal(out, stored)
+        else:
+            assert not out.any(), "chaos mode: an unfenced unicast read-back saw the multicast store"
+    finally:
+        fake.close()
+
+
 def test_traffic_resets_per_launch(emu):
     fake = FakeRanks(emu, 2, 4096)
     try:

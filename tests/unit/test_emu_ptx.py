@@ -19,6 +19,9 @@ extern "C" __global__ void ptx_probe(uint32_t* f, uint4* d, void* mc, uint32_t* 
   ubx::st_relaxed_sys_v4(d + 3, b);
   ubx::st_relaxed_sys_u32(f + 2, 1);
   ubx::st_release_sys_u32(f + 3, 2);
+  ubx::st_relaxed_sys_u16(reinterpret_cast<uint16_t*>(f + 6), 3);
+  b.w += ubx::ld_plain_v4(d + 4).x;
+  ubx::fence_proxy_alias();
   ubx::red_release_sys_add_u32(f + 4, 1);
   a.z = ubx::atom_add_acq_rel_gpu_u32(f + 5, 1);
   a.w = ubx::atom_cas_relaxed_sys_u32(err, 0, 1);
@@ -48,6 +51,8 @@ INSTRUCTIONS = [
     "st.relaxed.sys.global.v4.u32",
     "st.relaxed.sys.global.u32",
     "st.release.sys.global.u32",
+    "st.relaxed.sys.global.u16",
+    "fence.proxy.alias",
     "red.release.sys.global.add.u32",
     "atom.acq_rel.gpu.global.add.u32",
     "atom.relaxed.sys.cas.b32",

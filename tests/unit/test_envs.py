@@ -15,7 +15,7 @@ def test_defaults(monkeypatch):
     assert envs.get("UBNEXT_MAX_BATCH") == 64
     assert envs.get("UBNEXT_SYMM_POOL_SIZE") is None
     assert envs.get("UBNEXT_ALGO") == "auto"
-    assert envs.get("UBNEXT_TIMEOUT") == 30.0
+    assert envs.get("UBNEXT_TIMEOUT") is None  # the process group's timeout (test_kernel_timeout)
 
 
 def test_aliases_and_precedence(monkeypatch):
@@ -73,3 +73,38 @@ def test_only_envs_reads_the_environment():
         if path.suffix in (".cu", ".cuh", ".h", ".cpp", ".c") and "getenv" in path.read_text():
             offenders.append(str(path.relative_to(pkg.parent)))
     assert not offenders, f"only ubnext/envs.py may read the environment: {offenders}"
+
+
+class _FakeBackend:
+    def __init__(self, seconds):
+        import datetime
+
+        self.options = type("Options", (), {"_timeout": datetime.timedelta(seconds=seconds)})()
+
+
+class _FakeGroup:
+    """A process group as kernel_timeout_s sees it: one backend per device type."""
+
+    def __init__(self, **seconds_by_type):
+        self.seconds = seconds_by_type
+
+    def _get_backend(self, device):
+        if device.type not in self.seconds:
+            raise RuntimeError(f"no backend for {device}")
+        return _FakeBackend(self.seconds[device.type])
+
+
+def test_kernel_timeout(monkeypatch):
+    """Unset, the kernels wait as long as the group's backend (so host drift that torch.distributed
+    tolerates is not fatal); UBNEXT_TIMEOUT overrides; a backend without options gives torch's 30 min."""
+    import torch
+
+    from ubnext._lifecycle import kernel_timeout_s
+
+    monkeypatch.delenv("UBNEXT_TIMEOUT", raising=False)
+    group = _FakeGroup(cpu=77, cuda=600)
+    assert kernel_timeout_s(group, torch.device("cpu")) == 77.0
+    assert kernel_timeout_s(group, torch.device("cuda", 3)) == 600.0
+    assert kernel_timeout_s(_FakeGroup(), torch.device("cpu")) == 1800.0
+    monkeypatch.setenv("UBNEXT_TIMEOUT", "2.5")
+    assert kernel_timeout_s(group, torch.device("cpu")) == 2.5

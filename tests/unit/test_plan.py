@@ -57,18 +57,21 @@ def test_forced_path_falls_back_down_the_chain():
     assert chosen.path == "lamport" and chosen.skipped[0] == ("nvls_twoshot", "the pool has no multicast address")
 
 
-def test_grid_bound_is_the_minimum_sm_count_over_ranks(monkeypatch):
-    """Blocks wait on the same block of every peer: a rank with more SMs must not launch more."""
+def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
+    """Blocks wait on the same block of every peer: a rank with more SMs must not launch more. And
+    no rank gives up on a peer sooner than another rank would wait: the longest timeout wins."""
     import ubnext.comm as comm_mod
 
     comm = object.__new__(Communicator)
     comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = "gpu", 2, 0, None, 1024
     comm.device, comm._sm_count, comm._pool_error = None, 128, None
     comm._prepare_kernels = lambda: None
-    gathered = iter([[(None, 128), (None, 114)], [None, None]])  # this rank, then its peer
+    gathered = iter([[(None, 128, 30.0), (None, 114, 600.0)], [None, None]])  # this rank, then its peer
     comm._allgather = lambda obj: next(gathered)
     comm._barrier = lambda: None
-    monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: SimpleNamespace(close=lambda: None))
+    created = {}
+    monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: created.update(kw) or SimpleNamespace(close=lambda: None))
     assert comm._create_pool() is not None
+    assert created["timeout_s"] == 600.0
     assert comm._sm_count == 114
     assert comm._geometry("twoshot", 1 << 24, 2, 0, False)[0] == 114
