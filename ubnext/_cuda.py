@@ -157,9 +157,28 @@ def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]
     return packed
 
 
-def launch(kernel, grid: int, block: int, stream_handle: int, args: list) -> None:
+@functools.lru_cache(maxsize=None)
+def _primary_context(device_index: int):
+    """The device's primary context (torch's), retained once for the process's lifetime."""
+    drv = driver()
+    dev = check(drv.cuDeviceGet(device_index), "cuDeviceGet")
+    return check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+
+
+def make_current(device_index: int) -> None:
+    """Make the device's primary context current on the calling thread. Kernels are loaded into
+    that context, and launches may come from any thread: autograd's backward threads, a user's
+    own threads, a thread where another device's context is current."""
+    drv = driver()
+    want = _primary_context(device_index)
+    if int(check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(want):
+        check(drv.cuCtxSetCurrent(want), "cuCtxSetCurrent")
+
+
+def launch(kernel, grid: int, block: int, stream_handle: int, args: list, device_index: int) -> None:
     """Launch a loaded cuda.core kernel on the stream whose raw handle is ``stream_handle``
-    (torch's current stream, so ordering with torch work is the stream's)."""
+    (torch's current stream, so ordering with torch work is the stream's), from any thread."""
+    make_current(device_index)
     mod = core()
     stream = _wrap_stream(stream_handle)
     config = mod.LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1))

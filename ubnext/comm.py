@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from typing import Any
 
 import torch
@@ -201,6 +202,7 @@ class Communicator:
         self._logged: set[tuple[str, str]] = set()
         self._broken: str | None = None
         self._closed = False
+        self._last_stream = None  # the stream of the last eager launch (_order_after_other_stream)
         self.last_path: str | None = None
         if self.mode == "torch":
             self._pool_error = f"no GPU ({no_gpu_reason()}) and emulation is off"
@@ -264,21 +266,42 @@ class Communicator:
         if self._closed:
             raise UbnextError("communicator is closed")
         if self._pool is None and self._pool_error is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise UbnextError(
+                    "ubnext: this communicator's first use is inside CUDA graph capture, but creating its "
+                    "pool and loading its kernels synchronise the device and talk to the other ranks, which "
+                    "a capture cannot contain: call comm.prepare() on every rank before capturing")
             self._pool = self._create_pool()
         return self._pool
 
+    def prepare(self) -> "Communicator":
+        """Create the pool and load every kernel now (collective: every rank calls it). The first
+        op does this otherwise; call it before CUDA graph capture, and to keep first-call latency
+        (NVRTC compiles, the ranks' rendezvous) out of timed or captured regions."""
+        _ = self.pool
+        return self
+
     def _create_pool(self) -> SymmetricPool | None:
-        # kernels first: a rank that cannot build or load them sends every rank to the torch path;
-        # the grid bound is agreed too (blocks wait on the same blocks of their peers)
-        timeout_s = _lifecycle.kernel_timeout_s(self.group, self.device)
-        reports = self._allgather((self._prepare_kernels(), self._sm_count, timeout_s))
+        # Agreed before anything is allocated: a rank that cannot build or load the kernels sends
+        # every rank to the torch path; a group that spans hosts too (the pool's memory is shared
+        # within one node only); the grid bound (blocks wait on the same blocks of their peers)
+        # and the kernels' timeout.
+        reports = self._allgather({
+            "error": self._prepare_kernels(), "sm_count": self._sm_count, "host": socket.gethostname(),
+            "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device)})
         if self.mode == "gpu":
-            self._sm_count = min(sm for _, sm, _ in reports)
+            self._sm_count = min(r["sm_count"] for r in reports)
         # the longest: no rank gives up on a peer that another rank is still willing to wait for
-        timeout_s = max(t for _, _, t in reports)
-        errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(reports) if e]
+        timeout_s = max(r["timeout_s"] for r in reports)
+        errors = [f"rank {i}: {r['error']}" for i, r in enumerate(reports) if r["error"]]
         if errors:
             self._pool_error = f"ubnext kernels unavailable ({'; '.join(errors)})"
+            log.warning("%s; using torch.distributed", self._pool_error)
+            return None
+        hosts = sorted({r["host"] for r in reports})
+        if len(hosts) > 1:
+            self._pool_error = (f"the group spans {len(hosts)} hosts ({', '.join(hosts)}); ubnext's symmetric "
+                                "pool works within one node")
             log.warning("%s; using torch.distributed", self._pool_error)
             return None
         layout = plan_layout(self.world_size, self._max_hidden or DEFAULT_HIDDEN)
@@ -508,14 +531,33 @@ class Communicator:
             from . import _cuda
 
             kernel = kernels.load_kernel(name, self.device.index)
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-            _cuda.launch(kernel, grid, block, stream, _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE, values))
+            stream = torch.cuda.current_stream(self.device)
+            self._order_after_other_stream(stream)
+            _cuda.launch(kernel, grid, block, stream.cuda_stream,
+                         _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE, values), self.device.index)
             if envs.get("UBNEXT_DEBUG"):
                 torch.cuda.synchronize(self.device)
                 if int(pool.err_word[0]):
                     self._raise_kernel_error(pool)
         for target, staged in copy_back:
             target.copy_(staged)  # stream-ordered after the kernel
+
+    def _order_after_other_stream(self, stream) -> None:
+        """A communicator's kernels share one sync region, so two of them must never run at the same
+        time: from two streams they could, and their barriers would pair up wrongly or deadlock
+        (DESIGN.md section 8). When a call comes from another stream than the last eager one (a
+        side stream for overlap, FSDP2's streams, a graph's warm-up stream), that stream first
+        waits for everything enqueued on the last one, so kernels stay in one order whatever
+        stream issues them. Costs nothing while the stream stays the same. Captured calls are
+        left alone: a graph's kernels run when and where its owner replays it, ordered by them."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        last = self._last_stream
+        if last is not None and last != stream:
+            done = torch.cuda.Event()
+            done.record(last)
+            stream.wait_event(done)
+        self._last_stream = stream
 
     def synchronize(self) -> None:
         """Wait for this rank's queued ops and raise any error a kernel reported."""

@@ -234,6 +234,9 @@ class EmulatorBackend(_Backend):
         self._maps = []
 
 
+TORCH_SYMM_SEGMENT = 2 << 20  # the CUDA caching allocator's large-segment granularity
+
+
 class TorchSymmBackend(_Backend):
     """torch symmetric memory: ``symm_mem.empty`` + ``rendezvous``. ``multicast_ptr`` is 0
     where the system has no multicast (PCIe, several ranks on one GPU); ubnext keeps working
@@ -253,16 +256,24 @@ class TorchSymmBackend(_Backend):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(group_name)
-        self._tensor = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        # a whole number of the caching allocator's large segments (2 MiB), so that a fresh
+        # allocation starts its own block (see the offset check below)
+        self._tensor = symm_mem.empty(_align(size, TORCH_SYMM_SEGMENT), dtype=torch.uint8, device=device)
         self._handle = symm_mem.rendezvous(self._tensor, group_name)
         bases = [int(p) for p in self._handle.buffer_ptrs]
-        # buffer_ptrs are the bases of the symmetric blocks; symm_mem.empty allocates from
-        # torch's symmetric memory pool in newer torch, where the tensor need not start a
-        # block. The offset is the same on every rank (symmetric allocation); 0 when it does.
+        # buffer_ptrs are the bases of the symmetric blocks, and torch's pool may place a tensor
+        # inside a block. The multicast address is then ambiguous: older torch returns the
+        # block's multicast base from multicast_ptr, newer torch (and the NCCL backend) adds the
+        # tensor's offset, and one revision has get_offset() yet returns the bare base. Only at
+        # offset 0 do both conventions agree, so anything else is refused (the caller falls back to
+        # ubnext's own VMM, agreed across ranks).
         offset = self._tensor.data_ptr() - bases[group.rank()]
-        self.peer_bases = [b + offset for b in bases]
-        mc = int(getattr(self._handle, "multicast_ptr", 0) or 0)
-        self.mc_base = mc + offset if mc else 0
+        if offset != 0:
+            self._tensor = self._handle = None
+            raise RuntimeError(f"torch symmetric memory placed the pool {offset} bytes into its block, where "
+                               "torch versions disagree on the multicast address")
+        self.peer_bases = bases
+        self.mc_base = int(getattr(self._handle, "multicast_ptr", 0) or 0)
 
     def local_tensor(self) -> torch.Tensor:
         return self._tensor
@@ -314,10 +325,17 @@ class VmmBackend(_Backend):
             except CudaError as exc:  # a rank must not leave the allgather below: no multicast
                 log.info("ubnext vmm pool: %s; unicast paths only", exc)
                 mc_supported = False
-        agreed = allgather((gran, mc_supported, mc_gran))
-        self._mc_everywhere = all(s for _, s, _ in agreed)
-        self._mc_gran = _lcm(*(g for _, _, g in agreed if g)) if self._mc_everywhere else 0
-        gran = _lcm(*(g for g, _, _ in agreed), self._mc_gran or 1)
+        uuid = bytes(check(drv.cuDeviceGetUuid(dev), "cuDeviceGetUuid").bytes)
+        agreed = allgather((gran, mc_supported, mc_gran, uuid))
+        # A multicast object takes one device per rank, and cuMulticastBindMem waits until all of
+        # them have been added: ranks sharing a GPU would wait forever, so they get no multicast.
+        shared_gpu = len({u for *_, u in agreed}) < len(agreed)
+        if shared_gpu:
+            log.warning("ubnext vmm pool: several ranks share a GPU; multicast needs one GPU per rank, "
+                        "so only the unicast paths run")
+        self._mc_everywhere = not shared_gpu and all(s for _, s, _, _ in agreed)
+        self._mc_gran = _lcm(*(g for _, _, g, _ in agreed if g)) if self._mc_everywhere else 0
+        gran = _lcm(*(g for g, _, _, _ in agreed), self._mc_gran or 1)
         self.size = size = _align(size, gran)
         self._dev = dev
         self._handles = []

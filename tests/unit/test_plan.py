@@ -66,7 +66,9 @@ def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
     comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = "gpu", 2, 0, None, 1024
     comm.device, comm._sm_count, comm._pool_error = None, 128, None
     comm._prepare_kernels = lambda: None
-    gathered = iter([[(None, 128, 30.0), (None, 114, 600.0)], [None, None]])  # this rank, then its peer
+    reports = [{"error": None, "sm_count": 128, "timeout_s": 30.0, "host": "node1"},
+               {"error": None, "sm_count": 114, "timeout_s": 600.0, "host": "node1"}]
+    gathered = iter([reports, [None, None]])  # this rank, then its peer
     comm._allgather = lambda obj: next(gathered)
     comm._barrier = lambda: None
     created = {}
@@ -75,3 +77,73 @@ def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
     assert created["timeout_s"] == 600.0
     assert comm._sm_count == 114
     assert comm._geometry("twoshot", 1 << 24, 2, 0, False)[0] == 114
+
+
+def _bare_communicator(mode="emulator"):
+    comm = object.__new__(Communicator)
+    comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = mode, 2, 0, None, 1024
+    comm.device, comm._sm_count, comm._pool_error = None, 0, None
+    comm._pool, comm._closed = None, False
+    comm._prepare_kernels = lambda: None
+    comm._barrier = lambda: None
+    return comm
+
+
+def test_a_group_across_hosts_takes_the_torch_path(monkeypatch):
+    """The pool is shared through one node's file descriptors: a group spanning hosts agrees on the
+    torch path at creation, before any rank allocates, and says why."""
+    import ubnext.comm as comm_mod
+
+    comm = _bare_communicator()
+    reports = [{"error": None, "sm_count": 0, "timeout_s": 30.0, "host": h} for h in ("node1", "node2")]
+    comm._allgather = lambda obj: reports
+    monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: pytest.fail("allocated a pool across hosts"))
+    assert comm._create_pool() is None
+    assert "spans 2 hosts (node1, node2)" in comm._pool_error
+
+
+def test_first_use_inside_graph_capture_is_refused(monkeypatch):
+    """Creating the pool synchronises and rendezvouses, which a capture cannot contain: a clear
+    error that names comm.prepare(), instead of a broken capture."""
+    import torch
+
+    from ubnext.comm import UbnextError
+
+    comm = _bare_communicator("gpu")
+    comm.device = torch.device("cuda", 0)
+    comm._create_pool = lambda: pytest.fail("created the pool during capture")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(UbnextError, match=r"comm\.prepare\(\)"):
+        _ = comm.pool
+
+
+def test_a_second_stream_waits_for_the_first(monkeypatch):
+    """Two streams must never run this communicator's kernels at the same time (one sync region):
+    a call from a new stream makes it wait for the last one; no event while the stream stays."""
+    import torch
+
+    events = []
+
+    class FakeEvent:
+        def record(self, stream):
+            events.append(("record", stream.name))
+            self.on = stream.name
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            events.append(("wait", self.name, event.on))
+
+    comm = _bare_communicator("gpu")
+    comm._last_stream = None
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    main, side = FakeStream("main"), FakeStream("side")
+    for s in (main, main, side, side, main):
+        comm._order_after_other_stream(s)
+    assert events == [("record", "main"), ("wait", "side", "main"), ("record", "side"), ("wait", "main", "side")]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    comm._order_after_other_stream(side)  # captured: ordered by the graph's owner
+    assert len(events) == 4 and comm._last_stream is main

@@ -5,6 +5,7 @@ granularity, argument order of cuMulticastBindMem/Unbind, the multicast mapping 
 multicast granularity, and the teardown order (unbind, unmap, free the ranges, release)."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,6 +41,14 @@ class FakeDriver:
     def cuDeviceGetAttribute(self, attr, dev):
         assert attr == driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
         return (driver.CUresult.CUDA_SUCCESS, int(self.multicast))
+
+    def cuDeviceGetUuid(self, dev):
+        # CUuuid.bytes is read-only: a stand-in with the same attribute
+        return (driver.CUresult.CUDA_SUCCESS, SimpleNamespace(bytes=bytes([int(dev) + 1] * 16)))
+
+    def cuMemImportFromShareableHandle(self, fd, kind):
+        self._handles += 1
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUmemGenericAllocationHandle(self._handles))
 
     def cuMulticastGetGranularity(self, prop, flag):
         assert isinstance(prop, driver.CUmulticastObjectProp)
@@ -151,3 +160,26 @@ def test_vmm_sizes_and_teardown(fake, multicast):
     assert names.count("cuMemUnmap") == names.count("cuMemAddressFree") == (2 if multicast else 1)
     assert names.count("cuMemRelease") == (2 if multicast else 1)
 
+
+
+@pytest.mark.parametrize("same_gpu", [True, False])
+def test_ranks_sharing_a_gpu_get_no_multicast(fake, monkeypatch, same_gpu):
+    """Two ranks (the peer faked by the allgather) on one GPU: a multicast object would wait in
+    cuMulticastBindMem for a second device that never comes, so the pool must be unicast-only."""
+    from ubnext import _fdshare
+
+    drv = fake(True)
+    monkeypatch.setattr(_fdshare, "exchange_fds", lambda fd, rank, nranks, allgather, only_from=None:
+                        [os.dup(fd) if fd >= 0 else os.open(os.devnull, os.O_RDONLY) for _ in range(nranks)])
+
+    def allgather(obj):
+        if isinstance(obj, tuple) and len(obj) == 4:  # the peer reports its own GPU's UUID
+            peer_uuid = obj[3] if same_gpu else bytes([9] * 16)
+            return [obj, (*obj[:3], peer_uuid)]
+        return [obj, obj]
+
+    backend = pool.VmmBackend(5 << 20, 0, 2, torch.device("cuda", 0), allgather)
+    names = _names(drv)
+    assert ("cuMulticastCreate" in names) == (not same_gpu)
+    assert bool(backend.mc_base) == (not same_gpu)
+    backend.close()

@@ -1,0 +1,75 @@
+"""_cuda.launch makes the device's primary context current on the calling thread (fake driver, no
+GPU): kernels live in that context, and launches come from any thread (autograd's backward
+threads, user threads), where another context, or none, may be current."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+driver = pytest.importorskip("cuda.bindings.driver")
+
+import ubnext._cuda as cu  # noqa: E402
+
+PRIMARY = {0: 0x1000, 1: 0x2000}
+
+
+class FakeDriver:
+    """Per-thread current context, as the driver keeps it."""
+
+    def __init__(self):
+        self.local = threading.local()
+        self.calls = []
+
+    def cuDeviceGet(self, i):
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUdevice(i))
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        self.calls.append(("retain", int(dev)))
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUcontext(PRIMARY[int(dev)]))
+
+    def cuCtxGetCurrent(self):
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUcontext(getattr(self.local, "ctx", 0)))
+
+    def cuCtxSetCurrent(self, ctx):
+        self.calls.append(("set", int(ctx)))
+        self.local.ctx = int(ctx)
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+
+class FakeCore:
+    def __init__(self, drv):
+        self.drv, self.launches = drv, []
+
+    def LaunchConfig(self, grid, block):
+        return (grid, block)
+
+    def launch(self, stream, config, kernel, *args):
+        # what the real driver requires: the kernel's context is current on this thread
+        self.launches.append((threading.get_ident(), self.drv.cuCtxGetCurrent()[1], kernel))
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    drv = FakeDriver()
+    core = FakeCore(drv)
+    cu._primary_context.cache_clear()
+    monkeypatch.setattr(cu, "driver", lambda: drv)
+    monkeypatch.setattr(cu, "core", lambda: core)
+    monkeypatch.setattr(cu, "_wrap_stream", lambda handle: handle)
+    yield drv, core
+    cu._primary_context.cache_clear()
+
+
+def test_launch_from_a_fresh_thread_and_after_another_device(fakes):
+    drv, core = fakes
+    worker = threading.Thread(target=cu.launch, args=("k", 1, 32, 7, [], 1))  # no context current there
+    worker.start()
+    worker.join()
+    drv.local.ctx = PRIMARY[0]  # this thread last used device 0
+    cu.launch("k", 1, 32, 7, [], 1)
+    cu.launch("k", 1, 32, 7, [], 1)  # already current: no second switch
+    assert [int(ctx) for _, ctx, _ in core.launches] == [PRIMARY[1]] * 3
+    assert [c for c in drv.calls if c[0] == "set"] == [("set", PRIMARY[1])] * 2  # one per thread
+    assert [c for c in drv.calls if c[0] == "retain"] == [("retain", 1)]  # retained once
