@@ -132,6 +132,16 @@ def driver_problem(driver_cuda: int, nvrtc_major: int) -> str | None:
             "uses torch.distributed (NCCL)")
 
 
+def capturing(device) -> bool:
+    """Whether work issued now on ``device`` goes into a CUDA graph capture (never on CPU). The one
+    place ubnext asks, so that tests can fake a capture on the emulator."""
+    if device.type != "cuda":
+        return False
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
 def device_arch(device_index: int) -> str:
     """``sm_XY`` of a GPU; only called after the probe found one."""
     dev = core().Device(device_index)

@@ -93,8 +93,12 @@ class Allocator:
         self._free_starts.insert(i, start)
         self._free_ends.insert(i, end)
 
-    def largest_free(self) -> int:
-        return max((e - s for s, e in zip(self._free_starts, self._free_ends)), default=0)
+    def largest_free(self, align: int = 256) -> int:
+        """The largest allocation that ``alloc(n, align)`` would place now (256: what
+        ``SymmetricPool.empty`` asks for)."""
+        align = max(align, self.min_align)
+        return max((max(0, e - ((s + align - 1) & ~(align - 1))) for s, e in zip(self._free_starts, self._free_ends)),
+                   default=0)
 
     def free_ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._free_starts, self._free_ends))

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import _lifecycle, envs, kernels, plan
+from . import _cuda
 from ._cuda import gpu_available, no_gpu_reason
 from .plan import KERNEL_PATHS, PATHS
 from .pool import NoRoom, SymmetricPool, plan_layout
@@ -266,7 +267,7 @@ class Communicator:
         if self._closed:
             raise UbnextError("communicator is closed")
         if self._pool is None and self._pool_error is None:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if _cuda.capturing(self.device):
                 raise UbnextError(
                     "ubnext: this communicator's first use is inside CUDA graph capture, but creating its "
                     "pool and loading its kernels synchronise the device and talk to the other ranks, which "
@@ -528,8 +529,6 @@ class Communicator:
             if int(pool.err_word[0]):
                 self._raise_kernel_error(pool)
         else:
-            from . import _cuda
-
             kernel = kernels.load_kernel(name, self.device.index)
             stream = torch.cuda.current_stream(self.device)
             self._order_after_other_stream(stream)
@@ -550,7 +549,7 @@ class Communicator:
         waits for everything enqueued on the last one, so kernels stay in one order whatever
         stream issues them. Costs nothing while the stream stays the same. Captured calls are
         left alone: a graph's kernels run when and where its owner replays it, ordered by them."""
-        if torch.cuda.is_current_stream_capturing():
+        if _cuda.capturing(self.device):
             return
         last = self._last_stream
         if last is not None and last != stream:
@@ -644,6 +643,13 @@ class Communicator:
 
         key = (x.numel(), x.dtype)
         buf = self._symm_buffers.get(key)
+        if buf is None and _cuda.capturing(self.device):
+            # a new buffer means an allocation and a rendezvous, which a capture cannot contain;
+            # which keys exist follows from the call sequence, the same on every rank: agreed
+            self._log_once("capture", f"torch_symm: no buffer for {key} was made before capture; "
+                           "this captured call uses torch.distributed (run it once eagerly first)")
+            self._torch_all_reduce(x, out)
+            return
         if buf is None:
             buf = symm_mem.empty(x.numel(), dtype=x.dtype, device=self.device)
             symm_mem.rendezvous(buf, self.group.group_name)

@@ -568,7 +568,9 @@ class SymmetricPool:
         if nbytes <= 0:
             raise ValueError(f"pool tensors must hold at least one element, got shape {shape}")
         if arena is None:
-            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            from ._cuda import capturing
+
+            capturing = capturing(self.device)
             arena = "graph" if capturing else "eager"
         allocator = self.arenas[arena]
         try:

@@ -423,6 +423,54 @@ def case_timeout():
     del os.environ["UBNEXT_TIMEOUT"]
 
 
+def case_captured_sizes():
+    """An inference engine captures 32 batch sizes, then captures them again. The emulator has no
+    graphs, so the capture is faked where ubnext asks (_cuda.capturing). A first use inside capture
+    is refused on every rank, naming the call to make first; after comm.prepare(), every captured
+    size reduces right, on the same path on every rank (lamport, staged two-shot, or torch past the
+    staging region: decided from the layout alone), and no call takes pool memory, so capturing
+    again leaks nothing."""
+    if MODE != "emulator":
+        return
+    import ubnext._cuda as cu
+
+    real = cu.capturing
+    rank, n = dist.get_rank(), dist.get_world_size()
+    comm = ubnext.Communicator(emulate=True, max_hidden=1024)
+    cu.capturing = lambda device: True
+    try:
+        comm.all_reduce(torch.ones(8))
+    except ubnext.UbnextError as exc:
+        assert "comm.prepare()" in str(exc), str(exc)
+    else:
+        raise AssertionError("a first use inside capture was accepted")
+    finally:
+        cu.capturing = real
+    comm.prepare()
+    before = comm.pool_stats()
+    sizes = [1024 * round(1.25 ** k) for k in range(32)]  # 2 KB .. 2 MB of bf16
+    paths = []
+    cu.capturing = lambda device: True
+    try:
+        for _ in range(2):
+            for numel in sizes:
+                inputs = [T.rank_input(r, numel, torch.bfloat16, numel % 97) for r in range(n)]
+                out = comm.all_reduce(inputs[rank])
+                err = (out.double() - T.reference_sum(inputs)).abs()
+                assert (err <= T.allreduce_bound(inputs, torch.bfloat16)).all(), f"{comm.last_path} n={numel}"
+                paths.append(comm.last_path)
+    finally:
+        cu.capturing = real
+    everyone = gather(paths)
+    assert all(p == paths for p in everyone), "ranks took different paths for the same captured call"
+    two_shot = "nvls_twoshot" if comm.pool.has_multicast else "twoshot"
+    assert set(paths) == {"lamport", two_shot, "torch"}, sorted(set(paths))
+    after = comm.pool_stats()
+    assert (after["used"], after["allocations"]) == (before["used"], before["allocations"]), (before, after)
+    log("captured sizes: paths", {p: paths.count(p) // 2 for p in sorted(set(paths))})
+    comm.close()
+
+
 def case_late_rank():
     """Timeout semantics and the sticky abort. The last rank arrives late: by half the timeout (no
     error), then by the timeout + 1 s: every rank must raise within the timeout + 5 s, the late one

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import ubnext._cuda
 from ubnext import plan
 from ubnext.comm import Communicator
 from ubnext.pool import plan_layout
@@ -112,7 +113,7 @@ def test_first_use_inside_graph_capture_is_refused(monkeypatch):
     comm = _bare_communicator("gpu")
     comm.device = torch.device("cuda", 0)
     comm._create_pool = lambda: pytest.fail("created the pool during capture")
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: device.type == "cuda")
     with pytest.raises(UbnextError, match=r"comm\.prepare\(\)"):
         _ = comm.pool
 
@@ -139,11 +140,28 @@ def test_a_second_stream_waits_for_the_first(monkeypatch):
     comm = _bare_communicator("gpu")
     comm._last_stream = None
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: False)
     main, side = FakeStream("main"), FakeStream("side")
     for s in (main, main, side, side, main):
         comm._order_after_other_stream(s)
     assert events == [("record", "main"), ("wait", "side", "main"), ("record", "side"), ("wait", "main", "side")]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: True)
     comm._order_after_other_stream(side)  # captured: ordered by the graph's owner
     assert len(events) == 4 and comm._last_stream is main
+
+
+def test_torch_symm_never_allocates_inside_capture(monkeypatch):
+    """torch_symm needs a symmetric buffer per (numel, dtype); making one allocates and
+    rendezvouses, which breaks a capture: a captured call without one takes torch.distributed."""
+    import torch
+    import torch.distributed._symmetric_memory as symm_mem
+
+    comm = _bare_communicator("gpu")
+    comm._symm_buffers, comm._logged = {}, set()
+    used = []
+    comm._torch_all_reduce = lambda x, out: used.append("torch")
+    monkeypatch.setattr(symm_mem, "empty", lambda *a, **k: pytest.fail("allocated inside capture"))
+    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: True)
+    x = torch.ones(8)
+    comm._torch_symm_all_reduce(x, x)
+    assert used == ["torch"]
