@@ -180,6 +180,25 @@ class _Backend:
         raise NotImplementedError
 
 
+class PoolSetupError(RuntimeError):
+    """A step of a multi-rank pool set-up failed on some rank; raised on every rank alike."""
+
+
+def _agree(allgather: Callable[[object], list], error: str | None, step: str) -> None:
+    """End one phase of a multi-rank set-up: every rank says whether its part of `step` worked,
+    and if any rank's failed, every rank raises the same PoolSetupError here. No rank then goes
+    on to a collective step (an fd exchange, a multicast bind that waits for every device) that
+    its peers never reach, and every rank's caller sees the same cause."""
+    _raise_if_any(allgather(error), step)
+
+
+def _raise_if_any(errors: list, step: str) -> None:
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        r, e = failed[0]
+        raise PoolSetupError(f"{step} failed on rank {r}: {e}")
+
+
 class EmulatorBackend(_Backend):
     """Shared host memory for the CPU emulator: one memfd per rank, passed to every peer over
     Unix sockets (like cuMem POSIX-fd handles), each peer mapped at this process's own
@@ -193,19 +212,37 @@ class EmulatorBackend(_Backend):
         self.device = torch.device("cpu")
         self.size = size
         self._lib = _emu.load(envs.get("UBNEXT_EMU_BREAK"))
-        fd = os.memfd_create(f"ubnext-pool-r{rank}", os.MFD_CLOEXEC)
+        self._handle = None
+        self._maps: list[mmap.mmap] = []
+        self._arrays: list[np.ndarray] = []
+        self._local = None
+        self.mc_base = 0
+        fd, error = -1, None
         try:
+            fd = os.memfd_create(f"ubnext-pool-r{rank}", os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
+        except OSError as exc:
+            error = str(exc)
+        try:
+            _agree(allgather, error, "creating the pool's shared memory")
             fds = _fdshare.exchange_fds(fd, rank, nranks, allgather)
         finally:
-            os.close(fd)
-        self._maps: list[mmap.mmap] = []
+            if fd >= 0:
+                os.close(fd)
+        error = None
         try:
             for peer_fd in fds:
                 self._maps.append(mmap.mmap(peer_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+        except OSError as exc:
+            error = str(exc)
         finally:
             for peer_fd in fds:
                 os.close(peer_fd)
+        try:
+            _agree(allgather, error, "mapping the peers' shared memory")
+        except PoolSetupError:
+            self.close()
+            raise
         self._arrays = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
         self.peer_bases = [a.__array_interface__["data"][0] for a in self._arrays]
         self.mc_base = self._lib.reserve(size) if envs.get("UBNEXT_EMU_MULTICAST") else 0
@@ -216,12 +253,11 @@ class EmulatorBackend(_Backend):
         return self._local
 
     def close(self) -> None:
-        if self._handle is None:
-            return
-        # the multicast range goes first, so no twin can reach a peer mapping being removed
-        self._lib.unregister(self._handle)
-        if self.mc_base:
-            self._lib.release(self.mc_base, self.size)
+        if self._handle is not None:
+            # the multicast range goes first, so no twin can reach a peer mapping being removed
+            self._lib.unregister(self._handle)
+            if self.mc_base:
+                self._lib.release(self.mc_base, self.size)
         self._handle = None
         self._local = None
         self._arrays = []
@@ -244,7 +280,7 @@ class TorchSymmBackend(_Backend):
 
     name = "torch_symm"
 
-    def __init__(self, size: int, group, device: torch.device):
+    def __init__(self, size: int, group, device: torch.device, allgather: Callable[[object], list]):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.device = device
@@ -258,7 +294,12 @@ class TorchSymmBackend(_Backend):
                 symm_mem.enable_symm_mem_for_group(group_name)
         # a whole number of the caching allocator's large segments (2 MiB), so that a fresh
         # allocation starts its own block (see the offset check below)
-        self._tensor = symm_mem.empty(_align(size, TORCH_SYMM_SEGMENT), dtype=torch.uint8, device=device)
+        self._tensor, self._handle, error = None, None, None
+        try:
+            self._tensor = symm_mem.empty(_align(size, TORCH_SYMM_SEGMENT), dtype=torch.uint8, device=device)
+        except Exception as exc:  # noqa: BLE001 - any refusal: agreed below, the caller takes VMM
+            error = f"{type(exc).__name__}: {exc}"
+        _agree(allgather, error, "symm_mem.empty")  # the rendezvous is collective
         self._handle = symm_mem.rendezvous(self._tensor, group_name)
         bases = [int(p) for p in self._handle.buffer_ptrs]
         # buffer_ptrs are the bases of the symmetric blocks, and torch's pool may place a tensor
@@ -286,134 +327,197 @@ class TorchSymmBackend(_Backend):
 class VmmBackend(_Backend):
     """ubnext's own VMM through cuda-python: cuMemCreate with POSIX-fd handles, export, fds
     over Unix sockets, import, map, set access; a multicast object where supported. Used
-    when torch symmetric memory is missing or refuses (older torch, several ranks per GPU)."""
+    when torch symmetric memory is missing or refuses (older torch, several ranks per GPU).
+
+    Set-up runs in phases that end with a vote (_agree), and a failure anywhere releases
+    everything made so far, on every rank."""
 
     name = "vmm"
 
     def __init__(self, size: int, rank: int, nranks: int, device: torch.device,
                  allgather: Callable[[object], list]):
-        from . import _fdshare
-        from ._cuda import CudaError, check, driver
+        from ._cuda import check, driver
 
-        drv = driver()
         self.device = device
-        self._drv = drv
+        self._drv = driver()
         self._check = check
-        dev = check(drv.cuDeviceGet(device.index), "cuDeviceGet")
+        self._handles: list = []
+        self._mapped: list[tuple[int, int]] = []
+        self._reserved: list[tuple[int, int]] = []
+        self._mc = None
+        self._mc_bound = False
+        self._local = None
+        self._dev = None
+        self.mc_base = 0
+        self.size = size
+        try:
+            self._set_up(size, rank, nranks, device, allgather)
+        except BaseException:
+            self._release_all()
+            raise
+
+    def _set_up(self, size, rank, nranks, device, allgather) -> None:
+        from . import _fdshare
+        from ._cuda import CudaError
+
+        drv, check = self._drv, self._check
+        # -- phase 1: what this GPU offers, agreed (sizes, multicast, which GPU)
+        info, error = None, None
+        try:
+            info = self._query(size, nranks, device)
+        except CudaError as exc:
+            error = str(exc)
+        agreed = allgather((info, error))
+        _raise_if_any([e for _, e in agreed], "querying the GPU")
+        gran, _, _, uuid = info
+        # A multicast object takes one device per rank, and cuMulticastBindMem waits until all of
+        # them have been added: ranks sharing a GPU would wait forever, so they get no multicast.
+        infos = [i for i, _ in agreed]
+        shared_gpu = len({i[3] for i in infos}) < len(infos)
+        if shared_gpu:
+            log.warning("ubnext vmm pool: several ranks share a GPU; multicast needs one GPU per rank, "
+                        "so only the unicast paths run")
+        self._mc_everywhere = not shared_gpu and all(i[1] for i in infos)
+        self._mc_gran = _lcm(*(i[2] for i in infos if i[2])) if self._mc_everywhere else 0
+        gran = _lcm(*(i[0] for i in infos), self._mc_gran or 1)
+        self.size = size = _align(size, gran)
+
+        # -- phase 2: our memory, exported
+        fd, error = -1, None
+        try:
+            own = check(drv.cuMemCreate(size, self._alloc_prop(device), 0), "cuMemCreate")
+            self._handles.append(own)
+            fd = int(check(drv.cuMemExportToShareableHandle(
+                own, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "cuMemExportToShareableHandle"))
+        except CudaError as exc:
+            error = str(exc)
+        try:
+            _agree(allgather, error, "allocating the pool")
+            fds = _fdshare.exchange_fds(fd, rank, nranks, allgather)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+        # -- phase 3: every rank's memory mapped here
+        error = None
+        self.peer_bases = []
+        try:
+            for peer, peer_fd in enumerate(fds):
+                handle = self._handles[0] if peer == rank else check(drv.cuMemImportFromShareableHandle(
+                    peer_fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+                if peer != rank:
+                    self._handles.append(handle)
+                self.peer_bases.append(self._map(handle, 0))
+        except CudaError as exc:
+            error = str(exc)
+        finally:
+            for peer_fd in fds:
+                os.close(peer_fd)
+        _agree(allgather, error, "mapping the peers' memory")
+        self._setup_multicast(rank, nranks, allgather)
+        self._local = _Slot(self.peer_bases[rank], size, device, self).tensor(device)
+
+    def _query(self, size: int, nranks: int, device: torch.device) -> tuple[int, bool, int, bytes]:
+        """(allocation granularity, multicast supported, multicast granularity, GPU UUID)."""
+        from ._cuda import CudaError
+
+        drv, check = self._drv, self._check
+        self._dev = dev = check(drv.cuDeviceGet(device.index), "cuDeviceGet")
         torch.cuda.set_device(device)
         torch.cuda.current_stream(device)  # makes torch's primary context current
-
-        prop = drv.CUmemAllocationProp()
-        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = device.index
-        prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         gran = int(check(drv.cuMemGetAllocationGranularity(
-            prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity"))
+            self._alloc_prop(device), drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+            "cuMemGetAllocationGranularity"))
         # A multicast object's size and every bind's size/offsets must be multiples of
         # cuMulticastGetGranularity(CU_MULTICAST_GRANULARITY_MINIMUM) (cuMulticastCreate and
         # cuMulticastBindMem docs), so the allocation is sized for it before cuMemCreate. Every
         # rank must map the same size: the granularities are agreed across ranks.
         mc_supported = bool(check(drv.cuDeviceGetAttribute(
-            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev), "attribute"))
+            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev), "cuDeviceGetAttribute(MULTICAST_SUPPORTED)"))
         mc_gran = 0
         if mc_supported:
             try:
                 mc_gran = int(check(drv.cuMulticastGetGranularity(
                     self._mc_prop(nranks, _align(size, gran)),
-                    drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM), "multicast granularity"))
-            except CudaError as exc:  # a rank must not leave the allgather below: no multicast
+                    drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM), "cuMulticastGetGranularity"))
+            except CudaError as exc:  # agreed like the rest: no multicast anywhere
                 log.info("ubnext vmm pool: %s; unicast paths only", exc)
                 mc_supported = False
         uuid = bytes(check(drv.cuDeviceGetUuid(dev), "cuDeviceGetUuid").bytes)
-        agreed = allgather((gran, mc_supported, mc_gran, uuid))
-        # A multicast object takes one device per rank, and cuMulticastBindMem waits until all of
-        # them have been added: ranks sharing a GPU would wait forever, so they get no multicast.
-        shared_gpu = len({u for *_, u in agreed}) < len(agreed)
-        if shared_gpu:
-            log.warning("ubnext vmm pool: several ranks share a GPU; multicast needs one GPU per rank, "
-                        "so only the unicast paths run")
-        self._mc_everywhere = not shared_gpu and all(s for _, s, _, _ in agreed)
-        self._mc_gran = _lcm(*(g for _, _, g, _ in agreed if g)) if self._mc_everywhere else 0
-        gran = _lcm(*(g for g, _, _, _ in agreed), self._mc_gran or 1)
-        self.size = size = _align(size, gran)
-        self._dev = dev
-        self._handles = []
-        self._mapped: list[tuple[int, int]] = []
-        self._reserved: list[tuple[int, int]] = []
-        self._mc = None
-        self.mc_base = 0
-        own = check(drv.cuMemCreate(size, prop, 0), "cuMemCreate")
-        self._handles.append(own)
-        fd = check(drv.cuMemExportToShareableHandle(
-            own, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "export")
-        try:
-            fds = _fdshare.exchange_fds(int(fd), rank, nranks, allgather)
-        finally:
-            os.close(int(fd))
-        access = drv.CUmemAccessDesc()
-        access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = device.index
-        access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self.peer_bases = []
-        try:
-            for peer, peer_fd in enumerate(fds):
-                handle = own if peer == rank else check(drv.cuMemImportFromShareableHandle(
-                    peer_fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "import")
-                if peer != rank:
-                    self._handles.append(handle)
-                va = int(check(drv.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
-                self._reserved.append((va, size))
-                check(drv.cuMemMap(va, size, 0, handle, 0), "cuMemMap")
-                self._mapped.append((va, size))
-                check(drv.cuMemSetAccess(va, size, [access], 1), "cuMemSetAccess")
-                self.peer_bases.append(va)
-        finally:
-            for peer_fd in fds:
-                os.close(peer_fd)
-        self._setup_multicast(rank, nranks, dev, allgather)
-        self._local = _Slot(self.peer_bases[rank], size, device, self).tensor(device)
+        return gran, mc_supported, mc_gran, uuid
 
-    def _setup_multicast(self, rank, nranks, dev, allgather) -> None:
-        from . import _fdshare
+    def _alloc_prop(self, device: torch.device):
+        drv = self._drv
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device.index
+        prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return prop
 
+    def _map(self, handle, align: int) -> int:
+        """Reserve a range, map `handle` there, give this GPU read/write access; its address."""
         drv, check = self._drv, self._check
-        if not self._mc_everywhere:  # agreed across ranks in __init__
-            log.info("ubnext vmm pool: no multicast on every rank; unicast paths only")
-            return
-        prop = self._mc_prop(nranks, self.size)
-        fd = -1
-        if rank == 0:
-            self._mc = check(drv.cuMulticastCreate(prop), "cuMulticastCreate")
-            fd = int(check(drv.cuMemExportToShareableHandle(
-                self._mc, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "export mc"))
-        fds = _fdshare.exchange_fds(fd, rank, nranks, allgather, only_from=0)
-        try:
-            if rank != 0:
-                self._mc = check(drv.cuMemImportFromShareableHandle(
-                    fds[0], drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "import mc")
-        finally:
-            for f in fds:
-                if f >= 0:
-                    os.close(f)
-            if fd >= 0:
-                os.close(fd)
-        check(drv.cuMulticastAddDevice(self._mc, dev), "cuMulticastAddDevice")
-        allgather(None)  # every device added before any bind
-        check(drv.cuMulticastBindMem(self._mc, 0, self._handles[0], 0, self.size, 0), "cuMulticastBindMem")
-        # the multicast mapping's address is aligned to the multicast granularity
-        # (cuMulticastGetGranularity: "a multiple for size, bind offsets and address mappings")
-        align = self._mc_gran if (self._mc_gran & (self._mc_gran - 1)) == 0 else 0
-        va = int(check(drv.cuMemAddressReserve(self.size, align, 0, 0), "reserve mc"))
+        va = int(check(drv.cuMemAddressReserve(self.size, align, 0, 0), "cuMemAddressReserve"))
         self._reserved.append((va, self.size))
-        check(drv.cuMemMap(va, self.size, 0, self._mc, 0), "map mc")
-        self._mapped.insert(0, (va, self.size))
+        check(drv.cuMemMap(va, self.size, 0, handle, 0), "cuMemMap")
+        self._mapped.append((va, self.size))
         access = drv.CUmemAccessDesc()
         access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = self.device.index
         access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        check(drv.cuMemSetAccess(va, self.size, [access], 1), "set access mc")
-        self.mc_base = va
+        check(drv.cuMemSetAccess(va, self.size, [access], 1), "cuMemSetAccess")
+        return va
+
+    def _setup_multicast(self, rank, nranks, allgather) -> None:
+        from . import _fdshare
+        from ._cuda import CudaError
+
+        drv, check = self._drv, self._check
+        if not self._mc_everywhere:  # agreed across ranks in phase 1
+            log.info("ubnext vmm pool: no multicast on every rank; unicast paths only")
+            return
+        # -- phase 4: rank 0 creates the multicast object and shares it
+        fd, error = -1, None
+        if rank == 0:
+            try:
+                self._mc = check(drv.cuMulticastCreate(self._mc_prop(nranks, self.size)), "cuMulticastCreate")
+                fd = int(check(drv.cuMemExportToShareableHandle(
+                    self._mc, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "cuMemExportToShareableHandle (multicast)"))
+            except CudaError as exc:
+                error = str(exc)
+        try:
+            _agree(allgather, error, "creating the multicast object")
+            fds = _fdshare.exchange_fds(fd, rank, nranks, allgather, only_from=0)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        # -- phase 5: every device added (cuMulticastBindMem waits for all of them)
+        error = None
+        try:
+            if rank != 0:
+                self._mc = check(drv.cuMemImportFromShareableHandle(
+                    fds[0], drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle (multicast)")
+            check(drv.cuMulticastAddDevice(self._mc, self._dev), "cuMulticastAddDevice")
+        except CudaError as exc:
+            error = str(exc)
+        finally:
+            for f in fds:
+                if f >= 0:
+                    os.close(f)
+        _agree(allgather, error, "adding every GPU to the multicast object")
+        # -- phase 6: our memory bound, and the multicast range mapped here
+        error = None
+        try:
+            check(drv.cuMulticastBindMem(self._mc, 0, self._handles[0], 0, self.size, 0), "cuMulticastBindMem")
+            self._mc_bound = True
+            # the multicast mapping's address is aligned to the multicast granularity
+            # (cuMulticastGetGranularity: "a multiple for size, bind offsets and address mappings")
+            align = self._mc_gran if (self._mc_gran & (self._mc_gran - 1)) == 0 else 0
+            self.mc_base = self._map(self._mc, align)
+        except CudaError as exc:
+            error = str(exc)
+        _agree(allgather, error, "binding and mapping the multicast object")
 
     def _mc_prop(self, nranks: int, size: int):
         drv = self._drv
@@ -428,11 +532,17 @@ class VmmBackend(_Backend):
         return self._local
 
     def close(self) -> None:
-        drv = self._drv
         torch.cuda.synchronize(self.device)
-        # multicast first: unbind before the peers' memory is unmapped
-        if self._mc is not None:
+        self._release_all()
+
+    def _release_all(self) -> None:
+        """Release whatever exists, in the documented order: unbind the multicast object before
+        the memory is unmapped, the multicast range first; unmap, free the ranges, release."""
+        drv = self._drv
+        if self._mc is not None and self._mc_bound:
             drv.cuMulticastUnbind(self._mc, self._dev, 0, self.size)
+        if self.mc_base:  # the multicast mapping goes first
+            self._mapped.sort(key=lambda m: m[0] != self.mc_base)
         for va, size in self._mapped:
             drv.cuMemUnmap(va, size)
         for va, size in self._reserved:
@@ -442,6 +552,7 @@ class VmmBackend(_Backend):
         if self._mc is not None:
             drv.cuMemRelease(self._mc)
         self._mc = None
+        self._mc_bound = False
         self._mapped, self._reserved, self._handles = [], [], []
         self._local = None
 
@@ -500,7 +611,7 @@ class SymmetricPool:
         if name == "torch_symm":
             backend, error = None, None
             try:
-                backend = TorchSymmBackend(size, group, device)
+                backend = TorchSymmBackend(size, group, device, allgather)
             except Exception as exc:  # refused (e.g. several ranks per GPU) or missing
                 error = exc
             # every rank must take the same backend, or the next rendezvous pairs up wrongly

@@ -55,7 +55,7 @@ def fake_symm(monkeypatch):
 @pytest.mark.parametrize("convention", ["block_base", "offset_added"])
 def test_multicast_address_under_both_conventions(fake_symm, convention):
     fake_symm.update(offset=0, convention=convention)
-    b = pool.TorchSymmBackend(3 << 20, FakeGroup(), torch.device("cpu"))
+    b = pool.TorchSymmBackend(3 << 20, FakeGroup(), torch.device("cpu"), lambda obj: [obj, obj])
     assert b.peer_bases == [BLOCK, BLOCK + STRIDE]
     assert b.mc_base == MC_BLOCK  # the multicast address of the pool's byte 0, once
     assert fake_symm["size"] % pool.TORCH_SYMM_SEGMENT == 0 and fake_symm["size"] >= 3 << 20
@@ -65,4 +65,16 @@ def test_multicast_address_under_both_conventions(fake_symm, convention):
 def test_pool_inside_a_block_is_refused(fake_symm, convention):
     fake_symm.update(offset=1 << 20, convention=convention)
     with pytest.raises(RuntimeError, match="1048576 bytes into its block"):
-        pool.TorchSymmBackend(4 << 20, FakeGroup(), torch.device("cpu"))
+        pool.TorchSymmBackend(4 << 20, FakeGroup(), torch.device("cpu"), lambda obj: [obj, obj])
+
+
+def test_a_rank_whose_allocation_fails_stops_every_rank_before_the_rendezvous(monkeypatch):
+    """rendezvous is collective: a rank whose symm_mem.empty failed must not leave its peers in it."""
+    def empty(*args, **kwargs):
+        raise RuntimeError("out of symmetric memory")
+
+    monkeypatch.setattr(symm_mem, "empty", empty)
+    monkeypatch.setattr(symm_mem, "rendezvous", lambda t, name: pytest.fail("rendezvous after a failure"))
+    monkeypatch.setattr(symm_mem, "enable_symm_mem_for_group", lambda name: None, raising=False)
+    with pytest.raises(pool.PoolSetupError, match="symm_mem.empty failed on rank 0: RuntimeError: out of"):
+        pool.TorchSymmBackend(4 << 20, FakeGroup(), torch.device("cpu"), lambda obj: [obj, None])

@@ -5,6 +5,7 @@ granularity, argument order of cuMulticastBindMem/Unbind, the multicast mapping 
 multicast granularity, and the teardown order (unbind, unmap, free the ranges, release)."""
 
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -48,6 +49,7 @@ class FakeDriver:
 
     def cuMemImportFromShareableHandle(self, fd, kind):
         self._handles += 1
+        self._rec("cuMemImportFromShareableHandle", self._handles)
         return (driver.CUresult.CUDA_SUCCESS, driver.CUmemGenericAllocationHandle(self._handles))
 
     def cuMulticastGetGranularity(self, prop, flag):
@@ -173,9 +175,9 @@ def test_ranks_sharing_a_gpu_get_no_multicast(fake, monkeypatch, same_gpu):
                         [os.dup(fd) if fd >= 0 else os.open(os.devnull, os.O_RDONLY) for _ in range(nranks)])
 
     def allgather(obj):
-        if isinstance(obj, tuple) and len(obj) == 4:  # the peer reports its own GPU's UUID
-            peer_uuid = obj[3] if same_gpu else bytes([9] * 16)
-            return [obj, (*obj[:3], peer_uuid)]
+        if isinstance(obj, tuple) and isinstance(obj[0], tuple):  # (GPU info, error): the peer's own UUID
+            info, error = obj
+            return [obj, ((*info[:3], info[3] if same_gpu else bytes([9] * 16)), error)]
         return [obj, obj]
 
     backend = pool.VmmBackend(5 << 20, 0, 2, torch.device("cuda", 0), allgather)
@@ -183,3 +185,139 @@ def test_ranks_sharing_a_gpu_get_no_multicast(fake, monkeypatch, same_gpu):
     assert ("cuMulticastCreate" in names) == (not same_gpu)
     assert bool(backend.mc_base) == (not same_gpu)
     backend.close()
+
+
+# ------------------------------------------------------------------ failures during a multi-rank set-up
+
+class FailingDriver(FakeDriver):
+    """FakeDriver whose `fail_at` = (call name, n) makes the n-th call of that name fail."""
+
+    def __init__(self, multicast, fail_at=None):
+        super().__init__(multicast)
+        self.fail_at = fail_at
+        self.seen = {}
+
+    def __getattribute__(self, name):
+        attr = object.__getattribute__(self, name)
+        if not (name.startswith("cu") and callable(attr)):
+            return attr
+        seen, fail_at = object.__getattribute__(self, "seen"), object.__getattribute__(self, "fail_at")
+
+        def call(*args):
+            k = seen.get(name, 0)
+            seen[name] = k + 1
+            if fail_at == (name, k):
+                return (driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+            return attr(*args)
+        return call
+
+    def leaks(self):
+        """What was made and not released, from the recorded calls."""
+        live = {"handles": 0, "reserved": 0, "mapped": 0, "bound": 0}
+        for name, _ in self.calls:
+            delta = {"cuMemCreate": ("handles", 1), "cuMemImportFromShareableHandle": ("handles", 1),
+                     "cuMulticastCreate": ("handles", 1), "cuMemRelease": ("handles", -1),
+                     "cuMemAddressReserve": ("reserved", 1), "cuMemAddressFree": ("reserved", -1),
+                     "cuMemMap": ("mapped", 1), "cuMemUnmap": ("mapped", -1),
+                     "cuMulticastBindMem": ("bound", 1), "cuMulticastUnbind": ("bound", -1)}.get(name)
+            if delta:
+                live[delta[0]] += delta[1]
+        return {k: v for k, v in live.items() if v}
+
+
+class ThreadRanks:
+    """Ranks as threads of this process: a barrier-based allgather and fd exchange."""
+
+    def __init__(self, n):
+        self.n = n
+        self.barrier = threading.Barrier(n, timeout=20)
+        self.slots = [None] * n
+
+    def allgather(self, rank):
+        def gather(obj):
+            self.barrier.wait()
+            self.slots[rank] = obj
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+        return gather
+
+
+TEARDOWN = {"cuMulticastUnbind", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease"}
+
+
+def _set_up_two_ranks(monkeypatch, drivers):
+    import ubnext._cuda as cu
+    from ubnext import _fdshare
+
+    tls = threading.local()
+    monkeypatch.setattr(cu, "driver", lambda: tls.drv)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(pool._Slot, "tensor", lambda self, device: None)
+    def exchange_fds(fd, rank, nranks, allgather, only_from=None):
+        # the owner makes one copy per receiver before anyone can close the original (the
+        # threads share one fd table, as ranks on one node share the kernel's file objects)
+        copies = allgather([os.dup(fd) if fd >= 0 else -1 for _ in range(nranks)])
+        return [copies[src][rank] for src in range(nranks)]
+
+    monkeypatch.setattr(_fdshare, "exchange_fds", exchange_fds)
+    ranks = ThreadRanks(len(drivers))
+    results = [None] * len(drivers)
+
+    def run(rank):
+        tls.drv = drivers[rank]
+        try:
+            results[rank] = pool.VmmBackend(5 << 20, rank, len(drivers), torch.device("cuda", rank),
+                                            ranks.allgather(rank))
+        except Exception as exc:  # noqa: BLE001 - compared below
+            results[rank] = exc
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(drivers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), "a rank hangs in the set-up"
+    return results
+
+
+def _fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_failure_at_any_driver_call_on_one_rank_fails_every_rank_alike(monkeypatch):
+    """Inject a failure at every driver call the set-up makes, on each rank in turn: every rank
+    must raise the same PoolSetupError (or, where the failure only means 'no multicast', every
+    rank must agree on that), none may hang, and nothing may leak: handles, ranges, mappings,
+    multicast binds, file descriptors."""
+    reference = [FailingDriver(True) for _ in range(2)]
+    ok = _set_up_two_ranks(monkeypatch, reference)
+    assert all(isinstance(b, pool.VmmBackend) and b.mc_base for b in ok), ok
+    for b in ok:
+        b.close()
+    injected = 0
+    for victim in range(2):
+        for name, count in sorted(reference[victim].seen.items()):
+            if name in TEARDOWN:
+                continue
+            for k in range(count):
+                drivers = [FailingDriver(True, (name, k) if r == victim else None) for r in range(2)]
+                fds = _fd_count()
+                results = _set_up_two_ranks(monkeypatch, drivers)
+                where = f"{name} #{k} failing on rank {victim}"
+                if all(isinstance(r, pool.VmmBackend) for r in results):
+                    # only the multicast granularity query may fail softly: unicast everywhere
+                    assert name == "cuMulticastGetGranularity" and not any(r.mc_base for r in results), where
+                    for r in results:
+                        r.close()
+                else:
+                    assert all(isinstance(r, pool.PoolSetupError) for r in results), f"{where}: {results}"
+                    assert len({str(r) for r in results}) == 1, f"{where}: ranks differ: {results}"
+                    assert f"on rank {victim}" in str(results[0]) and name in str(results[0]), str(results[0])
+                for r, drv in enumerate(drivers):
+                    assert drv.leaks() == {}, f"{where}: rank {r} leaked {drv.leaks()}"
+                assert _fd_count() == fds, f"{where}: file descriptors leaked"
+                injected += 1
+    assert injected >= 20, injected
