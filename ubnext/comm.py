@@ -531,6 +531,8 @@ class Communicator:
         else:
             kernel = kernels.load_kernel(name, self.device.index)
             stream = torch.cuda.current_stream(self.device)
+            if _cuda.capturing(self.device):
+                pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
             self._order_after_other_stream(stream)
             _cuda.launch(kernel, grid, block, stream.cuda_stream,
                          _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE, values), self.device.index)

@@ -148,6 +148,8 @@ class _Slot:
 
     def __init__(self, address: int, nbytes: int, device: torch.device, keepalive: object):
         self._keepalive = keepalive
+        if isinstance(keepalive, _Backend):
+            keepalive.track(self)
         interface = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3}
         if device.type == "cuda":
             interface["stream"] = None  # ordering is the caller's stream's, as for any tensor
@@ -172,11 +174,45 @@ class _Backend:
     mc_base: int = 0
     size: int
 
+    # Lifetime: every pool tensor is a view through a _Slot, which keeps its backend alive and is
+    # counted here; close() releases the memory at once if no view is left, else when the last
+    # one goes. So no pool tensor ever points at unmapped or reused memory, and close() never
+    # refuses (collective close on every rank, whatever each rank still holds).
+    _views = 0
+    _closing = False
+    _released = False
+
     def local_tensor(self) -> torch.Tensor:
         """This rank's whole pool as a uint8 tensor (same lifetime as the backend)."""
         raise NotImplementedError
 
+    def track(self, slot: "_Slot") -> None:
+        self._views += 1
+        weakref.finalize(slot, self._view_gone)
+
+    def _view_gone(self) -> None:
+        self._views -= 1
+        self._release_if_unused()
+
     def close(self) -> None:
+        """Release the memory now if no view of it is alive, else when the last view goes."""
+        self._closing = True
+        self._drop_own_views()
+        self._release_if_unused()
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def _release_if_unused(self) -> None:
+        if self._closing and self._views == 0 and not self._released:
+            self._released = True
+            self._release_all()
+
+    def _drop_own_views(self) -> None:
+        """Drop the backend's own views of its memory (they would keep it mapped forever)."""
+
+    def _release_all(self) -> None:
         raise NotImplementedError
 
 
@@ -241,7 +277,7 @@ class EmulatorBackend(_Backend):
         try:
             _agree(allgather, error, "mapping the peers' shared memory")
         except PoolSetupError:
-            self.close()
+            self._release_all()
             raise
         self._arrays = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
         self.peer_bases = [a.__array_interface__["data"][0] for a in self._arrays]
@@ -252,7 +288,7 @@ class EmulatorBackend(_Backend):
     def local_tensor(self) -> torch.Tensor:
         return self._local
 
-    def close(self) -> None:
+    def _release_all(self) -> None:
         if self._handle is not None:
             # the multicast range goes first, so no twin can reach a peer mapping being removed
             self._lib.unregister(self._handle)
@@ -269,6 +305,9 @@ class EmulatorBackend(_Backend):
                 log.warning("ubnext pool closed while pool tensors are alive; unmapping deferred")
         self._maps = []
 
+
+# Backends of pools closed after a CUDA graph captured their kernels: kept until the process exits.
+_KEPT_FOR_GRAPHS: list["_Backend"] = []
 
 TORCH_SYMM_SEGMENT = 2 << 20  # the CUDA caching allocator's large-segment granularity
 
@@ -319,7 +358,7 @@ class TorchSymmBackend(_Backend):
     def local_tensor(self) -> torch.Tensor:
         return self._tensor
 
-    def close(self) -> None:
+    def _release_all(self) -> None:
         self._handle = None
         self._tensor = None
 
@@ -531,14 +570,14 @@ class VmmBackend(_Backend):
     def local_tensor(self) -> torch.Tensor:
         return self._local
 
-    def close(self) -> None:
-        torch.cuda.synchronize(self.device)
-        self._release_all()
+    def _drop_own_views(self) -> None:
+        self._local = None
 
     def _release_all(self) -> None:
         """Release whatever exists, in the documented order: unbind the multicast object before
         the memory is unmapped, the multicast range first; unmap, free the ranges, release."""
         drv = self._drv
+        torch.cuda.synchronize(self.device)  # no kernel of ours may still use it
         if self._mc is not None and self._mc_bound:
             drv.cuMulticastUnbind(self._mc, self._dev, 0, self.size)
         if self.mc_base:  # the multicast mapping goes first
@@ -596,6 +635,7 @@ class SymmetricPool:
         self._staging_bytes = _Slot(self.base + layout.data_off, layout.staging_bytes, self.device,
                                     self.backend).tensor(self.device)
         self.fallbacks = 0
+        self.captured = False  # set when a kernel on this pool was launched inside graph capture
         self._graph_tensors: list[torch.Tensor] = []
         self._closed = False
 
@@ -730,11 +770,19 @@ class SymmetricPool:
         }
 
     def close(self) -> None:
+        """Collective. The memory is released once no pool tensor points into it (_Backend), and
+        never when a kernel of this pool was captured into a CUDA graph: the graph addresses the
+        pool directly (its sync region, buffers and staging) and may be replayed at any time."""
         if self._closed:
             return
         self._closed = True
-        self._graph_tensors.clear()
         self._staging_bytes = None
+        if self.captured:
+            log.warning("ubnext: a pool used in CUDA graph capture stays mapped until the process exits "
+                        "(a captured graph may still be replayed)")
+            _KEPT_FOR_GRAPHS.append(self.backend)
+            return
+        self._graph_tensors.clear()
         self.backend.close()
 
 

@@ -1,0 +1,44 @@
+"""Closing a pool never leaves a pool tensor pointing at unmapped memory: the backend releases
+its memory when the last view goes (one emulator rank, no GPU)."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from ubnext.pool import SymmetricPool, plan_layout
+
+
+def _pool():
+    return SymmetricPool(layout=plan_layout(1, 1024), rank=0, group=None, device=torch.device("cpu"),
+                         allgather=lambda obj: [obj], barrier=lambda: None, timeout_s=30.0, backend="emulator")
+
+
+def test_close_defers_release_until_the_last_view_goes():
+    pool = _pool()
+    t = pool.empty((1024,), torch.float32)
+    view = t[100:200]
+    t.fill_(3.0)
+    backend = pool.backend
+    del t
+    pool.close()
+    assert not backend.released, "closed while a view of the pool was alive"
+    view.add_(1.0)  # mapped: no fault
+    assert torch.equal(view, torch.full((100,), 4.0))
+    del view
+    gc.collect()
+    assert backend.released, "the memory outlived its last view"
+
+
+def test_close_without_views_releases_at_once():
+    pool = _pool()
+    pool.close()
+    assert pool.backend.released
+
+
+def test_a_captured_pool_is_kept_for_its_graphs():
+    pool = _pool()
+    pool.captured = True
+    pool.close()
+    assert not pool.backend.released
