@@ -53,6 +53,7 @@ BREAKS = {
     "single_header_slot": "UBNEXT_BREAK_SINGLE_HEADER_SLOT",
     "no_abort_check": "UBNEXT_BREAK_NO_ABORT_CHECK",
     "no_proxy_fence": "UBNEXT_BREAK_NO_PROXY_FENCE",
+    "twoshot_drop_peer": "UBNEXT_BREAK_TWOSHOT_DROP_PEER",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")

@@ -204,6 +204,7 @@ class Communicator:
         self._broken: str | None = None
         self._closed = False
         self._last_stream = None  # the stream of the last eager launch (_order_after_other_stream)
+        self._disabled: dict[str, str] = {}  # kernel paths the self-test turned off, on every rank
         self.last_path: str | None = None
         if self.mode == "torch":
             self._pool_error = f"no GPU ({no_gpu_reason()}) and emulation is off"
@@ -273,6 +274,8 @@ class Communicator:
                     "pool and loading its kernels synchronise the device and talk to the other ranks, which "
                     "a capture cannot contain: call comm.prepare() on every rank before capturing")
             self._pool = self._create_pool()
+            if self._pool is not None:
+                self._self_test()
         return self._pool
 
     def prepare(self) -> "Communicator":
@@ -281,6 +284,40 @@ class Communicator:
         (NVRTC compiles, the ranks' rendezvous) out of timed or captured regions."""
         _ = self.pool
         return self
+
+    def _self_test(self) -> None:
+        """Run every kernel path once on known data (UBNEXT_SELFTEST=0 skips it), so that a first
+        run on new hardware cannot silently give wrong numbers. The inputs are small integers, so
+        every correct path returns the exact sum bit for bit, in any summation order. A path that
+        differs on any rank is disabled on every rank (agreed), with a warning naming it and the
+        mismatch. A kernel that fails outright (timeout, mismatch) raises, as any call would."""
+        if not envs.get("UBNEXT_SELFTEST"):
+            return
+        numel = 2048 * self.world_size + 3  # whole vectors, and a tail that ends inside one
+        i = torch.arange(numel, dtype=torch.int64)
+        mine = (((i * 7 + self.rank * 3) % 13) - 6).to(torch.bfloat16).to(self.device)
+        want = sum((((i * 7 + r * 3) % 13) - 6) for r in range(self.world_size)).to(torch.bfloat16)
+        algo, failures = self._algo, {}
+        try:
+            for path in plan.KERNEL_PATHS:
+                self._algo = path
+                out = self._all_reduce(mine, torch.empty_like(mine))
+                if self.last_path != path:
+                    continue  # this pool cannot run it at all
+                got = out.cpu()
+                if not torch.equal(got, want):
+                    bad = (got != want).nonzero().flatten()
+                    k = int(bad[0])
+                    failures[path] = (f"rank {self.rank}: {bad.numel()} of {numel} sums wrong, first at {k}: "
+                                      f"got {got[k].item():g}, want {want[k].item():g}")
+        finally:
+            self._algo, self.last_path = algo, None
+        for report in self._allgather(failures):
+            for path, why in report.items():
+                if path not in self._disabled:
+                    self._disabled[path] = why
+                    log.warning("ubnext self-test: %s gave wrong sums (%s); %s is disabled on every rank",
+                                path, why, path)
 
     def _create_pool(self) -> SymmetricPool | None:
         # Agreed before anything is allocated: a rank that cannot build or load the kernels sends
@@ -449,7 +486,7 @@ class Communicator:
         symm_op = hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
         # sizes of the layout only, never what this rank has allocated: ranks plan identically
         return plan.PoolView(None, pool.has_multicast, pool.lamport_capacity, pool.layout.staging_bytes,
-                             self.mode, symm_op)
+                             self.mode, symm_op, tuple(sorted(self._disabled.items())))
 
     def _capabilities(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> dict[str, str | None]:
         """For each path: None if it can run this call, else why not."""

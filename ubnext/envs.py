@@ -105,6 +105,9 @@ VARIABLES: dict[str, Var] = {
             "Bound on every wait across ranks inside a kernel (unset: the process group's timeout). "
             "Past it the op fails naming op, rank and peer, and the communicator is aborted on "
             "every rank."),
+        Var("UBNEXT_SELFTEST", _bool, True, "0|1",
+            "Run every kernel path once on known data when the pool is created, and disable, on "
+            "every rank, a path that gives a wrong sum (a few ms once; 0 skips it)."),
         Var("UBNEXT_EMULATE", _bool, False, "0|1",
             "Run ubnext kernels on the CPU emulator (CPU tensors) instead of torch.distributed."),
         Var("UBNEXT_EMU_CHAOS", _bool, False, "0|1",
@@ -116,9 +119,10 @@ VARIABLES: dict[str, Var] = {
         Var("UBNEXT_EMU_SEED", _nonnegative_int, 0, "integer >= 0",
             "Seed of the emulator's chaos mode (0: derived from time and rank)."),
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
-                                     "single_header_slot", "no_abort_check", "no_proxy_fence"), "",
+                                     "single_header_slot", "no_abort_check", "no_proxy_fence",
+                                     "twoshot_drop_peer"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
-            "no_proxy_fence",
+            "no_proxy_fence|twoshot_drop_peer",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),

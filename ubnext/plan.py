@@ -30,6 +30,7 @@ class PoolView:
     staging_bytes: int = 0  # the pool's staging region (fixed by the layout, equal on every rank)
     mode: str = "torch"  # gpu | emulator | torch
     torch_symm_op: bool = False  # torch has a symmetric-memory allreduce op
+    disabled: tuple[tuple[str, str], ...] = ()  # (path, why): turned off by the agreed self-test
 
 
 @dataclass
@@ -49,9 +50,12 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
         no_kernels = f"hidden size {hidden} is not a multiple of {16 // elem_bytes} elements"
     else:
         no_kernels = None
+    disabled = dict(pool.disabled)
     for path in KERNEL_PATHS:
         if no_kernels:
             why[path] = no_kernels
+        elif path in disabled:
+            why[path] = f"disabled by the self-test at preparation ({disabled[path]})"
         elif path.startswith("nvls") and not pool.has_multicast:
             why[path] = "the pool has no multicast address"
         elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:

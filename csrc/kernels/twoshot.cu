@@ -67,6 +67,11 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
 
   if (!barrier_sync(br)) return;
 
+#if !defined(UBNEXT_BREAK_TWOSHOT_DROP_PEER)
+  const uint32_t summed = nranks;
+#else
+  const uint32_t summed = nranks - 1;  // test-only broken build: the last rank's values are left out
+#endif
   // Reduce-scatter of one vector: rank order 0..N-1, fp32, rounded once to T.
   auto load = [&](int64_t gi) -> uint4 {
     const uint64_t off = in_off + static_cast<uint64_t>(gi) * 16u;
@@ -80,7 +85,7 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
           v[u] = ld_relaxed_sys_v4(reinterpret_cast<const void*>(static_cast<uint64_t>(d->peer_base[p0 + u]) + off));
 #pragma unroll
       for (int u = 0; u < kPeers; ++u) {
-        if (p0 + u < nranks) {
+        if (p0 + u < summed) {
           float f[V];
           unpack<T>(v[u], f);
           if (p0 + u == 0) {

@@ -8,13 +8,13 @@ from tests.conftest import MPI_WORKER, assert_mpi_ok
 FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation", "long_runs", "traffic", "pool",
         "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
-        "captured_sizes"]
+        "captured_sizes", "selftest"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
 UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout", "misaligned",
-           "divergent", "fp8_nan", "late_rank", "captured_sizes"]
+           "divergent", "fp8_nan", "late_rank", "captured_sizes", "selftest"]
 
 
 @pytest.mark.mpi
@@ -47,10 +47,21 @@ BROKEN = {
 @pytest.mark.mpi
 @pytest.mark.parametrize("break_name", sorted(BROKEN))
 def test_broken_protocol_is_caught(mpi, break_name):
+    # without the self-test, which would disable some broken paths before the tests reach them
     proc = mpi(2, MPI_WORKER, "emulator", *BROKEN[break_name],
-               env={"UBNEXT_EMU_BREAK": break_name, "UBNEXT_EMU_CHAOS": "1", "UBNEXT_TIMEOUT": "5"},
+               env={"UBNEXT_EMU_BREAK": break_name, "UBNEXT_EMU_CHAOS": "1", "UBNEXT_TIMEOUT": "5",
+                    "UBNEXT_SELFTEST": "0"},
                timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"the {break_name} build passed the tests that should catch it:\n{output[-3000:]}"
     assert ("AssertionError" in output or "UbnextTimeoutError" in output), \
         f"the {break_name} build failed for another reason than a caught protocol violation:\n{output[-4000:]}"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 3])
+def test_selftest_disables_a_broken_path(mpi, np):
+    """A kernel that gives wrong sums (the test-only twoshot_drop_peer build) is found by the
+    self-test at preparation and disabled on every rank: the calls still get right sums."""
+    assert_mpi_ok(mpi(np, MPI_WORKER, "emulator", "selftest",
+                      env={"UBNEXT_EMU_BREAK": "twoshot_drop_peer", "UBNEXT_EMU_MULTICAST": "0"}, timeout=600))

@@ -471,6 +471,31 @@ def case_captured_sizes():
     comm.close()
 
 
+def case_selftest():
+    """The self-test at preparation. On a correct build every path passes it. Under
+    UBNEXT_EMU_BREAK=twoshot_drop_peer (the two-shot kernel leaves the last rank out of its sums)
+    it disables twoshot on every rank, and a call forced to twoshot still gets the right sum, from
+    the next path down."""
+    if MODE == "torch":
+        return
+    comm = ubnext.Communicator(emulate=(MODE == "emulator"), max_hidden=1024, algo="twoshot").prepare()
+    broken = os.environ.get("UBNEXT_EMU_BREAK") == "twoshot_drop_peer"
+    everyone = gather(sorted(comm._disabled))
+    assert all(d == everyone[0] for d in everyone), f"ranks disabled different paths: {everyone}"
+    if broken:
+        assert list(comm._disabled) == ["twoshot"], comm._disabled
+        log("self-test disabled twoshot:", comm._disabled["twoshot"])
+    else:
+        assert comm._disabled == {}, f"a correct build failed the self-test: {comm._disabled}"
+    n = dist.get_world_size()
+    inputs = [T.rank_input(r, 5000, torch.float32, 5) for r in range(n)]
+    out = comm.all_reduce(inputs[dist.get_rank()].to(device()))
+    assert (comm.last_path != "twoshot") == broken, comm.last_path
+    err = (out.double().cpu() - T.reference_sum(inputs)).abs()
+    assert (err <= T.allreduce_bound(inputs, torch.float32)).all(), f"{comm.last_path}: wrong sum"
+    comm.close()
+
+
 def case_late_rank():
     """Timeout semantics and the sticky abort. The last rank arrives late: by half the timeout (no
     error), then by the timeout + 1 s: every rank must raise within the timeout + 5 s, the late one
