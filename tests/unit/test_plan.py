@@ -14,6 +14,7 @@ from ubnext.pool import plan_layout
 def _comm_with(pool):
     comm = object.__new__(Communicator)  # no process group: only what _pool_view reads
     comm._closed, comm._pool, comm._pool_error, comm.mode = False, pool, None, "emulator"
+    comm._disabled = {}
     return comm
 
 
@@ -84,7 +85,7 @@ def _bare_communicator(mode="emulator"):
     comm = object.__new__(Communicator)
     comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = mode, 2, 0, None, 1024
     comm.device, comm._sm_count, comm._pool_error = None, 0, None
-    comm._pool, comm._closed = None, False
+    comm._pool, comm._closed, comm._disabled = None, False, {}
     comm._prepare_kernels = lambda: None
     comm._barrier = lambda: None
     return comm
@@ -165,3 +166,12 @@ def test_torch_symm_never_allocates_inside_capture(monkeypatch):
     x = torch.ones(8)
     comm._torch_symm_all_reduce(x, x)
     assert used == ["torch"]
+
+
+def test_a_path_the_self_test_disabled_is_never_planned():
+    """The self-test's verdict is agreed and part of the planner's input: a disabled path is
+    skipped, with the reason, even when forced."""
+    view = plan.PoolView(None, True, 1 << 20, 1 << 22, "gpu", False, (("twoshot", "rank 1: 3 sums wrong"),))
+    chosen = plan.choose(1 << 21, 2, False, 0, view, forced="twoshot")
+    assert chosen.path == "nvls_twoshot"
+    assert ("twoshot", "disabled by the self-test at preparation (rank 1: 3 sums wrong)") in chosen.skipped
