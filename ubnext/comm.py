@@ -354,10 +354,20 @@ class Communicator:
         if errors:
             if pool is not None:
                 pool.close()
-            self._pool_error = f"symmetric pool unavailable: {errors[0]}"
+            self._pool_error = f"symmetric pool unavailable: {errors[0]}" + self._isolated_gpu_hint()
             log.warning("%s; using torch.distributed", self._pool_error)
             return None
         return pool
+
+    def _isolated_gpu_hint(self) -> str:
+        """Why a GPU pool may fail where every rank sees a single GPU (CUDA_VISIBLE_DEVICES set per
+        rank, common under SLURM): importing a peer's memory needs the peer's GPU to be visible
+        to the driver in this process, as NCCL's own P2P/IPC transports do."""
+        if self.mode != "gpu" or self.world_size < 2 or torch.cuda.device_count() != 1:
+            return ""
+        return (f" (every rank sees one GPU, CUDA_VISIBLE_DEVICES={envs.cuda_visible_devices()!r}: the driver "
+                "may refuse to map a peer's memory on a GPU this process cannot see. Give each rank all of the "
+                "node's GPUs and pick one with torch.cuda.set_device(local_rank))")
 
     def _prepare_kernels(self) -> str | None:
         """Build or load every kernel this communicator may launch; None, or why it cannot."""

@@ -10,7 +10,7 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
         "captured_sizes", "selftest"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
-        "divergent"]
+        "divergent", "subgroups"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
 UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout", "misaligned",

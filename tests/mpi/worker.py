@@ -496,6 +496,33 @@ def case_selftest():
     comm.close()
 
 
+def case_subgroups():
+    """DP x TP on a world of 4: two TP groups {0,1} {2,3} and two DP groups {0,2} {1,3}, each with
+    its own communicator and pool, used interleaved: every sum is over its own group only."""
+    if dist.get_world_size() != 4:
+        return
+    rank = dist.get_rank()
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # collective: every rank makes every group
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp = ubnext.Communicator(tp_groups[rank // 2], emulate=(MODE == "emulator"), max_hidden=1024)
+    dp = ubnext.Communicator(dp_groups[rank % 2], emulate=(MODE == "emulator"), max_hidden=1024)
+    assert (tp.world_size, dp.world_size) == (2, 2)
+    paths = set()
+    for step in range(3):
+        for comm, members in ((tp, [rank - rank % 2, rank - rank % 2 + 1]), (dp, [rank % 2, rank % 2 + 2])):
+            for numel in (1000, 100_000):  # a Lamport message, and a two-shot one
+                x = torch.full((numel,), float(10 * rank + step), device=device())
+                out = comm.all_reduce(x)
+                want = float(sum(10 * r + step for r in members))
+                assert torch.all(out == want), (comm.last_path, members, out[:4], want)
+                paths.add(comm.last_path)
+    if MODE == "emulator":
+        assert "lamport" in paths and paths & {"twoshot", "nvls_twoshot"}, paths
+    log("subgroups: paths", sorted(paths))
+    tp.close()
+    dp.close()
+
+
 def case_late_rank():
     """Timeout semantics and the sticky abort. The last rank arrives late: by half the timeout (no
     error), then by the timeout + 1 s: every rank must raise within the timeout + 5 s, the late one

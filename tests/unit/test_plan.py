@@ -175,3 +175,27 @@ def test_a_path_the_self_test_disabled_is_never_planned():
     chosen = plan.choose(1 << 21, 2, False, 0, view, forced="twoshot")
     assert chosen.path == "nvls_twoshot"
     assert ("twoshot", "disabled by the self-test at preparation (rank 1: 3 sums wrong)") in chosen.skipped
+
+
+def test_isolated_gpus_make_the_fallback_say_why(monkeypatch, caplog):
+    """Ranks that each see one GPU: when the pool cannot be built, the warning says what to change."""
+    import torch
+
+    import ubnext.comm as comm_mod
+    from ubnext.pool import PoolSetupError
+
+    comm = _bare_communicator("gpu")
+    comm.device = torch.device("cuda", 0)
+    comm._allgather = lambda obj: [obj, obj] if not isinstance(obj, dict) else [obj, dict(obj)]
+
+    def refuse(**kwargs):
+        raise PoolSetupError("mapping the peers' memory failed on rank 1: cuMemImportFromShareableHandle failed")
+
+    monkeypatch.setattr(comm_mod, "SymmetricPool", refuse)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: False)
+    with caplog.at_level("WARNING", logger="ubnext"):
+        assert comm._create_pool() is None
+    assert "every rank sees one GPU, CUDA_VISIBLE_DEVICES='3'" in comm._pool_error
+    assert "torch.cuda.set_device" in caplog.text
