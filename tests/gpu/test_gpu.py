@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.gpu,
 NGPU = torch.cuda.device_count() if _cuda.gpu_available() else 0
 CASES = ["allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "pool", "bad_input",
          "linear", "compile", "cuda_graph", "misaligned", "fp8_nan", "divergent", "uneven_history",
-         "header_race", "kernel_failure", "timeout"]
+         "header_race", "kernel_failure", "timeout", "late_rank", "selftest", "subgroups",
+         # the host path (contexts, streams, graphs, lifetimes): only a GPU shows these
+         "second_comm", "threads", "streams", "capture_first_use", "close_live"]
 
 
 def test_every_kernel_loads_on_this_gpu():
@@ -43,4 +45,31 @@ def test_chaos_free_benchmark_runs(mpi):
     from tests.conftest import ROOT
 
     proc = mpi(min(NGPU, 8), ROOT / "ubnext" / "bench.py", "--sizes", "8k", "1m", "--iters", "20", timeout=600)
+    assert_mpi_ok(proc)
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs a GPU")
+def test_two_ranks_share_one_gpu(mpi):
+    """Several ranks on one GPU: the VMM pool must not create a multicast object (its bind would
+    wait forever for a second device); unicast paths only, right sums."""
+    proc = mpi(2, MPI_WORKER, "gpu", "allreduce", "paths",
+               env={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+                    "UBNEXT_POOL_BACKEND": "vmm"}, timeout=900)
+    assert_mpi_ok(proc)
+
+
+@pytest.mark.skipif(0 < NGPU < 2, reason="needs at least 2 GPUs")
+def test_one_visible_gpu_per_rank(mpi, tmp_path):
+    """CUDA_VISIBLE_DEVICES set per rank (SLURM's habit): the pool works, or every rank falls back
+    saying why; sums right either way."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(NGPU))).split(",")
+    wrapper = tmp_path / "isolate.py"
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        f"visible = {visible!r}\n"
+        "rank = int(os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '0')))\n"
+        "os.environ['CUDA_VISIBLE_DEVICES'] = visible[rank % len(visible)]\n"
+        f"sys.argv = [{str(MPI_WORKER)!r}] + sys.argv[1:]\n"
+        f"runpy.run_path({str(MPI_WORKER)!r}, run_name='__main__')\n")
+    proc = mpi(2, wrapper, "gpu", "isolated", timeout=900)
     assert_mpi_ok(proc)

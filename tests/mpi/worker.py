@@ -1043,6 +1043,136 @@ def case_cuda_graph():
     COMM._algo = None
 
 
+# -- the GPU host path: what only a GPU can show (the emulator has no contexts, streams or graphs) --
+
+
+def _check_sum(comm, numel=6000, dtype=torch.bfloat16, seed=3, what=""):
+    n = dist.get_world_size()
+    inputs = [T.rank_input(r, numel, dtype, seed) for r in range(n)]
+    out = comm.all_reduce(inputs[dist.get_rank()].to(device()))
+    err = (out.double().cpu() - T.reference_sum(inputs)).abs()
+    assert (err <= T.allreduce_bound(inputs, dtype)).all(), f"{what} {comm.last_path}: wrong sum"
+
+
+def case_second_comm():
+    """A communicator made after other symmetric allocations (torch's pool no longer empty): its
+    pool is torch_symm at offset 0 or ubnext's VMM, never a misplaced multicast address."""
+    if MODE != "gpu":
+        return
+    import torch.distributed._symmetric_memory as symm_mem
+
+    other = symm_mem.empty(3 << 20, dtype=torch.uint8, device=device())
+    symm_mem.rendezvous(other, dist.group.WORLD.group_name)
+    comm = ubnext.Communicator(max_hidden=1024).prepare()
+    log("second communicator's pool:", comm.pool_stats()["backend"])
+    for algo in ("lamport", "nvls_twoshot", "nvls_lamport", "twoshot", "nvls_oneshot"):
+        comm._algo = algo
+        _check_sum(comm, what=f"second communicator, {algo}")
+    comm.close()
+    del other
+
+
+def case_threads():
+    """Calls from another thread (as from autograd's backward threads or a user's own), end to end.
+    That the launch itself makes the kernels' context current, whatever torch did on that thread,
+    is shown without a GPU by tests/unit/test_launch_context.py."""
+    if MODE != "gpu":
+        return
+    import threading
+
+    errors = []
+
+    def work():
+        try:
+            for algo in ("lamport", "twoshot"):
+                COMM._algo = algo
+                _check_sum(COMM, what=f"from a thread, {algo}")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    COMM._algo = None
+    assert not errors, errors
+
+
+def case_streams():
+    """Calls alternating between the default stream and a side stream: each new stream waits for
+    the last one, so the communicator's kernels never overlap and every sum is right."""
+    if MODE != "gpu":
+        return
+    side = torch.cuda.Stream(device())
+    for step in range(6):
+        stream = side if step % 2 else torch.cuda.current_stream(device())
+        with torch.cuda.stream(stream):
+            for algo in ("lamport", "twoshot", "nvls_twoshot"):
+                COMM._algo = algo
+                _check_sum(COMM, seed=step, what=f"stream {step % 2}, {algo}")
+    COMM._algo = None
+    torch.cuda.synchronize()
+
+
+def case_capture_first_use():
+    """A communicator first used inside graph capture: refused, naming comm.prepare(); after it,
+    the same call captures and replays."""
+    if MODE != "gpu":
+        return
+    comm = ubnext.Communicator(max_hidden=1024)
+    x = torch.ones(4096, dtype=torch.bfloat16, device=device())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            comm.all_reduce(x)
+    except ubnext.UbnextError as exc:
+        assert "comm.prepare()" in str(exc), str(exc)
+    else:
+        raise AssertionError("a first use inside capture was accepted")
+    comm.prepare()
+    out = torch.empty_like(x)
+    comm.all_reduce(x, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        comm.all_reduce(x, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.all(out == dist.get_world_size()), out[:4]
+    comm.close()  # captured: the pool stays mapped for the graph
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.all(out == dist.get_world_size()), "a replay after close() lost the pool"
+
+
+def case_close_live():
+    """close() while a pool tensor is alive: that tensor stays usable (its memory is released
+    when it goes)."""
+    if MODE != "gpu":
+        return
+    comm = ubnext.Communicator(max_hidden=1024)
+    t = comm.empty(1 << 16, dtype=torch.float32)
+    t.fill_(2.0)
+    comm.close()
+    t.mul_(3.0)
+    torch.cuda.synchronize()
+    assert torch.all(t == 6.0)
+    del t
+
+
+def case_isolated():
+    """Run with CUDA_VISIBLE_DEVICES set per rank (one GPU each): the pool either works or the
+    fallback says why, on every rank alike."""
+    if MODE != "gpu":
+        return
+    comm = ubnext.Communicator(max_hidden=1024).prepare()
+    stats = comm.pool_stats()
+    everyone = gather(stats["backend"])
+    assert all(b == everyone[0] for b in everyone), everyone
+    if stats["backend"] is None:
+        assert "every rank sees one GPU" in (stats["reason"] or ""), stats["reason"]
+    _check_sum(comm, what="isolated GPUs")
+    log("isolated GPUs:", stats["backend"] or stats["reason"])
+    comm.close()
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
