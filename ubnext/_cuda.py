@@ -139,7 +139,7 @@ def capturing(device) -> bool:
         return False
     import torch
 
-    return torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def device_arch(device_index: int) -> str:
@@ -175,24 +175,25 @@ def _primary_context(device_index: int):
     return check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
 
 
-def make_current(device_index: int) -> None:
-    """Make the device's primary context current on the calling thread. Kernels are loaded into
-    that context, and launches may come from any thread: autograd's backward threads, a user's
-    own threads, a thread where another device's context is current."""
-    drv = driver()
-    want = _primary_context(device_index)
-    if int(check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(want):
-        check(drv.cuCtxSetCurrent(want), "cuCtxSetCurrent")
-
-
 def launch(kernel, grid: int, block: int, stream_handle: int, args: list, device_index: int) -> None:
     """Launch a loaded cuda.core kernel on the stream whose raw handle is ``stream_handle``
-    (torch's current stream, so ordering with torch work is the stream's), from any thread."""
-    make_current(device_index)
-    mod = core()
-    stream = _wrap_stream(stream_handle)
-    config = mod.LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1))
-    mod.launch(stream, config, kernel, *args)
+    (torch's current stream, so ordering with torch work is the stream's), from any thread. The
+    kernel lives in the device's primary context, and launches come from any thread (autograd's
+    backward threads, a user's own), where another context, or none, may be current: that context
+    is pushed for the launch and popped after it, so the thread's own state is left as it was."""
+    drv = driver()
+    want = _primary_context(device_index)
+    switch = int(check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(want)
+    if switch:
+        check(drv.cuCtxPushCurrent(want), "cuCtxPushCurrent")
+    try:
+        mod = core()
+        stream = _wrap_stream(stream_handle)
+        config = mod.LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1))
+        mod.launch(stream, config, kernel, *args)
+    finally:
+        if switch:
+            check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 @functools.lru_cache(maxsize=64)

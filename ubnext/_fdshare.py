@@ -41,13 +41,23 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
     senders = list(range(nranks)) if only_from is None else [only_from]
     # every rank arrives from the same allgather, so only a dead peer makes this wait long
     timeout = envs.get("UBNEXT_TIMEOUT") or FD_EXCHANGE_TIMEOUT_S
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     result = [-1] * nranks
+    listener, address, listen_error = None, None, None
     try:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         listener.bind(f"\0ubnext-fds-{os.getpid()}-{os.urandom(8).hex()}")
         listener.listen(max(1, nranks))
         listener.settimeout(timeout)
-        peers = allgather((listener.getsockname(), os.getpid()))
+        address = listener.getsockname()
+    except OSError as exc:
+        listen_error = exc  # still take part in the allgather below, or the peers pair it wrongly
+    try:
+        peers = allgather((address, os.getpid()))
+        if listen_error is not None:
+            raise listen_error
+        deaf = [r for r, (a, _) in enumerate(peers) if a is None]
+        if deaf:
+            raise OSError(f"ubnext fd exchange: rank(s) {deaf} could not open a socket")
         if rank in senders:
             result[rank] = os.dup(fd)
             for peer in range(nranks):
@@ -78,7 +88,8 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
                 os.close(f)
         raise
     finally:
-        listener.close()
+        if listener is not None:
+            listener.close()
     return result
 
 

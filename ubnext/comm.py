@@ -167,6 +167,18 @@ def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight:
     return q, residual_out, scale_inv.reshape(y.shape[:-1])
 
 
+def _host_identity() -> str:
+    """Which machine this process runs on: hostname/boot id. The boot id (one per running
+    kernel) tells apart nodes that share a hostname and joins containers of one node whose
+    hostnames differ; the hostname is for the message."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 class Communicator:
     """Collectives over a torch.distributed group, on ubnext kernels where they can run.
 
@@ -205,6 +217,7 @@ class Communicator:
         self._closed = False
         self._last_stream = None  # the stream of the last eager launch (_order_after_other_stream)
         self._disabled: dict[str, str] = {}  # kernel paths the self-test turned off, on every rank
+        self._run_self_test = False  # agreed at pool creation
         self.last_path: str | None = None
         if self.mode == "torch":
             self._pool_error = f"no GPU ({no_gpu_reason()}) and emulation is off"
@@ -259,9 +272,6 @@ class Communicator:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _barrier(self) -> None:
-        self._allgather(None)
-
     @property
     def pool(self) -> SymmetricPool | None:
         """The symmetric pool, created on first use (collective)."""
@@ -291,7 +301,7 @@ class Communicator:
         every correct path returns the exact sum bit for bit, in any summation order. A path that
         differs on any rank is disabled on every rank (agreed), with a warning naming it and the
         mismatch. A kernel that fails outright (timeout, mismatch) raises, as any call would."""
-        if not envs.get("UBNEXT_SELFTEST"):
+        if not self._run_self_test:  # agreed at pool creation: it is collective
             return
         numel = 2048 * self.world_size + 3  # whole vectors, and a tail that ends inside one
         i = torch.arange(numel, dtype=torch.int64)
@@ -299,11 +309,12 @@ class Communicator:
         want = sum((((i * 7 + r * 3) % 13) - 6) for r in range(self.world_size)).to(torch.bfloat16)
         algo, failures = self._algo, {}
         try:
+            runnable = self._capabilities(numel * 2, torch.bfloat16, fused=False)
             for path in plan.KERNEL_PATHS:
+                if runnable[path] is not None:
+                    continue  # this pool cannot run it (no multicast, say): nothing to test
                 self._algo = path
                 out = self._all_reduce(mine, torch.empty_like(mine))
-                if self.last_path != path:
-                    continue  # this pool cannot run it at all
                 got = out.cpu()
                 if not torch.equal(got, want):
                     bad = (got != want).nonzero().flatten()
@@ -325,8 +336,10 @@ class Communicator:
         # within one node only); the grid bound (blocks wait on the same blocks of their peers)
         # and the kernels' timeout.
         reports = self._allgather({
-            "error": self._prepare_kernels(), "sm_count": self._sm_count, "host": socket.gethostname(),
-            "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device)})
+            "error": self._prepare_kernels(), "sm_count": self._sm_count, "host": _host_identity(),
+            "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device),
+            "selftest": envs.get("UBNEXT_SELFTEST")})
+        self._run_self_test = all(r["selftest"] for r in reports)
         if self.mode == "gpu":
             self._sm_count = min(r["sm_count"] for r in reports)
         # the longest: no rank gives up on a peer that another rank is still willing to wait for
@@ -336,9 +349,10 @@ class Communicator:
             self._pool_error = f"ubnext kernels unavailable ({'; '.join(errors)})"
             log.warning("%s; using torch.distributed", self._pool_error)
             return None
-        hosts = sorted({r["host"] for r in reports})
+        hosts = {r["host"] for r in reports}
         if len(hosts) > 1:
-            self._pool_error = (f"the group spans {len(hosts)} hosts ({', '.join(hosts)}); ubnext's symmetric "
+            names = ", ".join(sorted({h.split("/")[0] for h in hosts}))
+            self._pool_error = (f"the group spans {len(hosts)} hosts ({names}); ubnext's symmetric "
                                 "pool works within one node")
             log.warning("%s; using torch.distributed", self._pool_error)
             return None
@@ -346,7 +360,7 @@ class Communicator:
         pool, error = None, None
         try:
             pool = SymmetricPool(layout=layout, rank=self.rank, group=self.group, device=self.device,
-                                 allgather=self._allgather, barrier=self._barrier, timeout_s=timeout_s)
+                                 allgather=self._allgather, timeout_s=timeout_s)
         except (RuntimeError, OSError, ImportError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         # every rank must agree, or one rank launches kernels its peers never join
@@ -439,8 +453,12 @@ class Communicator:
             log.log(logging.INFO if self.mode == "torch" else logging.WARNING, "%s", message)
 
     def _check_usable(self) -> None:
+        """At the start of every op: refuse a closed or aborted communicator, and order this call's
+        stream after the last one, before the op writes anything (staging, pool tensors)."""
         if self._closed:
             raise UbnextError("communicator is closed")
+        if self.mode == "gpu":
+            self._order_after_other_stream(torch.cuda.current_stream(self.device))
         if self._broken:
             raise UbnextError(f"communicator is unusable after an earlier failure: {self._broken}")
         pool = self._pool
@@ -580,7 +598,6 @@ class Communicator:
             stream = torch.cuda.current_stream(self.device)
             if _cuda.capturing(self.device):
                 pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
-            self._order_after_other_stream(stream)
             _cuda.launch(kernel, grid, block, stream.cuda_stream,
                          _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE, values), self.device.index)
             if envs.get("UBNEXT_DEBUG"):
@@ -660,6 +677,7 @@ class Communicator:
         pool = self.pool if self.mode != "torch" else None
         if pool is None:
             return None
+        self._check_usable()  # before the caller's GEMM writes into staging
         try:
             return pool.staging(shape, dtype)
         except NoRoom:

@@ -25,6 +25,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -187,15 +188,19 @@ class _Backend:
         raise NotImplementedError
 
     def track(self, slot: "_Slot") -> None:
-        self._views += 1
+        with _VIEWS_LOCK:
+            self._views += 1
         weakref.finalize(slot, self._view_gone)
 
     def _view_gone(self) -> None:
-        self._views -= 1
+        # a finaliser: it may run on any thread, at any allocation
+        with _VIEWS_LOCK:
+            self._views -= 1
         self._release_if_unused()
 
     def close(self) -> None:
         """Release the memory now if no view of it is alive, else when the last view goes."""
+        release_deferred()
         self._closing = True
         self._drop_own_views()
         self._release_if_unused()
@@ -205,15 +210,37 @@ class _Backend:
         return self._released
 
     def _release_if_unused(self) -> None:
-        if self._closing and self._views == 0 and not self._released:
+        from ._cuda import capturing
+
+        with _VIEWS_LOCK:
+            if not self._closing or self._views != 0 or self._released:
+                return
+            if capturing(self.device):
+                # synchronising or unmapping now would invalidate the capture in progress
+                _RELEASE_LATER.append(self)
+                return
             self._released = True
-            self._release_all()
+        self._release_all()
 
     def _drop_own_views(self) -> None:
         """Drop the backend's own views of its memory (they would keep it mapped forever)."""
 
     def _release_all(self) -> None:
         raise NotImplementedError
+
+
+# reentrant: a finaliser (_view_gone) can run inside the locked region, on a garbage collection
+_VIEWS_LOCK = threading.RLock()
+_RELEASE_LATER: list[_Backend] = []  # closed, unused backends whose release met a capture
+
+
+def release_deferred() -> None:
+    """Release the backends whose last view went during a CUDA graph capture (at the next pool
+    creation or close, outside capture)."""
+    from ._cuda import capturing
+
+    while _RELEASE_LATER and not capturing(_RELEASE_LATER[0].device):
+        _RELEASE_LATER.pop(0)._release_if_unused()
 
 
 class PoolSetupError(RuntimeError):
@@ -226,6 +253,27 @@ def _agree(allgather: Callable[[object], list], error: str | None, step: str) ->
     on to a collective step (an fd exchange, a multicast bind that waits for every device) that
     its peers never reach, and every rank's caller sees the same cause."""
     _raise_if_any(allgather(error), step)
+
+
+def _exchange_agreed(fd: int, rank: int, nranks: int, allgather: Callable[[object], list], step: str,
+                     only_from: int | None = None) -> list[int]:
+    """_fdshare.exchange_fds, then a vote on its outcome: a rank whose exchange failed (a socket
+    error, a timeout) must not leave its peers pairing their next collective with its next one."""
+    from . import _fdshare
+
+    fds, error = [], None
+    try:
+        fds = _fdshare.exchange_fds(fd, rank, nranks, allgather, only_from=only_from)
+    except OSError as exc:  # TimeoutError included
+        error = f"{type(exc).__name__}: {exc}"
+    try:
+        _agree(allgather, error, step)
+    except PoolSetupError:
+        for f in fds:
+            if f >= 0:
+                os.close(f)
+        raise
+    return fds
 
 
 def _raise_if_any(errors: list, step: str) -> None:
@@ -243,7 +291,7 @@ class EmulatorBackend(_Backend):
     name = "emulator"
 
     def __init__(self, size: int, rank: int, nranks: int, allgather: Callable[[object], list]):
-        from . import _emu, _fdshare
+        from . import _emu
 
         self.device = torch.device("cpu")
         self.size = size
@@ -261,7 +309,7 @@ class EmulatorBackend(_Backend):
             error = str(exc)
         try:
             _agree(allgather, error, "creating the pool's shared memory")
-            fds = _fdshare.exchange_fds(fd, rank, nranks, allgather)
+            fds = _exchange_agreed(fd, rank, nranks, allgather, "exchanging the pool's file descriptors")
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -306,8 +354,8 @@ class EmulatorBackend(_Backend):
         self._maps = []
 
 
-# Backends of pools closed after a CUDA graph captured their kernels: kept until the process exits.
-_KEPT_FOR_GRAPHS: list["_Backend"] = []
+# Pools closed after a CUDA graph captured work on them: kept until the process exits.
+_KEPT_FOR_GRAPHS: list["SymmetricPool"] = []
 
 TORCH_SYMM_SEGMENT = 2 << 20  # the CUDA caching allocator's large-segment granularity
 
@@ -359,6 +407,9 @@ class TorchSymmBackend(_Backend):
         return self._tensor
 
     def _release_all(self) -> None:
+        # work queued through a view that has died may still run: the block goes back to torch's
+        # pool, and another allocation could reuse it, only after it ends
+        torch.cuda.synchronize(self.device)
         self._handle = None
         self._tensor = None
 
@@ -396,7 +447,6 @@ class VmmBackend(_Backend):
             raise
 
     def _set_up(self, size, rank, nranks, device, allgather) -> None:
-        from . import _fdshare
         from ._cuda import CudaError
 
         drv, check = self._drv, self._check
@@ -432,7 +482,7 @@ class VmmBackend(_Backend):
             error = str(exc)
         try:
             _agree(allgather, error, "allocating the pool")
-            fds = _fdshare.exchange_fds(fd, rank, nranks, allgather)
+            fds = _exchange_agreed(fd, rank, nranks, allgather, "exchanging the pool's file descriptors")
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -509,7 +559,6 @@ class VmmBackend(_Backend):
         return va
 
     def _setup_multicast(self, rank, nranks, allgather) -> None:
-        from . import _fdshare
         from ._cuda import CudaError
 
         drv, check = self._drv, self._check
@@ -527,7 +576,7 @@ class VmmBackend(_Backend):
                 error = str(exc)
         try:
             _agree(allgather, error, "creating the multicast object")
-            fds = _fdshare.exchange_fds(fd, rank, nranks, allgather, only_from=0)
+            fds = _exchange_agreed(fd, rank, nranks, allgather, "sharing the multicast object", only_from=0)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -603,8 +652,8 @@ class SymmetricPool:
     """One communicator's pool: backend memory, descriptor, Lamport buffers, data arenas."""
 
     def __init__(self, *, layout: PoolLayout, rank: int, group, device: torch.device,
-                 allgather: Callable[[object], list], barrier: Callable[[], None],
-                 timeout_s: float, backend: str | None = None):
+                 allgather: Callable[[object], list], timeout_s: float, backend: str | None = None):
+        release_deferred()
         self.layout = layout
         self.timeout_s = timeout_s  # the kernels' bound on every wait for a peer
         self.rank = rank
@@ -616,13 +665,22 @@ class SymmetricPool:
         self.mc_base = self.backend.mc_base if all(allgather(bool(self.backend.mc_base))) else 0
         log.info("ubnext pool: backend %s, %d bytes, multicast %s", self.backend.name,
                  layout.pool_bytes, "yes" if self.mc_base else "no")
-        # host-visible error word (ERR_WORDS): pinned memory is mapped into the
-        # GPU's address space under UVA, so kernels write it and the host reads it unsynchronised
-        pin = self.device.type == "cuda"
-        self.err_word = torch.zeros(ERR_WORDS, dtype=torch.int32, pin_memory=pin)
-        self._err_ptr = _device_pointer_of_pinned(self.err_word) if pin else self.err_word.data_ptr()
-        self._initialise()
-        barrier()  # no peer may push into our Lamport buffers before they are poisoned
+        error = None
+        try:
+            # host-visible error word (ERR_WORDS): pinned memory is mapped into the GPU's
+            # address space under UVA, so kernels write it and the host reads it unsynchronised
+            pin = self.device.type == "cuda"
+            self.err_word = torch.zeros(ERR_WORDS, dtype=torch.int32, pin_memory=pin)
+            self._err_ptr = _device_pointer_of_pinned(self.err_word) if pin else self.err_word.data_ptr()
+            self._initialise()
+        except Exception as exc:  # noqa: BLE001 - voted below, then raised on every rank
+            error = f"{type(exc).__name__}: {exc}"
+        try:
+            # also the barrier after which peers may push into our (now poisoned) Lamport buffers
+            _agree(allgather, error, "initialising the pool")
+        except PoolSetupError:
+            self.backend.close()
+            raise
         # [staging | eager arena | graph arena]: staging sits at the same offset on every rank and
         # for every call, so where a call stages never depends on this rank's allocation history
         rest = layout.data_bytes - layout.staging_bytes
@@ -635,7 +693,7 @@ class SymmetricPool:
         self._staging_bytes = _Slot(self.base + layout.data_off, layout.staging_bytes, self.device,
                                     self.backend).tensor(self.device)
         self.fallbacks = 0
-        self.captured = False  # set when a kernel on this pool was launched inside graph capture
+        self.captured = False  # set when captured work used this pool (kernels, staging, graph arena)
         self._graph_tensors: list[torch.Tensor] = []
         self._closed = False
 
@@ -667,7 +725,7 @@ class SymmetricPool:
         lay = self.layout
         desc = pack_desc(
             rank=self.rank, nranks=lay.nranks,
-            timeout_ns=int(self.timeout_s * 1e9),
+            timeout_ns=min(int(self.timeout_s * 1e9), 2**63),  # a "forever" group timeout still fits
             err_ptr=self._err_ptr, mc_base=self.mc_base, layout=lay,
             peer_bases=self.backend.peer_bases,
         )
@@ -735,6 +793,7 @@ class SymmetricPool:
             # a captured graph reads and writes this memory on every replay, long after the
             # Python tensor is gone: graph-arena memory is held for the pool's lifetime
             self._graph_tensors.append(tensor)
+            self.captured = True
         else:
             weakref.finalize(slot, _free_if_open, weakref.ref(self), arena, offset)
         return tensor
@@ -745,6 +804,10 @@ class SymmetricPool:
         nvls_lamport the Lamport polls of data its peers wrote after reading it)."""
         if self._closed:
             raise RuntimeError("ubnext pool is closed")
+        from ._cuda import capturing
+
+        if capturing(self.device):
+            self.captured = True  # a captured GEMM or copy into staging replays after close() too
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if nbytes > self.layout.staging_bytes:
             raise NoRoom(f"{nbytes} bytes exceed the staging region ({self.layout.staging_bytes} bytes)")
@@ -780,7 +843,7 @@ class SymmetricPool:
         if self.captured:
             log.warning("ubnext: a pool used in CUDA graph capture stays mapped until the process exits "
                         "(a captured graph may still be replayed)")
-            _KEPT_FOR_GRAPHS.append(self.backend)
+            _KEPT_FOR_GRAPHS.append(self)  # the error word too: a replay may still write it
             return
         self._graph_tensors.clear()
         self.backend.close()

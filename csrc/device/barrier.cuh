@@ -50,6 +50,10 @@
 //     peers have left and touching memory they have reused (without the flag it would pass the first
 //     barrier on the signals its peers sent before timing out);
 //   - every later kernel of the communicator returns at once, on every rank, and reports the cause.
+// What the flag cannot close: a late rank that reads it at entry just before its peers' abort lands
+// (their timeout fired a microsecond before its signal reached them) passes the first barrier on the
+// signals they sent before giving up, as with NCCL's abort flag; it stops at its next barrier or poll,
+// where the flag is read again, or times out there itself.
 // A rank that stops because of the flag reports the recorded failure (error word `aborted` = 1). The
 // epochs no longer agree after an abort: the communicator is unusable for good and a new one must be
 // created (its sync region is zeroed at init). Lamport kernels check the flag at entry and in their polls.
@@ -104,10 +108,12 @@ UBX_DEV void write_error_word(const ubnext_comm_desc* d, const uint32_t (&w)[UBN
   st_release_sys_u32(err, w[0]);
 }
 
-// This rank's abort flag: 0, or 1 + the rank whose failure aborted the communicator.
+// This rank's abort flag: 0, or 1 + the rank whose failure aborted the communicator. A relaxed load,
+// so that it never holds up the loads issued after it (the Lamport push reads `in` meanwhile);
+// adopt_abort's fence makes it an acquire when it is non-zero.
 UBX_DEV uint32_t abort_flag(const ubnext_comm_desc* d) {
 #if !defined(UBNEXT_BREAK_NO_ABORT_CHECK)
-  return ld_acquire_sys_u32(sync_words(d, static_cast<uint32_t>(d->rank)) + UBNEXT_SYNC_ABORT);
+  return ld_volatile_u32(sync_words(d, static_cast<uint32_t>(d->rank)) + UBNEXT_SYNC_ABORT);
 #else
   (void)d;
   return 0u;  // test-only broken build: nobody learns of an abort
@@ -135,8 +141,9 @@ UBX_DEV void report_timeout(const ubnext_comm_desc* d, uint32_t op, uint32_t pee
   report_error(d, UBNEXT_ERR_TIMEOUT, op, peer);
 }
 
-// The communicator was found aborted (flag = 1 + r, read with acquire): report rank r's recorded failure.
+// The communicator was found aborted (flag = 1 + r): report rank r's recorded failure.
 UBX_DEV void adopt_abort(const ubnext_comm_desc* d, uint32_t flag) {
+  fence_acq_rel_sys();  // with the relaxed read of the flag, an acquire: rank r's record is visible
   const uint32_t r = (flag - 1u) % UBNEXT_MAX_RANKS;
   const uint32_t* rec = sync_words(d, static_cast<uint32_t>(d->rank)) + UBNEXT_SYNC_ABORT_RECORD + r * 8u;
   uint32_t v[6];

@@ -12,7 +12,7 @@ enum Order { kRelaxed = 0, kAcquire = 1, kRelease = 2, kAcqRel = 3 };
 // Element types of multimem.ld_reduce.
 enum McType { kMcBf16 = 0, kMcF16 = 1, kMcF32 = 2 };
 
-// Loads/stores of 4 or 16 bytes (stores also 2) (16 must be 16-byte aligned). Every call is a scheduling point:
+// Loads/stores of 2, 4 or 16 bytes (16 must be 16-byte aligned). Every call is a scheduling point:
 // the calling emulated thread yields so that a spinning thread never starves the others.
 void mem_load(void* dst, const void* src, unsigned bytes, int order);
 void mem_store(void* dst, const void* src, unsigned bytes, int order);

@@ -93,8 +93,12 @@ static void count_unicast(Block& b, const Where& w, unsigned bytes, bool store) 
 }
 
 // ------------------------------------------------------------------------------ raw access
-// 2-byte accesses are stores only (the 16-bit half of a partial vector, slices.cuh).
 static inline void words_load(void* dst, const void* src, unsigned bytes, int mo) {
+  if (bytes == 2) {
+    const uint16_t h = __atomic_load_n(static_cast<const uint16_t*>(src), mo);
+    memcpy(dst, &h, 2);
+    return;
+  }
   const uint32_t* s = static_cast<const uint32_t*>(src);
   uint32_t* d = static_cast<uint32_t*>(dst);
   for (unsigned i = 0; i < bytes / 4; ++i) d[i] = __atomic_load_n(s + i, mo);
@@ -275,7 +279,7 @@ static void shadow_mc_store(Block& b, const Where& w, const Region& r, unsigned 
   s.off = w.off;
   s.bytes = bytes;
   for (int p = 0; p < r.nranks; ++p)
-    words_load(s.old[p], reinterpret_cast<const void*>(r.base[p] + w.off), bytes >= 4 ? bytes : 4, __ATOMIC_RELAXED);
+    words_load(s.old[p], reinterpret_cast<const void*>(r.base[p] + w.off), bytes, __ATOMIC_RELAXED);
   sh.push_back(s);
 }
 

@@ -123,13 +123,14 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   const int nv_row = rows ? hidden / V : 0;
   const int64_t nrows = rows ? n / hidden : 0;
 
-  // An aborted communicator (barrier.cuh): report why, push nothing, consume nothing.
+  // An aborted communicator (barrier.cuh): push nothing, consume nothing, report why. The flag is
+  // read first but tested only after the first load of `in`, so that the two loads overlap.
   const uint32_t aborted = abort_flag(d);
-  if (aborted != 0u) adopt_abort(d, aborted);
 
   // ---- 1. push (peers first, own slot last: the local store is the one nobody waits long for)
   auto push = [&](int64_t gi) {
     const uint4 v = sanitize<T>(load_vec<T>(in, gi, n));  // tail: zero padding, a valid value
+    if (aborted != 0u) return;
     const uint64_t off = my_off + static_cast<uint64_t>(gi) * 16u;
     if (mc != 0ull) {
       multimem_st_v4(reinterpret_cast<void*>(mc + off), v);
@@ -141,15 +142,16 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
       }
     }
   };
-  if (aborted == 0u && !rows) {
+  if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) push(gi);
-  } else if (aborted == 0u) {
+  } else {
     // Same mapping as the row loop below: this thread pushes exactly what it will poll.
     for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
       for (int i = threadIdx.x; i < nv_row; i += blockDim.x) push(row * nv_row + i);
   }
   // This thread polls through unicast the slot it just wrote through multicast (ptx.cuh).
   if (mc != 0ull) fence_proxy_alias();
+  if (aborted != 0u) adopt_abort(d, aborted);
 
   // ---- 2. re-poison the previous call's buffer (our copy only), while the peers' data is in flight
   lamport_repoison(d, rot);

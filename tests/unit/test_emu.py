@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import socket
 import threading
 import time
 from pathlib import Path
@@ -426,3 +427,42 @@ def test_exchange_fds(only_from):
     expect = [r + 1 if only_from in (None, r) else -1 for r in range(nranks)]
     assert results == [expect] * nranks
     assert _open_fds() == before, "exchange_fds leaked descriptors"
+
+
+def test_exchange_fds_a_rank_that_cannot_listen_still_takes_part(monkeypatch):
+    """A rank whose socket cannot be opened still joins the exchange's allgather (its peers would
+    otherwise pair that allgather with its next collective), and every rank raises."""
+    nranks = 3
+    make = _thread_allgather(nranks)
+    errors = [None] * nranks
+    real_socket = socket.socket
+
+    def rank_main(rank):
+        fd = os.memfd_create(f"t{rank}")
+        try:
+            if rank == 1:
+                _fdshare_socket.value = "fail"
+            _fdshare.exchange_fds(fd, rank, nranks, make(rank))
+        except OSError as exc:
+            errors[rank] = exc
+        finally:
+            os.close(fd)
+
+    class Socket(real_socket):
+        def bind(self, address):
+            if getattr(_fdshare_socket, "value", None) == "fail":
+                raise OSError("address in use")
+            return super().bind(address)
+
+    monkeypatch.setattr(_fdshare.socket, "socket", Socket)
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(nranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a rank hangs in the exchange"
+    assert "address in use" in str(errors[1])
+    assert all("rank(s) [1] could not open a socket" in str(e) for e in (errors[0], errors[2])), errors
+
+
+_fdshare_socket = threading.local()

@@ -1,6 +1,7 @@
-"""_cuda.launch makes the device's primary context current on the calling thread (fake driver, no
-GPU): kernels live in that context, and launches come from any thread (autograd's backward
-threads, user threads), where another context, or none, may be current."""
+"""_cuda.launch runs with the device's primary context current on the calling thread (fake driver,
+no GPU): kernels live in that context, and launches come from any thread (autograd's backward
+threads, user threads), where another context, or none, may be current. The thread's own context
+is restored after the launch."""
 
 from __future__ import annotations
 
@@ -32,10 +33,16 @@ class FakeDriver:
     def cuCtxGetCurrent(self):
         return (driver.CUresult.CUDA_SUCCESS, driver.CUcontext(getattr(self.local, "ctx", 0)))
 
-    def cuCtxSetCurrent(self, ctx):
-        self.calls.append(("set", int(ctx)))
+    def cuCtxPushCurrent(self, ctx):
+        self.calls.append(("push", int(ctx)))
+        self.local.stack = getattr(self.local, "stack", []) + [getattr(self.local, "ctx", 0)]
         self.local.ctx = int(ctx)
         return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuCtxPopCurrent(self):
+        self.calls.append(("pop", self.local.ctx))
+        popped, self.local.ctx = self.local.ctx, self.local.stack.pop()
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUcontext(popped))
 
 
 class FakeCore:
@@ -64,12 +71,21 @@ def fakes(monkeypatch):
 
 def test_launch_from_a_fresh_thread_and_after_another_device(fakes):
     drv, core = fakes
-    worker = threading.Thread(target=cu.launch, args=("k", 1, 32, 7, [], 1))  # no context current there
+    after = {}
+
+    def fresh_thread():  # no context current there
+        cu.launch("k", 1, 32, 7, [], 1)
+        after["fresh"] = int(drv.cuCtxGetCurrent()[1])
+
+    worker = threading.Thread(target=fresh_thread)
     worker.start()
     worker.join()
-    drv.local.ctx = PRIMARY[0]  # this thread last used device 0
+    drv.local.ctx = PRIMARY[0]  # this thread works on device 0
     cu.launch("k", 1, 32, 7, [], 1)
-    cu.launch("k", 1, 32, 7, [], 1)  # already current: no second switch
+    assert int(drv.cuCtxGetCurrent()[1]) == PRIMARY[0], "the launch left device 1's context current"
+    drv.local.ctx = PRIMARY[1]
+    cu.launch("k", 1, 32, 7, [], 1)  # already current: no switch
     assert [int(ctx) for _, ctx, _ in core.launches] == [PRIMARY[1]] * 3
-    assert [c for c in drv.calls if c[0] == "set"] == [("set", PRIMARY[1])] * 2  # one per thread
+    assert after["fresh"] == 0
+    assert [c[0] for c in drv.calls if c[0] in ("push", "pop")] == ["push", "pop"] * 2
     assert [c for c in drv.calls if c[0] == "retain"] == [("retain", 1)]  # retained once

@@ -68,11 +68,10 @@ def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
     comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = "gpu", 2, 0, None, 1024
     comm.device, comm._sm_count, comm._pool_error = None, 128, None
     comm._prepare_kernels = lambda: None
-    reports = [{"error": None, "sm_count": 128, "timeout_s": 30.0, "host": "node1"},
-               {"error": None, "sm_count": 114, "timeout_s": 600.0, "host": "node1"}]
+    reports = [{"error": None, "sm_count": 128, "timeout_s": 30.0, "host": "node1/b", "selftest": True},
+               {"error": None, "sm_count": 114, "timeout_s": 600.0, "host": "node1/b", "selftest": True}]
     gathered = iter([reports, [None, None]])  # this rank, then its peer
     comm._allgather = lambda obj: next(gathered)
-    comm._barrier = lambda: None
     created = {}
     monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: created.update(kw) or SimpleNamespace(close=lambda: None))
     assert comm._create_pool() is not None
@@ -87,7 +86,6 @@ def _bare_communicator(mode="emulator"):
     comm.device, comm._sm_count, comm._pool_error = None, 0, None
     comm._pool, comm._closed, comm._disabled = None, False, {}
     comm._prepare_kernels = lambda: None
-    comm._barrier = lambda: None
     return comm
 
 
@@ -97,11 +95,12 @@ def test_a_group_across_hosts_takes_the_torch_path(monkeypatch):
     import ubnext.comm as comm_mod
 
     comm = _bare_communicator()
-    reports = [{"error": None, "sm_count": 0, "timeout_s": 30.0, "host": h} for h in ("node1", "node2")]
+    reports = [{"error": None, "sm_count": 0, "timeout_s": 30.0, "host": h, "selftest": True}
+               for h in ("node1/b1", "node1/b2")]  # one hostname, two machines (boot ids)
     comm._allgather = lambda obj: reports
     monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: pytest.fail("allocated a pool across hosts"))
     assert comm._create_pool() is None
-    assert "spans 2 hosts (node1, node2)" in comm._pool_error
+    assert "spans 2 hosts (node1)" in comm._pool_error
 
 
 def test_first_use_inside_graph_capture_is_refused(monkeypatch):

@@ -12,7 +12,7 @@ from ubnext.pool import SymmetricPool, plan_layout
 
 def _pool():
     return SymmetricPool(layout=plan_layout(1, 1024), rank=0, group=None, device=torch.device("cpu"),
-                         allgather=lambda obj: [obj], barrier=lambda: None, timeout_s=30.0, backend="emulator")
+                         allgather=lambda obj: [obj], timeout_s=30.0, backend="emulator")
 
 
 def test_close_defers_release_until_the_last_view_goes():
@@ -42,3 +42,24 @@ def test_a_captured_pool_is_kept_for_its_graphs():
     pool.captured = True
     pool.close()
     assert not pool.backend.released
+
+
+def test_a_release_that_meets_a_capture_waits_for_its_end(monkeypatch):
+    """The last view can die (garbage collection) while another stream captures a graph: releasing
+    then (synchronise, unmap) would break the capture, so it waits for the next pool creation or
+    close outside capture."""
+    import ubnext._cuda as cu
+    from ubnext import pool as pool_mod
+
+    pool = _pool()
+    t = pool.empty((64,), torch.float32)
+    pool.close()
+    monkeypatch.setattr(cu, "capturing", lambda device: True)
+    del t
+    gc.collect()
+    assert not pool.backend.released
+    pool_mod.release_deferred()  # still capturing: nothing happens
+    assert not pool.backend.released
+    monkeypatch.setattr(cu, "capturing", lambda device: False)
+    pool_mod.release_deferred()
+    assert pool.backend.released

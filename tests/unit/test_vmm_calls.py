@@ -247,7 +247,7 @@ class ThreadRanks:
 TEARDOWN = {"cuMulticastUnbind", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease"}
 
 
-def _set_up_two_ranks(monkeypatch, drivers):
+def _set_up_two_ranks(monkeypatch, drivers, exchange_fails=None):
     import ubnext._cuda as cu
     from ubnext import _fdshare
 
@@ -257,11 +257,20 @@ def _set_up_two_ranks(monkeypatch, drivers):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
     monkeypatch.setattr(pool._Slot, "tensor", lambda self, device: None)
+    calls = [0, 0]
+
     def exchange_fds(fd, rank, nranks, allgather, only_from=None):
         # the owner makes one copy per receiver before anyone can close the original (the
         # threads share one fd table, as ranks on one node share the kernel's file objects)
         copies = allgather([os.dup(fd) if fd >= 0 else -1 for _ in range(nranks)])
-        return [copies[src][rank] for src in range(nranks)]
+        mine = [copies[src][rank] for src in range(nranks)]
+        calls[rank] += 1
+        if exchange_fails == (rank, calls[rank] - 1):  # after the internal allgather, as a socket error is
+            for f in mine:
+                if f >= 0:
+                    os.close(f)
+            raise TimeoutError(f"rank {rank}: accept timed out")
+        return mine
 
     monkeypatch.setattr(_fdshare, "exchange_fds", exchange_fds)
     ranks = ThreadRanks(len(drivers))
@@ -321,3 +330,17 @@ def test_a_failure_at_any_driver_call_on_one_rank_fails_every_rank_alike(monkeyp
                 assert _fd_count() == fds, f"{where}: file descriptors leaked"
                 injected += 1
     assert injected >= 20, injected
+
+
+@pytest.mark.parametrize("rank,exchange", [(0, 0), (1, 0), (1, 1)], ids=["r0-memory", "r1-memory", "r1-multicast"])
+def test_a_failed_fd_exchange_on_one_rank_fails_every_rank_alike(monkeypatch, rank, exchange):
+    """The fd exchange can fail on one rank only (a timeout, a socket error): its outcome is voted
+    too, so the peers do not pair their next collective with the failed rank's next one."""
+    drivers = [FailingDriver(True) for _ in range(2)]
+    fds = _fd_count()
+    results = _set_up_two_ranks(monkeypatch, drivers, exchange_fails=(rank, exchange))
+    assert all(isinstance(r, pool.PoolSetupError) for r in results), results
+    assert len({str(r) for r in results}) == 1 and f"on rank {rank}: TimeoutError" in str(results[0]), results
+    for r, drv in enumerate(drivers):
+        assert drv.leaks() == {}, f"rank {r} leaked {drv.leaks()}"
+    assert _fd_count() == fds
