@@ -167,6 +167,15 @@ def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]
     return packed
 
 
+def pack_collective_args(values: Sequence[Any]) -> list:
+    """pack_kernel_args for the collective kernels' one signature (kernels.KERNEL_SIGNATURE: eight
+    pointers, then n, hidden as int32, eps as float32, flags as int32), without the generic loop:
+    this runs on every launch. tests/unit/test_launch_args.py checks that both agree."""
+    p = values
+    return [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7],
+            np.int32(p[8]), np.int32(p[9]), np.float32(p[10]), np.int32(p[11])]
+
+
 @functools.lru_cache(maxsize=None)
 def _primary_context(device_index: int):
     """The device's primary context (torch's), retained once for the process's lifetime."""

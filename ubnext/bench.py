@@ -50,7 +50,7 @@ def _time_calls(fn, sync, iters: int, budget_s: float) -> tuple[float, int]:
 
 def bench_mode(comm: Communicator, label: str, sizes: list[int], dtype: torch.dtype, iters: int,
                budget_s: float, fused: bool, rows: list) -> None:
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     device = comm.device
     for nbytes in sizes:
         numel = max(1, nbytes // elem)
@@ -90,6 +90,102 @@ def bench_mode(comm: Communicator, label: str, sizes: list[int], dtype: torch.dt
         rows.append((label, path, numel * elem, f"{calls}", us, busbw, err.max().item(), ok))
 
 
+# ---------------------------------------------------------------------------------- host overhead
+
+
+class _FakeStream:
+    """Stands in for torch's current CUDA stream: the host path only reads its handle and
+    compares it with the last one."""
+
+    cuda_stream = 0x1234
+
+
+def _median_spread(fn, calls: int, repeats: int = 7) -> tuple[float, float, float]:
+    for _ in range(max(200, calls // 10)):
+        fn()
+    per_call = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t) / calls * 1e6)
+    per_call.sort()
+    return per_call[len(per_call) // 2], per_call[0], per_call[-1]
+
+
+def host_overhead(calls: int, tokens: int, hidden: int) -> list[tuple[str, float, float, float]]:
+    """Host time per call of the GPU code path, on a machine without one: the communicator runs
+    in gpu mode over an emulator pool, with a fake current stream and a recorder in place of the
+    kernel launch, so the same Python runs up to the launch call (the launch itself is not timed).
+    Returns (what, median us, min us, max us) rows; the first is the floor, a no-op operator
+    registered with Library define + impl."""
+    from unittest import mock
+
+    from . import _cuda, get_communicator, kernels
+    from .nn import Linear
+
+    comm = get_communicator()  # the one ubnext.nn.Linear uses too
+    if comm.mode != "emulator":
+        raise SystemExit("python -m ubnext.bench --host times the GPU code path over an emulator pool: "
+                         "run it with UBNEXT_EMULATE=1")
+    comm.register_hidden(hidden)
+    comm.prepare()
+    launches = []
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    residual = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    weight = torch.randn(hidden, dtype=torch.bfloat16)
+    lib = torch.library.Library("ubnext_bench", "FRAGMENT")
+    lib.define("noop(Tensor x, str comm) -> Tensor")
+    lib.impl("noop", lambda t, c: t, "CompositeExplicitAutograd")
+    # a small layer: its GEMM (subtracted) must not drown the host time in its own noise
+    lin = 64
+    linear = Linear(lin * dist.get_world_size(), lin, bias=False, parallel_mode="row",
+                    symmetric_ar_type="ubnext", dtype=torch.bfloat16)
+    linear.weight.data.normal_()
+    xl = torch.randn(tokens, lin, dtype=torch.bfloat16)
+    rows = []
+    with mock.patch.object(torch.cuda, "current_stream", lambda device=None: _FakeStream), \
+         mock.patch.object(kernels, "load_kernel", lambda name, index: name), \
+         mock.patch.object(_cuda, "launch", lambda *args: launches.append(args)), \
+         torch.inference_mode():
+        comm.mode = "gpu"  # the GPU branch of every decision, up to the launch
+        try:
+            floor = _median_spread(lambda: torch.ops.ubnext_bench.noop(x, comm.key), calls)
+            rows.append(("no-op Library op (floor)", *floor))
+            rows.append(("comm.all_reduce", *_median_spread(lambda: comm.all_reduce(x), calls)))
+            rows.append(("comm.all_reduce_add_rmsnorm",
+                         *_median_spread(lambda: comm.all_reduce_add_rmsnorm(x, residual, weight), calls)))
+            rows.append(("torch.ops.ubnext.all_reduce",
+                         *_median_spread(lambda: torch.ops.ubnext.all_reduce(x, comm.key, ""), calls)))
+            rows.append(("torch.ops.ubnext.all_reduce_add_rmsnorm", *_median_spread(
+                lambda: torch.ops.ubnext.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, False, None, comm.key),
+                calls)))
+            gemm = _median_spread(lambda: torch.nn.functional.linear(xl, linear.weight), calls)
+            full = _median_spread(lambda: linear(xl), calls)
+            rows.append(("nn.Linear forward minus F.linear", full[0] - gemm[0], full[1] - gemm[2], full[2] - gemm[1]))
+        finally:
+            comm.mode = "emulator"
+    assert launches and comm.last_path != "torch", "the timed path did not reach a kernel launch"
+    return rows
+
+
+def host_main(args) -> int:
+    rows = host_overhead(args.calls, args.tokens, args.hidden)
+    if dist.get_rank() == 0:
+        floor = rows[0][1]
+        print(f"# ubnext.bench --host: host time per call, {args.tokens}x{args.hidden} bf16, "
+              f"{dist.get_world_size()} ranks, median of 7 x {args.calls} calls")
+        print("# gpu-mode code path with a fake stream and a recorder in place of the kernel launch:")
+        print("# the launch itself (cuda.core, the driver) is not timed here")
+        print(f"{'call':42} {'us/call':>8} {'above floor':>12} {'min..max':>14}")
+        for what, med, lo, hi in rows:
+            above = "" if what.endswith("(floor)") else f"{med - floor:12.2f}"
+            print(f"{what:42} {med:8.2f} {above:>12} {lo:6.2f}..{hi:<6.2f}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ubnext.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=None,
@@ -100,7 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused", action="store_true", help="time all_reduce_add_rmsnorm instead")
     parser.add_argument("--modes", nargs="+", choices=["gpu", "emulator", "torch"], default=None)
     parser.add_argument("--algo", default=None, help="force a path (UBNEXT_ALGO's values) in the gpu/emulator modes")
+    parser.add_argument("--host", action="store_true",
+                        help="host time per call of the GPU code path (recorder instead of the launch)")
+    parser.add_argument("--calls", type=int, default=2000, help="--host: calls per timing")
+    parser.add_argument("--tokens", type=int, default=8, help="--host: rows of the message")
+    parser.add_argument("--hidden", type=int, default=4096, help="--host: row length")
     args = parser.parse_args(argv)
+    if args.host:
+        return host_main(args)
 
     gpu = gpu_available()
     modes = args.modes or (["gpu", "torch"] if gpu else ["emulator", "torch"])

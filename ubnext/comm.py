@@ -14,6 +14,7 @@ step is logged once per communicator with its reason.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import socket
@@ -63,7 +64,12 @@ def _header_value(field: int, value: int) -> str:
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_name(algo: str, dtype: torch.dtype) -> str:
+    return kernels.kernel_name(algo, DTYPE_CODES[dtype])
 
 
 def _misaligned(t: torch.Tensor | None, align: int = 16) -> bool:
@@ -216,8 +222,15 @@ class Communicator:
         self._broken: str | None = None
         self._closed = False
         self._last_stream = None  # the stream of the last eager launch (_order_after_other_stream)
+        self._stream = None  # the current call's stream (gpu mode), set by _check_usable
         self._disabled: dict[str, str] = {}  # kernel paths the self-test turned off, on every rank
         self._run_self_test = False  # agreed at pool creation
+        # read once per communicator (README: environment variables): the hot path reads no
+        # environment, and a plan, once made, stays right
+        self._env_algo = envs.get("UBNEXT_ALGO")
+        self._allow_nondeterministic = envs.get("UBNEXT_ALLOW_NONDETERMINISTIC")
+        self._debug = envs.get("UBNEXT_DEBUG")
+        self._plans: dict[tuple, plan.Plan] = {}
         self.last_path: str | None = None
         if self.mode == "torch":
             self._pool_error = f"no GPU ({no_gpu_reason()}) and emulation is off"
@@ -323,6 +336,7 @@ class Communicator:
                                       f"got {got[k].item():g}, want {want[k].item():g}")
         finally:
             self._algo, self.last_path = algo, None
+            self._plans.clear()  # the plans made here did not know the verdict yet
         for report in self._allgather(failures):
             for path, why in report.items():
                 if path not in self._disabled:
@@ -458,7 +472,8 @@ class Communicator:
         if self._closed:
             raise UbnextError("communicator is closed")
         if self.mode == "gpu":
-            self._order_after_other_stream(torch.cuda.current_stream(self.device))
+            self._stream = torch.cuda.current_stream(self.device)  # this call's: the launch uses it
+            self._order_after_other_stream(self._stream)
         if self._broken:
             raise UbnextError(f"communicator is unusable after an earlier failure: {self._broken}")
         pool = self._pool
@@ -498,7 +513,7 @@ class Communicator:
                 raise ValueError(f"{name} is on {x.device}, but this communicator works on {self.device}")
 
     def _check_same_across_ranks(self, what: tuple) -> None:
-        if not envs.get("UBNEXT_DEBUG"):
+        if not self._debug:
             return
         seen = self._allgather(what)
         if any(s != seen[0] for s in seen):
@@ -521,9 +536,21 @@ class Communicator:
         return plan.capabilities(nbytes, _element_size(dtype), fused, hidden, self._pool_view())
 
     def _plan(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> plan.Plan:
-        return plan.choose(nbytes, _element_size(dtype), fused, hidden, self._pool_view(),
-                           forced=self._algo or envs.get("UBNEXT_ALGO"),
-                           allow_nondeterministic=envs.get("UBNEXT_ALLOW_NONDETERMINISTIC"))
+        """The plan of a call, cached: its inputs are the call's signature, the forced algorithm
+        and what the pool offers, all identical on every rank and fixed once the pool exists
+        (the self-test's verdict included), so a cached plan is the one every rank would
+        compute. The pool's creation (or failure) and the forced algorithm are in the key."""
+        key = (nbytes, dtype, fused, hidden, self._algo, self._pool is None, self._pool_error)
+        chosen = self._plans.get(key)
+        if chosen is None:
+            chosen = plan.choose(nbytes, _element_size(dtype), fused, hidden, self._pool_view(),
+                                 forced=self._algo or self._env_algo,
+                                 allow_nondeterministic=self._allow_nondeterministic)
+            for path, why in chosen.skipped:  # once per plan, not per call
+                self._log_once(path, f"not using {path}: {why}")
+            if len(self._plans) < 4096:
+                self._plans[key] = chosen
+        return chosen
 
     def explain(self, x: torch.Tensor, *, fused: bool = False) -> str:
         """Which path an allreduce (``fused``: the fused norm over x's last dimension) of ``x``
@@ -535,8 +562,6 @@ class Communicator:
         return "\n".join(lines)
 
     def _take(self, chosen: plan.Plan) -> str:
-        for path, why in chosen.skipped:
-            self._log_once(path, f"not using {path}: {why}")
         self.last_path = chosen.path
         return chosen.path
 
@@ -560,7 +585,7 @@ class Communicator:
                 residual=None, residual_out=None, weight=None, scale=None, scale_inv=None,
                 hidden: int = 0, eps: float = 0.0, flags: int = 0) -> None:
         pool = self._pool
-        name = kernels.kernel_name(algo, DTYPE_CODES[dtype])
+        name = _kernel_name(algo, dtype)
         n = inp.numel()
         tokens = n // hidden if hidden else 0
         grid, block = self._geometry(algo, n, inp.element_size(), tokens, bool(hidden))
@@ -574,7 +599,43 @@ class Communicator:
         if algo != "lamport" and _misaligned(inp):
             raise AssertionError(f"{algo}: pool input at {inp.data_ptr():#x} is not 16-byte aligned")
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        p_in, p_out = inp.data_ptr(), out.data_ptr()
+        p_res = residual.data_ptr() if residual is not None else 0
+        p_res_out = residual_out.data_ptr() if residual_out is not None else 0
+        p_w = weight.data_ptr() if weight is not None else 0
+        if (p_in | p_res | p_res_out | p_w) % 16 or p_out % (8 if out.dtype == FP8 else 16):
+            inp, out, residual, residual_out, weight = self._aligned_copies(
+                inp, out, residual, residual_out, weight, copy_back)
+            p_in, p_out = inp.data_ptr(), out.data_ptr()
+            p_res = residual.data_ptr() if residual is not None else 0
+            p_res_out = residual_out.data_ptr() if residual_out is not None else 0
+            p_w = weight.data_ptr() if weight is not None else 0
+        values = [pool.desc_ptr, p_in, p_out, p_res, p_res_out, p_w,
+                  scale.data_ptr() if scale is not None else 0,
+                  scale_inv.data_ptr() if scale_inv is not None else 0, n, hidden, float(eps), flags]
+        if self.mode == "emulator":
+            self._emu.launch(name, grid, block, list(zip((k for _, k in kernels.KERNEL_SIGNATURE), values)),
+                             timeout_s=pool.timeout_s)
+            if int(pool.err_word[0]):
+                self._raise_kernel_error(pool)
+        else:
+            kernel = kernels.load_kernel(name, self.device.index)
+            stream = self._stream  # current since this op's _check_usable
+            if _cuda.capturing(self.device):
+                pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
+            _cuda.launch(kernel, grid, block, stream.cuda_stream,
+                         _cuda.pack_collective_args(values), self.device.index)
+            if self._debug:
+                torch.cuda.synchronize(self.device)
+                if int(pool.err_word[0]):
+                    self._raise_kernel_error(pool)
+        for target, staged in copy_back:
+            target.copy_(staged)  # stream-ordered after the kernel
 
+    @staticmethod
+    def _aligned_copies(inp, out, residual, residual_out, weight, copy_back):
+        """Aligned stand-ins for the misaligned ones: inputs cloned, outputs written to a fresh
+        tensor and copied back after the kernel (stream-ordered)."""
         def aligned_output(t, align=16):
             if t is None or not _misaligned(t, align):
                 return t
@@ -583,29 +644,8 @@ class Communicator:
             return staged
 
         inp, residual, weight = (t.clone() if _misaligned(t) else t for t in (inp, residual, weight))
-        out = aligned_output(out, 8 if out.dtype == FP8 else 16)
-        residual_out = aligned_output(residual_out)
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        values = [pool.desc_ptr, ptr(inp), ptr(out), ptr(residual), ptr(residual_out), ptr(weight),
-                  ptr(scale), ptr(scale_inv), n, hidden, float(eps), flags]
-        if self.mode == "emulator":
-            self._emu.launch(name, grid, block, list(zip((k for _, k in kernels.KERNEL_SIGNATURE), values)),
-                             timeout_s=pool.timeout_s)
-            if int(pool.err_word[0]):
-                self._raise_kernel_error(pool)
-        else:
-            kernel = kernels.load_kernel(name, self.device.index)
-            stream = torch.cuda.current_stream(self.device)
-            if _cuda.capturing(self.device):
-                pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
-            _cuda.launch(kernel, grid, block, stream.cuda_stream,
-                         _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE, values), self.device.index)
-            if envs.get("UBNEXT_DEBUG"):
-                torch.cuda.synchronize(self.device)
-                if int(pool.err_word[0]):
-                    self._raise_kernel_error(pool)
-        for target, staged in copy_back:
-            target.copy_(staged)  # stream-ordered after the kernel
+        return (inp, aligned_output(out, 8 if out.dtype == FP8 else 16), residual, aligned_output(residual_out),
+                weight)
 
     def _order_after_other_stream(self, stream) -> None:
         """A communicator's kernels share one sync region, so two of them must never run at the same

@@ -1,7 +1,9 @@
 """The one reader of ``os.environ`` in ubnext.
 
-Every variable is declared once here, with its type, default and meaning. Values are read at
-call time (``get``), so tests and launchers can change them between calls. A bad value raises
+Every variable is declared once here, with its type, default and meaning. ``get`` reads the
+environment each time it is called, but a Communicator reads what shapes its calls (UBNEXT_ALGO,
+UBNEXT_ALLOW_NONDETERMINISTIC, UBNEXT_DEBUG) once, when it is constructed, and the pool's
+variables when the pool is created: a change takes effect on the next Communicator. A bad value raises
 :class:`EnvError` naming the variable and what it accepts. ``NVTE_UB_MAXBATCH`` and
 ``NVTE_UB_SYMM_POOL_SIZE`` (TransformerEngine's names) are accepted as aliases; the ubnext name
 wins when both are set.

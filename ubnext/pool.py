@@ -770,7 +770,7 @@ class SymmetricPool:
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if any((not isinstance(s, int)) or s < 0 for s in shape):
             raise ValueError(f"shape must be non-negative ints, got {shape}")
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         nbytes = elem
         for s in shape:
             nbytes *= s
@@ -808,7 +808,7 @@ class SymmetricPool:
 
         if capturing(self.device):
             self.captured = True  # a captured GEMM or copy into staging replays after close() too
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.layout.staging_bytes:
             raise NoRoom(f"{nbytes} bytes exceed the staging region ({self.layout.staging_bytes} bytes)")
         return self._staging_bytes[:nbytes].view(dtype).view(shape)

@@ -379,13 +379,16 @@ def case_bad_input():
     expect_error(ValueError, lambda: COMM.empty(-1, 4, dtype=torch.float32), "negative")
     expect_error(ValueError, lambda: COMM.empty(0, 4, dtype=torch.float32), "at least one element")
     expect_error(TypeError, lambda: COMM.empty(4, dtype=torch.int64), "support")
-    # shapes that differ across ranks, caught in UBNEXT_DEBUG mode before any kernel runs
+    # shapes that differ across ranks, caught in UBNEXT_DEBUG mode before any kernel runs (read
+    # once per communicator: a new one sees the variable)
     os.environ["UBNEXT_DEBUG"] = "1"
     try:
-        bad = torch.ones(4 + dist.get_rank(), device=device())
-        expect_error(ValueError, lambda: COMM.all_reduce(bad), "ranks called with different arguments")
+        debug = ubnext.Communicator(emulate=(MODE == "emulator"), max_hidden=1024)
     finally:
         del os.environ["UBNEXT_DEBUG"]
+    bad = torch.ones(4 + dist.get_rank(), device=device())
+    expect_error(ValueError, lambda: debug.all_reduce(bad), "ranks called with different arguments")
+    debug.close()
     check_allreduce(100, torch.float32, seed=1)  # still usable afterwards
 
 

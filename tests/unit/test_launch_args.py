@@ -61,3 +61,13 @@ def test_scalar_types():
     if int(np.__version__.split(".")[0]) >= 2:  # numpy 1.x wraps out-of-range values instead
         with pytest.raises(OverflowError):
             pack_kernel_args((("n", "i32"),), (2**31,))
+
+
+def test_the_collective_fast_packer_matches_the_generic_one():
+    from ubnext import kernels
+    from ubnext._cuda import pack_collective_args
+
+    values = [0x7F0000001000 + 16 * i for i in range(8)] + [4099, 512, 1e-6, 13]
+    fast, generic = pack_collective_args(values), pack_kernel_args(kernels.KERNEL_SIGNATURE, values)
+    assert [type(v) for v in fast] == [type(v) for v in generic] and fast == generic
+    assert [k for _, k in kernels.KERNEL_SIGNATURE] == ["ptr"] * 8 + ["i32", "i32", "f32", "i32"]
