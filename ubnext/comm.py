@@ -478,7 +478,7 @@ class Communicator:
             raise UbnextError(f"communicator is unusable after an earlier failure: {self._broken}")
         pool = self._pool
         if pool is not None:
-            code = int(pool.err_word[0])
+            code = pool.err_view[0]
             if code:
                 self._raise_kernel_error(pool)
 
@@ -616,7 +616,7 @@ class Communicator:
         if self.mode == "emulator":
             self._emu.launch(name, grid, block, list(zip((k for _, k in kernels.KERNEL_SIGNATURE), values)),
                              timeout_s=pool.timeout_s)
-            if int(pool.err_word[0]):
+            if pool.err_view[0]:
                 self._raise_kernel_error(pool)
         else:
             kernel = kernels.load_kernel(name, self.device.index)
@@ -627,7 +627,7 @@ class Communicator:
                          _cuda.pack_collective_args(values), self.device.index)
             if self._debug:
                 torch.cuda.synchronize(self.device)
-                if int(pool.err_word[0]):
+                if pool.err_view[0]:
                     self._raise_kernel_error(pool)
         for target, staged in copy_back:
             target.copy_(staged)  # stream-ordered after the kernel
