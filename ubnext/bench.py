@@ -165,6 +165,7 @@ def host_overhead(calls: int, tokens: int, hidden: int) -> list[tuple[str, float
             rows.append(("nn.Linear forward minus F.linear", full[0] - gemm[0], full[1] - gemm[2], full[2] - gemm[1]))
         finally:
             comm.mode = "emulator"
+            comm._plans.clear()  # made in gpu mode
     assert launches and comm.last_path != "torch", "the timed path did not reach a kernel launch"
     return rows
 

@@ -175,8 +175,7 @@ def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight:
 
 def _host_identity() -> str:
     """Which machine this process runs on: hostname/boot id. The boot id (one per running
-    kernel) tells apart nodes that share a hostname and joins containers of one node whose
-    hostnames differ; the hostname is for the message."""
+    kernel) tells apart nodes that share a hostname; the hostname names them in the message."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -540,6 +539,8 @@ class Communicator:
         and what the pool offers, all identical on every rank and fixed once the pool exists
         (the self-test's verdict included), so a cached plan is the one every rank would
         compute. The pool's creation (or failure) and the forced algorithm are in the key."""
+        if self._closed:
+            raise UbnextError("communicator is closed")
         key = (nbytes, dtype, fused, hidden, self._algo, self._pool is None, self._pool_error)
         chosen = self._plans.get(key)
         if chosen is None:

@@ -239,8 +239,12 @@ def release_deferred() -> None:
     creation or close, outside capture)."""
     from ._cuda import capturing
 
-    while _RELEASE_LATER and not capturing(_RELEASE_LATER[0].device):
-        _RELEASE_LATER.pop(0)._release_if_unused()
+    while True:
+        with _VIEWS_LOCK:
+            if not _RELEASE_LATER or capturing(_RELEASE_LATER[0].device):
+                return
+            backend = _RELEASE_LATER.pop(0)
+        backend._release_if_unused()
 
 
 class PoolSetupError(RuntimeError):
@@ -264,7 +268,7 @@ def _exchange_agreed(fd: int, rank: int, nranks: int, allgather: Callable[[objec
     fds, error = [], None
     try:
         fds = _fdshare.exchange_fds(fd, rank, nranks, allgather, only_from=only_from)
-    except OSError as exc:  # TimeoutError included
+    except Exception as exc:  # noqa: BLE001 - whatever it was, the peers must hear of it
         error = f"{type(exc).__name__}: {exc}"
     try:
         _agree(allgather, error, step)
