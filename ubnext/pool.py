@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import envs
+from . import _cuda, envs
 from .allocator import Allocator, NoRoom
 
 __all__ = ["PoolLayout", "SymmetricPool", "NoRoom", "DESC_FIELDS", "pack_desc", "plan_layout"]
@@ -210,12 +210,10 @@ class _Backend:
         return self._released
 
     def _release_if_unused(self) -> None:
-        from ._cuda import capturing
-
         with _VIEWS_LOCK:
             if not self._closing or self._views != 0 or self._released:
                 return
-            if capturing(self.device):
+            if _cuda.capturing(self.device):
                 # synchronising or unmapping now would invalidate the capture in progress
                 _RELEASE_LATER.append(self)
                 return
@@ -237,11 +235,9 @@ _RELEASE_LATER: list[_Backend] = []  # closed, unused backends whose release met
 def release_deferred() -> None:
     """Release the backends whose last view went during a CUDA graph capture (at the next pool
     creation or close, outside capture)."""
-    from ._cuda import capturing
-
     while True:
         with _VIEWS_LOCK:
-            if not _RELEASE_LATER or capturing(_RELEASE_LATER[0].device):
+            if not _RELEASE_LATER or _cuda.capturing(_RELEASE_LATER[0].device):
                 return
             backend = _RELEASE_LATER.pop(0)
         backend._release_if_unused()
@@ -259,25 +255,33 @@ def _agree(allgather: Callable[[object], list], error: str | None, step: str) ->
     _raise_if_any(allgather(error), step)
 
 
-def _exchange_agreed(fd: int, rank: int, nranks: int, allgather: Callable[[object], list], step: str,
-                     only_from: int | None = None) -> list[int]:
-    """_fdshare.exchange_fds, then a vote on its outcome: a rank whose exchange failed (a socket
-    error, a timeout) must not leave its peers pairing their next collective with its next one."""
+def _share_fd(fd: int, error: str | None, rank: int, nranks: int, allgather: Callable[[object], list],
+              making: str, sharing: str, only_from: int | None = None) -> list[int]:
+    """One fd-sharing phase of a set-up: agree that every rank made its fd (`error`: why this one
+    did not), exchange the fds (_fdshare.exchange_fds), then agree that the exchange worked, since
+    it can fail on one rank only (a socket error, a timeout) and that rank must not leave its peers
+    pairing their next collective with its next one. Closes `fd` in every case; the caller owns
+    the fds returned."""
     from . import _fdshare
 
-    fds, error = [], None
     try:
-        fds = _fdshare.exchange_fds(fd, rank, nranks, allgather, only_from=only_from)
-    except Exception as exc:  # noqa: BLE001 - whatever it was, the peers must hear of it
-        error = f"{type(exc).__name__}: {exc}"
-    try:
-        _agree(allgather, error, step)
-    except PoolSetupError:
-        for f in fds:
-            if f >= 0:
-                os.close(f)
-        raise
-    return fds
+        _agree(allgather, error, making)
+        fds, error = [], None
+        try:
+            fds = _fdshare.exchange_fds(fd, rank, nranks, allgather, only_from=only_from)
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the peers must hear of it
+            error = f"{type(exc).__name__}: {exc}"
+        try:
+            _agree(allgather, error, sharing)
+        except PoolSetupError:
+            for f in fds:
+                if f >= 0:
+                    os.close(f)
+            raise
+        return fds
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _raise_if_any(errors: list, step: str) -> None:
@@ -311,12 +315,8 @@ class EmulatorBackend(_Backend):
             os.ftruncate(fd, size)
         except OSError as exc:
             error = str(exc)
-        try:
-            _agree(allgather, error, "creating the pool's shared memory")
-            fds = _exchange_agreed(fd, rank, nranks, allgather, "exchanging the pool's file descriptors")
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        fds = _share_fd(fd, error, rank, nranks, allgather, "creating the pool's shared memory",
+                        "exchanging the pool's file descriptors")
         error = None
         try:
             for peer_fd in fds:
@@ -484,12 +484,8 @@ class VmmBackend(_Backend):
                 own, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "cuMemExportToShareableHandle"))
         except CudaError as exc:
             error = str(exc)
-        try:
-            _agree(allgather, error, "allocating the pool")
-            fds = _exchange_agreed(fd, rank, nranks, allgather, "exchanging the pool's file descriptors")
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        fds = _share_fd(fd, error, rank, nranks, allgather, "allocating the pool",
+                        "exchanging the pool's file descriptors")
 
         # -- phase 3: every rank's memory mapped here
         error = None
@@ -578,12 +574,8 @@ class VmmBackend(_Backend):
                     self._mc, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "cuMemExportToShareableHandle (multicast)"))
             except CudaError as exc:
                 error = str(exc)
-        try:
-            _agree(allgather, error, "creating the multicast object")
-            fds = _exchange_agreed(fd, rank, nranks, allgather, "sharing the multicast object", only_from=0)
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        fds = _share_fd(fd, error, rank, nranks, allgather, "creating the multicast object",
+                        "sharing the multicast object", only_from=0)
         # -- phase 5: every device added (cuMulticastBindMem waits for all of them)
         error = None
         try:
@@ -782,10 +774,7 @@ class SymmetricPool:
         if nbytes <= 0:
             raise ValueError(f"pool tensors must hold at least one element, got shape {shape}")
         if arena is None:
-            from ._cuda import capturing
-
-            capturing = capturing(self.device)
-            arena = "graph" if capturing else "eager"
+            arena = "graph" if _cuda.capturing(self.device) else "eager"
         allocator = self.arenas[arena]
         try:
             offset = allocator.alloc(nbytes, align)
@@ -809,9 +798,7 @@ class SymmetricPool:
         nvls_lamport the Lamport polls of data its peers wrote after reading it)."""
         if self._closed:
             raise RuntimeError("ubnext pool is closed")
-        from ._cuda import capturing
-
-        if capturing(self.device):
+        if _cuda.capturing(self.device):
             self.captured = True  # a captured GEMM or copy into staging replays after close() too
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.layout.staging_bytes:
