@@ -72,6 +72,10 @@ def _kernel_name(algo: str, dtype: torch.dtype) -> str:
     return kernels.kernel_name(algo, DTYPE_CODES[dtype])
 
 
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def _misaligned(t: torch.Tensor | None, align: int = 16) -> bool:
     """Whether a kernel's vector access to ``t`` would be misaligned."""
     return t is not None and t.data_ptr() % align != 0
@@ -600,20 +604,12 @@ class Communicator:
         if algo != "lamport" and _misaligned(inp):
             raise AssertionError(f"{algo}: pool input at {inp.data_ptr():#x} is not 16-byte aligned")
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        p_in, p_out = inp.data_ptr(), out.data_ptr()
-        p_res = residual.data_ptr() if residual is not None else 0
-        p_res_out = residual_out.data_ptr() if residual_out is not None else 0
-        p_w = weight.data_ptr() if weight is not None else 0
+        tensors = (inp, out, residual, residual_out, weight)
+        p_in, p_out, p_res, p_res_out, p_w = ptrs = [_ptr(t) for t in tensors]
         if (p_in | p_res | p_res_out | p_w) % 16 or p_out % (8 if out.dtype == FP8 else 16):
-            inp, out, residual, residual_out, weight = self._aligned_copies(
-                inp, out, residual, residual_out, weight, copy_back)
-            p_in, p_out = inp.data_ptr(), out.data_ptr()
-            p_res = residual.data_ptr() if residual is not None else 0
-            p_res_out = residual_out.data_ptr() if residual_out is not None else 0
-            p_w = weight.data_ptr() if weight is not None else 0
-        values = [pool.desc_ptr, p_in, p_out, p_res, p_res_out, p_w,
-                  scale.data_ptr() if scale is not None else 0,
-                  scale_inv.data_ptr() if scale_inv is not None else 0, n, hidden, float(eps), flags]
+            tensors = self._aligned_copies(*tensors, copy_back)  # held: the kernel reads the copies
+            ptrs = [_ptr(t) for t in tensors]
+        values = [pool.desc_ptr, *ptrs, _ptr(scale), _ptr(scale_inv), n, hidden, float(eps), flags]
         if self.mode == "emulator":
             self._emu.launch(name, grid, block, list(zip((k for _, k in kernels.KERNEL_SIGNATURE), values)),
                              timeout_s=pool.timeout_s)
