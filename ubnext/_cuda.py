@@ -167,20 +167,6 @@ def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]
     return packed
 
 
-def pack_collective_args(values: Sequence[Any]) -> list:
-    """pack_kernel_args for the collective kernels' one signature (kernels.KERNEL_SIGNATURE: eight
-    pointers, then n, hidden as int32, eps as float32, flags as int32), without the generic loop:
-    this runs on every launch. tests/unit/test_launch_args.py checks that both agree."""
-    p = values
-    return [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], *_scalars(p[8], p[9], p[10], p[11])]
-
-
-@functools.lru_cache(maxsize=4096)
-def _scalars(n: int, hidden: int, eps: float, flags: int) -> tuple:
-    # numpy scalars cost ~0.4 us each to make; a call signature repeats them on every call
-    return np.int32(n), np.int32(hidden), np.float32(eps), np.int32(flags)
-
-
 @functools.lru_cache(maxsize=None)
 def _primary_context(device_index: int):
     """The device's primary context (torch's), retained once for the process's lifetime."""

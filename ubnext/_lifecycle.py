@@ -85,6 +85,9 @@ def lookup(key: str) -> "Communicator":
         from .comm import UbnextError
 
         raise UbnextError(f"no live ubnext communicator {key!r} (it was closed or garbage-collected)")
+    comm = cached.get(key)
+    if comm is not None and not comm.closed:
+        return comm  # without resolving the group from its name: the hot path of ubnext.nn.Linear
     group = dist.distributed_c10d._resolve_process_group(key)
     return communicator_of(group)
 

@@ -100,25 +100,35 @@ class _FakeStream:
     cuda_stream = 0x1234
 
 
-def _median_spread(fn, calls: int, repeats: int = 7) -> tuple[float, float, float]:
-    for _ in range(max(200, calls // 10)):
-        fn()
-    per_call = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
+def _interleaved(fns: dict, calls: int, repeats: int) -> dict[str, list[float]]:
+    """Microseconds per call of each function, ``repeats`` rounds of ``calls`` calls, the
+    functions taking turns within each round: a row and the floor it is compared with are timed
+    seconds apart, in the same phase of a machine whose speed drifts."""
+    for fn in fns.values():
+        for _ in range(max(200, calls // 10)):
             fn()
-        per_call.append((time.perf_counter() - t) / calls * 1e6)
-    per_call.sort()
-    return per_call[len(per_call) // 2], per_call[0], per_call[-1]
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t) / calls * 1e6)
+    return times
 
 
-def host_overhead(calls: int, tokens: int, hidden: int) -> list[tuple[str, float, float, float]]:
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7) -> list[tuple[str, float, float, float, float]]:
     """Host time per call of the GPU code path, on a machine without one: the communicator runs
     in gpu mode over an emulator pool, with a fake current stream and a recorder in place of the
     kernel launch, so the same Python runs up to the launch call (the launch itself is not timed).
-    Returns (what, median us, min us, max us) rows; the first is the floor, a no-op operator
-    registered with Library define + impl."""
+    Returns rows of (what, median us, median us above the floor, min and max of that over the
+    rounds). The floor is a no-op operator registered with Library define + impl, timed in every
+    round next to each row; the Linear row subtracts the layer's own F.linear too."""
     from unittest import mock
 
     from . import _cuda, get_communicator, kernels
@@ -130,58 +140,73 @@ def host_overhead(calls: int, tokens: int, hidden: int) -> list[tuple[str, float
                          "run it with UBNEXT_EMULATE=1")
     comm.register_hidden(hidden)
     comm.prepare()
-    launches = []
+    launches = [0, None]  # how many, and the last one's arguments
+
+    def record_launch(*args):
+        # a count and the last call only: a list of every launch would make the garbage
+        # collector's passes, charged to the timed code, grow with the run
+        launches[0] += 1
+        launches[1] = args
+
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
     residual = torch.randn(tokens, hidden, dtype=torch.bfloat16)
     weight = torch.randn(hidden, dtype=torch.bfloat16)
     lib = torch.library.Library("ubnext_bench", "FRAGMENT")
     lib.define("noop(Tensor x, str comm) -> Tensor")
     lib.impl("noop", lambda t, c: t, "CompositeExplicitAutograd")
-    # a small layer: its GEMM (subtracted) must not drown the host time in its own noise
-    lin = 64
+    # a small fp32 layer: its GEMM, subtracted, must not drown the host time in its own noise
+    # (a bf16 GEMM on this CPU takes 12-14 us and varies by 2)
+    lin = 16
     linear = Linear(lin * dist.get_world_size(), lin, bias=False, parallel_mode="row",
-                    symmetric_ar_type="ubnext", dtype=torch.bfloat16)
+                    symmetric_ar_type="ubnext", dtype=torch.float32)
     linear.weight.data.normal_()
-    xl = torch.randn(tokens, lin, dtype=torch.bfloat16)
+    xl = torch.randn(tokens, lin, dtype=torch.float32)
+    floor = ("floor", lambda: torch.ops.ubnext_bench.noop(x, comm.key))
+    cases = [
+        ("comm.all_reduce", {"call": lambda: comm.all_reduce(x)}),
+        ("comm.all_reduce_add_rmsnorm", {"call": lambda: comm.all_reduce_add_rmsnorm(x, residual, weight)}),
+        ("torch.ops.ubnext.all_reduce", {"call": lambda: torch.ops.ubnext.all_reduce(x, comm.key, "")}),
+        ("torch.ops.ubnext.all_reduce_add_rmsnorm", {"call": lambda: torch.ops.ubnext.all_reduce_add_rmsnorm(
+            x, residual, weight, 1e-6, False, None, comm.key)}),
+        (f"nn.Linear forward ({lin * dist.get_world_size()} -> {lin} fp32) minus F.linear",
+         {"call": lambda: linear(xl), "minus": lambda: torch.nn.functional.linear(xl, linear.weight)}),
+    ]
     rows = []
     with mock.patch.object(torch.cuda, "current_stream", lambda device=None: _FakeStream), \
          mock.patch.object(kernels, "load_kernel", lambda name, index: name), \
-         mock.patch.object(_cuda, "launch", lambda *args: launches.append(args)), \
+         mock.patch.object(_cuda, "launch", record_launch), \
          torch.inference_mode():
         comm.mode = "gpu"  # the GPU branch of every decision, up to the launch
         try:
-            floor = _median_spread(lambda: torch.ops.ubnext_bench.noop(x, comm.key), calls)
-            rows.append(("no-op Library op (floor)", *floor))
-            rows.append(("comm.all_reduce", *_median_spread(lambda: comm.all_reduce(x), calls)))
-            rows.append(("comm.all_reduce_add_rmsnorm",
-                         *_median_spread(lambda: comm.all_reduce_add_rmsnorm(x, residual, weight), calls)))
-            rows.append(("torch.ops.ubnext.all_reduce",
-                         *_median_spread(lambda: torch.ops.ubnext.all_reduce(x, comm.key, ""), calls)))
-            rows.append(("torch.ops.ubnext.all_reduce_add_rmsnorm", *_median_spread(
-                lambda: torch.ops.ubnext.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, False, None, comm.key),
-                calls)))
-            gemm = _median_spread(lambda: torch.nn.functional.linear(xl, linear.weight), calls)
-            full = _median_spread(lambda: linear(xl), calls)
-            rows.append(("nn.Linear forward minus F.linear", full[0] - gemm[0], full[1] - gemm[2], full[2] - gemm[1]))
+            floors = []
+            for what, fns in cases:
+                times = _interleaved({floor[0]: floor[1], **fns}, calls, repeats)
+                above = [c - f - m for c, f, m in zip(times["call"], times["floor"], times.get("minus", [0.0] * repeats))]
+                floors += times["floor"]
+                rows.append((what, _median(times["call"]), _median(above), min(above), max(above)))
+            rows.insert(0, ("no-op Library op (floor)", _median(floors), 0.0, min(floors), max(floors)))
         finally:
             comm.mode = "emulator"
             comm._plans.clear()  # made in gpu mode
-    assert launches and comm.last_path != "torch", "the timed path did not reach a kernel launch"
+            comm._calls.clear()
+    assert launches[0] and comm.last_path != "torch", "the timed path did not reach a kernel launch"
     return rows
 
 
 def host_main(args) -> int:
     rows = host_overhead(args.calls, args.tokens, args.hidden)
     if dist.get_rank() == 0:
-        floor = rows[0][1]
         print(f"# ubnext.bench --host: host time per call, {args.tokens}x{args.hidden} bf16, "
-              f"{dist.get_world_size()} ranks, median of 7 x {args.calls} calls")
+              f"{dist.get_world_size()} ranks, medians of 7 rounds of {args.calls} calls")
         print("# gpu-mode code path with a fake stream and a recorder in place of the kernel launch:")
-        print("# the launch itself (cuda.core, the driver) is not timed here")
-        print(f"{'call':42} {'us/call':>8} {'above floor':>12} {'min..max':>14}")
-        for what, med, lo, hi in rows:
-            above = "" if what.endswith("(floor)") else f"{med - floor:12.2f}"
-            print(f"{what:42} {med:8.2f} {above:>12} {lo:6.2f}..{hi:<6.2f}")
+        print("# the launch itself (cuda.core, the driver) is not timed here. 'above floor' is per round,")
+        print("# against the floor timed in the same round; its min..max over the rounds is the spread")
+        print(f"{'call':52} {'us/call':>8} {'above floor':>12} {'min..max':>14}")
+        for i, (what, med, above, lo, hi) in enumerate(rows):
+            if i == 0:
+                print(f"{what:52} {med:8.2f} {'':>12} {lo:6.2f}..{hi:<6.2f}")
+            else:
+                print(f"{what:52} {med:8.2f} {above:12.2f} {lo:6.2f}..{hi:<6.2f}")
     dist.barrier()
     dist.destroy_process_group()
     return 0

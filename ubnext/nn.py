@@ -85,6 +85,8 @@ class Linear(torch.nn.Module):
                 raise RuntimeError("a tensor-parallel Linear needs torch.distributed to be initialised")
             tp = dist.get_world_size(tp_group)
         self.tp_size = tp
+        # the name under which torch.ops.ubnext.* find the group's communicator: resolved once
+        self._group_name = self._group().group_name if parallel_mode is not None else ""
         self.parallel_mode = parallel_mode
         self.symmetric_ar_type = symmetric_ar_type
         self.in_features, self.out_features, self.eps = in_features, out_features, eps
@@ -112,10 +114,6 @@ class Linear(torch.nn.Module):
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features)
             torch.nn.init.uniform_(self.bias, -bound, bound)
-
-    @property
-    def _group_name(self) -> str:
-        return self._group().group_name
 
     def _group(self):
         return self.tp_group if self.tp_group is not None else dist.group.WORLD

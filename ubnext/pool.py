@@ -657,6 +657,9 @@ class SymmetricPool:
         name = backend or envs.get("UBNEXT_POOL_BACKEND")
         self.backend = self._open_backend(name, layout, rank, group, device, allgather)
         self.device = self.backend.device
+        # the kernels' first argument (the descriptor sits at the start of this rank's pool): an
+        # attribute, read on every launch
+        self.desc_ptr = self.backend.peer_bases[rank]
         # multicast decides which kernels run: use it only if every rank has it
         self.mc_base = self.backend.mc_base if all(allgather(bool(self.backend.mc_base))) else 0
         log.info("ubnext pool: backend %s, %d bytes, multicast %s", self.backend.name,
@@ -689,6 +692,7 @@ class SymmetricPool:
         }
         self._staging_bytes = _Slot(self.base + layout.data_off, layout.staging_bytes, self.device,
                                     self.backend).tensor(self.device)
+        self._staging_views: dict[tuple, torch.Tensor] = {}
         self.fallbacks = 0
         self.captured = False  # set when captured work used this pool (kernels, staging, graph arena)
         self._graph_tensors: list[torch.Tensor] = []
@@ -738,10 +742,6 @@ class SymmetricPool:
     @property
     def base(self) -> int:
         return self.backend.peer_bases[self.rank]
-
-    @property
-    def desc_ptr(self) -> int:
-        return self.base
 
     @property
     def has_multicast(self) -> bool:
@@ -800,10 +800,16 @@ class SymmetricPool:
             raise RuntimeError("ubnext pool is closed")
         if _cuda.capturing(self.device):
             self.captured = True  # a captured GEMM or copy into staging replays after close() too
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > self.layout.staging_bytes:
-            raise NoRoom(f"{nbytes} bytes exceed the staging region ({self.layout.staging_bytes} bytes)")
-        return self._staging_bytes[:nbytes].view(dtype).view(shape)
+        view = self._staging_views.get((shape, dtype))
+        if view is None:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes > self.layout.staging_bytes:
+                raise NoRoom(f"{nbytes} bytes exceed the staging region ({self.layout.staging_bytes} bytes)")
+            with torch.inference_mode(False):  # kept for every later call, in or out of inference mode
+                view = self._staging_bytes[:nbytes].view(dtype).view(shape)
+            if len(self._staging_views) < 256:  # the views of a model's few shapes, made once
+                self._staging_views[(tuple(shape), dtype)] = view
+        return view
 
     def offset_of(self, t: torch.Tensor) -> int:
         return t.data_ptr() - self.base
@@ -832,6 +838,7 @@ class SymmetricPool:
             return
         self._closed = True
         self._staging_bytes = None
+        self._staging_views.clear()
         if self.captured:
             log.warning("ubnext: a pool used in CUDA graph capture stays mapped until the process exits "
                         "(a captured graph may still be replayed)")

@@ -63,11 +63,24 @@ def test_scalar_types():
             pack_kernel_args((("n", "i32"),), (2**31,))
 
 
-def test_the_collective_fast_packer_matches_the_generic_one():
-    from ubnext import kernels
-    from ubnext._cuda import pack_collective_args
+def test_a_cached_launch_packs_what_the_generic_packer_packs():
+    """The hot path packs a call signature's scalars once (Communicator._launch_for) and adds the
+    pointers per call (_Launch.args): the result must be what pack_kernel_args makes of all twelve."""
+    from types import SimpleNamespace
 
-    values = [0x7F0000001000 + 16 * i for i in range(8)] + [4099, 512, 1e-6, 13]
-    fast, generic = pack_collective_args(values), pack_kernel_args(kernels.KERNEL_SIGNATURE, values)
-    assert [type(v) for v in fast] == [type(v) for v in generic] and fast == generic
+    import torch
+
+    from ubnext.comm import Communicator
+
+    comm = object.__new__(Communicator)
+    comm.mode, comm.world_size, comm._sm_count = "gpu", 4, 132
+    comm._pool = SimpleNamespace(has_multicast=True)
+    pointers = [0x7F0000001000 + 16 * i for i in range(8)]
+    for algo, hidden, flags in (("lamport", 0, 0), ("nvls_twoshot", 0, 0), ("lamport", 512, 13)):
+        launch = comm._launch_for(algo, torch.bfloat16, 4096, hidden, 1e-6, flags)
+        sent_flags = flags | (kernels.F_MULTICAST if algo == "lamport" else 0)
+        generic = pack_kernel_args(kernels.KERNEL_SIGNATURE, pointers + [4096, hidden, 1e-6, sent_flags])
+        fast = launch.args(pointers)
+        assert [type(v) for v in fast] == [type(v) for v in generic] and fast == generic
+        assert launch.scalars == (4096, hidden, 1e-6, sent_flags)
     assert [k for _, k in kernels.KERNEL_SIGNATURE] == ["ptr"] * 8 + ["i32", "i32", "f32", "i32"]

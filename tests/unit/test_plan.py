@@ -140,13 +140,11 @@ def test_a_second_stream_waits_for_the_first(monkeypatch):
     comm = _bare_communicator("gpu")
     comm._last_stream = None
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: False)
     main, side = FakeStream("main"), FakeStream("side")
     for s in (main, main, side, side, main):
-        comm._order_after_other_stream(s)
+        comm._order_after_other_stream(s, capturing=False)
     assert events == [("record", "main"), ("wait", "side", "main"), ("record", "side"), ("wait", "main", "side")]
-    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: True)
-    comm._order_after_other_stream(side)  # captured: ordered by the graph's owner
+    comm._order_after_other_stream(side, capturing=True)  # captured: ordered by the graph's owner
     assert len(events) == 4 and comm._last_stream is main
 
 

@@ -63,3 +63,21 @@ def test_a_release_that_meets_a_capture_waits_for_its_end(monkeypatch):
     monkeypatch.setattr(cu, "capturing", lambda device: False)
     pool_mod.release_deferred()
     assert pool.backend.released
+
+
+def test_staging_views_are_reused_in_and_out_of_inference_mode():
+    """A staging view is made once per shape and kept (the hot path of ubnext.nn.Linear writes its
+    GEMM into it): one made under inference_mode must still take in-place writes outside it, and
+    close() drops the kept views with the rest, releasing the memory."""
+    pool = _pool()
+    with torch.inference_mode():
+        first = pool.staging((4, 8), torch.bfloat16)
+    assert pool.staging((4, 8), torch.bfloat16) is first
+    torch.matmul(torch.ones(4, 2, dtype=torch.bfloat16), torch.ones(2, 8, dtype=torch.bfloat16), out=first)
+    assert torch.equal(pool.staging((4, 8), torch.bfloat16), torch.full((4, 8), 2.0, dtype=torch.bfloat16))
+    assert pool.staging((32,), torch.bfloat16).data_ptr() == first.data_ptr()  # the same fixed region
+    backend = pool.backend
+    del first
+    pool.close()
+    gc.collect()
+    assert backend.released
