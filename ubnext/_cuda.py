@@ -188,12 +188,16 @@ def launch(kernel, grid: int, block: int, stream_handle: int, args: list, device
         check(drv.cuCtxPushCurrent(want), "cuCtxPushCurrent")
     try:
         mod = core()
-        stream = _wrap_stream(stream_handle)
-        config = mod.LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1))
-        mod.launch(stream, config, kernel, *args)
+        mod.launch(_wrap_stream(stream_handle), _launch_config(grid, block), kernel, *args)
     finally:
         if switch:
             check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_config(grid: int, block: int):
+    # made once per geometry: a LaunchConfig costs ~0.7 us to build (docs/PERF.md)
+    return core().LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1))
 
 
 @functools.lru_cache(maxsize=64)

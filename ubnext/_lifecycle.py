@@ -56,7 +56,9 @@ def kernel_timeout_s(group, device: torch.device) -> float:
         return _DEFAULT_GROUP_TIMEOUT_S
 
 _lock = threading.Lock()
-_registry: "weakref.WeakValueDictionary[str, Communicator]" = weakref.WeakValueDictionary()
+# key -> weak reference to a live communicator (a plain dict: every op looks up its communicator
+# here, and WeakValueDictionary.get costs a Python call more); an entry goes with its communicator
+_registry: "dict[str, weakref.ref[Communicator]]" = {}
 # communicators cached per process group (ubnext.get_communicator): group_name -> Communicator
 cached: dict[str, "Communicator"] = {}
 _serial = itertools.count()
@@ -71,14 +73,15 @@ def register(comm: "Communicator") -> str:
     _ensure_atexit()
     key = f"{comm.group.group_name}#{next(_serial)}"
     with _lock:
-        _registry[key] = comm
+        _registry[key] = weakref.ref(comm, lambda _, key=key: _registry.pop(key, None))
     return key
 
 
 def lookup(key: str) -> "Communicator":
     """The communicator registered under ``key``; a bare group name means that group's cached
     communicator (created on first use, collectively)."""
-    comm = _registry.get(key)
+    ref = _registry.get(key)
+    comm = ref() if ref is not None else None
     if comm is not None:
         return comm
     if "#" in key:
@@ -180,7 +183,7 @@ def shutdown() -> None:
     """Close every live communicator and drop their process groups; destroy the process group
     when ubnext created it. Runs at interpreter exit; safe to call more than once."""
     global _our_group
-    comms = list(_registry.values())
+    comms = [comm for comm in (ref() for ref in list(_registry.values())) if comm is not None]
     cached.clear()
     for comm in comms:
         try:

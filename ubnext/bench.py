@@ -167,7 +167,7 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7) -> lis
         ("comm.all_reduce_add_rmsnorm", {"call": lambda: comm.all_reduce_add_rmsnorm(x, residual, weight)}),
         ("torch.ops.ubnext.all_reduce", {"call": lambda: torch.ops.ubnext.all_reduce(x, comm.key, "")}),
         ("torch.ops.ubnext.all_reduce_add_rmsnorm", {"call": lambda: torch.ops.ubnext.all_reduce_add_rmsnorm(
-            x, residual, weight, 1e-6, False, None, comm.key)}),
+            x, residual, weight, 1e-6, comm.key)}),
         (f"nn.Linear forward ({lin * dist.get_world_size()} -> {lin} fp32) minus F.linear",
          {"call": lambda: linear(xl), "minus": lambda: torch.nn.functional.linear(xl, linear.weight)}),
     ]

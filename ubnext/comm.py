@@ -646,8 +646,11 @@ class Communicator:
     def _launch(self, how: _Launch, inp: torch.Tensor, out: torch.Tensor, residual=None, residual_out=None,
                 weight=None, scale=None, scale_inv=None) -> None:
         pool = self._pool
-        pointers = (inp.data_ptr(), out.data_ptr(), _ptr(residual), _ptr(residual_out), _ptr(weight))
-        p_in, p_out, p_res, p_res_out, p_w = pointers
+        p_in, p_out = inp.data_ptr(), out.data_ptr()
+        if residual is None:  # the plain allreduce; the fused norm passes all three
+            p_res = p_res_out = p_w = 0
+        else:
+            p_res, p_res_out, p_w = residual.data_ptr(), residual_out.data_ptr(), weight.data_ptr()
         # Every pointer the kernels touch with vectors must be aligned: 16 bytes, 8 for an FP8
         # out; a misaligned GPU access is a sticky fault that kills the context. A misaligned
         # caller tensor is staged through a fresh (aligned) one, locally: the path, and so what
@@ -658,8 +661,8 @@ class Communicator:
             if how.algo != "lamport" and _misaligned(inp):
                 raise AssertionError(f"{how.algo}: pool input at {p_in:#x} is not 16-byte aligned")
             staged = self._aligned_copies(inp, out, residual, residual_out, weight, copy_back)
-            pointers = tuple(_ptr(t) for t in staged)  # `staged` is held: the kernel reads the copies
-        pointers = (pool.desc_ptr, *pointers, _ptr(scale), _ptr(scale_inv))
+            p_in, p_out, p_res, p_res_out, p_w = (_ptr(t) for t in staged)  # `staged` is held: the kernel reads the copies
+        pointers = (pool.desc_ptr, p_in, p_out, p_res, p_res_out, p_w, _ptr(scale), _ptr(scale_inv))
         if self.mode == "emulator":
             self._emu.launch(how.name, how.grid, how.block, list(zip(_SIGNATURE_KINDS, (*pointers, *how.scalars))),
                              timeout_s=pool.timeout_s)
@@ -761,9 +764,27 @@ class Communicator:
         else:
             self._torch_all_reduce(x, out)
 
+    def _linear_all_reduce(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` summed over the ranks (torch.ops.ubnext.linear_all_reduce, the row-parallel
+        ubnext.nn.Linear). A path that reduces through the pool's staging region finds the GEMM's
+        output already there, at the same offset on every rank whatever each rank has allocated
+        (no copy in); Lamport reads its input anywhere, so for a signature planned to take it the
+        GEMM writes a fresh tensor. The sum lands in a fresh tensor, since the next call reuses
+        the staging region."""
+        shape = (*x.shape[:-1], weight.shape[0])
+        planned = self._calls.get(("all_reduce", shape, x.dtype, shape, x.dtype, self._algo))
+        y = None
+        if planned is None or planned.path != "lamport":
+            y = self._staging_or_none(shape, x.dtype)
+        if y is None:
+            y = torch.nn.functional.linear(x, weight)
+        else:
+            torch.matmul(x, weight.t(), out=y)
+        return self._all_reduce(y, torch.empty_like(y))
+
     def _staging_or_none(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A view of the pool's staging region (ops.linear_all_reduce's GEMM output), or None
-        when there is no pool or the shape does not fit."""
+        """A view of the pool's staging region, or None when there is no pool or the shape does
+        not fit."""
         pool = self._pool
         if pool is None:
             pool = self.pool if self.mode != "torch" else None  # made on first use

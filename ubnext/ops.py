@@ -32,8 +32,12 @@ _lib = torch.library.Library("ubnext", "DEF")  # noqa: TOR901 - the operators ar
 _lib.define("all_reduce(Tensor x, str comm, str torch_symm_op='') -> Tensor")
 _lib.define("all_reduce_out(Tensor x, Tensor(a!) out, str comm) -> ()")
 _lib.define("linear_all_reduce(Tensor x, Tensor weight, str comm) -> Tensor")
-_lib.define("all_reduce_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, bool fp8, "
-            "Tensor? scale, str comm) -> (Tensor, Tensor, Tensor)")
+# the FP8 variant is a separate operator, so that the common one neither takes the FP8 arguments
+# nor returns an empty scale_inv: both cost host time on every call (docs/PERF.md)
+_lib.define("all_reduce_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, str comm) "
+            "-> (Tensor, Tensor)")
+_lib.define("all_reduce_add_rmsnorm_fp8(Tensor x, Tensor residual, Tensor weight, float eps, Tensor? scale, "
+            "str comm) -> (Tensor, Tensor, Tensor)")
 
 
 def communicator_for(key: str) -> Communicator:
@@ -56,28 +60,21 @@ def _all_reduce_out_impl(x, out, comm):
 
 
 def _linear_all_reduce_impl(x, weight, comm):
-    c = communicator_for(comm)
-    # The GEMM writes straight into the pool's staging region, at the same offset on every rank
-    # whatever each rank has allocated, and the allreduce reads it there (no copy in); the sum
-    # lands in a fresh tensor, since the next call reuses the staging region.
-    shape = (*x.shape[:-1], weight.shape[0])
-    y = c._staging_or_none(shape, x.dtype)
-    if y is None:
-        y = torch.empty(shape, dtype=x.dtype, device=x.device)
-    torch.matmul(x, weight.t(), out=y)
-    return c._all_reduce(y, torch.empty_like(y))
+    return communicator_for(comm)._linear_all_reduce(x, weight)
 
 
-def _fused_impl(x, residual, weight, eps, fp8, scale, comm):
-    out, residual_out, scale_inv = communicator_for(comm)._all_reduce_add_rmsnorm(
-        x, residual, weight, eps, FP8 if fp8 else x.dtype, scale)
-    if scale_inv is None:
-        scale_inv = torch.empty(0, dtype=torch.float32, device=x.device)
-    return out, residual_out, scale_inv
+def _fused_impl(x, residual, weight, eps, comm):
+    out, residual_out, _ = communicator_for(comm)._all_reduce_add_rmsnorm(x, residual, weight, eps, x.dtype, None)
+    return out, residual_out
+
+
+def _fused_fp8_impl(x, residual, weight, eps, scale, comm):
+    return communicator_for(comm)._all_reduce_add_rmsnorm(x, residual, weight, eps, FP8, scale)
 
 
 for _name, _fn in (("all_reduce", _all_reduce_impl), ("all_reduce_out", _all_reduce_out_impl),
-                   ("linear_all_reduce", _linear_all_reduce_impl), ("all_reduce_add_rmsnorm", _fused_impl)):
+                   ("linear_all_reduce", _linear_all_reduce_impl), ("all_reduce_add_rmsnorm", _fused_impl),
+                   ("all_reduce_add_rmsnorm_fp8", _fused_fp8_impl)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 
@@ -101,16 +98,16 @@ def _(x, weight, comm):
 
 
 @torch.library.register_fake("ubnext::all_reduce_add_rmsnorm", lib=_lib)
-def _(x, residual, weight, eps, fp8, scale, comm):
-    check_fused_args(x, residual, weight, eps, fp8, scale)
-    out = torch.empty_like(x, dtype=FP8 if fp8 else x.dtype)
-    if not fp8:
-        scale_inv = x.new_empty(0, dtype=torch.float32)
-    elif scale is not None:
-        scale_inv = x.new_empty(1, dtype=torch.float32)
-    else:
-        scale_inv = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return out, torch.empty_like(residual), scale_inv
+def _(x, residual, weight, eps, comm):
+    check_fused_args(x, residual, weight, eps, False, None)
+    return torch.empty_like(x), torch.empty_like(residual)
+
+
+@torch.library.register_fake("ubnext::all_reduce_add_rmsnorm_fp8", lib=_lib)
+def _(x, residual, weight, eps, scale, comm):
+    check_fused_args(x, residual, weight, eps, True, scale)
+    scale_inv = x.new_empty(1 if scale is not None else x.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(x, dtype=FP8), torch.empty_like(residual), scale_inv
 
 
 # -- autograd --------------------------------------------------------------------------------------
@@ -167,8 +164,9 @@ class _FusedGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, fp8, scale, comm):
-        out, residual_out, scale_inv = torch.ops.ubnext.all_reduce_add_rmsnorm(
-            x, residual, weight, eps, fp8, scale, comm)
+        out, residual_out, scale_inv = _fused(x, residual, weight, eps, fp8, scale, comm)
+        if scale_inv is None:
+            scale_inv = x.new_empty(0, dtype=torch.float32)  # a Function's outputs are tensors
         ctx.save_for_backward(residual_out, weight)
         ctx.eps, ctx.fp8 = eps, fp8
         ctx.mark_non_differentiable(scale_inv)
@@ -223,9 +221,15 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, *, out_dtype=None,
                            scale: Optional[torch.Tensor] = None):
     fp8 = fp8_output(x, out_dtype, scale)
-    args = (x, residual, weight, float(eps), fp8, scale, comm)
     if _needs_grad(x, residual, weight):
-        out, residual_out, scale_inv = _FusedGrad.apply(*args)
-    else:
-        out, residual_out, scale_inv = torch.ops.ubnext.all_reduce_add_rmsnorm(*args)
-    return out, residual_out, (scale_inv if fp8 else None)
+        out, residual_out, scale_inv = _FusedGrad.apply(x, residual, weight, float(eps), fp8, scale, comm)
+        return out, residual_out, (scale_inv if fp8 else None)
+    return _fused(x, residual, weight, float(eps), fp8, scale, comm)
+
+
+def _fused(x, residual, weight, eps: float, fp8: bool, scale, comm: str):
+    """(out, residual_out, scale_inv or None) through the operator for the output's kind."""
+    if fp8:
+        return torch.ops.ubnext.all_reduce_add_rmsnorm_fp8(x, residual, weight, eps, scale, comm)
+    out, residual_out = torch.ops.ubnext.all_reduce_add_rmsnorm(x, residual, weight, eps, comm)
+    return out, residual_out, None
