@@ -242,6 +242,7 @@ class Communicator:
         else:
             self.mode, self.device = "torch", torch.device("cpu")
         self._max_hidden = max_hidden or 0
+        self._on_cuda = self.device.type == "cuda"
         if algo is not None and algo not in envs.ALGORITHMS:
             raise ValueError(f"algo must be one of {envs.ALGORITHMS}, got {algo!r}")
         self._algo = algo  # overrides UBNEXT_ALGO for this communicator
@@ -508,7 +509,7 @@ class Communicator:
             raise UbnextError("communicator is closed")
         if self.mode == "gpu":
             # this call's stream and whether it is captured: the launch uses both
-            self._capturing = _cuda.capturing(self.device)
+            self._capturing = self._on_cuda and _cuda.capturing(self.device)
             self._stream = torch.cuda.current_stream(self.device)
             self._order_after_other_stream(self._stream, self._capturing)
         if self._broken:
@@ -656,13 +657,15 @@ class Communicator:
         # caller tensor is staged through a fresh (aligned) one, locally: the path, and so what
         # the peers see, stays the same. Inputs that peers read through the pool were staged
         # into it by the caller, aligned.
-        copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copy_back: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if (p_in | p_res | p_res_out | p_w) % 16 or p_out % how.out_align:
+            copy_back = []
             if how.algo != "lamport" and _misaligned(inp):
                 raise AssertionError(f"{how.algo}: pool input at {p_in:#x} is not 16-byte aligned")
             staged = self._aligned_copies(inp, out, residual, residual_out, weight, copy_back)
             p_in, p_out, p_res, p_res_out, p_w = (_ptr(t) for t in staged)  # `staged` is held: the kernel reads the copies
-        pointers = (pool.desc_ptr, p_in, p_out, p_res, p_res_out, p_w, _ptr(scale), _ptr(scale_inv))
+        pointers = (pool.desc_ptr, p_in, p_out, p_res, p_res_out, p_w,
+                    0 if scale is None else scale.data_ptr(), 0 if scale_inv is None else scale_inv.data_ptr())
         if self.mode == "emulator":
             self._emu.launch(how.name, how.grid, how.block, list(zip(_SIGNATURE_KINDS, (*pointers, *how.scalars))),
                              timeout_s=pool.timeout_s)
@@ -678,8 +681,9 @@ class Communicator:
                 torch.cuda.synchronize(self.device)
                 if pool.err_view[0]:
                     self._raise_kernel_error(pool)
-        for target, staged_out in copy_back:
-            target.copy_(staged_out)  # stream-ordered after the kernel
+        if copy_back:
+            for target, staged_out in copy_back:
+                target.copy_(staged_out)  # stream-ordered after the kernel
 
     @staticmethod
     def _aligned_copies(inp, out, residual, residual_out, weight, copy_back):
@@ -737,13 +741,13 @@ class Communicator:
         self._check_usable()
         if self._debug:
             self._check_same_across_ranks(("all_reduce", tuple(x.shape), str(x.dtype)))
-        if self.world_size == 1 or x.numel() == 0:
-            self.last_path = "torch"
-            return out if _same_memory(out, x) else out.copy_(x)
+        if call is None:  # a remembered signature has more than one rank and elements to reduce
+            if self.world_size == 1 or x.numel() == 0:
+                self.last_path = "torch"
+                return out if _same_memory(out, x) else out.copy_(x)
+            call = self._call_for(signature, x.shape, x.dtype)
         if _same_memory(out, x):
             out = x  # the kernels' in-place test is identity
-        if call is None:
-            call = self._call_for(signature, x.shape, x.dtype)
         self.last_path = call.path
         self._all_reduce_by(call, x, out)
         return out
@@ -773,9 +777,11 @@ class Communicator:
         the staging region."""
         shape = (*x.shape[:-1], weight.shape[0])
         planned = self._calls.get(("all_reduce", shape, x.dtype, shape, x.dtype, self._algo))
-        y = None
-        if planned is None or planned.path != "lamport":
-            y = self._staging_or_none(shape, x.dtype)
+        if planned is not None and planned.path == "lamport":
+            # in place: each Lamport thread reads its vectors of `in` before it writes them in `out`
+            y = torch.nn.functional.linear(x, weight)
+            return self._all_reduce(y, y)
+        y = self._staging_or_none(shape, x.dtype)
         if y is None:
             y = torch.nn.functional.linear(x, weight)
         else:
@@ -886,33 +892,34 @@ class Communicator:
         self._check_usable()
         if self._debug:
             self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), str(out_dtype)))
-        if self.world_size == 1 or x.numel() == 0:
-            self.last_path = "torch"
-            return reference_add_rmsnorm(x, residual, weight, eps, out_dtype, scale)
-        if call is None:
+        if call is None:  # a remembered signature has more than one rank and elements to reduce
+            if self.world_size == 1 or x.numel() == 0:
+                self.last_path = "torch"
+                return reference_add_rmsnorm(x, residual, weight, eps, out_dtype, scale)
             flags = kernels.F_FUSED_NORM
             if fp8:
                 flags |= kernels.F_FP8_STATIC if scale is not None else kernels.F_FP8_PER_TOKEN
             call = self._call_for(signature, x.shape, x.dtype, hidden=x.shape[-1], eps=eps, flags=flags)
         path = self.last_path = call.path
-        if call.launch is None:
+        launch = call.launch
+        if launch is None:
             reduced = torch.empty_like(x)
             self._all_reduce_by(call, x, reduced)
             return reference_add_rmsnorm(reduced, residual, weight, eps, out_dtype, scale)
-
-        if fp8:
-            tokens = call.launch.scalars[0] // call.launch.scalars[1]
-            scale_inv = torch.empty(1 if scale is not None else tokens, dtype=torch.float32, device=x.device)
-        else:
-            scale_inv = None
-        out = torch.empty_like(x) if out_dtype == x.dtype else torch.empty_like(x, dtype=out_dtype)
-        residual_out = torch.empty_like(residual)
         # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool and
         # overwrite their input, so x is always staged (never the caller's x)
         inp = x if path == "lamport" else self._pool.staging(x.shape, x.dtype).copy_(x)
-        self._launch(call.launch, inp, out, residual, residual_out, weight, scale, scale_inv)
-        if scale_inv is not None and scale is None:
-            scale_inv = scale_inv.reshape(x.shape[:-1])
+        residual_out = torch.empty_like(residual)
+        if not fp8:
+            out = torch.empty_like(x)
+            self._launch(launch, inp, out, residual, residual_out, weight)
+            return out, residual_out, None
+        out = torch.empty_like(x, dtype=FP8)
+        if scale is not None:
+            scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+        else:
+            scale_inv = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)  # one per token
+        self._launch(launch, inp, out, residual, residual_out, weight, scale, scale_inv)
         return out, residual_out, scale_inv
 
 
