@@ -546,7 +546,8 @@ class Communicator:
         raise UbnextTimeoutError(msg) if code == ERR_TIMEOUT else UbnextError(msg)
 
     def _check_device(self, names: str, *tensors: torch.Tensor) -> None:
-        """Every tensor is on this communicator's device; ``names`` names them, space-separated."""
+        """Every tensor is on this communicator's device; ``names`` names them, space-separated.
+        (The ops' hot paths compare devices inline first and call this to raise.)"""
         device = self.device
         for x in tensors:
             if x.device != device:
@@ -737,7 +738,9 @@ class Communicator:
         call = self._calls.get(signature)
         if call is None or not (x.is_contiguous() and out.is_contiguous()):
             check_all_reduce_args(x, out)  # what a remembered signature does not vouch for
-        self._check_device("x out", x, out)
+        device = self.device
+        if x.device != device or out.device != device:
+            self._check_device("x out", x, out)
         self._check_usable()
         if self._debug:
             self._check_same_across_ranks(("all_reduce", tuple(x.shape), str(x.dtype)))
@@ -876,7 +879,7 @@ class Communicator:
         satisfies ``y ≈ out.float() * scale_inv`` (one value, or one per token). ``scale_inv``
         is None for non-FP8 outputs.
         """
-        return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, self.key, out_dtype=out_dtype, scale=scale)
+        return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, self.key, out_dtype, scale)
 
     def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
@@ -888,7 +891,9 @@ class Communicator:
         if call is None or scale is not None or not (
                 x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
             check_fused_args(x, residual, weight, eps, fp8, scale)  # what a remembered signature does not vouch for
-        self._check_device("x residual weight", x, residual, weight)
+        device = self.device
+        if x.device != device or residual.device != device or weight.device != device:
+            self._check_device("x residual weight", x, residual, weight)
         self._check_usable()
         if self._debug:
             self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), str(out_dtype)))

@@ -64,8 +64,7 @@ def _linear_all_reduce_impl(x, weight, comm):
 
 
 def _fused_impl(x, residual, weight, eps, comm):
-    out, residual_out, _ = communicator_for(comm)._all_reduce_add_rmsnorm(x, residual, weight, eps, x.dtype, None)
-    return out, residual_out
+    return communicator_for(comm)._all_reduce_add_rmsnorm(x, residual, weight, eps, x.dtype, None)[:2]
 
 
 def _fused_fp8_impl(x, residual, weight, eps, scale, comm):
@@ -218,7 +217,7 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch
     return torch.ops.ubnext.linear_all_reduce(x, weight, comm)
 
 
-def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, *, out_dtype=None,
+def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype=None,
                            scale: Optional[torch.Tensor] = None):
     fp8 = fp8_output(x, out_dtype, scale)
     if _needs_grad(x, residual, weight):
