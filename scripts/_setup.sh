@@ -35,7 +35,7 @@ if [ ! -f "$stamp" ]; then
           --index-url https://download.pytorch.org/whl/cpu
     fi
   fi
-  python -m pip install -q --no-build-isolation -e ".[test]"
+  python -m pip install -q --no-build-isolation -e ".[test,plot]"
   rm -f .venv/.ubnext-setup-*
   touch "$stamp"
 fi

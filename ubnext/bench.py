@@ -154,6 +154,9 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7) -> lis
     lib = torch.library.Library("ubnext_bench", "FRAGMENT")
     lib.define("noop(Tensor x, str comm) -> Tensor")
     lib.impl("noop", lambda t, c: t, "CompositeExplicitAutograd")
+    # the fused operator's own schema, doing nothing: how much of its row is dispatch alone
+    lib.define("noop_fused(Tensor x, Tensor residual, Tensor weight, float eps, str comm) -> (Tensor, Tensor)")
+    lib.impl("noop_fused", lambda t, r, w, e, c: (t, r), "CompositeExplicitAutograd")
     # a small fp32 layer: its GEMM, subtracted, must not drown the host time in its own noise
     # (a bf16 GEMM on this CPU takes 12-14 us and varies by 2)
     lin = 16
@@ -167,6 +170,8 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7) -> lis
         ("comm.all_reduce_add_rmsnorm", {"call": lambda: comm.all_reduce_add_rmsnorm(x, residual, weight)}),
         ("torch.ops.ubnext.all_reduce", {"call": lambda: torch.ops.ubnext.all_reduce(x, comm.key, "")}),
         ("torch.ops.ubnext.all_reduce_add_rmsnorm", {"call": lambda: torch.ops.ubnext.all_reduce_add_rmsnorm(
+            x, residual, weight, 1e-6, comm.key)}),
+        ("(no-op with the fused op's schema: dispatch alone)", {"call": lambda: torch.ops.ubnext_bench.noop_fused(
             x, residual, weight, 1e-6, comm.key)}),
         (f"nn.Linear forward ({lin * dist.get_world_size()} -> {lin} fp32) minus F.linear",
          {"call": lambda: linear(xl), "minus": lambda: torch.nn.functional.linear(xl, linear.weight)}),
@@ -212,6 +217,41 @@ def host_main(args) -> int:
     return 0
 
 
+def plot_rows(rows: list, filename: str, title: str) -> None:
+    """Draw the table's rows: us per call and bus bandwidth against message size, one line per
+    (mode, path). A path that ran only at some sizes is drawn at those sizes."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise SystemExit(f"--plot needs matplotlib ({exc}): pip install 'ubnext[plot]'") from None
+    matplotlib.use("Agg")  # a file, never a window: ranks run headless
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[tuple[int, float, float]]] = {}
+    for label, path, nbytes, _, us, busbw, _, _ in rows:
+        if us is not None:
+            lines.setdefault(f"{label} {path}", []).append((nbytes, us, busbw))
+    if not lines:
+        raise SystemExit("--plot: no timed rows to draw")
+    fig, (ax_time, ax_bw) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, points in sorted(lines.items()):
+        points.sort()
+        sizes = [p[0] for p in points]
+        ax_time.plot(sizes, [p[1] for p in points], marker="o", label=name)
+        ax_bw.plot(sizes, [p[2] for p in points], marker="o", label=name)
+    for ax, what in ((ax_time, "us per call (slowest rank's mean)"), (ax_bw, "bus bandwidth (GB/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel(what)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_bw.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(filename, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ubnext.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=None,
@@ -221,7 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=2.0, help="seconds per size at most (CPU)")
     parser.add_argument("--fused", action="store_true", help="time all_reduce_add_rmsnorm instead")
     parser.add_argument("--modes", nargs="+", choices=["gpu", "emulator", "torch"], default=None)
-    parser.add_argument("--algo", default=None, help="force a path (UBNEXT_ALGO's values) in the gpu/emulator modes")
+    parser.add_argument("--algo", nargs="+", default=None,
+                        help="force a path (UBNEXT_ALGO's values) in the gpu/emulator modes; several: one pass each")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="also draw us per call and busbw against message size, one line per mode and "
+                             "path (needs matplotlib: pip install 'ubnext[plot]')")
     parser.add_argument("--host", action="store_true",
                         help="host time per call of the GPU code path (recorder instead of the launch)")
     parser.add_argument("--calls", type=int, default=2000, help="--host: calls per timing")
@@ -242,12 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         if mode == "gpu" and not gpu:
             continue
-        comm = Communicator(emulate=(mode == "emulator"), max_hidden=4096,
-                            algo="torch" if mode == "torch" else args.algo)
-        label = {"gpu": f"gpu:{torch.cuda.get_device_name() if gpu else ''}", "emulator": "cpu-emulator",
-                 "torch": "torch.distributed"}[mode]
-        bench_mode(comm, label, sizes, dtype, iters, args.budget, args.fused, rows)
-        comm.close()
+        for algo in (["torch"] if mode == "torch" else args.algo or [None]):
+            comm = Communicator(emulate=(mode == "emulator"), max_hidden=4096, algo=algo)
+            label = {"gpu": f"gpu:{torch.cuda.get_device_name() if gpu else ''}", "emulator": "cpu-emulator",
+                     "torch": "torch.distributed"}[mode]
+            bench_mode(comm, label, sizes, dtype, iters, args.budget, args.fused, rows)
+            comm.close()
 
     if dist.get_rank() == 0:
         op = "all_reduce_add_rmsnorm" if args.fused else "all_reduce"
@@ -261,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:22} {path:14} {nbytes:10d} {calls:>6} {us:10.1f} {busbw:11.3f} {err:11.3e} {str(ok):>8}")
         if not gpu:
             print("# no GPU: cpu-emulator rows time the CPU emulator running the real kernels, not a GPU")
+        if args.plot:
+            title = (f"ubnext.bench {op}, {args.dtype}, {dist.get_world_size()} ranks"
+                     + ("" if gpu else " (no GPU: CPU emulator and gloo)"))
+            plot_rows(rows, args.plot, title)
+            print(f"# plot: {args.plot}")
     failed = any(r[7] is False or r[1] == "error" for r in rows)
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,36 @@
+"""`python -m ubnext.bench --plot`: the table's rows become a PNG with one line per mode and path."""
+
+from __future__ import annotations
+
+import pytest
+
+from ubnext.bench import plot_rows
+
+
+def test_plot_draws_one_line_per_mode_and_path(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    rows = [("cpu-emulator", "lamport", 8192, "20", 5000.0, 0.002, 0.01, True),
+            ("cpu-emulator", "lamport", 65536, "20", 28000.0, 0.003, 0.02, True),
+            ("cpu-emulator", "nvls_twoshot", 1 << 20, "4", 90000.0, 0.02, 0.03, True),
+            ("torch.distributed", "torch", 8192, "20", 8000.0, 0.002, 0.01, True),
+            ("torch.distributed", "error", 65536, "timed out", None, None, None, None)]  # not drawn
+    drawn = []
+    real_plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, x, y, **kw: drawn.append((kw["label"], list(x), list(y))) or real_plot(self, x, y, **kw))
+    out = tmp_path / "bench.png"
+    plot_rows(rows, str(out), "test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    times = {label: (x, y) for label, x, y in drawn[0::2]}
+    assert times == {"cpu-emulator lamport": ([8192, 65536], [5000.0, 28000.0]),
+                     "cpu-emulator nvls_twoshot": ([1 << 20], [90000.0]),
+                     "torch.distributed torch": ([8192], [8000.0])}
+    assert [y for _, _, y in drawn[1::2]][0] == [0.002, 0.003]  # busbw beside each time line
+
+
+def test_plot_without_timed_rows_says_so(tmp_path):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit, match="no timed rows"):
+        plot_rows([("gpu", "error", 8192, "x", None, None, None, None)], str(tmp_path / "x.png"), "t")
