@@ -376,6 +376,16 @@ def case_bad_input():
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x[:4], w), "residual must match")
     expect_error(TypeError, lambda: COMM.all_reduce_add_rmsnorm(x, x, w, out_dtype=torch.float16), "out_dtype")
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x, w, scale=torch.ones(1)), "scale")
+    # a signature already decided (Communicator._calls) skips the checks it vouches for, never
+    # the per-call ones: the same shapes, not contiguous, are still refused
+    square = torch.ones(16, 16, device=device())
+    COMM.all_reduce(square)
+    COMM.all_reduce_add_rmsnorm(square, square, w)
+    expect_error(ValueError, lambda: COMM.all_reduce(square.t()), "contiguous")
+    expect_error(ValueError, lambda: COMM.all_reduce(square, out=torch.empty(16, 16, device=device()).t()),
+                 "contiguous")
+    expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(square, square.t(), w), "contiguous")
+    expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(square, square, w, eps=float("nan")), "eps")
     expect_error(ValueError, lambda: COMM.empty(-1, 4, dtype=torch.float32), "negative")
     expect_error(ValueError, lambda: COMM.empty(0, 4, dtype=torch.float32), "at least one element")
     expect_error(TypeError, lambda: COMM.empty(4, dtype=torch.int64), "support")
