@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             comm = Communicator(emulate=(mode == "emulator"), max_hidden=4096, algo=algo)
             label = {"gpu": f"gpu:{torch.cuda.get_device_name() if gpu else ''}", "emulator": "cpu-emulator",
                      "torch": "torch.distributed"}[mode]
+            if algo not in (None, "torch") and len(args.algo) > 1:
+                # a forced path that cannot run falls back: its rows must not join another pass's line
+                label += f" (forced {algo})"
             bench_mode(comm, label, sizes, dtype, iters, args.budget, args.fused, rows)
             comm.close()
 

@@ -134,6 +134,16 @@ def check_all_reduce_args(x: torch.Tensor, out: torch.Tensor | None = None) -> N
                              f"({tuple(out.shape)}, {out.dtype})")
 
 
+def check_linear_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Argument checks of the GEMM + allreduce operator (real and fake implementations): a wrong
+    weight must fail here, not resize the staging view the GEMM writes into."""
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [out_features, {x.shape[-1] if x.dim() else '?'}] of x's dtype {x.dtype}, "
+                         f"got {tuple(weight.shape)} {weight.dtype}")
+
+
 def check_fused_args(x, residual, weight, eps, fp8: bool, scale) -> None:
     """Argument checks of the fused operator (real and fake implementations)."""
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
@@ -734,7 +744,11 @@ class Communicator:
 
     def _all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x."""
-        signature = ("all_reduce", x.shape, x.dtype, out.shape, out.dtype, self._algo)
+        try:
+            signature = ("all_reduce", x.shape, x.dtype, out.shape, out.dtype, self._algo)
+        except AttributeError:  # not a tensor (an operator passes None through): say which
+            check_all_reduce_args(x, out)
+            raise
         call = self._calls.get(signature)
         if call is None or not (x.is_contiguous() and out.is_contiguous()):
             check_all_reduce_args(x, out)  # what a remembered signature does not vouch for
@@ -779,7 +793,15 @@ class Communicator:
         GEMM writes a fresh tensor. The sum lands in a fresh tensor, since the next call reuses
         the staging region."""
         shape = (*x.shape[:-1], weight.shape[0])
-        planned = self._calls.get(("all_reduce", shape, x.dtype, shape, x.dtype, self._algo))
+        # the allreduce's own signature for the GEMM's output, decided here (as _all_reduce would)
+        # so that every call of a shape, the first included, runs the same GEMM
+        signature = ("all_reduce", shape, x.dtype, shape, x.dtype, self._algo)
+        planned = self._calls.get(signature)
+        if planned is None or planned.path != "lamport" or weight.dim() != 2:
+            # F.linear, on the known Lamport signatures, checks the rest itself
+            check_linear_args(x, weight)
+            if planned is None and self.world_size > 1 and math.prod(shape) > 0:
+                planned = self._call_for(signature, shape, x.dtype)
         if planned is not None and planned.path == "lamport":
             # in place: each Lamport thread reads its vectors of `in` before it writes them in `out`
             y = torch.nn.functional.linear(x, weight)
@@ -885,8 +907,12 @@ class Communicator:
                                 eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
         """The fused op itself (torch.ops.ubnext.all_reduce_add_rmsnorm's implementation)."""
         fp8 = out_dtype == FP8
-        signature = ("all_reduce_add_rmsnorm", x.shape, x.dtype, residual.shape, residual.dtype, weight.shape,
-                     weight.dtype, eps, out_dtype, scale is None, self._algo)
+        try:
+            signature = ("all_reduce_add_rmsnorm", x.shape, x.dtype, residual.shape, residual.dtype, weight.shape,
+                         weight.dtype, eps, out_dtype, scale is None, self._algo)
+        except AttributeError:  # not a tensor (an operator passes None through): say which
+            check_fused_args(x, residual, weight, eps, fp8, scale)
+            raise
         call = self._calls.get(signature)
         if call is None or scale is not None or not (
                 x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):

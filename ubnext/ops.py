@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import _lifecycle
-from .comm import FP8, Communicator, check_all_reduce_args, check_fused_args, fp8_output
+from .comm import FP8, Communicator, check_all_reduce_args, check_fused_args, check_linear_args, fp8_output
 
 __all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for",
            "rmsnorm_backward"]
@@ -93,6 +93,7 @@ def _(x, out, comm):
 
 @torch.library.register_fake("ubnext::linear_all_reduce", lib=_lib)
 def _(x, weight, comm):
+    check_linear_args(x, weight)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -220,7 +221,7 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype=None,
                            scale: Optional[torch.Tensor] = None):
     fp8 = fp8_output(x, out_dtype, scale)
-    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+    if _needs_grad(x, residual, weight):
         out, residual_out, scale_inv = _FusedGrad.apply(x, residual, weight, float(eps), fp8, scale, comm)
         return out, residual_out, (scale_inv if fp8 else None)
     return _fused(x, residual, weight, float(eps), fp8, scale, comm)

@@ -386,6 +386,14 @@ def case_bad_input():
                  "contiguous")
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(square, square.t(), w), "contiguous")
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(square, square, w, eps=float("nan")), "eps")
+    # an operator passes None through for a tensor argument: the error names the argument
+    expect_error(TypeError, lambda: COMM.all_reduce_add_rmsnorm(square, None, w), "residual must be a torch.Tensor")
+    expect_error(TypeError, lambda: COMM.all_reduce(None, out=square), "x must be a torch.Tensor")
+    # a weight that does not fit x fails before the GEMM writes anywhere (a wrong one would resize
+    # the staging view kept for that shape)
+    big = torch.ones(4, 4096, device=device())
+    for bad_weight in (torch.ones(4096, device=device()), torch.ones(8, 4095, device=device())):
+        expect_error(ValueError, lambda: torch.ops.ubnext.linear_all_reduce(big, bad_weight, COMM.key), "weight must be")
     expect_error(ValueError, lambda: COMM.empty(-1, 4, dtype=torch.float32), "negative")
     expect_error(ValueError, lambda: COMM.empty(0, 4, dtype=torch.float32), "at least one element")
     expect_error(TypeError, lambda: COMM.empty(4, dtype=torch.int64), "support")
