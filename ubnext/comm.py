@@ -252,7 +252,6 @@ class Communicator:
         else:
             self.mode, self.device = "torch", torch.device("cpu")
         self._max_hidden = max_hidden or 0
-        self._on_cuda = self.device.type == "cuda"
         if algo is not None and algo not in envs.ALGORITHMS:
             raise ValueError(f"algo must be one of {envs.ALGORITHMS}, got {algo!r}")
         self._algo = algo  # overrides UBNEXT_ALGO for this communicator
@@ -519,7 +518,7 @@ class Communicator:
             raise UbnextError("communicator is closed")
         if self.mode == "gpu":
             # this call's stream and whether it is captured: the launch uses both
-            self._capturing = self._on_cuda and _cuda.capturing(self.device)
+            self._capturing = _cuda.capturing(self.device)
             self._stream = torch.cuda.current_stream(self.device)
             self._order_after_other_stream(self._stream, self._capturing)
         if self._broken:
@@ -559,9 +558,8 @@ class Communicator:
         """Every tensor is on this communicator's device; ``names`` names them, space-separated.
         (The ops' hot paths compare devices inline first and call this to raise.)"""
         device = self.device
-        for x in tensors:
+        for name, x in zip(names.split(), tensors):
             if x.device != device:
-                name = names.split()[[t is x for t in tensors].index(True)]
                 raise ValueError(f"{name} is on {x.device}, but this communicator works on {device}")
 
     def _check_same_across_ranks(self, what: tuple) -> None:
@@ -675,7 +673,7 @@ class Communicator:
                 raise AssertionError(f"{how.algo}: pool input at {p_in:#x} is not 16-byte aligned")
             staged = self._aligned_copies(inp, out, residual, residual_out, weight, copy_back)
             p_in, p_out, p_res, p_res_out, p_w = (_ptr(t) for t in staged)  # `staged` is held: the kernel reads the copies
-        pointers = (pool.desc_ptr, p_in, p_out, p_res, p_res_out, p_w,
+        pointers = (pool.base, p_in, p_out, p_res, p_res_out, p_w,
                     0 if scale is None else scale.data_ptr(), 0 if scale_inv is None else scale_inv.data_ptr())
         if self.mode == "emulator":
             self._emu.launch(how.name, how.grid, how.block, list(zip(_SIGNATURE_KINDS, (*pointers, *how.scalars))),
@@ -793,14 +791,13 @@ class Communicator:
         GEMM writes a fresh tensor. The sum lands in a fresh tensor, since the next call reuses
         the staging region."""
         shape = (*x.shape[:-1], weight.shape[0])
-        # the allreduce's own signature for the GEMM's output, decided here (as _all_reduce would)
-        # so that every call of a shape, the first included, runs the same GEMM
-        signature = ("all_reduce", shape, x.dtype, shape, x.dtype, self._algo)
+        # the plan of the GEMM output's allreduce, decided before the first GEMM of a signature,
+        # so that every call of it runs the same GEMM
+        signature = ("linear_all_reduce", x.shape, x.dtype, weight.shape, weight.dtype, self._algo)
         planned = self._calls.get(signature)
-        if planned is None or planned.path != "lamport" or weight.dim() != 2:
-            # F.linear, on the known Lamport signatures, checks the rest itself
+        if planned is None:
             check_linear_args(x, weight)
-            if planned is None and self.world_size > 1 and math.prod(shape) > 0:
+            if self.world_size > 1 and math.prod(shape) > 0:
                 planned = self._call_for(signature, shape, x.dtype)
         if planned is not None and planned.path == "lamport":
             # in place: each Lamport thread reads its vectors of `in` before it writes them in `out`

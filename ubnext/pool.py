@@ -657,9 +657,9 @@ class SymmetricPool:
         name = backend or envs.get("UBNEXT_POOL_BACKEND")
         self.backend = self._open_backend(name, layout, rank, group, device, allgather)
         self.device = self.backend.device
-        # the kernels' first argument (the descriptor sits at the start of this rank's pool): an
-        # attribute, read on every launch
-        self.desc_ptr = self.backend.peer_bases[rank]
+        # this rank's pool; the descriptor sits at its start, so this is also the kernels' first
+        # argument, read on every launch
+        self.base = self.backend.peer_bases[rank]
         # multicast decides which kernels run: use it only if every rank has it
         self.mc_base = self.backend.mc_base if all(allgather(bool(self.backend.mc_base))) else 0
         log.info("ubnext pool: backend %s, %d bytes, multicast %s", self.backend.name,
@@ -740,10 +740,6 @@ class SymmetricPool:
     # -- addresses ---------------------------------------------------------------------------
 
     @property
-    def base(self) -> int:
-        return self.backend.peer_bases[self.rank]
-
-    @property
     def has_multicast(self) -> bool:
         return self.mc_base != 0
 
@@ -800,7 +796,8 @@ class SymmetricPool:
             raise RuntimeError("ubnext pool is closed")
         if _cuda.capturing(self.device):
             self.captured = True  # a captured GEMM or copy into staging replays after close() too
-        view = self._staging_views.get((shape, dtype))
+        key = (tuple(shape), dtype)
+        view = self._staging_views.get(key)
         if view is None:
             nbytes = math.prod(shape) * dtype.itemsize
             if nbytes > self.layout.staging_bytes:
@@ -808,7 +805,7 @@ class SymmetricPool:
             with torch.inference_mode(False):  # kept for every later call, in or out of inference mode
                 view = self._staging_bytes[:nbytes].view(dtype).view(shape)
             if len(self._staging_views) < 256:  # the views of a model's few shapes, made once
-                self._staging_views[(tuple(shape), dtype)] = view
+                self._staging_views[key] = view
         return view
 
     def offset_of(self, t: torch.Tensor) -> int:
