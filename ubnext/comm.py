@@ -740,16 +740,19 @@ class Communicator:
             return ops.all_reduce(x, self.key)
         return ops.all_reduce_out(x, out, self.key)
 
-    def _all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x."""
-        try:
-            signature = ("all_reduce", x.shape, x.dtype, out.shape, out.dtype, self._algo)
-        except AttributeError:  # not a tensor (an operator passes None through): say which
-            check_all_reduce_args(x, out)
-            raise
-        call = self._calls.get(signature)
-        if call is None or not (x.is_contiguous() and out.is_contiguous()):
-            check_all_reduce_args(x, out)  # what a remembered signature does not vouch for
+    def _all_reduce(self, x: torch.Tensor, out: torch.Tensor, call: _Call | None = None) -> torch.Tensor:
+        """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x.
+        A caller that made x and out itself, fresh and contiguous, passes their signature's
+        ``call`` (as _linear_all_reduce does): the signature's checks are then its word."""
+        if call is None:
+            try:
+                signature = ("all_reduce", x.shape, x.dtype, out.shape, out.dtype, self._algo)
+            except AttributeError:  # not a tensor (an operator passes None through): say which
+                check_all_reduce_args(x, out)
+                raise
+            call = self._calls.get(signature)
+            if call is None or not (x.is_contiguous() and out.is_contiguous()):
+                check_all_reduce_args(x, out)  # what a remembered signature does not vouch for
         device = self.device
         if x.device != device or out.device != device:
             self._check_device("x out", x, out)
@@ -802,7 +805,7 @@ class Communicator:
         if planned is not None and planned.path == "lamport":
             # in place: each Lamport thread reads its vectors of `in` before it writes them in `out`
             y = torch.nn.functional.linear(x, weight)
-            return self._all_reduce(y, y)
+            return self._all_reduce(y, y, planned)
         y = self._staging_or_none(shape, x.dtype)
         if y is None:
             y = torch.nn.functional.linear(x, weight)
