@@ -584,36 +584,38 @@ class Communicator:
         """For each path: None if it can run this call, else why not."""
         return plan.capabilities(nbytes, _element_size(dtype), fused, hidden, self._pool_view())
 
-    def _plan(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> plan.Plan:
+    def _plan(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0,
+              in_place_pool: bool = False) -> plan.Plan:
         """The plan of a call, cached: its inputs are the call's signature, the forced algorithm
         and what the pool offers, all identical on every rank and fixed once the pool exists
         (the self-test's verdict included), so a cached plan is the one every rank would
         compute. The pool's creation (or failure) and the forced algorithm are in the key."""
         if self._closed:
             raise UbnextError("communicator is closed")
-        key = (nbytes, dtype, fused, hidden, self._algo, self._pool is None, self._pool_error)
+        key = (nbytes, dtype, fused, hidden, in_place_pool, self._algo, self._pool is None, self._pool_error)
         chosen = self._plans.get(key)
         if chosen is None:
             chosen = plan.choose(nbytes, _element_size(dtype), fused, hidden, self._pool_view(),
                                  forced=self._algo or self._env_algo,
-                                 allow_nondeterministic=self._allow_nondeterministic)
+                                 allow_nondeterministic=self._allow_nondeterministic, in_place_pool=in_place_pool)
             for path, why in chosen.skipped:  # once per plan, not per call
                 self._log_once(path, f"not using {path}: {why}")
             if len(self._plans) < 4096:
                 self._plans[key] = chosen
         return chosen
 
-    def explain(self, x: torch.Tensor, *, fused: bool = False) -> str:
-        """Which path an allreduce (``fused``: the fused norm over x's last dimension) of ``x``
-        would take, and why the better ones would not."""
+    def explain(self, x: torch.Tensor, *, fused: bool = False, in_place: bool = False) -> str:
+        """Which path an allreduce (``fused``: the fused norm over x's last dimension; ``in_place``:
+        ``out=x``) of ``x`` would take, and why the better ones would not."""
         nbytes = x.numel() * x.element_size()
-        chosen = self._plan(nbytes, x.dtype, fused, x.shape[-1] if fused and x.dim() else 0)
+        chosen = self._plan(nbytes, x.dtype, fused, x.shape[-1] if fused and x.dim() else 0,
+                            in_place_pool=in_place and not fused and self._in_pool_aligned(x))
         lines = [f"{chosen.path}: {chosen.reason} ({nbytes} bytes, {self.world_size} ranks, mode {self.mode})"]
         lines += [f"  not {p}: {why}" for p, why in chosen.skipped]
         return "\n".join(lines)
 
     def _call_for(self, signature: tuple, shape: torch.Size, dtype: torch.dtype, *, hidden: int = 0,
-                  eps: float = 0.0, flags: int = 0) -> _Call:
+                  eps: float = 0.0, flags: int = 0, in_place_pool: bool = False) -> _Call:
         """The path and the launch of a call whose arguments passed their checks (``hidden``: the
         fused norm's row, 0 for a plain allreduce). Remembered under ``signature``, everything
         the checks and the plan read of the arguments (shapes, dtypes, eps, the forced path), so
@@ -621,7 +623,7 @@ class Communicator:
         (contiguity, devices). Like the plan, a function of the call's arguments and of what the
         pool offers: identical on every rank."""
         n = math.prod(shape)
-        chosen = self._plan(n * dtype.itemsize, dtype, fused=bool(hidden), hidden=hidden)
+        chosen = self._plan(n * dtype.itemsize, dtype, fused=bool(hidden), hidden=hidden, in_place_pool=in_place_pool)
         launch = self._launch_for(chosen.path, dtype, n, hidden, eps, flags) if chosen.path in KERNEL_PATHS else None
         call = _Call(chosen.path, launch)
         if len(self._calls) < 4096:
@@ -744,9 +746,13 @@ class Communicator:
         """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x.
         A caller that made x and out itself, fresh and contiguous, passes their signature's
         ``call`` (as _linear_all_reduce does): the signature's checks are then its word."""
+        in_place = in_place_pool = False
         if call is None:
             try:
-                signature = ("all_reduce", x.shape, x.dtype, out.shape, out.dtype, self._algo)
+                in_place = _same_memory(out, x)
+                # a pool tensor reduced where it lies needs no staging: part of the call's signature
+                in_place_pool = in_place and self._in_pool_aligned(x)
+                signature = ("all_reduce", x.shape, x.dtype, out.shape, out.dtype, in_place_pool, self._algo)
             except AttributeError:  # not a tensor (an operator passes None through): say which
                 check_all_reduce_args(x, out)
                 raise
@@ -758,13 +764,13 @@ class Communicator:
             self._check_device("x out", x, out)
         self._check_usable()
         if self._debug:
-            self._check_same_across_ranks(("all_reduce", tuple(x.shape), str(x.dtype)))
+            self._check_same_across_ranks(("all_reduce", tuple(x.shape), str(x.dtype), in_place_pool))
         if call is None:  # a remembered signature has more than one rank and elements to reduce
             if self.world_size == 1 or x.numel() == 0:
                 self.last_path = "torch"
-                return out if _same_memory(out, x) else out.copy_(x)
-            call = self._call_for(signature, x.shape, x.dtype)
-        if _same_memory(out, x):
+                return out if in_place else out.copy_(x)
+            call = self._call_for(signature, x.shape, x.dtype, in_place_pool=in_place_pool)
+        if in_place:
             out = x  # the kernels' in-place test is identity
         self.last_path = call.path
         self._all_reduce_by(call, x, out)
@@ -778,7 +784,7 @@ class Communicator:
             self._in_place(call.launch, x, out)
         elif path in ("nvls_oneshot", "nvls_lamport"):
             # peers read `in` through multicast while this rank writes `out`: never the same memory
-            in_pool = self._pool.contains(x) and out is not x and not _misaligned(x)
+            in_pool = out is not x and self._in_pool_aligned(x)
             stage = x if in_pool else self._pool.staging(x.shape, x.dtype).copy_(x)
             self._launch(call.launch, stage, out)
         elif path == "torch_symm":
@@ -827,8 +833,14 @@ class Communicator:
         except NoRoom:
             return None
 
+    def _in_pool_aligned(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is a pool tensor, 16-byte aligned: peers can read it, and the two-shot
+        kernels reduce it, where it lies."""
+        pool = self._pool
+        return pool is not None and pool.contains(x) and not _misaligned(x)
+
     def _in_place(self, launch: _Launch, x: torch.Tensor, out: torch.Tensor) -> None:
-        if out is x and self._pool.contains(x) and not _misaligned(x):
+        if out is x and self._in_pool_aligned(x):
             self._launch(launch, x, x)
             return
         stage = self._pool.staging(x.shape, x.dtype)

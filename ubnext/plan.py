@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot", "torch_symm", "torch")
 KERNEL_PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot")
+# the kernels that reduce a pool tensor where it lies (out is in); the others read `in` while
+# writing `out`, so an in-place call of theirs is staged
+IN_PLACE_PATHS = ("nvls_twoshot", "twoshot")
 # Messages up to this size prefer Lamport one-shot: its N-1 pushes per element cost less
 # than two-shot's two barriers up to about a megabyte (DESIGN §3).
 LAMPORT_MAX_BYTES = 1 << 20
@@ -40,8 +43,11 @@ class Plan:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView) -> dict[str, str | None]:
-    """For each path: None if it can run this call, else why not."""
+def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView,
+                 in_place_pool: bool = False) -> dict[str, str | None]:
+    """For each path: None if it can run this call, else why not. ``in_place_pool``: the call
+    reduces a pool tensor in place (an argument of the call, like its shape: every rank passes
+    the same kind of tensor, at the same offset, which the kernels' call header checks)."""
     why: dict[str, str | None] = {}
     if pool.unavailable:
         no_kernels = pool.unavailable
@@ -60,9 +66,10 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             why[path] = "the pool has no multicast address"
         elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:
             why[path] = f"{nbytes} bytes exceed the Lamport slot ({pool.lamport_capacity} bytes)"
-        elif path != "lamport" and nbytes > pool.staging_bytes:
-            # decided on the staging size even when the input needs no staging (a pool tensor
-            # reduced in place): whether it does is this rank's business, the path is everyone's
+        elif path != "lamport" and nbytes > pool.staging_bytes and not (
+                in_place_pool and path in IN_PLACE_PATHS):
+            # a pool tensor reduced in place by a two-shot kernel already sits where the kernel
+            # reduces it; every other call is staged
             why[path] = f"{nbytes} bytes exceed the pool's staging region ({pool.staging_bytes} bytes)"
         elif path == "nvls_oneshot" and fused:
             why[path] = "nvls_oneshot does not promise identical bits, which the fused norm needs"
@@ -95,10 +102,10 @@ def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondetermini
 
 
 def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView, *, forced: str = "auto",
-           allow_nondeterministic: bool = False) -> Plan:
+           allow_nondeterministic: bool = False, in_place_pool: bool = False) -> Plan:
     """The path for one call. ``forced`` is UBNEXT_ALGO (or the communicator's ``algo``): a
     forced path that cannot run falls back down the automatic order."""
-    caps = capabilities(nbytes, elem_bytes, fused, hidden, pool)
+    caps = capabilities(nbytes, elem_bytes, fused, hidden, pool, in_place_pool)
     order = auto_order(nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic)
     skipped: list[tuple[str, str]] = []
     if forced != "auto":

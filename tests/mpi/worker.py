@@ -316,6 +316,38 @@ def case_pool():
         assert key in stats
 
 
+def case_in_place_past_staging():
+    """A pool tensor reduced in place needs no staging: a message larger than the staging region
+    that fits its own place takes a two-shot kernel (reduced where it lies), on every rank,
+    and sums right; the same message from an ordinary tensor, which would have to be staged,
+    takes torch.distributed. At the default UBNEXT_MAX_BATCH, hidden 1024 fp32: 160 rows, past
+    the 128 rows of staging (the case in issue 15)."""
+    if MODE == "torch":
+        return
+    rank, n = dist.get_rank(), dist.get_world_size()
+    comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=1024)
+    staging = comm.pool.layout.staging_bytes
+    rows = staging // (1024 * 4) + 32
+    t = comm.empty(rows, 1024, dtype=torch.float32)
+    assert comm.pool.contains(t), "the test tensor must sit in the pool"
+    inputs = [T.rank_input(r, rows * 1024, torch.float32, 11) for r in range(n)]
+    t.copy_(inputs[rank].view(rows, 1024))
+    assert "twoshot" in comm.explain(t, in_place=True).split(":")[0], comm.explain(t, in_place=True)
+    comm.all_reduce(t, out=t)
+    two_shot = "nvls_twoshot" if comm.pool.has_multicast else "twoshot"
+    assert comm.last_path == two_shot, comm.last_path
+    err = (t.double().cpu().reshape(-1) - T.reference_sum(inputs)).abs()
+    assert (err <= T.allreduce_bound(inputs, torch.float32)).all(), f"max err {err.max().item():.3e}"
+    assert_identical_across_ranks(t, "in-place two-shot past the staging region")
+    assert len(set(gather(comm.last_path))) == 1
+    # not in the pool: it would have to be staged, and does not fit
+    ordinary = inputs[rank].view(rows, 1024).to(device())
+    comm.all_reduce(ordinary, out=ordinary)
+    assert comm.last_path == "torch", comm.last_path
+    del t
+    comm.close()
+
+
 def case_pool_cycles():
     """1000 create/close cycles of an emulator-backend pool leak no fd and no mapping."""
     if MODE != "emulator":

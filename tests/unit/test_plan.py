@@ -196,3 +196,19 @@ def test_isolated_gpus_make_the_fallback_say_why(monkeypatch, caplog):
         assert comm._create_pool() is None
     assert "every rank sees one GPU, CUDA_VISIBLE_DEVICES='3'" in comm._pool_error
     assert "torch.cuda.set_device" in caplog.text
+
+
+def test_an_in_place_pool_tensor_is_not_held_to_the_staging_size():
+    """Issue 15, fix 1: a pool tensor reduced in place by a two-shot kernel needs no staging, so
+    the staging region's size does not rule those kernels out; every other kernel path is still
+    staged (nvls_oneshot and nvls_lamport read `in` while writing `out`) and still ruled out."""
+    view = plan.PoolView(None, True, 1 << 18, 1 << 19, "gpu", False)
+    nbytes = 640 << 10  # 160 rows of 1024 fp32, past 128 rows of staging
+    staged = plan.capabilities(nbytes, 4, False, 0, view)
+    in_place = plan.capabilities(nbytes, 4, False, 0, view, in_place_pool=True)
+    for path in ("nvls_twoshot", "twoshot"):
+        assert "staging region" in staged[path] and in_place[path] is None
+    for path in ("nvls_oneshot", "nvls_lamport", "lamport"):
+        assert in_place[path] is not None
+    assert plan.choose(nbytes, 4, False, 0, view).path == "torch"
+    assert plan.choose(nbytes, 4, False, 0, view, in_place_pool=True).path == "nvls_twoshot"
