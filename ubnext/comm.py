@@ -578,7 +578,7 @@ class Communicator:
         symm_op = hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
         # sizes of the layout only, never what this rank has allocated: ranks plan identically
         return plan.PoolView(None, pool.has_multicast, pool.lamport_capacity, pool.layout.staging_bytes,
-                             self.mode, symm_op, tuple(sorted(self._disabled.items())))
+                             self.mode, symm_op, tuple(sorted(self._disabled.items())), pool.layout.sized_by)
 
     def _capabilities(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> dict[str, str | None]:
         """For each path: None if it can run this call, else why not."""

@@ -3,7 +3,8 @@
 Sharded like TransformerEngine's Linear:
 
 * ``parallel_mode='column'``: weight ``[out/tp, in]``, bias ``[out/tp]``; the output stays
-  sharded; the backward all-reduces the input gradient.
+  sharded; the backward all-reduces the input gradient, through torch.distributed (``None`` /
+  ``'nccl'``) or ubnext's path choice and fallback chain (``'ubnext'``).
 * ``parallel_mode='row'``: weight ``[out, in/tp]``, bias ``[out]`` added once after the
   allreduce; the input is sharded along its last dimension; the output is all-reduced by
   ``symmetric_ar_type``:
@@ -15,6 +16,11 @@ Sharded like TransformerEngine's Linear:
     norm, fused);
   - ``'one_shot'``, ``'two_shot'``, ``'multimem_all_reduce'``: torch symmetric-memory ops where
     they exist (CUDA), else the ubnext fallback chain.
+
+Rank r of a group of tp holds rows ``[r*out/tp, (r+1)*out/tp)`` of the dense weight and bias
+(column), or columns ``[r*in/tp, (r+1)*in/tp)`` of the dense weight and the whole bias (row):
+``Linear.from_dense`` takes that shard of an ``nn.Linear``. ``layer.comm`` is the group's
+communicator and ``layer.last_path`` the path of the layer's last allreduce.
 """
 
 from __future__ import annotations
@@ -52,18 +58,24 @@ class _AllReduceTorch(torch.autograd.Function):
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; all-reduces the gradient (column-parallel input)."""
+    """Identity forward; all-reduces the gradient (column-parallel input), through ubnext's
+    path choice (``group_name`` given) or torch.distributed, and records the path in the layer."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, layer, group_name):
+        ctx.layer, ctx.group_name = layer, group_name
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        if ctx.group_name:
+            grad = ops.all_reduce(grad.contiguous(), ctx.group_name)
+            ctx.layer._record()
+        else:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.layer._group())
+            ctx.layer._record("torch")
+        return grad, None, None
 
 
 class Linear(torch.nn.Module):
@@ -75,8 +87,10 @@ class Linear(torch.nn.Module):
             raise ValueError(f"parallel_mode must be None, 'row' or 'column', got {parallel_mode!r}")
         if symmetric_ar_type not in SYMMETRIC_AR_TYPES:
             raise ValueError(f"symmetric_ar_type must be one of {SYMMETRIC_AR_TYPES}, got {symmetric_ar_type!r}")
-        if symmetric_ar_type not in (None, "nccl") and parallel_mode != "row":
-            raise ValueError(f"symmetric_ar_type={symmetric_ar_type!r} applies to parallel_mode='row' only")
+        if symmetric_ar_type not in (None, "nccl") and parallel_mode != "row" and not (
+                symmetric_ar_type == "ubnext" and parallel_mode == "column"):
+            raise ValueError(f"symmetric_ar_type={symmetric_ar_type!r} applies to parallel_mode='row' only "
+                             "(a column-parallel layer takes None, 'nccl' or 'ubnext' for its backward)")
         self.tp_group = tp_group
         if parallel_mode is None:
             tp = 1
@@ -105,9 +119,64 @@ class Linear(torch.nn.Module):
         self.norm_weight = (torch.nn.Parameter(torch.ones(out_features, **factory))
                             if symmetric_ar_type == "ubnext_add_rms" else None)
         self.reset_parameters()
+        self._last_path: list[str | None] = [None]  # a holder: the backward records into it too
         if symmetric_ar_type in ("ubnext", "ubnext_add_rms"):
-            comm = ops.communicator_for(self._group_name)
-            comm.register_hidden(out_features)
+            # the messages this layer reduces: its output rows (row), its input rows' gradient (column)
+            self.comm.register_hidden(out_features if parallel_mode == "row" else in_features)
+
+    @classmethod
+    def from_dense(cls, linear: torch.nn.Linear, *, parallel_mode: str, tp_group=None,
+                   symmetric_ar_type: str | None = None, eps: float = 1e-6,
+                   norm_weight: torch.Tensor | None = None, device=None) -> "Linear":
+        """This rank's shard of an existing ``nn.Linear`` (the layout in the module docstring),
+        in its dtype, on ``device`` (default: the dense weight's). ``norm_weight``: the RMSNorm
+        weight that ``symmetric_ar_type='ubnext_add_rms'`` owns (default ones)."""
+        weight = linear.weight
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
+                    parallel_mode=parallel_mode, symmetric_ar_type=symmetric_ar_type, eps=eps,
+                    device=device if device is not None else weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(layer.shard_of(weight))
+            if linear.bias is not None:
+                layer.bias.copy_(layer.shard_of(linear.bias))
+            if norm_weight is not None:
+                if layer.norm_weight is None:
+                    raise ValueError("norm_weight is for symmetric_ar_type='ubnext_add_rms'")
+                layer.norm_weight.copy_(norm_weight)
+        return layer
+
+    def shard_of(self, dense: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a dense weight ``[out, in]`` or bias ``[out]`` of this layer."""
+        expected = (self.out_features, self.in_features) if dense.dim() == 2 else (self.out_features,)
+        if tuple(dense.shape) != expected:
+            raise ValueError(f"expected a dense tensor of shape {expected}, got {tuple(dense.shape)}")
+        rank = dist.get_rank(self.tp_group) if self.parallel_mode is not None else 0
+        if self.parallel_mode == "column":
+            rows = self.out_features // self.tp_size
+            return dense[rank * rows:(rank + 1) * rows]
+        if self.parallel_mode == "row" and dense.dim() == 2:
+            cols = self.in_features // self.tp_size
+            return dense[:, rank * cols:(rank + 1) * cols]
+        return dense
+
+    @property
+    def comm(self):
+        """The communicator of the layer's group (ubnext.get_communicator's), or None without
+        tensor parallelism."""
+        return ops.communicator_for(self._group_name) if self.parallel_mode is not None else None
+
+    @property
+    def last_path(self) -> str | None:
+        """The path of the layer's last allreduce: its output's (row) or its input gradient's
+        (column, in the backward); None before the first, and not updated by calls inside
+        torch.compile'd code (there the path is the compiled graph's business)."""
+        return self._last_path[0]
+
+    def _record(self, path: str | None = None) -> None:
+        """Keep the path of the allreduce just made (default: the communicator's last path)."""
+        if torch.compiler.is_compiling():
+            return  # nothing here may be traced: the communicator's state is host state
+        self._last_path[0] = path if path is not None else ops.communicator_for(self._group_name).last_path
 
     def reset_parameters(self) -> None:
         torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -122,7 +191,8 @@ class Linear(torch.nn.Module):
         if (residual is not None) != (self.symmetric_ar_type == "ubnext_add_rms"):
             raise ValueError("forward(x, residual) takes a residual exactly when symmetric_ar_type='ubnext_add_rms'")
         if self.parallel_mode == "column":
-            return F.linear(_CopyToTensorParallel.apply(x, self._group()), self.weight, self.bias)
+            through = self._group_name if self.symmetric_ar_type == "ubnext" else ""
+            return F.linear(_CopyToTensorParallel.apply(x, self, through), self.weight, self.bias)
         if self.parallel_mode != "row":
             return F.linear(x, self.weight, self.bias)
         x = x.contiguous()
@@ -133,11 +203,15 @@ class Linear(torch.nn.Module):
                 residual = residual + self.bias  # added once, before the fused norm
             normed, residual_out, _ = ops.all_reduce_add_rmsnorm(
                 partial, residual.contiguous(), self.norm_weight, self.eps, self._group_name)
+            self._record()
             return normed, residual_out
         if kind == "ubnext":
             y = ops.linear_all_reduce(x, self.weight, self._group_name)
+            self._record()
         elif kind in _TORCH_SYMM_OPS:
             y = ops.all_reduce(F.linear(x, self.weight).contiguous(), self._group_name, _TORCH_SYMM_OPS[kind])
+            self._record()
         else:
             y = _AllReduceTorch.apply(F.linear(x, self.weight), self._group())
+            self._record("torch")
         return y + self.bias if self.bias is not None else y

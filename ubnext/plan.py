@@ -34,6 +34,7 @@ class PoolView:
     mode: str = "torch"  # gpu | emulator | torch
     torch_symm_op: bool = False  # torch has a symmetric-memory allreduce op
     disabled: tuple[tuple[str, str], ...] = ()  # (path, why): turned off by the agreed self-test
+    sized_by: str = ""  # what fixed the pool's sizes (PoolLayout.sized_by)
 
 
 @dataclass
@@ -65,12 +66,12 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
         elif path.startswith("nvls") and not pool.has_multicast:
             why[path] = "the pool has no multicast address"
         elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:
-            why[path] = f"{nbytes} bytes exceed the Lamport slot ({pool.lamport_capacity} bytes)"
+            why[path] = f"{nbytes} bytes exceed the Lamport slot ({pool.lamport_capacity} bytes{_sizing(pool)}"
         elif path != "lamport" and nbytes > pool.staging_bytes and not (
                 in_place_pool and path in IN_PLACE_PATHS):
             # a pool tensor reduced in place by a two-shot kernel already sits where the kernel
             # reduces it; every other call is staged
-            why[path] = f"{nbytes} bytes exceed the pool's staging region ({pool.staging_bytes} bytes)"
+            why[path] = f"{nbytes} bytes exceed the pool's staging region ({pool.staging_bytes} bytes{_sizing(pool)}"
         elif path == "nvls_oneshot" and fused:
             why[path] = "nvls_oneshot does not promise identical bits, which the fused norm needs"
         else:
@@ -83,6 +84,14 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
         why["torch_symm"] = None
     why["torch"] = None
     return why
+
+
+def _sizing(pool: PoolView) -> str:
+    """The end of a "does not fit" reason: what sized the pool, and how to get a larger one."""
+    sized = f", from {pool.sized_by}" if pool.sized_by else ""
+    return (f"{sized}): the pool is sized when the communicator is first used; set UBNEXT_MAX_BATCH "
+            "(or UBNEXT_SYMM_POOL_SIZE) larger, or register the larger hidden size (comm.register_hidden, "
+            "which ubnext.nn.Linear does when built) before the first op")
 
 
 def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondeterministic: bool) -> list[str]:

@@ -71,6 +71,7 @@ class PoolLayout:
     nranks: int
     lamport_slot_bytes: int
     data_bytes: int
+    sized_by: str = ""  # what fixed the sizes, for the messages of calls that do not fit
 
     @property
     def sync_off(self) -> int:
@@ -110,7 +111,8 @@ def plan_layout(nranks: int, max_hidden: int, *, elem_bytes: int = 4) -> PoolLay
     if pool_mb is None:
         # data arena: the in-place buffer plus room for a GEMM output, residual and norm output,
         # in each of the eager and graph halves
-        return PoolLayout(nranks, message, 8 * message)
+        return PoolLayout(nranks, message, 8 * message,
+                          f"UBNEXT_MAX_BATCH={envs.get('UBNEXT_MAX_BATCH')} tokens x hidden {max_hidden} x {elem_bytes} bytes")
     total = pool_mb << 20
     reserved = DESC_BYTES + SYNC_BYTES
     minimum = reserved + 3 * nranks * PAGE + 2 * PAGE
@@ -123,7 +125,7 @@ def plan_layout(nranks: int, max_hidden: int, *, elem_bytes: int = 4) -> PoolLay
     slot = min(message, (total - reserved) // 2 // (3 * nranks) // PAGE * PAGE)
     slot = max(slot, PAGE)
     data = total - _align(reserved + 3 * nranks * slot, PAGE)
-    return PoolLayout(nranks, slot, data)
+    return PoolLayout(nranks, slot, data, f"UBNEXT_SYMM_POOL_SIZE={pool_mb} MB")
 
 
 def pack_desc(*, rank: int, nranks: int, timeout_ns: int, err_ptr: int, mc_base: int,

@@ -8,9 +8,9 @@ from tests.conftest import MPI_WORKER, assert_mpi_ok
 FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation", "long_runs", "traffic", "pool",
         "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
-        "captured_sizes", "selftest", "in_place_past_staging"]
+        "captured_sizes", "selftest", "in_place_past_staging", "linear_dense"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
-        "divergent", "subgroups"]
+        "divergent", "subgroups", "linear_dense"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
 UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout", "misaligned",
@@ -27,7 +27,9 @@ UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "
     (3, "1", "0", CHAOS),
 ], ids=["np2", "np4", "np3-unicast", "np2-chaos", "np4-chaos", "np3-unicast-chaos"])
 def test_kernels_on_emulator(mpi, np, chaos, multicast, cases):
-    env = {"UBNEXT_EMU_CHAOS": chaos, "UBNEXT_EMU_MULTICAST": multicast}
+    # UBNEXT_EMULATE: the group's own communicator (ubnext.nn layers, ubnext.get_communicator)
+    # emulates too, not only the ones the cases construct
+    env = {"UBNEXT_EMU_CHAOS": chaos, "UBNEXT_EMU_MULTICAST": multicast, "UBNEXT_EMULATE": "1"}
     assert_mpi_ok(mpi(np, MPI_WORKER, "emulator", *cases, env=env, timeout=900))
 
 

@@ -760,6 +760,59 @@ def case_linear():
     assert (x.grad.double().cpu() - torch.ones(tokens, wc.shape[0], dtype=torch.float64) @ wc).abs().max() < 1e-3
 
 
+def case_linear_dense():
+    """Issue 15: a tensor-parallel Linear made from a dense nn.Linear (Linear.from_dense) computes
+    what the dense layer computes, forward and gradients, for column and row; layer.comm is the
+    group's communicator; layer.last_path is the path of the layer's own last allreduce: the
+    row forward's, and the column backward's, which goes through ubnext's path choice with
+    symmetric_ar_type='ubnext' (and torch.distributed without). fp32 against fp64: each output is
+    a sum of at most 64 products of values below 4 in magnitude, so 1e-4 bounds the rounding."""
+    from ubnext.nn import Linear
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(3)
+    fin, fout, tokens = 64, 8 * n, 4
+    dense = torch.nn.Linear(fin, fout).double()
+    dense32 = torch.nn.Linear(fin, fout)  # the layer users have; dense is its fp64 reference
+    with torch.no_grad():
+        dense32.weight.copy_(dense.weight)
+        dense32.bias.copy_(dense.bias)
+    x_full = torch.randn(tokens, fin, dtype=torch.float64)
+    # the layers use the group's communicator, whose mode follows UBNEXT_EMULATE and the GPU
+    expected_path = "torch" if ubnext.get_communicator().mode == "torch" else "lamport"
+    for kind in (None, "ubnext"):
+        col = Linear.from_dense(dense32, parallel_mode="column", symmetric_ar_type=kind, device=device())
+        assert col.comm is ubnext.get_communicator() and col.last_path is None
+        assert torch.equal(col.weight.cpu(), dense.weight.float()[rank * 8:(rank + 1) * 8])
+        x = x_full.float().to(device()).requires_grad_()
+        y = col(x)
+        ref = (x_full @ dense.weight.detach().t() + dense.bias.detach())[:, rank * 8:(rank + 1) * 8]
+        assert (y.double().cpu() - ref).abs().max() < 1e-4, f"column {kind}: forward"
+        y.square().sum().backward()
+        # the input gradient sums every rank's shard: 2 * (full output) @ W
+        full_out = x_full @ dense.weight.detach().t() + dense.bias.detach()
+        assert (x.grad.double().cpu() - 2 * full_out @ dense.weight.detach()).abs().max() < 1e-3, f"column {kind}: grad x"
+        assert col.last_path == ("torch" if kind is None else expected_path), (kind, col.last_path)
+        paths = gather(col.last_path)
+        assert len(set(paths)) == 1, paths
+    row = Linear.from_dense(dense32, parallel_mode="row", symmetric_ar_type="ubnext", device=device())
+    shard = slice(rank * fin // n, (rank + 1) * fin // n)
+    assert torch.equal(row.weight.cpu(), dense.weight.float()[:, shard]) and torch.equal(row.bias.cpu(), dense.bias.float())
+    y = row(x_full[:, shard].float().to(device()))
+    assert (y.double().cpu() - (x_full @ dense.weight.detach().t() + dense.bias.detach())).abs().max() < 1e-4
+    assert row.last_path == expected_path, row.last_path
+    expect_error(ValueError, lambda: row.shard_of(torch.ones(3, 3)), "expected a dense tensor")
+    expect_error(ValueError, lambda: Linear.from_dense(dense32, parallel_mode="column", symmetric_ar_type="ubnext_add_rms"),
+                 "applies to parallel_mode='row' only")
+    # compiled: the layers still compute the same; the path is not recorded from compiled code
+    for kind, mode in ((None, "column"), ("ubnext", "column"), ("ubnext", "row")):
+        layer = Linear.from_dense(dense32, parallel_mode=mode, symmetric_ar_type=kind, device=device())
+        xin = (x_full if mode == "column" else x_full[:, shard]).float().to(device())
+        eager = layer(xin)
+        compiled = torch.compile(layer)(xin)
+        assert torch.equal(compiled, eager), f"{mode} {kind}: compiled != eager"
+
+
 def case_divergent():
     """Ranks whose pool histories differ: rank 0 holds one extra pool tensor (memory its garbage
     collector has not returned yet), then every rank reduces a fresh pool tensor in place.

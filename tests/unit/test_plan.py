@@ -212,3 +212,20 @@ def test_an_in_place_pool_tensor_is_not_held_to_the_staging_size():
         assert in_place[path] is not None
     assert plan.choose(nbytes, 4, False, 0, view).path == "torch"
     assert plan.choose(nbytes, 4, False, 0, view, in_place_pool=True).path == "nvls_twoshot"
+
+
+def test_a_call_that_does_not_fit_says_what_sized_the_pool_and_the_fix(monkeypatch):
+    """Issue 15, item 5: the fallback's reason names the sizes, what set them and how to get more."""
+    from ubnext.pool import plan_layout
+
+    monkeypatch.setenv("UBNEXT_MAX_BATCH", "32")
+    layout = plan_layout(2, 1024)
+    view = plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", False, (),
+                         layout.sized_by)
+    why = plan.capabilities(1 << 20, 2, False, 0, view)
+    assert why["lamport"].startswith(f"1048576 bytes exceed the Lamport slot ({32 * 1024 * 4} bytes, "
+                                     "from UBNEXT_MAX_BATCH=32 tokens x hidden 1024 x 4 bytes)")
+    for path in ("lamport", "nvls_twoshot"):
+        assert "UBNEXT_MAX_BATCH" in why[path] and "comm.register_hidden" in why[path], why[path]
+    monkeypatch.setenv("UBNEXT_SYMM_POOL_SIZE", "8")
+    assert plan_layout(2, 1024).sized_by == "UBNEXT_SYMM_POOL_SIZE=8 MB"
