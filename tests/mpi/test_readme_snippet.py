@@ -36,3 +36,31 @@ def test_readme_block_runs(mpi, tmp_path, emulate, launcher):
     assert out.count("torch.Size([8, 1024])") == 2, out
     path = "lamport" if emulate == "1" else r"torch(?!\.Size)"
     assert len(re.findall(path, out)) == 2, f"both ranks should report path {path}:\n{out}"
+
+
+def readme_plan_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    return re.search(r"```python\n(import torch\nimport ubnext\nfrom torch\.distributed\.device_mesh.*?)```",
+                     text, re.S).group(1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+@pytest.mark.parametrize("emulate", ["0", "1"])
+def test_readme_parallelize_module_block_runs(mpi, tmp_path, emulate, launcher):
+    """The parallelize_module block: it asserts the tensor-parallel MLP against the dense one
+    itself; here, its exit status and the path its row-parallel layer took on every rank."""
+    script = tmp_path / "tp_plan.py"
+    script.write_text(readme_plan_block())
+    if launcher == "mpirun":
+        proc = mpi(2, script, env={"UBNEXT_EMULATE": emulate})
+    else:
+        env = dict(os.environ, UBNEXT_EMULATE=emulate, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "2", str(script)],
+                              capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+    assert_mpi_ok(proc)
+    out = proc.stdout
+    assert out.count("torch.Size([4, 256])") == 2, out
+    path = "lamport" if emulate == "1" else r"torch(?!\.Size)"
+    assert len(re.findall(path, out)) == 2, f"both ranks should report path {path}:\n{out}"

@@ -229,3 +229,14 @@ def test_a_call_that_does_not_fit_says_what_sized_the_pool_and_the_fix(monkeypat
         assert "UBNEXT_MAX_BATCH" in why[path] and "comm.register_hidden" in why[path], why[path]
     monkeypatch.setenv("UBNEXT_SYMM_POOL_SIZE", "8")
     assert plan_layout(2, 1024).sized_by == "UBNEXT_SYMM_POOL_SIZE=8 MB"
+
+
+def test_attention_heads_must_be_whole_on_every_rank():
+    from ubnext.parallel import check_attention_heads
+
+    check_attention_heads(32, 8, 8)
+    with pytest.raises(ValueError, match=r"tensor parallelism 4 must divide the attention heads \(32\) and the "
+                                         r"key/value heads \(2\); it does not divide key/value heads 2"):
+        check_attention_heads(32, 2, 4)
+    with pytest.raises(ValueError, match="does not divide heads 6 or key/value heads 3"):
+        check_attention_heads(6, 3, 4)

@@ -1,0 +1,34 @@
+"""examples/ run as users run them: under mpirun (and torchrun), checked by their exit status.
+examples/llama_tp.py compares a tensor-parallel Llama-style model, made through torch's
+parallelize_module with ubnext's styles, against the dense model in fp64, with a bound derived in
+the example, and requires bitwise identical logits on every rank."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, assert_mpi_ok
+
+EXAMPLE = ROOT / "examples" / "llama_tp.py"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np,emulate,flags", [
+    (2, "1", []), (2, "1", ["--fused"]), (4, "1", ["--fused"]), (2, "0", []),
+], ids=["np2-emulator", "np2-emulator-fused", "np4-emulator-fused", "np2-torch"])
+def test_llama_tp_example(mpi, np, emulate, flags):
+    proc = mpi(np, EXAMPLE, *flags, env={"UBNEXT_EMULATE": emulate}, timeout=300)
+    assert_mpi_ok(proc)
+    path = "lamport" if emulate == "1" else "torch"
+    assert f"tp={np} fused={bool(flags)}" in proc.stdout and f"paths ['{path}']" in proc.stdout, proc.stdout
+
+
+@pytest.mark.mpi
+def test_llama_tp_example_under_torchrun(tmp_path):
+    env = dict(os.environ, UBNEXT_EMULATE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(EXAMPLE), "--fused"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert_mpi_ok(proc)
+    assert "tp=2 fused=True" in proc.stdout, proc.stdout

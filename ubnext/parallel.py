@@ -1,0 +1,88 @@
+"""ParallelStyles for torch's tensor-parallel API: ``parallelize_module`` with a plan dict, the
+convention of torchtitan-style code, turning ``nn.Linear`` children into ``ubnext.nn.Linear``.
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from ubnext.parallel import ColwiseParallel, RowwiseParallel
+
+    mesh = init_device_mesh("cuda", (tp,))
+    parallelize_module(block, mesh, {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
+
+Each style takes this rank's shard of the dense layer's weights (the layout of ``ubnext.nn``) and
+converts the module in place: with a plan dict, ``parallelize_module`` discards what a style
+returns for a child (torch/distributed/tensor/parallel/api.py), so the child object itself must
+become the tensor-parallel layer. Convert before registering hooks on those children; theirs are
+not carried over. Activations stay ordinary tensors (no DTensor): a column-parallel layer's
+output is this rank's shard of the features, a row-parallel layer takes that shard and returns
+the full, all-reduced output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from .nn import Linear
+
+__all__ = ["ColwiseParallel", "RowwiseParallel", "check_attention_heads"]
+
+
+def _mesh_group(device_mesh):
+    if device_mesh.ndim != 1:
+        raise ValueError(f"ubnext's styles take a 1-D (tensor-parallel) mesh, got {device_mesh.ndim} dimensions; "
+                         "pass the tensor-parallel sub-mesh (mesh['tp'])")
+    return device_mesh.get_group()
+
+
+def _become(module: torch.nn.Module, layer: Linear) -> Linear:
+    """Make ``module`` (the object its parent holds) the tensor-parallel ``layer``."""
+    module.__dict__.clear()
+    module.__dict__.update(layer.__dict__)
+    module.__class__ = Linear
+    return module  # type: ignore[return-value]
+
+
+class _LinearStyle(ParallelStyle):
+    parallel_mode = ""
+
+    def __init__(self, symmetric_ar_type: str | None = None, *, eps: float = 1e-6):
+        self.symmetric_ar_type = symmetric_ar_type
+        self.eps = eps
+
+    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        if type(module) is not torch.nn.Linear:
+            raise TypeError(f"{type(self).__name__} converts torch.nn.Linear modules, got {type(module).__name__}")
+        layer = Linear.from_dense(module, parallel_mode=self.parallel_mode, tp_group=_mesh_group(device_mesh),
+                                  symmetric_ar_type=self.symmetric_ar_type, eps=self.eps)
+        return _become(module, layer)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(symmetric_ar_type={self.symmetric_ar_type!r})"
+
+
+class ColwiseParallel(_LinearStyle):
+    """Column-parallel ``ubnext.nn.Linear``: output features sharded; ``symmetric_ar_type``
+    (None, 'nccl' or 'ubnext') all-reduces the input gradient in the backward."""
+
+    parallel_mode = "column"
+
+
+class RowwiseParallel(_LinearStyle):
+    """Row-parallel ``ubnext.nn.Linear``: input features sharded, output all-reduced by
+    ``symmetric_ar_type`` (default 'ubnext'; 'ubnext_add_rms' fuses the residual add and the
+    RMSNorm that follow: the layer then takes ``forward(x, residual)``)."""
+
+    parallel_mode = "row"
+
+    def __init__(self, symmetric_ar_type: str | None = "ubnext", *, eps: float = 1e-6):
+        super().__init__(symmetric_ar_type, eps=eps)
+
+
+def check_attention_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    """Attention sharded by heads needs whole query and key/value heads on every rank: a GQA
+    key/value head split across ranks would pair queries with the wrong keys."""
+    bad = [f"{what} {count}" for what, count in (("heads", num_heads), ("key/value heads", num_kv_heads))
+           if count % tp]
+    if bad:
+        raise ValueError(f"tensor parallelism {tp} must divide the attention heads ({num_heads}) and the key/value "
+                         f"heads ({num_kv_heads}); it does not divide {' or '.join(bad)}")
