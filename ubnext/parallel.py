@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .nn import Linear
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "check_attention_heads"]
+__all__ = ["ColwiseParallel", "RowwiseParallel", "check_attention_heads", "distributed_state_dict"]
 
 
 def _mesh_group(device_mesh):
@@ -86,3 +86,41 @@ def check_attention_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
     if bad:
         raise ValueError(f"tensor parallelism {tp} must divide the attention heads ({num_heads}) and the key/value "
                          f"heads ({num_kv_heads}); it does not divide {' or '.join(bad)}")
+
+
+def _placement(layer: Linear, name: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    if layer.parallel_mode == "column" and name in ("weight", "bias"):
+        return Shard(0)
+    if layer.parallel_mode == "row" and name == "weight":
+        return Shard(1)
+    return Replicate()  # the row layer's bias (added once, after the allreduce) and norm weight
+
+
+def distributed_state_dict(model: torch.nn.Module) -> dict:
+    """``model.state_dict()`` with every tensor-parallel ``ubnext.nn.Linear``'s tensors as DTensors
+    over its group: column weight and bias ``Shard(0)``, row weight ``Shard(1)``, row bias and norm
+    weight ``Replicate()``. They share the parameters' memory, so
+
+        dcp.save(distributed_state_dict(model), checkpoint_id=path)   # the global tensors
+        dcp.load(distributed_state_dict(other), checkpoint_id=path)   # into other's parameters
+
+    loads a checkpoint saved at one tensor-parallel size into a model of another (or into a
+    dense model's plain ``state_dict()``): torch.distributed.checkpoint reshards by the placements."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    state = model.state_dict()
+    meshes: dict[str, DeviceMesh] = {}
+    for prefix, layer in model.named_modules():
+        if not isinstance(layer, Linear) or layer.parallel_mode is None:
+            continue
+        group = layer._group()
+        key = f"{group.group_name}/{layer.weight.device.type}"
+        if key not in meshes:
+            meshes[key] = DeviceMesh.from_group(group, layer.weight.device.type)
+        for name, param in layer.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            state[full] = DTensor.from_local(param.detach(), meshes[key], [_placement(layer, name)], run_check=False)
+    return state

@@ -8,9 +8,9 @@ from tests.conftest import MPI_WORKER, assert_mpi_ok
 FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation", "long_runs", "traffic", "pool",
         "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
-        "captured_sizes", "selftest", "in_place_past_staging", "linear_dense"]
+        "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
-        "divergent", "subgroups", "linear_dense"]
+        "divergent", "subgroups", "linear_dense", "tp_checkpoint"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
 UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout", "misaligned",

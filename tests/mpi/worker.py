@@ -7,6 +7,7 @@ mpirun end the job; pytest asserts the exit status.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -811,6 +812,67 @@ def case_linear_dense():
         eager = layer(xin)
         compiled = torch.compile(layer)(xin)
         assert torch.equal(compiled, eager), f"{mode} {kind}: compiled != eager"
+
+
+def case_tp_checkpoint():
+    """Issue 15: a checkpoint saved through torch.distributed.checkpoint at TP = world size loads
+    at TP = world/2 (np 4: two TP=2 replicas; np 2: a dense model, TP=1), with the shards described
+    as DTensor placements (ubnext.parallel.distributed_state_dict). The loaded layers hold exactly
+    the dense weights' shards (bitwise: loading copies), and compute what the dense model does."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ubnext.parallel import ColwiseParallel, RowwiseParallel, distributed_state_dict
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def mlp(seed=None):
+        torch.manual_seed(seed if seed is not None else 0)
+        m = torch.nn.Sequential()
+        m.add_module("up", torch.nn.Linear(32, 64))
+        m.add_module("act", torch.nn.ReLU())
+        m.add_module("down", torch.nn.Linear(64, 32))
+        if seed is None:
+            for p in m.parameters():
+                torch.nn.init.zeros_(p)
+        return m
+
+    plan = {"up": ColwiseParallel(symmetric_ar_type="ubnext"), "down": RowwiseParallel()}
+    dense = mlp(seed=7)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    path = gather(tempfile.mkdtemp(prefix="ubnext_dcp_") if rank == 0 else None)[0]
+    saved = copy.deepcopy(dense)
+    parallelize_module(saved, DeviceMesh.from_group(dist.group.WORLD, device().type), plan)
+    dcp.save(distributed_state_dict(saved), checkpoint_id=path)
+    dist.barrier()
+    if n // 2 == 1:
+        loaded = mlp()
+        dcp.load(loaded.state_dict(), checkpoint_id=path, no_dist=True)
+        for (name, got), want in zip(loaded.state_dict().items(), dense.state_dict().values()):
+            assert torch.equal(got, want), f"dense load of {name}"
+    else:
+        pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(n // 2)]  # every rank makes every group
+        group = pairs[rank // 2]
+        loaded = mlp()
+        parallelize_module(loaded.to(device()), DeviceMesh.from_group(group, device().type), plan)
+        dcp.load(distributed_state_dict(loaded), checkpoint_id=path, no_dist=True)
+        for name in ("up", "down"):
+            layer = getattr(loaded, name)
+            assert layer.tp_size == 2
+            for what in ("weight", "bias"):
+                want = layer.shard_of(getattr(getattr(dense, name), what).detach())
+                assert torch.equal(getattr(layer, what).detach().cpu(), want), f"TP=2 load of {name}.{what}"
+    out = loaded(x.to(device())).detach().cpu().double()
+    ref = dense.double()(x.double()).detach()
+    assert (out - ref).abs().max() < 1e-4, f"loaded model differs by {(out - ref).abs().max():.3e}"
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(path)
 
 
 def case_divergent():
