@@ -805,6 +805,14 @@ def case_linear_dense():
     expect_error(ValueError, lambda: row.shard_of(torch.ones(3, 3)), "expected a dense tensor")
     expect_error(ValueError, lambda: Linear.from_dense(dense32, parallel_mode="column", symmetric_ar_type="ubnext_add_rms"),
                  "applies to parallel_mode='row' only")
+    # a model larger than the pool was sized for (the pool is sized at its communicator's first
+    # op): the fallback's reason says what sized the pool and how to get a larger one
+    small = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=64)
+    if small.mode != "torch":
+        why = small.explain(torch.ones(4096, 64, device=device()))
+        sized = f"UBNEXT_MAX_BATCH={ubnext.envs.get('UBNEXT_MAX_BATCH')} tokens x hidden 64 x 4 bytes"
+        assert why.startswith("torch") and sized in why and "comm.register_hidden" in why, why
+    small.close()
     # compiled: the layers still compute the same; the path is not recorded from compiled code
     for kind, mode in ((None, "column"), ("ubnext", "column"), ("ubnext", "row")):
         layer = Linear.from_dense(dense32, parallel_mode=mode, symmetric_ar_type=kind, device=device())
