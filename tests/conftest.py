@@ -33,6 +33,18 @@ def run_mpi(np: int, script: Path | str, *args: str, env: dict | None = None,
     return proc
 
 
+def run_torchrun(np: int, script: Path | str, *args: str, env: dict | None = None, timeout: float = 240,
+                 cwd: Path | str | None = None) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``np`` local ranks under torchrun (the rendezvous store binds a port the
+    kernel picks: --standalone)."""
+    full_env = dict(os.environ)
+    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(np), str(script), *args],
+                          capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
+
+
 def assert_mpi_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}"
 

@@ -780,7 +780,7 @@ class Communicator:
         path = call.path
         if path == "lamport":
             self._launch(call.launch, x, out)
-        elif path in ("nvls_twoshot", "twoshot"):
+        elif path in plan.IN_PLACE_PATHS:
             self._in_place(call.launch, x, out)
         elif path in ("nvls_oneshot", "nvls_lamport"):
             # peers read `in` through multicast while this rank writes `out`: never the same memory

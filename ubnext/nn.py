@@ -150,19 +150,26 @@ class Linear(torch.nn.Module):
         expected = (self.out_features, self.in_features) if dense.dim() == 2 else (self.out_features,)
         if tuple(dense.shape) != expected:
             raise ValueError(f"expected a dense tensor of shape {expected}, got {tuple(dense.shape)}")
-        rank = dist.get_rank(self.tp_group) if self.parallel_mode is not None else 0
-        if self.parallel_mode == "column":
-            rows = self.out_features // self.tp_size
-            return dense[rank * rows:(rank + 1) * rows]
-        if self.parallel_mode == "row" and dense.dim() == 2:
-            cols = self.in_features // self.tp_size
-            return dense[:, rank * cols:(rank + 1) * cols]
-        return dense
+        dim = self.shard_dim("weight" if dense.dim() == 2 else "bias")
+        if dim is None:
+            return dense
+        part = dense.shape[dim] // self.tp_size
+        return dense.narrow(dim, dist.get_rank(self.tp_group) * part, part)
+
+    def shard_dim(self, name: str) -> int | None:
+        """The dimension along which parameter ``name`` is split over the ranks; None: replicated
+        (the whole tensor on every rank). The layout of the module docstring, in one place."""
+        if self.parallel_mode == "column" and name in ("weight", "bias"):
+            return 0
+        if self.parallel_mode == "row" and name == "weight":
+            return 1
+        return None
 
     @property
     def comm(self):
         """The communicator of the layer's group (ubnext.get_communicator's), or None without
-        tensor parallelism."""
+        tensor parallelism. The 'ubnext' kinds create it when the layer is built; for the others
+        the first access creates it, which every rank of the group must do (it is collective)."""
         return ops.communicator_for(self._group_name) if self.parallel_mode is not None else None
 
     @property
@@ -207,11 +214,9 @@ class Linear(torch.nn.Module):
             return normed, residual_out
         if kind == "ubnext":
             y = ops.linear_all_reduce(x, self.weight, self._group_name)
-            self._record()
         elif kind in _TORCH_SYMM_OPS:
             y = ops.all_reduce(F.linear(x, self.weight).contiguous(), self._group_name, _TORCH_SYMM_OPS[kind])
-            self._record()
         else:
             y = _AllReduceTorch.apply(F.linear(x, self.weight), self._group())
-            self._record("torch")
+        self._record("torch" if kind in (None, "nccl") else None)
         return y + self.bias if self.bias is not None else y

@@ -11,8 +11,13 @@ convention of torchtitan-style code, turning ``nn.Linear`` children into ``ubnex
 Each style takes this rank's shard of the dense layer's weights (the layout of ``ubnext.nn``) and
 converts the module in place: with a plan dict, ``parallelize_module`` discards what a style
 returns for a child (torch/distributed/tensor/parallel/api.py), so the child object itself must
-become the tensor-parallel layer. Convert before registering hooks on those children; theirs are
-not carried over. Activations stay ordinary tensors (no DTensor): a column-parallel layer's
+become the tensor-parallel layer. The dense weights come from rank ``src_data_rank`` of the group
+(``parallelize_module``'s argument, default 0), broadcast before sharding, as torch's own styles
+do; with ``src_data_rank=None`` each rank shards its own copy, which must then be the same on
+every rank. The conversion keeps the module's training mode and each parameter's
+``requires_grad``; it refuses a module with hooks (convert before registering them), and a weight
+tied to another module's (an ``lm_head`` sharing the embedding) is not tied afterwards: keep tied
+layers out of the plan. Activations stay ordinary tensors (no DTensor): a column-parallel layer's
 output is this rank's shard of the features, a row-parallel layer takes that shard and returns
 the full, all-reduced output.
 """
@@ -20,6 +25,7 @@ the full, all-reduced output.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .nn import Linear
@@ -34,8 +40,21 @@ def _mesh_group(device_mesh):
     return device_mesh.get_group()
 
 
+def _hooks(module: torch.nn.Module) -> list[str]:
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+             "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+             "_load_state_dict_post_hooks")
+    return [name for name in names if getattr(module, name, None)]
+
+
 def _become(module: torch.nn.Module, layer: Linear) -> Linear:
-    """Make ``module`` (the object its parent holds) the tensor-parallel ``layer``."""
+    """Make ``module`` (the object its parent holds) the tensor-parallel ``layer``, in the dense
+    module's training mode and with its parameters' requires_grad."""
+    layer.train(module.training)
+    for name, param in layer.named_parameters(recurse=False):
+        dense = getattr(module, name, None)
+        if isinstance(dense, torch.nn.Parameter):
+            param.requires_grad_(dense.requires_grad)
     module.__dict__.clear()
     module.__dict__.update(layer.__dict__)
     module.__class__ = Linear
@@ -52,7 +71,17 @@ class _LinearStyle(ParallelStyle):
     def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
         if type(module) is not torch.nn.Linear:
             raise TypeError(f"{type(self).__name__} converts torch.nn.Linear modules, got {type(module).__name__}")
-        layer = Linear.from_dense(module, parallel_mode=self.parallel_mode, tp_group=_mesh_group(device_mesh),
+        hooks = _hooks(module)
+        if hooks:
+            raise ValueError(f"{type(self).__name__} replaces the module in place and would drop its hooks "
+                             f"({', '.join(hooks)}): parallelize before registering them")
+        group = _mesh_group(device_mesh)
+        if self.src_data_rank is not None:
+            source = dist.get_global_rank(group, self.src_data_rank)
+            with torch.no_grad():
+                for param in module.parameters():
+                    dist.broadcast(param.data, src=source, group=group)
+        layer = Linear.from_dense(module, parallel_mode=self.parallel_mode, tp_group=group,
                                   symmetric_ar_type=self.symmetric_ar_type, eps=self.eps)
         return _become(module, layer)
 
@@ -91,11 +120,8 @@ def check_attention_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
 def _placement(layer: Linear, name: str):
     from torch.distributed.tensor import Replicate, Shard
 
-    if layer.parallel_mode == "column" and name in ("weight", "bias"):
-        return Shard(0)
-    if layer.parallel_mode == "row" and name == "weight":
-        return Shard(1)
-    return Replicate()  # the row layer's bias (added once, after the allreduce) and norm weight
+    dim = layer.shard_dim(name)
+    return Replicate() if dim is None else Shard(dim)
 
 
 def distributed_state_dict(model: torch.nn.Module) -> dict:
@@ -107,13 +133,15 @@ def distributed_state_dict(model: torch.nn.Module) -> dict:
         dcp.load(distributed_state_dict(other), checkpoint_id=path)   # into other's parameters
 
     loads a checkpoint saved at one tensor-parallel size into a model of another (or into a
-    dense model's plain ``state_dict()``): torch.distributed.checkpoint reshards by the placements."""
+    dense model's plain ``state_dict()``, when the names match: a ``'ubnext_add_rms'`` layer's
+    ``norm_weight`` is the following norm's weight, under another name in a dense model):
+    torch.distributed.checkpoint reshards by the placements."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
     state = model.state_dict()
     meshes: dict[str, DeviceMesh] = {}
-    for prefix, layer in model.named_modules():
+    for prefix, layer in model.named_modules(remove_duplicate=False):  # as state_dict() names them
         if not isinstance(layer, Linear) or layer.parallel_mode is None:
             continue
         group = layer._group()

@@ -47,8 +47,11 @@ class Plan:
 def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView,
                  in_place_pool: bool = False) -> dict[str, str | None]:
     """For each path: None if it can run this call, else why not. ``in_place_pool``: the call
-    reduces a pool tensor in place (an argument of the call, like its shape: every rank passes
-    the same kind of tensor, at the same offset, which the kernels' call header checks)."""
+    reduces a pool tensor in place. That is an argument of the call, like its shape: every rank
+    must pass the same kind of tensor (UBNEXT_DEBUG compares it). Ranks that differ get a clear
+    error only where they all reach a kernel (the call header compares their offsets); past the
+    staging region, a rank passing an ordinary tensor takes torch.distributed instead, and both
+    sides wait until their timeouts."""
     why: dict[str, str | None] = {}
     if pool.unavailable:
         no_kernels = pool.unavailable

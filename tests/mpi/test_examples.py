@@ -3,13 +3,9 @@ examples/llama_tp.py compares a tensor-parallel Llama-style model, made through 
 parallelize_module with ubnext's styles, against the dense model in fp64, with a bound derived in
 the example, and requires bitwise identical logits on every rank."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import ROOT, assert_mpi_ok
+from tests.conftest import ROOT, assert_mpi_ok, run_torchrun
 
 EXAMPLE = ROOT / "examples" / "llama_tp.py"
 
@@ -27,8 +23,6 @@ def test_llama_tp_example(mpi, np, emulate, flags):
 
 @pytest.mark.mpi
 def test_llama_tp_example_under_torchrun(tmp_path):
-    env = dict(os.environ, UBNEXT_EMULATE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(EXAMPLE), "--fused"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    proc = run_torchrun(2, EXAMPLE, "--fused", env={"UBNEXT_EMULATE": "1"}, timeout=300, cwd=tmp_path)
     assert_mpi_ok(proc)
     assert "tp=2 fused=True" in proc.stdout, proc.stdout

@@ -1,14 +1,11 @@
 """The README's tensor-parallel block runs as written, under mpirun -np 2 and torchrun, with and
 without the emulator, and the program exits 0 (no abort at interpreter exit)."""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT, assert_mpi_ok
+from tests.conftest import ROOT, assert_mpi_ok, run_torchrun
 
 
 def readme_block() -> str:
@@ -25,11 +22,7 @@ def test_readme_block_runs(mpi, tmp_path, emulate, launcher):
     if launcher == "mpirun":
         proc = mpi(2, script, env={"UBNEXT_EMULATE": emulate})
     else:
-        env = dict(os.environ, UBNEXT_EMULATE=emulate, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        # --standalone: the rendezvous store binds a port the kernel picks
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node", "2", str(script)],
-                              capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+        proc = run_torchrun(2, script, env={"UBNEXT_EMULATE": emulate}, cwd=tmp_path)
     assert_mpi_ok(proc)
     # two ranks share one pipe, so their lines may interleave: count, do not split lines
     out = proc.stdout
@@ -55,10 +48,7 @@ def test_readme_parallelize_module_block_runs(mpi, tmp_path, emulate, launcher):
     if launcher == "mpirun":
         proc = mpi(2, script, env={"UBNEXT_EMULATE": emulate})
     else:
-        env = dict(os.environ, UBNEXT_EMULATE=emulate, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node", "2", str(script)],
-                              capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+        proc = run_torchrun(2, script, env={"UBNEXT_EMULATE": emulate}, cwd=tmp_path)
     assert_mpi_ok(proc)
     out = proc.stdout
     assert out.count("torch.Size([4, 256])") == 2, out
