@@ -47,11 +47,12 @@ FP8_MAX = 448.0
 # Smallest per-token scale_inv: an all-zero row gets this scale, so q = 0 and no 0/0.
 FP8_TINY_SCALE_INV = 1e-12
 DEFAULT_HIDDEN = 8192
-_OP_NAMES = {1: "lamport", 2: "nvls_oneshot", 3: "nvls_twoshot", 4: "nvls_lamport", 5: "twoshot"}
+_OP_NAMES = {1: "lamport", 2: "nvls_oneshot", 3: "nvls_twoshot", 4: "nvls_lamport", 5: "twoshot", 6: "allgather",
+             7: "reduce_scatter"}
 # csrc/device/desc.cuh: error codes and the call header's words
 ERR_TIMEOUT, ERR_MISMATCH = 1, 2
 _HEADER_FIELDS = {0: "op/dtype/flags", 1: "element count", 2: "hidden size", 3: "in offset"}
-_HEADER_DTYPES = {1: "bf16", 2: "fp16", 3: "fp32"}
+_HEADER_DTYPES = {1: "bf16", 2: "fp16", 3: "fp32", 4: "bytes"}
 
 
 def _header_value(field: int, value: int) -> str:
@@ -70,7 +71,7 @@ def _element_size(dtype: torch.dtype) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel_name(algo: str, dtype: torch.dtype) -> str:
-    return kernels.kernel_name(algo, DTYPE_CODES[dtype])
+    return kernels.kernel_name(algo, "u8" if dtype == torch.uint8 else DTYPE_CODES[dtype])
 
 
 class _Launch(NamedTuple):
@@ -169,6 +170,81 @@ def check_fused_args(x, residual, weight, eps, fp8: bool, scale) -> None:
             raise ValueError(f"scale is on {scale.device}, x on {x.device}")
 
 
+def check_all_gather_args(x: torch.Tensor, out: torch.Tensor | None, world_size: int) -> None:
+    """Argument checks of the all-gather operators (real and fake implementations). Any dtype: the
+    all-gather moves bytes."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_contiguous() or x.dim() == 0:
+        raise ValueError(f"x must be contiguous with at least one dimension, got shape {tuple(x.shape)}")
+    if out is not None:
+        want = (world_size * x.shape[0], *x.shape[1:])
+        if not isinstance(out, torch.Tensor) or not out.is_contiguous():
+            raise ValueError("out must be a contiguous tensor")
+        if out.dtype != x.dtype or out.numel() != world_size * x.numel():
+            raise ValueError(f"out must hold world_size x x's elements ({want}, {x.dtype}), got "
+                             f"({tuple(out.shape)}, {out.dtype})")
+
+
+def check_reduce_scatter_args(x: torch.Tensor, out: torch.Tensor | None, world_size: int) -> None:
+    """Argument checks of the reduce-scatter operators (real and fake implementations)."""
+    check_tensor("x", x)
+    if x.dim() == 0 or x.shape[0] % world_size:
+        raise ValueError(f"x's first dimension must be a multiple of the world size {world_size}, got "
+                         f"shape {tuple(x.shape)}")
+    if out is not None:
+        check_tensor("out", out)
+        if out.dtype != x.dtype or out.numel() * world_size != x.numel():
+            raise ValueError(f"out must hold 1/{world_size} of x's elements in {x.dtype}, got "
+                             f"({tuple(out.shape)}, {out.dtype})")
+
+
+def reduce_factor(op, world_size: int) -> float:
+    """The factor a reduce-scatter applies to its sum: ``op`` is "sum", "avg", a number, or a
+    torch.distributed ReduceOp (SUM, AVG, or PREMUL_SUM(factor), as FSDP2 passes)."""
+    if isinstance(op, (int, float)) and not isinstance(op, bool):
+        return float(op)
+    if isinstance(op, str) and op in ("sum", "avg"):
+        return 1.0 if op == "sum" else 1.0 / world_size
+    if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        # a RedOpType is itself the kind; a ReduceOp object (PREMUL_SUM(f)) carries kind and factor
+        kind, factor = (op, None) if isinstance(op, dist.ReduceOp.RedOpType) else (
+            op.op, getattr(op, "factor", None))
+        if kind == dist.ReduceOp.SUM:
+            return 1.0
+        if kind == dist.ReduceOp.AVG:
+            return 1.0 / world_size
+        if kind == dist.ReduceOp.PREMUL_SUM and isinstance(factor, (int, float)):
+            return float(factor)
+    raise ValueError(f"reduce-scatter op must be 'sum', 'avg', a number, or ReduceOp SUM / AVG / PREMUL_SUM(x), "
+                     f"got {op!r}")
+
+
+def check_quantize_args(x: torch.Tensor, hidden: int, scale) -> None:
+    """Argument checks of the FP8 quantisation operator (real and fake implementations)."""
+    check_tensor("x", x)
+    if hidden <= 0 or x.numel() == 0 or x.numel() % hidden:
+        raise ValueError(f"hidden ({hidden}) must divide x's {x.numel()} elements")
+    if scale is not None and (not isinstance(scale, torch.Tensor) or scale.numel() != 1
+                              or scale.dtype != torch.float32 or scale.device != x.device):
+        raise ValueError("scale must be a one-element float32 tensor on x's device (the dequantisation scale)")
+
+
+def quantize_fp8_reference(y: torch.Tensor, hidden: int, scale: torch.Tensor | None):
+    """(q, scale_inv) of ``y`` (any float dtype, quantised as its fp32 values) with the kernels'
+    contract (csrc/device/norm.cuh): static, q = sat(y / scale) and scale_inv = scale; else one
+    scale per row of ``hidden`` elements, scale_inv = max(amax / 448, 1e-12), q = sat(y / scale_inv).
+    q has y's shape; scale_inv has one element (static) or one per row."""
+    rows = y.float().reshape(-1, hidden)
+    if scale is not None:
+        scale_inv = scale.float().reshape(1).clone()
+        q = (rows / scale_inv).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    else:
+        scale_inv = torch.clamp(rows.abs().amax(dim=-1) / FP8_MAX, min=FP8_TINY_SCALE_INV)
+        q = (rows / scale_inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.reshape(y.shape), scale_inv
+
+
 def fp8_output(x: torch.Tensor, out_dtype: torch.dtype | None, scale) -> bool:
     """Whether the fused op writes FP8 (``out_dtype`` is x's dtype, None or e4m3)."""
     if out_dtype is not None and out_dtype not in (x.dtype, FP8):
@@ -202,15 +278,8 @@ def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight:
     if out_dtype != FP8:
         return y, residual_out, None
     # FP8 quantises y rounded to the input dtype; amax comes from those same rounded values
-    y = y.float()
-    if scale is not None:
-        scale_inv = scale.float().reshape(1).clone()
-        q = (y / scale_inv).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        return q, residual_out, scale_inv
-    amax = y.abs().amax(dim=-1)
-    scale_inv = torch.clamp(amax / FP8_MAX, min=FP8_TINY_SCALE_INV)
-    q = (y / scale_inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, residual_out, scale_inv.reshape(y.shape[:-1])
+    q, scale_inv = quantize_fp8_reference(y, y.shape[-1], scale)
+    return q, residual_out, (scale_inv if scale is not None else scale_inv.reshape(y.shape[:-1]))
 
 
 def _host_identity() -> str:
@@ -470,8 +539,9 @@ class Communicator:
             raise ValueError(f"negative dimension in shape {shape}")
         if math.prod(shape) == 0:
             raise ValueError(f"pool tensors must hold at least one element, got shape {shape}")
-        if dtype not in DTYPE_CODES and dtype != FP8:
-            raise TypeError(f"ubnext pool tensors support bf16, fp16, fp32 and e4m3, got {dtype}")
+        if dtype not in DTYPE_CODES and dtype not in (FP8, torch.uint8):
+            raise TypeError(f"ubnext pool tensors support bf16, fp16, fp32, e4m3 and uint8 (bytes, as FSDP2 "
+                            f"all-gathers mixed dtypes), got {dtype}")
         pool = self.pool
         if pool is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
@@ -550,7 +620,7 @@ class Communicator:
             # this rank stopped because the communicator had been aborted (csrc/device/barrier.cuh)
             msg = f"ubnext: the communicator was aborted on every rank (seen by rank {self.rank}) because {cause}"
         else:
-            msg = f"ubnext {op_name} allreduce: {cause}"
+            msg = f"ubnext {op_name}: {cause}"
         self._broken = msg
         raise UbnextTimeoutError(msg) if code == ERR_TIMEOUT else UbnextError(msg)
 
@@ -648,7 +718,7 @@ class Communicator:
 
     def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int) -> _Launch:
         grid, block = self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden))
-        if algo == "lamport" and self._pool.has_multicast:
+        if algo in ("lamport", "allgather") and self._pool.has_multicast:
             flags |= kernels.F_MULTICAST
         scalars = (n, hidden, float(eps), flags)
         packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(scalars):], scalars)
@@ -675,26 +745,31 @@ class Communicator:
                 raise AssertionError(f"{how.algo}: pool input at {p_in:#x} is not 16-byte aligned")
             staged = self._aligned_copies(inp, out, residual, residual_out, weight, copy_back)
             p_in, p_out, p_res, p_res_out, p_w = (_ptr(t) for t in staged)  # `staged` is held: the kernel reads the copies
-        pointers = (pool.base, p_in, p_out, p_res, p_res_out, p_w,
-                    0 if scale is None else scale.data_ptr(), 0 if scale_inv is None else scale_inv.data_ptr())
+        self._run(how, (pool.base, p_in, p_out, p_res, p_res_out, p_w,
+                        0 if scale is None else scale.data_ptr(), 0 if scale_inv is None else scale_inv.data_ptr()))
+        if copy_back:
+            for target, staged_out in copy_back:
+                target.copy_(staged_out)  # stream-ordered after the kernel
+
+    def _run(self, how: _Launch, pointers: tuple) -> None:
+        """Launch one kernel with its eight pointers (kernels.KERNEL_SIGNATURE's order), on the
+        emulator or the GPU; the emulator's launch is synchronous, so its error word is read here."""
+        pool = self._pool
         if self.mode == "emulator":
             self._emu.launch(how.name, how.grid, how.block, list(zip(_SIGNATURE_KINDS, (*pointers, *how.scalars))),
                              timeout_s=pool.timeout_s)
             if pool.err_view[0]:
                 self._raise_kernel_error(pool)
-        else:
-            if self._capturing:  # since this op's _check_usable, as self._stream
-                pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
-            index = self._device_index
-            _cuda.launch(kernels.load_kernel(how.name, index), how.grid, how.block, self._stream.cuda_stream,
-                         how.args(pointers), index)
-            if self._debug:
-                torch.cuda.synchronize(self.device)
-                if pool.err_view[0]:
-                    self._raise_kernel_error(pool)
-        if copy_back:
-            for target, staged_out in copy_back:
-                target.copy_(staged_out)  # stream-ordered after the kernel
+            return
+        if self._capturing:  # since this op's _check_usable, as self._stream
+            pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
+        index = self._device_index
+        _cuda.launch(kernels.load_kernel(how.name, index), how.grid, how.block, self._stream.cuda_stream,
+                     how.args(pointers), index)
+        if self._debug:
+            torch.cuda.synchronize(self.device)
+            if pool.err_view[0]:
+                self._raise_kernel_error(pool)
 
     @staticmethod
     def _aligned_copies(inp, out, residual, residual_out, weight, copy_back):
@@ -964,6 +1039,172 @@ class Communicator:
             scale_inv = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)  # one per token
         self._launch(launch, inp, out, residual, residual_out, weight, scale, scale_inv)
         return out, residual_out, scale_inv
+
+
+    # -- all-gather, reduce-scatter and FP8 quantisation (FSDP2: ubnext.fsdp) -------------------
+
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along the first dimension, in rank order: shape
+        ``(world_size * x.shape[0], *x.shape[1:])``, any dtype (the kernel moves bytes). ``out``
+        may be a pool tensor (``comm.empty``, or ubnext.fsdp's allocate): the peers then write
+        straight into it; otherwise the result passes through the pool's staging region, and a
+        result larger than that takes torch.distributed. Whether ``out`` is a pool tensor is an
+        argument of the call: every rank passes the same kind (``UBNEXT_DEBUG=1`` compares it)."""
+        if out is None:
+            return torch.ops.ubnext.all_gather(x, self.key)
+        torch.ops.ubnext.all_gather_out(x, out, self.key)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, *, op="sum", out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's shard of the sum over the ranks: ``x`` is ``world_size`` equal shards along
+        its first dimension, and rank r gets ``factor * sum_ranks(shard r)``, summed in fp32 (in
+        rank order, rounded once) whatever the dtype. ``op``: "sum", "avg", a factor, or a
+        torch.distributed ReduceOp (SUM, AVG, PREMUL_SUM(f)). ``x`` may be a pool tensor, read by
+        the peers where it lies; otherwise it is staged as for ``all_gather``."""
+        factor = reduce_factor(op, self.world_size)
+        if out is None:
+            return torch.ops.ubnext.reduce_scatter(x, factor, self.key)
+        torch.ops.ubnext.reduce_scatter_out(x, out, factor, self.key)
+        return out
+
+    def quantize_fp8(self, x: torch.Tensor, *, scaling: str = "row", scale: torch.Tensor | None = None):
+        """``(q, scale_inv)``: ``x`` as e4m3 and its dequantisation scales, written by one kernel, so
+        that ``x ~= q.float() * scale_inv`` (per row: ``scale_inv[:, None]``). ``scaling``: "row"
+        (one scale per row of the last dimension), "tensor" (one for the whole tensor), or
+        "static" (``scale``: a one-element fp32 tensor, returned as scale_inv). Local: no peer is
+        involved. Scales per row are ``max(amax / 448, 1e-12)``; values saturate to +-448."""
+        if scaling not in ("row", "tensor", "static"):
+            raise ValueError(f"scaling must be 'row', 'tensor' or 'static', got {scaling!r}")
+        if (scaling == "static") != (scale is not None):
+            raise ValueError("scale is required with scaling='static' and meaningless otherwise")
+        hidden = x.shape[-1] if scaling == "row" and x.dim() else x.numel()
+        return torch.ops.ubnext.quantize_fp8(x, hidden, scale, self.key)
+
+    def _exchange_call(self, signature: tuple, algo: str, dtype: torch.dtype, n: int, nbytes: int, in_pool: bool,
+                       shape_problem: str | None, factor: float = 0.0) -> _Call:
+        """The path and launch of an all-gather or reduce-scatter signature (plan.exchange_path),
+        made once and remembered like the allreduce's."""
+        path, why = plan.exchange_path(algo, nbytes, in_pool, shape_problem, self._pool_view())
+        if path == "torch":
+            self._log_once(algo, f"{algo} takes torch.distributed: {why}")
+        launch = self._launch_for(algo, dtype, n, 0, factor, 0) if path != "torch" else None
+        call = _Call(path, launch)
+        if len(self._calls) < 4096:
+            self._calls[signature] = call
+        return call
+
+    def _all_gather(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """torch.ops.ubnext.all_gather(_out)'s implementation."""
+        check_all_gather_args(x, out, self.world_size)
+        if x.device != self.device or out.device != self.device:
+            self._check_device("x out", x, out)
+        self._check_usable()
+        nbytes = x.numel() * x.element_size()
+        in_pool = self._in_pool_aligned(out)
+        if self._debug:
+            self._check_same_across_ranks(("all_gather", nbytes, in_pool))
+        if self.world_size == 1 or nbytes == 0:
+            self.last_path = "torch"
+            out.view(-1).copy_(x.view(-1))
+            return
+        signature = ("all_gather", nbytes, in_pool)
+        call = self._calls.get(signature)
+        if call is None:
+            problem = None if nbytes % 4 == 0 else f"the shard's {nbytes} bytes are not a multiple of 4"
+            call = self._exchange_call(signature, "allgather", torch.uint8, nbytes, self.world_size * nbytes,
+                                       in_pool, problem)
+        self.last_path = call.path
+        if call.launch is None:
+            self._torch_all_gather(x, out)
+            return
+        src = x if x.data_ptr() % 4 == 0 else x.clone()  # the kernel moves 4-byte words at least
+        target = out if in_pool else self._pool.staging((self.world_size * nbytes,), torch.uint8)
+        self._run(call.launch, (self._pool.base, src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
+        if target is not out:
+            out.view(-1).view(torch.uint8).copy_(target)
+
+    def _torch_all_gather(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        # all_gather_single is all_gather_into_tensor's newer name (torch >= 2.10 deprecates the old one)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out.view(-1), x.reshape(-1), group=self.group)
+
+    def _reduce_scatter(self, x: torch.Tensor, out: torch.Tensor, factor: float) -> None:
+        """torch.ops.ubnext.reduce_scatter(_out)'s implementation."""
+        check_reduce_scatter_args(x, out, self.world_size)
+        if x.device != self.device or out.device != self.device:
+            self._check_device("x out", x, out)
+        if (out.data_ptr() < x.data_ptr() + x.numel() * x.element_size()
+                and x.data_ptr() < out.data_ptr() + out.numel() * out.element_size()):
+            raise ValueError("reduce_scatter: out must not overlap x")
+        self._check_usable()
+        n, elem = out.numel(), x.element_size()
+        in_pool = self._in_pool_aligned(x)
+        if self._debug:
+            self._check_same_across_ranks(("reduce_scatter", n, str(x.dtype), factor, in_pool))
+        if self.world_size == 1:
+            self.last_path = "torch"
+            out.view(-1).copy_(x.view(-1).float().mul(factor) if factor != 1.0 else x.view(-1))
+            return
+        signature = ("reduce_scatter", n, x.dtype, factor, in_pool)
+        call = self._calls.get(signature)
+        if call is None:
+            problem = None if (n * elem) % 16 == 0 else (
+                f"a shard of {n} {x.dtype} elements is not a whole number of 16-byte vectors")
+            call = self._exchange_call(signature, "reduce_scatter", x.dtype, n, x.numel() * elem, in_pool, problem,
+                                       factor)
+        self.last_path = call.path
+        if call.launch is None:
+            self._torch_reduce_scatter(x, out, factor)
+            return
+        src = x if in_pool else self._pool.staging((x.numel(),), x.dtype).copy_(x.view(-1))
+        target = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+        self._run(call.launch, (self._pool.base, src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
+        if target is not out:
+            out.copy_(target)
+
+    def _torch_reduce_scatter(self, x: torch.Tensor, out: torch.Tensor, factor: float) -> None:
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # as all_gather_single
+        if x.device.type == "cpu" and x.dtype != torch.float32:
+            # gloo sums in the tensor's dtype; sum in fp32 like the kernel
+            acc = torch.empty(out.numel(), dtype=torch.float32)
+            scatter(acc, x.reshape(-1).float(), group=self.group)
+            out.view(-1).copy_(acc.mul_(factor) if factor != 1.0 else acc)
+            return
+        scatter(out.view(-1), x.reshape(-1), group=self.group)
+        if factor != 1.0:
+            out.mul_(factor)
+
+    def _quantize_fp8(self, x: torch.Tensor, hidden: int, scale: torch.Tensor | None):
+        """torch.ops.ubnext.quantize_fp8's implementation: the kernel where ubnext kernels run,
+        else quantize_fp8_reference, the same contract (bitwise: true division, saturation)."""
+        check_quantize_args(x, hidden, scale)
+        if x.device != self.device:
+            self._check_device("x", x)
+        self._check_usable()
+        n = x.numel()
+        flags = kernels.F_FP8_STATIC if scale is not None else kernels.F_FP8_PER_TOKEN
+        signature = ("quantize_fp8", n, x.dtype, hidden, flags)
+        call = self._calls.get(signature)
+        if call is None:
+            view = self._pool_view()
+            problem = view.unavailable or (
+                None if (hidden * x.element_size()) % 16 == 0 else
+                f"rows of {hidden} {x.dtype} elements are not whole 16-byte vectors")
+            if problem:
+                self._log_once("quantize_fp8", f"quantize_fp8 runs in torch: {problem}")
+            launch = None if problem else self._launch_for("quantize_fp8", x.dtype, n, hidden, 0.0, flags)
+            call = _Call("torch" if problem else "quantize_fp8", launch)
+            if len(self._calls) < 4096:
+                self._calls[signature] = call
+        if call.launch is None:
+            q, scale_inv = quantize_fp8_reference(x, hidden, scale)
+            return q, scale_inv
+        src = x if x.data_ptr() % 16 == 0 else x.clone()
+        q = torch.empty(x.shape, dtype=FP8, device=x.device)
+        scale_inv = torch.empty(1 if scale is not None else n // hidden, dtype=torch.float32, device=x.device)
+        self._run(call.launch, (self._pool.base, src.data_ptr(), q.data_ptr(), 0, 0, 0,
+                                0 if scale is None else scale.data_ptr(), scale_inv.data_ptr()))
+        return q, scale_inv
 
 
 # the public methods enter through the operators (ops.py), which are built on this module

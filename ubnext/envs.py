@@ -122,9 +122,9 @@ VARIABLES: dict[str, Var] = {
             "Seed of the emulator's chaos mode (0: derived from time and rank)."),
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
                                      "single_header_slot", "no_abort_check", "no_proxy_fence",
-                                     "twoshot_drop_peer"), "",
+                                     "twoshot_drop_peer", "allgather_short_push"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
-            "no_proxy_fence|twoshot_drop_peer",
+            "no_proxy_fence|twoshot_drop_peer|allgather_short_push",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),

@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from . import _lifecycle
-from .comm import FP8, Communicator, check_all_reduce_args, check_fused_args, check_linear_args, fp8_output
+from .comm import (FP8, Communicator, check_all_gather_args, check_all_reduce_args, check_fused_args,
+                   check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
 
 __all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for",
            "rmsnorm_backward"]
@@ -38,6 +39,12 @@ _lib.define("all_reduce_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, fl
             "-> (Tensor, Tensor)")
 _lib.define("all_reduce_add_rmsnorm_fp8(Tensor x, Tensor residual, Tensor weight, float eps, Tensor? scale, "
             "str comm) -> (Tensor, Tensor, Tensor)")
+# FSDP2's collectives (ubnext.fsdp) and the FP8 quantisation of its weights
+_lib.define("all_gather(Tensor x, str comm) -> Tensor")
+_lib.define("all_gather_out(Tensor x, Tensor(a!) out, str comm) -> ()")
+_lib.define("reduce_scatter(Tensor x, float factor, str comm) -> Tensor")
+_lib.define("reduce_scatter_out(Tensor x, Tensor(a!) out, float factor, str comm) -> ()")
+_lib.define("quantize_fp8(Tensor x, int hidden, Tensor? scale, str comm) -> (Tensor, Tensor)")
 
 
 def communicator_for(key: str) -> Communicator:
@@ -71,9 +78,47 @@ def _fused_fp8_impl(x, residual, weight, eps, scale, comm):
     return communicator_for(comm)._all_reduce_add_rmsnorm(x, residual, weight, eps, FP8, scale)
 
 
+def _world_size(comm: str) -> int:
+    return communicator_for(comm).world_size
+
+
+def _gathered_shape(x, world_size: int) -> tuple:
+    return (world_size * x.shape[0], *x.shape[1:])
+
+
+def _all_gather_impl(x, comm):
+    c = communicator_for(comm)
+    check_all_gather_args(x, None, c.world_size)
+    out = x.new_empty(_gathered_shape(x, c.world_size))
+    c._all_gather(x, out)
+    return out
+
+
+def _all_gather_out_impl(x, out, comm):
+    communicator_for(comm)._all_gather(x, out)
+
+
+def _reduce_scatter_impl(x, factor, comm):
+    c = communicator_for(comm)
+    check_reduce_scatter_args(x, None, c.world_size)
+    out = x.new_empty((x.shape[0] // c.world_size, *x.shape[1:]))
+    c._reduce_scatter(x, out, factor)
+    return out
+
+
+def _reduce_scatter_out_impl(x, out, factor, comm):
+    communicator_for(comm)._reduce_scatter(x, out, factor)
+
+
+def _quantize_fp8_impl(x, hidden, scale, comm):
+    return communicator_for(comm)._quantize_fp8(x, hidden, scale)
+
+
 for _name, _fn in (("all_reduce", _all_reduce_impl), ("all_reduce_out", _all_reduce_out_impl),
                    ("linear_all_reduce", _linear_all_reduce_impl), ("all_reduce_add_rmsnorm", _fused_impl),
-                   ("all_reduce_add_rmsnorm_fp8", _fused_fp8_impl)):
+                   ("all_reduce_add_rmsnorm_fp8", _fused_fp8_impl), ("all_gather", _all_gather_impl),
+                   ("all_gather_out", _all_gather_out_impl), ("reduce_scatter", _reduce_scatter_impl),
+                   ("reduce_scatter_out", _reduce_scatter_out_impl), ("quantize_fp8", _quantize_fp8_impl)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 
@@ -108,6 +153,37 @@ def _(x, residual, weight, eps, scale, comm):
     check_fused_args(x, residual, weight, eps, True, scale)
     scale_inv = x.new_empty(1 if scale is not None else x.shape[:-1], dtype=torch.float32)
     return torch.empty_like(x, dtype=FP8), torch.empty_like(residual), scale_inv
+
+
+@torch.library.register_fake("ubnext::all_gather", lib=_lib)
+def _(x, comm):
+    world_size = _world_size(comm)
+    check_all_gather_args(x, None, world_size)
+    return x.new_empty(_gathered_shape(x, world_size))
+
+
+@torch.library.register_fake("ubnext::all_gather_out", lib=_lib)
+def _(x, out, comm):
+    check_all_gather_args(x, out, _world_size(comm))
+
+
+@torch.library.register_fake("ubnext::reduce_scatter", lib=_lib)
+def _(x, factor, comm):
+    world_size = _world_size(comm)
+    check_reduce_scatter_args(x, None, world_size)
+    return x.new_empty((x.shape[0] // world_size, *x.shape[1:]))
+
+
+@torch.library.register_fake("ubnext::reduce_scatter_out", lib=_lib)
+def _(x, out, factor, comm):
+    check_reduce_scatter_args(x, out, _world_size(comm))
+
+
+@torch.library.register_fake("ubnext::quantize_fp8", lib=_lib)
+def _(x, hidden, scale, comm):
+    check_quantize_args(x, hidden, scale)
+    return torch.empty_like(x, dtype=FP8), x.new_empty(1 if scale is not None else x.numel() // hidden,
+                                                        dtype=torch.float32)
 
 
 # -- autograd --------------------------------------------------------------------------------------

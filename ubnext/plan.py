@@ -136,3 +136,29 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
             return Plan(path, reason, skipped)
         skipped.append((path, caps[path]))
     raise AssertionError("torch.distributed is always available")  # pragma: no cover
+
+
+# FSDP2's collectives (ubnext.fsdp): one kernel each, else torch.distributed
+EXCHANGE_KERNELS = ("allgather", "reduce_scatter")
+
+
+def exchange_path(op: str, nbytes: int, in_pool: bool, shape_problem: str | None, pool: PoolView) -> tuple[str, str]:
+    """(path, reason) of an all-gather or reduce-scatter: the kernel ``op`` or ``"torch"``.
+    ``nbytes`` is the pool buffer it needs (the gathered output, or the reduce-scatter's input);
+    ``in_pool``: the caller's buffer already lies in the pool (comm.empty, ubnext.fsdp's allocate),
+    an argument of the call that every rank passes alike, as for the in-place allreduce;
+    ``shape_problem``: why the kernel cannot take this shape, or None. Like ``choose``, a function
+    of values identical on every rank."""
+    disabled = dict(pool.disabled)
+    if pool.unavailable:
+        why = pool.unavailable
+    elif shape_problem:
+        why = shape_problem
+    elif "twoshot" in disabled:  # the same peer loads, stores and barriers
+        why = f"disabled by the self-test at preparation ({disabled['twoshot']})"
+    elif not in_pool and nbytes > pool.staging_bytes:
+        why = (f"{nbytes} bytes exceed the pool's staging region ({pool.staging_bytes} bytes{_sizing(pool)}; "
+               "or pass a buffer from the pool (comm.empty, or ubnext.fsdp's allocate)")
+    else:
+        return op, "fits"
+    return "torch", why

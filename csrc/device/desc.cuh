@@ -30,6 +30,8 @@
 #define UBNEXT_OP_NVLS_TWOSHOT 3
 #define UBNEXT_OP_NVLS_LAMPORT 4
 #define UBNEXT_OP_TWOSHOT 5
+#define UBNEXT_OP_ALLGATHER 6
+#define UBNEXT_OP_REDUCE_SCATTER 7
 
 /* Every field is 64 bits wide so that the layout is the same for every compiler and for
  * Python's struct.pack("<...Q"). */
@@ -77,3 +79,4 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_HDR_DTYPE_BF16 1
 #define UBNEXT_HDR_DTYPE_FP16 2
 #define UBNEXT_HDR_DTYPE_FP32 3
+#define UBNEXT_HDR_DTYPE_BYTES 4 /* the all-gather moves bytes whatever they hold */

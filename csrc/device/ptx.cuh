@@ -287,8 +287,9 @@ UBX_DEV void multimem_st_release_u32(uint32_t* p, uint32_t v) {
 #endif
 }
 
-// Relaxed: orders nothing. Only the test-only broken build UBNEXT_BREAK_NO_RELEASE signals barriers with
-// it (barrier.cuh); a correct barrier signal is multimem_st_release_u32.
+// Relaxed: orders nothing. Data (the all-gather's 4-byte words, ordered by the barrier after them), and
+// the test-only broken build UBNEXT_BREAK_NO_RELEASE's barrier signal (barrier.cuh); a correct barrier
+// signal is multimem_st_release_u32.
 UBX_DEV void multimem_st_relaxed_u32(uint32_t* p, uint32_t v) {
 #if defined(UBNEXT_EMULATOR)
   ::ubx_emu::mc_store(p, &v, 4, ::ubx_emu::kRelaxed);

@@ -68,6 +68,45 @@ UBX_DEV bool barrier_kernel_args_ok(int n, int hidden, int flags) {
   return gridDim.x <= UBNEXT_MAX_BLOCKS && n > 0 && row_shape_ok<T>(n, hidden, flags);
 }
 
+// acc = the fp32 sum, in rank order 0..N-1, of the 16-byte vector of T at byte `off` of every rank's pool
+// (the unicast two-shot's and the reduce-scatter's reduction: deterministic, so every caller that sums the
+// same vector gets the same bits). Up to kPeers peer loads are in flight before the first add: each is a
+// cross-rank round trip.
+// UBNEXT_BREAK_TWOSHOT_DROP_PEER (test-only) leaves the last rank's values out of the sum.
+template <typename T>
+UBX_DEV void sum_over_ranks(const ubnext_comm_desc* d, uint64_t off, float (&acc)[DType<T>::kElems]) {
+  constexpr int V = DType<T>::kElems;
+  constexpr int kPeers = 8;
+  const uint32_t nranks = static_cast<uint32_t>(d->nranks);
+#if !defined(UBNEXT_BREAK_TWOSHOT_DROP_PEER)
+  const uint32_t summed = nranks;
+#else
+  const uint32_t summed = nranks - 1;
+#endif
+  for (uint32_t p0 = 0; p0 < nranks; p0 += kPeers) {
+    uint4 v[kPeers];  // zeroed: only entries with a valid index are loaded / used
+    for (int u = 0; u < kPeers; ++u) v[u] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int u = 0; u < kPeers; ++u)
+      if (p0 + u < nranks)
+        v[u] = ld_relaxed_sys_v4(reinterpret_cast<const void*>(static_cast<uint64_t>(d->peer_base[p0 + u]) + off));
+#pragma unroll
+    for (int u = 0; u < kPeers; ++u) {
+      if (p0 + u < summed) {
+        float f[V];
+        unpack<T>(v[u], f);
+        if (p0 + u == 0) {
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[e] = f[e];  // start from rank 0's value itself (keeps -0)
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[e] += f[e];
+        }
+      }
+    }
+  }
+}
+
 // Bytes each rank's slot of a Lamport buffer holds for this message.
 UBX_DEV uint64_t slice_slot_bytes(const Slices& s) { return static_cast<uint64_t>(s.nrows * s.cv) * 16u; }
 

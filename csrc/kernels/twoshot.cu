@@ -53,7 +53,6 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
                              void* residual_out, const void* weight, const float* scale, float* scale_inv, int n,
                              int hidden, float eps, int flags) {
   constexpr int V = DType<T>::kElems;
-  constexpr int kPeers = 8;  // peer loads in flight per vector before the first add
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!barrier_kernel_args_ok<T>(n, hidden, flags)) return;
@@ -67,37 +66,10 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
 
   if (!barrier_sync(br)) return;
 
-#if !defined(UBNEXT_BREAK_TWOSHOT_DROP_PEER)
-  const uint32_t summed = nranks;
-#else
-  const uint32_t summed = nranks - 1;  // test-only broken build: the last rank's values are left out
-#endif
   // Reduce-scatter of one vector: rank order 0..N-1, fp32, rounded once to T.
   auto load = [&](int64_t gi) -> uint4 {
-    const uint64_t off = in_off + static_cast<uint64_t>(gi) * 16u;
     float acc[V];
-    for (uint32_t p0 = 0; p0 < nranks; p0 += kPeers) {
-      uint4 v[kPeers];  // zeroed: only entries with a valid index are loaded / used
-      for (int u = 0; u < kPeers; ++u) v[u] = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-      for (int u = 0; u < kPeers; ++u)
-        if (p0 + u < nranks)
-          v[u] = ld_relaxed_sys_v4(reinterpret_cast<const void*>(static_cast<uint64_t>(d->peer_base[p0 + u]) + off));
-#pragma unroll
-      for (int u = 0; u < kPeers; ++u) {
-        if (p0 + u < summed) {
-          float f[V];
-          unpack<T>(v[u], f);
-          if (p0 + u == 0) {
-#pragma unroll
-            for (int e = 0; e < V; ++e) acc[e] = f[e];  // start from rank 0's value itself (keeps -0)
-          } else {
-#pragma unroll
-            for (int e = 0; e < V; ++e) acc[e] += f[e];
-          }
-        }
-      }
-    }
+    sum_over_ranks<T>(d, in_off + static_cast<uint64_t>(gi) * 16u, acc);
     return pack<T>(acc);
   };
   // All-gather of one vector: to every rank, starting after ourselves.

@@ -699,6 +699,105 @@ def case_traffic():
     COMM._algo = None
 
 
+# -- all-gather, reduce-scatter, FP8 quantisation (FSDP2) ------------------------------------------
+
+
+def case_all_gather():
+    """Bytes gathered in rank order, bitwise, through the pool (comm.empty) and through staging,
+    for bf16 / fp32 / uint8 shards, shard sizes that are not whole 16-byte vectors, and the
+    in-place form FSDP2 uses (the input is this rank's slice of the output); the emulator's
+    traffic counters show (N-1) shards of peer stores (unicast) or one multicast push."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    kernel = MODE != "torch"
+    for numel, dtype, in_pool in ((4096, torch.bfloat16, True), (1000, torch.float32, False),
+                                  (4 * 37, torch.uint8, True), (12, torch.uint8, False), (6, torch.bfloat16, True)):
+        shards = [T.rank_input(r, numel, torch.float32, 7).mul(40).to(dtype) for r in range(n)]
+        x = shards[rank].to(device())
+        out = COMM.empty(n * numel, dtype=dtype) if in_pool else None
+        got = COMM.all_gather(x, out=out)
+        expect_path(("allgather",))
+        want = torch.cat(shards)
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), f"all_gather {numel} {dtype}: wrong bytes"
+        if MODE == "emulator":
+            # the shard once per peer (or once through multicast), plus per block a 16-byte call
+            # header and two 4-byte barrier signals
+            t, nbytes = COMM._emu.traffic(), numel * dtype.itemsize
+            grid = COMM._calls[("all_gather", nbytes, COMM._in_pool_aligned(got))].launch.grid
+            if COMM.pool.has_multicast:
+                assert t.mc_store_bytes == nbytes + 24 * grid and sum(t.peer_store_bytes) == 0, t
+            else:
+                assert sum(t.peer_store_bytes) == (n - 1) * (nbytes + 24 * grid), t
+            assert sum(t.peer_load_bytes) == 0 and t.peer_atomic_ops == 0, t
+    # FSDP2's form: the input is this rank's slice of a pool output
+    out = COMM.empty(n * 256, dtype=torch.bfloat16)
+    mine = out[rank * 256:(rank + 1) * 256]
+    mine.copy_(T.rank_input(rank, 256, torch.bfloat16, 8))
+    COMM.all_gather(mine, out=out)
+    want = torch.cat([T.rank_input(r, 256, torch.bfloat16, 8) for r in range(n)])
+    assert torch.equal(out.cpu(), want), "in-place all_gather: wrong result"
+    # a gathered result larger than staging, not in the pool: torch.distributed, the same bytes
+    big = COMM.pool.layout.staging_bytes // (2 * n) + 8 if kernel else 64
+    x = T.rank_input(rank, big, torch.bfloat16, 9).to(device())
+    got = COMM.all_gather(x)
+    assert COMM.last_path == "torch", COMM.last_path
+    assert torch.equal(got.cpu(), torch.cat([T.rank_input(r, big, torch.bfloat16, 9) for r in range(n)]))
+
+
+def case_reduce_scatter():
+    """Each rank's shard of the sum, against fp64: within one rounding of the fp32 rank-order sum
+    (testing.allreduce_bound), scaled by sum / avg / PREMUL_SUM factors: bf16 traffic, fp32
+    accumulation; the emulator's counters show (N-1) shards of peer loads."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    for numel, dtype, op, in_pool in ((4096, torch.bfloat16, "sum", True), (256, torch.float32, "avg", False),
+                                      (1024, torch.float16, dist.ReduceOp.AVG, True),
+                                      (512, torch.bfloat16, dist.ReduceOp.PREMUL_SUM(0.125), False)):
+        inputs = [T.rank_input(r, n * numel, dtype, 11) for r in range(n)]
+        factor = ubnext.comm.reduce_factor(op, n)
+        x = inputs[rank].to(device())
+        if in_pool:
+            x = COMM.empty(n * numel, dtype=dtype).copy_(x)
+        got = COMM.reduce_scatter(x, op=op)
+        expect_path(("reduce_scatter",))
+        mine = [t[rank * numel:(rank + 1) * numel] for t in inputs]
+        ref = T.reference_sum(mine) * factor
+        # the factor (a power of two here) scales the sum and its bound exactly
+        bound = T.allreduce_bound(mine, dtype) * factor
+        err = (got.double().cpu() - ref).abs()
+        assert not (err > bound).any(), f"reduce_scatter {dtype} {op}: max err {err.max():.3g} > bound"
+        if MODE == "emulator":
+            t = COMM._emu.traffic()
+            assert sum(t.peer_load_bytes) == (n - 1) * numel * dtype.itemsize, t
+    # a shard that is not whole 16-byte vectors: torch, the same contract
+    x = T.rank_input(rank, n * 5, torch.bfloat16, 12).to(device())
+    got = COMM.reduce_scatter(x)
+    assert COMM.last_path == "torch"
+    inputs = [T.rank_input(r, n * 5, torch.bfloat16, 12) for r in range(n)]
+    mine = [t[rank * 5:(rank + 1) * 5] for t in inputs]
+    assert not ((got.double().cpu() - T.reference_sum(mine)).abs() > T.allreduce_bound(mine, torch.bfloat16)).any()
+
+
+def case_quantize_fp8():
+    """The quantisation kernel against quantize_fp8_reference, bitwise (true division, saturation,
+    the 1e-12 floor of an all-zero row), per row, per tensor and static, including rows longer than
+    the kernel's row cache."""
+    from ubnext.comm import quantize_fp8_reference
+
+    for rows, cols, dtype in ((8, 64, torch.bfloat16), (3, 4096 * 5, torch.bfloat16), (5, 32, torch.float32),
+                              (4, 48, torch.float16)):
+        x = T.rank_input(dist.get_rank(), rows * cols, torch.float32, 13).mul(30).to(dtype).view(rows, cols)
+        x[1].zero_()
+        for scaling in ("row", "tensor", "static"):
+            scale = torch.tensor([0.05], device=device()) if scaling == "static" else None
+            q, scale_inv = COMM.quantize_fp8(x.to(device()), scaling=scaling, scale=scale)
+            hidden = cols if scaling == "row" else rows * cols
+            q_ref, s_ref = quantize_fp8_reference(x, hidden, scale)
+            assert q.shape == x.shape and q.dtype == FP8, (q.shape, q.dtype)
+            assert torch.equal(scale_inv.cpu(), s_ref), f"{scaling} {dtype}: scale_inv differs"
+            assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), f"{scaling} {dtype}: q differs"
+            assert COMM._calls[("quantize_fp8", rows * cols, dtype, hidden,
+                                2 if scale is not None else 4)].path == ("torch" if MODE == "torch" else "quantize_fp8")
+
+
 # -- layers -------------------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "KERNEL_SIGNATURE",
     "DTYPES",
     "ALGOS",
+    "algo_dtypes",
     "kernel_name",
     "sources",
     "compile_kernels",
@@ -65,7 +66,16 @@ ALGOS = {
     "nvls_twoshot": "nvls.cu",
     "nvls_lamport": "nvls.cu",
     "twoshot": "twoshot.cu",
+    "allgather": "allgather.cu",
+    "reduce_scatter": "reduce_scatter.cu",
+    "quantize_fp8": "quantize.cu",
 }
+# Kernels for other element types than DTYPES: the all-gather moves bytes, whatever they hold.
+_ALGO_DTYPES = {"allgather": ("u8",)}
+
+
+def algo_dtypes(algo: str) -> tuple[str, ...]:
+    return _ALGO_DTYPES.get(algo, DTYPES)
 
 # Flags (csrc/device/desc.cuh)
 F_FUSED_NORM = 1
@@ -75,7 +85,7 @@ F_MULTICAST = 8
 
 
 def kernel_name(algo: str, dtype: str) -> str:
-    if algo not in ALGOS or dtype not in DTYPES:
+    if algo not in ALGOS or dtype not in algo_dtypes(algo):
         raise ValueError(f"no kernel for algo={algo!r} dtype={dtype!r}")
     return f"ubnext_{algo}_{dtype}"
 
@@ -85,7 +95,7 @@ def sources() -> dict[str, list[str]]:
     files: dict[str, list[str]] = {}
     for algo, fname in ALGOS.items():
         if (CSRC / "kernels" / fname).exists():
-            files.setdefault(fname, []).extend(kernel_name(algo, dt) for dt in DTYPES)
+            files.setdefault(fname, []).extend(kernel_name(algo, dt) for dt in algo_dtypes(algo))
     return files
 
 

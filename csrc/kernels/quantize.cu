@@ -1,0 +1,52 @@
+// FP8 (e4m3) quantisation of a local tensor, writing the data and its scale_inv in one kernel (the
+// FP8 scale-inverse seed: the kernel that writes the bits writes the scale that decodes them). FSDP2's
+// FP8 weights run it on each rank's shard before the all-gather, so q and scale_inv travel together.
+//
+// Kernels: ubnext_quantize_fp8_{bf16,fp16,fp32}, with the one ABI parameter list (docs/ARCHITECTURE.md):
+// in (n elements of T), out (n e4m3 bytes), scale, scale_inv, n, hidden, flags. desc, residual,
+// residual_out, weight and eps are unused: no peer is involved, nothing waits.
+//
+// It is the fused kernels' row math (norm.cuh, rows_phase) without the allreduce and without the norm,
+// so one code path quantises for both, with the contract of docs/ARCHITECTURE.md's FP8 output:
+//   UBNEXT_F_FP8_PER_TOKEN: rows of `hidden` elements; scale_inv[row] = max(amax_row / 448, 1e-12) and
+//     q = e4m3_satfinite(x / scale_inv[row]). hidden = n gives ONE scale for the whole tensor (FSDP2's
+//     per-shard mode; the host launches one block then, since the amax is a block reduction).
+//   UBNEXT_F_FP8_STATIC: q = e4m3_satfinite(x / scale[0]), scale_inv[0] = scale[0] (a device float, read
+//     by the kernel, so a captured graph picks up a new value on replay).
+// Contract: hidden % V == 0 and n % hidden == 0 (whole 16-byte vectors per row); in 16-byte aligned; out
+// 8-byte aligned; scale_inv holds n / hidden floats (per row) or 1 (static).
+#include "../device/platform.cuh"
+#include "../device/desc.cuh"
+#include "../device/vec.cuh"
+#include "../device/reduce.cuh"
+#include "../device/norm.cuh"
+#include "../device/slices.cuh"
+
+namespace ubx {
+
+template <typename T>
+UBX_DEV void quantize_rows(const void* in, void* out, const float* scale, float* scale_inv, int n, int hidden,
+                           int flags) {
+  __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
+  __shared__ float s_red[UBX_RED_SCRATCH];
+  flags &= UBNEXT_F_FP8_STATIC | UBNEXT_F_FP8_PER_TOKEN;  // never the norm: this is quantisation alone
+  if (n <= 0 || flags == 0 || !row_shape_ok<T>(n, hidden, flags)) return;  // the host checks
+  LocalSrc<T> src{in, static_cast<int64_t>(n)};
+  rows_phase<T>(src, n / hidden, nullptr, nullptr, nullptr, scale, scale_inv, out, n, hidden, 0.f, flags, s_cache,
+                s_red);
+}
+
+}  // namespace ubx
+
+#define UBX_QUANTIZE_ENTRY(NAME, T)                                                                          \
+  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,                 \
+                                  const void* residual, void* residual_out, const void* weight,            \
+                                  const float* scale, float* scale_inv, int n, int hidden, float eps,      \
+                                  int flags) {                                                              \
+    (void)desc, (void)residual, (void)residual_out, (void)weight, (void)eps;                               \
+    ::ubx::quantize_rows<T>(in, out, scale, scale_inv, n, hidden, flags);                                  \
+  }
+
+UBX_QUANTIZE_ENTRY(ubnext_quantize_fp8_bf16, __nv_bfloat16)
+UBX_QUANTIZE_ENTRY(ubnext_quantize_fp8_fp16, __half)
+UBX_QUANTIZE_ENTRY(ubnext_quantize_fp8_fp32, float)
