@@ -798,6 +798,240 @@ def case_quantize_fp8():
                                 2 if scale is not None else 4)].path == ("torch" if MODE == "torch" else "quantize_fp8")
 
 
+# -- FSDP2 (ubnext.fsdp) -------------------------------------------------------------------------
+
+FSDP_HIDDEN, FSDP_FFN, FSDP_OUT, FSDP_BATCH = 32, 64, 16, 4
+
+
+def _fsdp_stack(seed: int) -> torch.nn.Module:
+    """A small transformer-like stack: residual MLP blocks and a head, no biases (every weight's
+    rows divide evenly among 2 and 4 ranks)."""
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(FSDP_HIDDEN, FSDP_FFN, bias=False)
+            self.fc2 = torch.nn.Linear(FSDP_FFN, FSDP_HIDDEN, bias=False)
+
+        def forward(self, x):
+            return x + self.fc2(F.silu(self.fc1(x)))
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+            self.head = torch.nn.Linear(FSDP_HIDDEN, FSDP_OUT, bias=False)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(seed)
+    return Stack().to(device())
+
+
+def _fsdp_effective(name: str, full: torch.Tensor, scaling: str | None, static_scale, world: int) -> torch.Tensor:
+    """The weight the FSDP2 forward must compute with, from the full fp32 master: its bf16 cast,
+    or for an FP8 layer the e4m3 round trip of its scaling mode (torch reference), in bf16."""
+    from ubnext.comm import FP8_MAX, FP8_TINY_SCALE_INV, quantize_fp8_reference
+    from ubnext.fsdp import dequantize
+
+    if scaling is None or not name.startswith("blocks."):
+        return full.to(torch.bfloat16)
+    if scaling == "row":
+        q, s = quantize_fp8_reference(full, full.shape[-1], None)
+    elif scaling == "shard":
+        parts = [quantize_fp8_reference(c, c.numel(), None) for c in full.chunk(world)]
+        q, s = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    else:
+        scale = (torch.clamp(full.abs().amax().float() / FP8_MAX, min=FP8_TINY_SCALE_INV).reshape(1)
+                 if scaling == "tensor" else static_scale)
+        q, s = quantize_fp8_reference(full, full.numel(), scale)
+        s = s.repeat(world)
+    return dequantize(q, s, scaling, torch.bfloat16)
+
+
+def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None) -> dict:
+    """FSDP2 with ubnext's collectives (and FP8 all-gather of the blocks' weights when
+    ``scaling``), SGD for ``steps`` steps, checked at every step against a reference computed
+    from the same fp32 masters:
+      - all-gather: each unsharded weight equals the reference's effective weight bitwise (the
+        bf16 cast, or the same e4m3 round trip with freshly computed scales: no stale scale);
+      - reduce-scatter: each averaged gradient shard against the fp64 mean of the per-rank
+        gradients (recomputed by the reference, bitwise those of FSDP2's forward), within one bf16
+        rounding of the fp32 rank-order sum (testing.allreduce_bound / N); gloo's bf16
+        reduce-scatter of the same gradients is measured for comparison.
+    Step 1 scales one block's master weight by 64 before its all-gather, and step 2 scales it back:
+    a scale_inv that did not come with its data would saturate it, then crush it to a few codes
+    (the stale-scale check). Errors are compared relative to each gradient's largest element."""
+    import ubnext.fsdp as UF
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = _fsdp_stack(seed=5)
+    if scaling is not None:
+        converted = UF.convert_to_fp8_all_gather(model, scaling=scaling, scale=static_scale, include="blocks.*")
+        assert converted == ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"], converted
+    mesh = init_device_mesh(device().type, (n,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    assert UF.use_ubnext_collectives(model, COMM) == 3
+    traffic: list[tuple[int, object, str]] = []
+
+    class Recording(UF.AllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            super().__call__(output_tensor, input_tensor, group, async_op)
+            traffic.append((input_tensor.numel() * input_tensor.element_size(),
+                            COMM._emu.traffic() if MODE == "emulator" else None, COMM.last_path,
+                            COMM._in_pool_aligned(output_tensor)))
+
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp_modules:
+        m.set_custom_all_gather(Recording(COMM))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    reference = _fsdp_stack(seed=5)
+    worst = {"ubnext": 0.0, "gloo_bf16": 0.0}
+    for step in range(steps):
+        if step in (1, 2):
+            with torch.no_grad():
+                model.blocks[0].fc1.weight.mul_(64.0 if step == 1 else 1 / 64.0)
+        full = {k: p.full_tensor() for k, p in model.named_parameters()}
+        eff = {k: _fsdp_effective(k, w, scaling, static_scale, n) for k, w in full.items()}
+        # all-gather: FSDP2's unsharded weights are the effective weights, bitwise
+        for m in fsdp_modules:
+            m.unshard()
+        for k, p in model.named_parameters():
+            got = p.to_local() if isinstance(p, DTensor) else p
+            assert got.dtype == torch.bfloat16 and got.shape == eff[k].shape, (k, got.dtype, got.shape)
+            assert torch.equal(got, eff[k]), f"step {step}: unsharded {k} differs from the reference ({scaling})"
+        for m in fsdp_modules:
+            m.reshard()
+        # reference gradients of every rank's batch, from the same effective weights
+        with torch.no_grad():
+            for k, p in reference.named_parameters():
+                p.data = eff[k].clone()
+        per_rank = []
+        for r in range(n):
+            reference.zero_grad()
+            x = T.rank_input(r, FSDP_BATCH * FSDP_HIDDEN, torch.float32, 30 + step).view(FSDP_BATCH, FSDP_HIDDEN)
+            reference(x.to(device(), torch.bfloat16)).float().square().mean().backward()
+            per_rank.append({k: p.grad.clone() for k, p in reference.named_parameters()})
+        x = T.rank_input(rank, FSDP_BATCH * FSDP_HIDDEN, torch.float32, 30 + step).view(FSDP_BATCH, FSDP_HIDDEN)
+        model(x.to(device())).float().square().mean().backward()
+        for k, p in model.named_parameters():
+            grads = [g[k].float().cpu().reshape(-1) for g in per_rank]
+            got = p.grad.full_tensor().double().cpu().reshape(-1)
+            ref = T.reference_sum(grads) / n
+            bound = T.allreduce_bound([g.to(torch.bfloat16) for g in grads], torch.bfloat16) / n
+            err = (got - ref).abs()
+            assert not (err > bound).any(), f"step {step}: {k} grad err {err.max():.3g} over its bound"
+            scale = float(ref.abs().max()) or 1.0
+            # compared with gloo on this rank's shard, the part each reduce-scatter computed here
+            worst["ubnext"] = max(worst["ubnext"], float(err.view(n, -1)[rank].max()) / scale)
+            # torch.distributed's bf16 reduce-scatter (FSDP2's default: gloo here, NCCL on GPUs) of
+            # this rank's gradient, the same input
+            mine = per_rank[rank][k].reshape(-1).to(device(), torch.bfloat16)
+            rs = torch.empty(mine.numel() // n, dtype=torch.bfloat16, device=device())
+            dist.reduce_scatter_tensor(rs, mine, group=dist.group.WORLD)
+            shard = ref.view(n, -1)[rank]
+            worst["gloo_bf16"] = max(worst["gloo_bf16"], float((rs.double().cpu() / n - shard).abs().max()) / scale)
+        opt.step()
+        opt.zero_grad()
+    return {"traffic": traffic, "worst": worst, "model": model}
+
+
+def case_fsdp():
+    """FSDP2 with ubnext's all-gather and reduce-scatter, bf16 parameters (_fsdp_run's checks);
+    every collective took the ubnext kernels on the emulator, in pool buffers."""
+    result = _fsdp_run(None)
+    assert result["traffic"]
+    for nbytes, _, path, in_pool in result["traffic"]:
+        assert path == ("torch" if MODE == "torch" else "allgather"), path
+        if MODE != "torch":
+            assert in_pool, "FSDP2's all-gather output is not a pool buffer"
+    expect_path(("reduce_scatter",))  # the last collective of the last step
+    worst = result["worst"]
+    baseline = "NCCL" if MODE == "gpu" else "gloo"
+    log(f"fsdp bf16: max |grad - fp64| / max |grad| {worst['ubnext']:.3g} (ubnext reduce-scatter, fp32 "
+        f"accumulation); {worst['gloo_bf16']:.3g} ({baseline} bf16 reduce-scatter of the same gradients)")
+    if MODE != "gpu":  # gloo accumulates bf16 in bf16; how NCCL accumulates is NCCL's choice
+        assert worst["ubnext"] <= worst["gloo_bf16"], worst
+
+
+def case_fsdp_fp8_gemm():
+    """GPU only: the gathered (q, scale_inv) of an FP8 layer (ubnext.fsdp.fp8_gathered) are what the
+    unsharded bf16 weight was dequantised from, and feed torch._scaled_mm. Against the fp64 GEMM of
+    the same e4m3 operands, the error is the fp32 accumulation (K * 2^-24 * sum |x||w|) plus the
+    bf16 rounding of the output (2^-8 |y|)."""
+    if MODE != "gpu":
+        return  # the CPU tiers have no FP8 GEMM: case_fsdp_fp8 checks the gathered weight itself
+    import ubnext.fsdp as UF
+    from torch.distributed.fsdp import FSDPModule
+
+    cap = torch.cuda.get_device_capability(device())
+    assert cap >= (8, 9), f"FP8 GEMMs need compute capability 8.9+, this GPU has {cap}"
+    model = _fsdp_run("row", steps=1)["model"]
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.unshard()
+    layer = model.blocks[0].fc1
+    gathered = UF.fp8_gathered(layer.weight)
+    assert gathered is not None, "no (q, scale_inv) recorded for an unsharded FP8 layer"
+    q, scale_inv, scaling = gathered
+    assert scaling == "row" and q.dtype == FP8 and scale_inv.shape == (q.shape[0],), (q.shape, scale_inv.shape)
+    assert torch.equal(UF.dequantize(q, scale_inv, scaling, torch.bfloat16), layer.weight.detach()), \
+        "the unsharded weight is not the dequantised gathered (q, scale_inv)"
+    x = T.rank_input(0, 16 * FSDP_HIDDEN, torch.float32, 40).view(16, FSDP_HIDDEN).to(device())
+    xq, x_scale = COMM.quantize_fp8(x, scaling="row")
+    got = torch._scaled_mm(xq, q.t(), scale_a=x_scale.view(-1, 1), scale_b=scale_inv.view(1, -1),
+                           out_dtype=torch.bfloat16)
+    xs = xq.double() * x_scale.double().view(-1, 1)
+    ws = q.double() * scale_inv.double().view(-1, 1)
+    want = xs @ ws.t()
+    bound = 2.0 ** -8 * want.abs() + FSDP_HIDDEN * 2.0 ** -24 * (xs.abs() @ ws.abs().t()) + 2.0 ** -133
+    err = (got.double() - want).abs()
+    assert not (err > bound).any(), f"_scaled_mm on the gathered FP8 weight: max err {err.max():.3g}"
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def case_fsdp_fp8():
+    """FSDP2 with the blocks' weights all-gathered as e4m3 + scale_inv, in every scaling mode
+    (_fsdp_run's checks, the stale-scale probe included); on the emulator, each block's all-gather
+    moves its q bytes plus its scale_inv bytes, about half of the bf16 all-gather's."""
+    bf16 = _fsdp_run(None, steps=1)["traffic"]
+    for scaling, scale in (("row", None), ("shard", None), ("tensor", None),
+                           ("static", torch.tensor([0.02], device=device()))):
+        fp8 = _fsdp_run(scaling, static_scale=scale)["traffic"]
+        if MODE != "emulator":
+            continue
+        n = dist.get_world_size()
+        # per block: fc1 + fc2 shards, as e4m3, and their scale_inv
+        block_elems = 2 * FSDP_HIDDEN * FSDP_FFN // n
+        scales = {"row": 2 * (FSDP_FFN + FSDP_HIDDEN) // n // 2 * 4, "shard": 2 * 4, "tensor": 2 * 4, "static": 2 * 4}
+        blocks_fp8 = [t for t in fp8 if t[0] != FSDP_OUT * FSDP_HIDDEN * 2 // n]
+        blocks_bf16 = [t for t in bf16 if t[0] != FSDP_OUT * FSDP_HIDDEN * 2 // n]
+        assert blocks_fp8 and all(nb == block_elems + scales[scaling] for nb, *_ in blocks_fp8), \
+            (scaling, [t[0] for t in blocks_fp8], block_elems + scales[scaling])
+        assert all(nb == 2 * block_elems for nb, *_ in blocks_bf16), [t[0] for t in blocks_bf16]
+        for nbytes, t, path, _ in blocks_fp8:
+            assert path == "allgather", path
+            moved = t.mc_store_bytes if COMM.pool.has_multicast else sum(t.peer_store_bytes) // (n - 1)
+            grid = COMM._calls[("all_gather", nbytes, True)].launch.grid
+            assert moved == nbytes + 24 * grid, (moved, nbytes, grid)
+        ratio = blocks_fp8[0][0] / blocks_bf16[0][0]
+        log(f"fsdp fp8 {scaling}: a block's all-gather moves {blocks_fp8[0][0]} bytes per rank "
+            f"({block_elems} e4m3 + {scales[scaling]} scale_inv) against {blocks_bf16[0][0]} in bf16: {ratio:.3f}")
+        assert ratio < 0.6, ratio
+
+
 # -- layers -------------------------------------------------------------------------------------
 
 

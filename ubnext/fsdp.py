@@ -1,0 +1,323 @@
+"""FSDP2 (``fully_shard``) over the symmetric pool.
+
+Two pieces, usable together or apart:
+
+* :class:`AllGather` / :class:`ReduceScatter`: FSDP2's custom collectives
+  (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``), on ubnext's kernels.
+  ``allocate`` hands out pool buffers (``comm.empty``: the same offset on every rank, or an
+  ordinary tensor on every rank when the pool is full), so the peers write the gathered
+  parameters, and read the gradients to reduce, where FSDP2 keeps them. The reduce-scatter sums
+  bf16 gradients in fp32 (bf16 traffic, one rounding). Anything the kernels cannot take goes to
+  torch.distributed, logged once. :func:`use_ubnext_collectives` installs both on a model.
+* :class:`FP8AllGatherWeight`: an ``nn.Linear`` weight whose shard is cast to e4m3 before the
+  all-gather by one kernel that also writes its ``scale_inv``, and the two travel in the same
+  all-gather, so the scale used is always the one written with the data: no separate amax
+  all-reduce and no precompute step after the optimizer (torchao's tensorwise mode needs both).
+  The optimizer keeps updating the high-precision shard. :func:`convert_to_fp8_all_gather`
+  converts a model's ``nn.Linear`` layers by name.
+
+Scaling modes of the FP8 weight (``scaling=``):
+
+* ``"row"``: one scale per output row (``out_features``), as FSDP2 shards rows, each shard's
+  scales are complete where they are computed;
+* ``"shard"``: one scale per rank's shard;
+* ``"tensor"``: one scale for the whole weight: the shards' amax is all-reduced (max) first,
+  the semantics of torchao's tensorwise FP8 all-gather;
+* ``"static"``: a scale the caller gives (a one-element fp32 tensor, read at each all-gather).
+
+After the all-gather the weight is dequantised to FSDP2's ``param_dtype`` (``q * scale_inv``),
+what a CPU or a GPU without FP8 GEMMs computes with; :func:`fp8_gathered` returns the gathered
+``(q, scale_inv)`` of a layer for an FP8 GEMM (``torch._scaled_mm``) on GPUs that have one.
+
+Streams: FSDP2 issues its collectives on its own streams. A communicator's kernels share one
+sync region, so each op first orders its stream after the stream of the previous op
+(``Communicator._order_after_other_stream``): ubnext's collectives never overlap one another,
+whatever streams FSDP2 uses; they still overlap with compute.
+
+Needs a torch with ``FSDPModule.set_custom_all_gather`` (torch >= 2.9, pytorch#155189) for the
+collectives and the five-argument ``fsdp_pre_all_gather`` hook for the FP8 weight; both are
+checked, with an error that says so.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from . import _lifecycle
+from .comm import FP8, FP8_MAX, FP8_TINY_SCALE_INV, Communicator
+
+__all__ = ["AllGather", "ReduceScatter", "use_ubnext_collectives", "FP8AllGatherWeight", "convert_to_fp8_all_gather",
+           "fp8_gathered", "SCALINGS", "require_fsdp2"]
+
+SCALINGS = ("row", "shard", "tensor", "static")
+_NEEDS = "torch >= 2.9 (FSDPModule.set_custom_all_gather / set_custom_reduce_scatter, pytorch#155189)"
+
+
+def require_fsdp2():
+    """FSDP2's custom-collective API of the installed torch, or an error naming what is needed."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard import _fsdp_api
+    except ImportError as exc:
+        raise RuntimeError(f"ubnext.fsdp needs {_NEEDS}; torch {torch.__version__} has no FSDP2 ({exc})") from exc
+    if not (hasattr(FSDPModule, "set_custom_all_gather") and hasattr(_fsdp_api, "AllGather")):
+        raise RuntimeError(f"ubnext.fsdp needs {_NEEDS}; torch {torch.__version__} lacks it")
+    return _fsdp_api
+
+
+def _comm_of(comm: Communicator | None, group) -> Communicator:
+    """The communicator that serves FSDP2's ``group``: the one given, which must span the same
+    ranks, or the group's cached communicator."""
+    if comm is None:
+        return _lifecycle.communicator_of(group)
+    if group is not None and group is not comm.group and (
+            dist.get_process_group_ranks(group) != dist.get_process_group_ranks(comm.group)):
+        raise ValueError(f"FSDP2 runs this collective over ranks {dist.get_process_group_ranks(group)}, but the "
+                         f"ubnext communicator spans {dist.get_process_group_ranks(comm.group)}: give each FSDP "
+                         "mesh its own communicator (or none: the group's own is used)")
+    return comm
+
+
+class _PoolAlloc:
+    """FSDP2's ``allocate``: a pool buffer (collective: FSDP2 allocates in the same order on every
+    rank), or an ordinary tensor on every rank when it does not fit (comm.empty agrees)."""
+
+    def __init__(self, comm: Communicator | None = None):
+        self.comm = comm
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        comm = self.comm if self.comm is not None else _lifecycle.communicator_of(None)
+        shape = tuple(int(s) for s in size)
+        if comm.mode == "torch" or device != comm.device or not shape or 0 in shape:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return comm.empty(shape, dtype=dtype)
+
+
+def _classes():
+    api = require_fsdp2()
+
+    class AllGather(_PoolAlloc, api.AllGather):
+        """FSDP2's all-gather on ubnext: ``fsdp_module.set_custom_all_gather(AllGather(comm))``."""
+
+        def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+            _comm_of(self.comm, group).all_gather(input_tensor, out=output_tensor)
+            return None  # stream-ordered: FSDP2 waits on its stream's event, not on a Work
+
+    class ReduceScatter(_PoolAlloc, api.ReduceScatter):
+        """FSDP2's reduce-scatter on ubnext (fp32 accumulation whatever the dtype):
+        ``fsdp_module.set_custom_reduce_scatter(ReduceScatter(comm))``."""
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+            _comm_of(self.comm, group).reduce_scatter(input_tensor, op=op, out=output_tensor)
+            return None
+
+    return AllGather, ReduceScatter
+
+
+def __getattr__(name: str):
+    # the classes derive from torch's FSDP2 interfaces, which older torch lacks: made on first use
+    if name in ("AllGather", "ReduceScatter"):
+        all_gather, reduce_scatter = _classes()
+        globals().update(AllGather=all_gather, ReduceScatter=reduce_scatter)
+        return globals()[name]
+    raise AttributeError(f"module 'ubnext.fsdp' has no attribute {name!r}")
+
+
+def use_ubnext_collectives(model: torch.nn.Module, comm: Communicator | None = None) -> int:
+    """Install ubnext's all-gather and reduce-scatter on every FSDP2 module of ``model`` (after
+    ``fully_shard``, and after ``convert_to_fp8_all_gather`` when used). ``comm`` defaults to the
+    cached communicator of each module's FSDP2 group (``ubnext.get_communicator``); a given one
+    must span the same ranks. Returns how many modules were set."""
+    require_fsdp2()
+    from torch.distributed.fsdp import FSDPModule
+
+    all_gather, reduce_scatter = _classes()
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        # the module's own parameters tell its FSDP2 mesh (DTensors); allocate() is not told the group
+        params = [p for p in module.parameters(recurse=False) if hasattr(p, "device_mesh")]
+        if not params:
+            params = [p for p in module.parameters() if hasattr(p, "device_mesh")][:1]
+        if not params:
+            continue
+        mesh = params[0].device_mesh
+        if mesh.ndim != 1:
+            raise NotImplementedError(f"ubnext.fsdp serves 1-D FSDP2 meshes (one shard group), got a {mesh.ndim}-D mesh")
+        module_comm = _comm_of(comm, mesh.get_group())
+        module.set_custom_all_gather(all_gather(module_comm))
+        module.set_custom_reduce_scatter(reduce_scatter(module_comm))
+        for param in module.parameters():  # the FP8 weights quantise through the same communicator
+            local = getattr(param, "_local_tensor", param.data)
+            if isinstance(local, FP8AllGatherWeight):
+                local._comm = module_comm
+        count += 1
+    if not count:
+        raise ValueError("no FSDP2 module in the model: call fully_shard on it first")
+    return count
+
+
+# -- the FP8 weight ---------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+# FSDP2's sharding and copies of a parameter keep it an FP8AllGatherWeight; every other op sees
+# the high-precision tensor (the optimizer's updates land in it)
+_KEEP_SUBCLASS = {
+    _aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor, _aten.copy_.default, _aten.view.default,
+    _aten.as_strided.default, _aten._to_copy.default, _aten._pin_memory.default, _aten.split.Tensor,
+    _aten.clone.default, _aten.detach.default, _aten.chunk.default, _aten.narrow.default,
+}
+
+
+class FP8AllGatherWeight(torch.Tensor):
+    """A high-precision weight whose FSDP2 all-gather sends e4m3 data and its scale_inv.
+
+    Behaves as the high-precision tensor it wraps for every op (the optimizer updates it); only
+    FSDP2's hooks see the FP8 form. ``scaling`` is one of :data:`SCALINGS`; ``scale``, for
+    ``"static"``, a one-element fp32 tensor (the dequantisation scale)."""
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, scaling: str = "row", scale: torch.Tensor | None = None):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
+            layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: torch.Tensor, scaling: str = "row", scale: torch.Tensor | None = None):
+        if scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+        if (scaling == "static") != (scale is not None):
+            raise ValueError("scale is required with scaling='static' and meaningless otherwise")
+        if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
+            raise ValueError("scale must be a one-element float32 tensor (the dequantisation scale)")
+        self._tensor = tensor
+        self._scaling = scaling
+        self._scale = scale
+        self._comm: Communicator | None = None  # use_ubnext_collectives's, else FSDP2's group's own
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"FP8AllGatherWeight(scaling={self._scaling!r}, {self._tensor!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        found: list[FP8AllGatherWeight] = []
+
+        def unwrap(t: FP8AllGatherWeight) -> torch.Tensor:
+            found.append(t)
+            return t._tensor
+
+        args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _KEEP_SUBCLASS:
+            return out
+        first = found[0]
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, first._scaling, first._scale), out)
+
+    def __tensor_flatten__(self):
+        names = ["_tensor"] + (["_scale"] if self._scale is not None else [])
+        return names, {"scaling": self._scaling}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return FP8AllGatherWeight(inner["_tensor"], meta["scaling"], inner.get("_scale"))
+
+    # -- FSDP2's hooks ------------------------------------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's shard as (q, scale_inv), written by one kernel (comm.quantize_fp8)."""
+        world = mesh.size()
+        if len(outer_size) != 2 or outer_size[0] % world:
+            raise ValueError(f"FP8 all-gather needs a 2-D weight whose rows divide evenly among the {world} FSDP "
+                             f"ranks, got {tuple(outer_size)}: FSDP2 pads uneven shards, and a padded shard's "
+                             "scale_inv cannot travel with it (leave this layer out of convert_to_fp8_all_gather)")
+        group = mesh.get_group()
+        comm = _comm_of(self._comm, group)
+        shard = self._tensor.contiguous()
+        if self._scaling == "row":
+            q, scale_inv = comm.quantize_fp8(shard, scaling="row")
+        elif self._scaling == "shard":
+            q, scale_inv = comm.quantize_fp8(shard, scaling="tensor")
+        else:
+            if self._scaling == "tensor":
+                amax = shard.detach().abs().amax().float().reshape(1)
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+                scale = torch.clamp(amax / FP8_MAX, min=FP8_TINY_SCALE_INV)
+            else:
+                scale = self._scale.to(shard.device)
+            q, scale_inv = comm.quantize_fp8(shard, scaling="static", scale=scale)
+        return (q, scale_inv), (self._scaling, tuple(outer_size))
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The full weight, dequantised to ``param_dtype`` from the gathered (q, scale_inv)."""
+        q, scale_inv = all_gather_outputs
+        weight = dequantize(q, scale_inv, metadata[0], param_dtype)
+        if out is not None:
+            # out is FSDP2's unsharded Parameter, refilled in place (the backward's re-gather):
+            # autograd saved it in the forward, and FSDP2 itself refills its gather buffers
+            # without counting a version, as here, since the values are those that were saved
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(weight)
+            _set_gathered(self, out, q, scale_inv, metadata[0])
+            return None
+        _set_gathered(self, weight, q, scale_inv, metadata[0])
+        return weight, (weight,)
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, scaling: str, dtype: torch.dtype) -> torch.Tensor:
+    """``q * scale_inv`` of a gathered weight: scale_inv holds one value per row ("row"), or one
+    per rank's shard (the others; equal on every rank for "tensor" and "static")."""
+    rows = q.shape[0]
+    values = q.float()
+    if scaling == "row":
+        values = values * scale_inv.reshape(rows, 1)
+    else:
+        world = scale_inv.numel()
+        values = (values.reshape(world, rows // world, -1) * scale_inv.reshape(world, 1, 1)).reshape(q.shape)
+    return values.to(dtype)
+
+
+# storage address of a gathered weight -> (q, scale_inv, scaling) it was dequantised from. FSDP2
+# wraps what fsdp_post_all_gather returns in a new Parameter that shares its storage, so the
+# storage, not the object, identifies it; one entry per FP8AllGatherWeight.
+_GATHERED: dict[int, tuple] = {}
+
+
+def _set_gathered(owner: FP8AllGatherWeight, weight: torch.Tensor, q, scale_inv, scaling: str) -> None:
+    _GATHERED.pop(getattr(owner, "_gathered_at", None), None)
+    owner._gathered_at = weight.untyped_storage().data_ptr()
+    _GATHERED[owner._gathered_at] = (q, scale_inv, scaling)
+
+
+def fp8_gathered(weight: torch.Tensor):
+    """The ``(q, scale_inv, scaling)`` the unsharded weight of a converted layer was dequantised
+    from (``layer.weight`` while FSDP2 holds the layer unsharded), or None: the operands of an FP8
+    GEMM, ``weight ~= dequantize(q, scale_inv, scaling)``. They are FSDP2's all-gather buffers,
+    valid until it reshards the layer."""
+    return _GATHERED.get(weight.untyped_storage().data_ptr())
+
+
+def convert_to_fp8_all_gather(model: torch.nn.Module, *, scaling: str = "row", scale: torch.Tensor | None = None,
+                              include: Callable[[str, torch.nn.Module], bool] | str = "*") -> list[str]:
+    """Make the weights of ``model``'s ``nn.Linear`` layers FP8AllGatherWeights, before
+    ``fully_shard``. ``include``: a glob over module names (``"layers.*.mlp.*"``) or a function
+    ``(name, module) -> bool``. Returns the converted names."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    chosen = include if callable(include) else (lambda name, _m: fnmatch.fnmatch(name, include))
+    converted = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and chosen(name, module):
+            weight = module.weight
+            if isinstance(weight.data, FP8AllGatherWeight):
+                continue
+            module.weight = torch.nn.Parameter(FP8AllGatherWeight(weight.data, scaling, scale),
+                                               requires_grad=weight.requires_grad)
+            converted.append(name)
+    return converted
