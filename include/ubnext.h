@@ -280,6 +280,44 @@ UBNEXT_API ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* l
                                                         const ubnext_rmsnorm_args_t* args);
 
 /* ---------------------------------------------------------------------------------------- */
+/* FSDP collectives and FP8 quantisation                                                    */
+/* ---------------------------------------------------------------------------------------- */
+
+/* All-gather of bytes, one shot: rank r's `in` lands at out + r * bytes on every rank. `out`
+ * (nranks * bytes, 16-byte aligned) lies in the data arena at the same offset on every rank (the
+ * kernel compares the offsets: a mismatch is reported through ubnext_take_kernel_error); `in`
+ * (bytes, 4-byte aligned) lies anywhere and may be this rank's own slice of `out` (it is then not
+ * copied again), but may not overlap `out` otherwise. bytes % 4 == 0 and 1 <= bytes <= INT32_MAX.
+ * The kernel pushes through the multicast address when the descriptor has one, else once per peer.
+ * launch->flags must be 0. Collective (bytes equal on every rank), stream-ordered, capturable,
+ * with the error rules of ubnext_allreduce. */
+UBNEXT_API ubnext_status_t ubnext_allgather(const ubnext_launch_t* launch, const void* in, void* out,
+                                            size_t bytes);
+
+/* Reduce-scatter: out[i] = dtype(factor * sum over ranks r of in_r[rank * count + i]) for
+ * i < count, the sum in fp32 in rank order 0..N-1 and rounded once (bf16/fp16 inputs keep their
+ * traffic and gain fp32 accumulation). `in` (nranks * count elements) lies in the data arena at
+ * the same offset on every rank and is not modified; `out` (count elements, 16-byte aligned) lies
+ * anywhere, not overlapping `in`. count * dtype size must be a multiple of 16 bytes; factor finite
+ * (1 for a sum, 1/nranks for an average). launch->flags must be 0. Collective (dtype, count and
+ * factor equal on every rank), stream-ordered, capturable, with the error rules of
+ * ubnext_allreduce. */
+UBNEXT_API ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* launch, ubnext_dtype_t dtype,
+                                                 const void* in, void* out, size_t count, float factor);
+
+/* FP8 (e4m3) quantisation of `count` elements of `in` into `out` (count bytes, 8-byte aligned),
+ * with its scale_inv written by the same kernel (the contract of ubnext_fp8_scaling_t):
+ * FP8_PER_TOKEN: one scale per row of `hidden` elements, scale_inv[row] = max(amax / 448, 1e-12)
+ * (hidden == count: one scale for the whole tensor); FP8_STATIC: q = sat(x / *scale) and
+ * *scale_inv = *scale (scale: 1 float in device memory). hidden must divide count, and
+ * hidden * dtype size be a multiple of 16 bytes. `in` 16-byte aligned; in, out and scale_inv do
+ * not overlap. Local (no descriptor, no peer), enqueued on `stream` (a cudaStream_t, NULL: the
+ * legacy default stream), capturable. */
+UBNEXT_API ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_fp8_scaling_t scaling,
+                                               const void* in, void* out, size_t count, size_t hidden,
+                                               const float* scale, float* scale_inv);
+
+/* ---------------------------------------------------------------------------------------- */
 /* Kernel-side errors                                                                       */
 /* ---------------------------------------------------------------------------------------- */
 

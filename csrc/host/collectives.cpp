@@ -25,11 +25,17 @@
   X(nvls_twoshot, bf16) X(nvls_twoshot, fp16) X(nvls_twoshot, fp32)            \
   X(nvls_lamport, bf16) X(nvls_lamport, fp16) X(nvls_lamport, fp32)            \
   X(twoshot, bf16) X(twoshot, fp16) X(twoshot, fp32)
+// The kernels outside ubnext_algo_t, after them in the table: FSDP2's collectives and the FP8 cast.
+#define UBNEXT_FOR_EACH_EXTRA_KERNEL(X)                                                   \
+  X(allgather, u8)                                                                          \
+  X(reduce_scatter, bf16) X(reduce_scatter, fp16) X(reduce_scatter, fp32)                 \
+  X(quantize_fp8, bf16) X(quantize_fp8, fp16) X(quantize_fp8, fp32)
 
 #define UBNEXT_DECLARE_STUB(algo, dt) \
   __attribute__((weak, visibility("hidden"))) void ubnext_##algo##_##dt();
 extern "C" {
 UBNEXT_FOR_EACH_KERNEL(UBNEXT_DECLARE_STUB)
+UBNEXT_FOR_EACH_EXTRA_KERNEL(UBNEXT_DECLARE_STUB)
 }
 #undef UBNEXT_DECLARE_STUB
 
@@ -47,12 +53,20 @@ struct KernelEntry {
   void (*stub)();
 };
 
-// Indexed [algo][dtype] in enum order; UBNEXT_FOR_EACH_KERNEL lists them in that order.
+// Indexed [algo][dtype] in enum order (UBNEXT_FOR_EACH_KERNEL lists them in that order), then the
+// extra kernels: the all-gather, then reduce-scatter and quantisation by dtype.
+constexpr int kAllgatherKernel = kNumAlgos * kNumDtypes;
+constexpr int kReduceScatterKernel = kAllgatherKernel + 1;
+constexpr int kQuantizeKernel = kReduceScatterKernel + kNumDtypes;
+constexpr int kNumKernels = kQuantizeKernel + kNumDtypes;
 #define UBNEXT_KERNEL_ENTRY(algo, dt) {"ubnext_" #algo "_" #dt, &ubnext_##algo##_##dt},
-const KernelEntry kKernels[kNumAlgos * kNumDtypes] = {UBNEXT_FOR_EACH_KERNEL(UBNEXT_KERNEL_ENTRY)};
+const KernelEntry kKernels[kNumKernels] = {UBNEXT_FOR_EACH_KERNEL(UBNEXT_KERNEL_ENTRY)
+                                               UBNEXT_FOR_EACH_EXTRA_KERNEL(UBNEXT_KERNEL_ENTRY)};
 #undef UBNEXT_KERNEL_ENTRY
 
 const char* op_name(uint32_t op) {
+  if (op == UBNEXT_OP_ALLGATHER) return "allgather";
+  if (op == UBNEXT_OP_REDUCE_SCATTER) return "reduce_scatter";
   for (int a = 0; a < kNumAlgos; ++a) {
     if (static_cast<uint32_t>(kAlgos[a].op) == op) {
       return ubnext_algo_string(static_cast<ubnext_algo_t>(a));
@@ -87,25 +101,10 @@ ubnext_status_t from_cuda(cudaError_t err, const char* call) {
     if (ubnext_try_status_ != UBNEXT_STATUS_SUCCESS) return ubnext_try_status_; \
   } while (0)
 
-// Checks that hold for every collective: the launch struct, the descriptor, algo and dtype.
-ubnext_status_t check_common(const ubnext_launch_t* user_launch, ubnext_algo_t algo,
-                             ubnext_dtype_t dtype, ubnext_launch_t* launch,
+// The launch struct (already read into *launch) and its host descriptor, for any kernel that
+// waits on peers; `what` names the call in errors.
+ubnext_status_t check_launch(const ubnext_launch_t* launch, bool wants_multicast, const char* what,
                              const ubnext_comm_desc** desc) {
-  *launch = ubnext_launch_t UBNEXT_LAUNCH_INIT;
-  UBNEXT_TRY(read_versioned(user_launch, launch, "ubnext_launch_t"));
-  if (static_cast<unsigned>(algo) >= static_cast<unsigned>(kNumAlgos)) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "algo %d is not a ubnext_algo_t",
-                static_cast<int>(algo));
-  }
-  if (dtype == UBNEXT_DTYPE_FP8_E4M3) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "dtype FP8_E4M3 is an output format only; reduce bf16/fp16/fp32 and ask for "
-                "FP8 output through ubnext_rmsnorm_args_t.fp8");
-  }
-  if (static_cast<unsigned>(dtype) >= static_cast<unsigned>(kNumDtypes)) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "dtype %d is not a ubnext_dtype_t",
-                static_cast<int>(dtype));
-  }
   if (launch->desc == nullptr || !aligned(launch->desc, 8)) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
                 "ubnext_launch_t.desc (device descriptor) is NULL or not 8-byte aligned");
@@ -125,11 +124,6 @@ ubnext_status_t check_common(const ubnext_launch_t* user_launch, ubnext_algo_t a
   if (launch->flags & ~kKnownLaunchFlags) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "unknown ubnext_launch_t.flags bits 0x%x",
                 launch->flags & ~kKnownLaunchFlags);
-  }
-  if ((launch->flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) && algo != UBNEXT_ALGO_LAMPORT) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "UBNEXT_LAUNCH_LAMPORT_MULTICAST applies to UBNEXT_ALGO_LAMPORT only, not %s",
-                ubnext_algo_string(algo));
   }
 
   const ubnext_comm_desc* d = launch->host_desc;
@@ -156,16 +150,43 @@ ubnext_status_t check_common(const ubnext_launch_t* user_launch, ubnext_algo_t a
                 "region at +%llu",
                 d->lamport_off, d->data_off, UBNEXT_SYNC_BYTES, d->sync_off);
   }
-  const bool wants_multicast = kAlgos[algo].needs_multicast ||
-                               (launch->flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST);
   if (wants_multicast && d->mc_base == 0) {
     return fail(UBNEXT_STATUS_UNSUPPORTED,
                 "%s needs a multicast address and this communicator has none "
                 "(use lamport or twoshot)",
-                ubnext_algo_string(algo));
+                what);
   }
   *desc = d;
   return UBNEXT_STATUS_SUCCESS;
+}
+
+// Checks that hold for every collective: the launch struct, the descriptor, algo and dtype.
+ubnext_status_t check_common(const ubnext_launch_t* user_launch, ubnext_algo_t algo,
+                             ubnext_dtype_t dtype, ubnext_launch_t* launch,
+                             const ubnext_comm_desc** desc) {
+  *launch = ubnext_launch_t UBNEXT_LAUNCH_INIT;
+  UBNEXT_TRY(read_versioned(user_launch, launch, "ubnext_launch_t"));
+  if (static_cast<unsigned>(algo) >= static_cast<unsigned>(kNumAlgos)) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "algo %d is not a ubnext_algo_t",
+                static_cast<int>(algo));
+  }
+  if (dtype == UBNEXT_DTYPE_FP8_E4M3) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "dtype FP8_E4M3 is an output format only; reduce bf16/fp16/fp32 and ask for "
+                "FP8 output through ubnext_rmsnorm_args_t.fp8");
+  }
+  if (static_cast<unsigned>(dtype) >= static_cast<unsigned>(kNumDtypes)) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "dtype %d is not a ubnext_dtype_t",
+                static_cast<int>(dtype));
+  }
+  if ((launch->flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) && algo != UBNEXT_ALGO_LAMPORT) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "UBNEXT_LAUNCH_LAMPORT_MULTICAST applies to UBNEXT_ALGO_LAMPORT only, not %s",
+                ubnext_algo_string(algo));
+  }
+  const bool wants_multicast = kAlgos[algo].needs_multicast ||
+                               (launch->flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST);
+  return check_launch(launch, wants_multicast, ubnext_algo_string(algo), desc);
 }
 
 ubnext_status_t check_buffer(const void* p, const char* name, uintptr_t alignment) {
@@ -177,8 +198,8 @@ ubnext_status_t check_buffer(const void* p, const char* name, uintptr_t alignmen
   return UBNEXT_STATUS_SUCCESS;
 }
 
-ubnext_status_t check_in_arena(const ubnext_comm_desc* d, ubnext_algo_t algo, const void* p,
-                               size_t bytes, const char* name) {
+ubnext_status_t check_in_arena_named(const ubnext_comm_desc* d, const char* what, const void* p, size_t bytes,
+                                     const char* name) {
   const uintptr_t base = d->peer_base[d->rank];
   const uintptr_t lo = base + d->data_off, hi = base + d->pool_bytes;
   const uintptr_t at = reinterpret_cast<uintptr_t>(p);
@@ -186,9 +207,14 @@ ubnext_status_t check_in_arena(const ubnext_comm_desc* d, ubnext_algo_t algo, co
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
                 "%s needs %s in the symmetric pool: [%p, +%zu) is outside this rank's data "
                 "arena [0x%" PRIxPTR ", 0x%" PRIxPTR ")",
-                ubnext_algo_string(algo), name, p, bytes, lo, hi);
+                what, name, p, bytes, lo, hi);
   }
   return UBNEXT_STATUS_SUCCESS;
+}
+
+ubnext_status_t check_in_arena(const ubnext_comm_desc* d, ubnext_algo_t algo, const void* p, size_t bytes,
+                               const char* name) {
+  return check_in_arena_named(d, ubnext_algo_string(algo), p, bytes, name);
 }
 
 size_t round_up16(size_t bytes) { return (bytes + 15) / 16 * 16; }
@@ -245,7 +271,7 @@ struct Limits {
   int sms;
   int coresident;
 };
-std::atomic<long long> g_limits[kMaxCachedDevices][kNumAlgos * kNumDtypes];
+std::atomic<long long> g_limits[kMaxCachedDevices][kNumKernels];
 
 ubnext_status_t device_limits(int device, int kernel, unsigned block, Limits* out) {
   const bool cacheable = block == kDefaultBlock && device < kMaxCachedDevices;
@@ -290,10 +316,12 @@ struct KernelArgs {
   int32_t flags;
 };
 
-ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
-                              ubnext_dtype_t dtype, const ubnext_comm_desc* d, size_t tokens,
-                              KernelArgs a) {
-  const int kernel = static_cast<int>(algo) * kNumDtypes + static_cast<int>(dtype);
+// Launch kernel `kernel` (an index of kKernels) with the default grid rule of launch_rules.h
+// (default_grid: `bytes` of message, per-rank share or not, `tokens` rows) unless launch.grid
+// says otherwise. Kernels that wait on peers' blocks (`coresident`) refuse a grid larger than
+// what fits at once.
+ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per_rank_share, size_t bytes,
+                             size_t tokens, size_t nranks, KernelArgs a) {
   const KernelEntry& k = kKernels[kernel];
   // The device first: NO_DEVICE describes the machine, whatever this build holds.
   int device = 0;
@@ -307,23 +335,44 @@ ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
   UBNEXT_TRY(device_limits(device, kernel, block, &lim));
   unsigned grid = launch.grid;
   if (grid == 0) {
-    grid = default_grid(kAlgos[algo].per_rank_share,
-                        static_cast<size_t>(a.n) * ubnext_dtype_size(dtype), tokens,
-                        static_cast<size_t>(d->nranks), block, lim.sms, lim.coresident);
+    grid = default_grid(per_rank_share, bytes, tokens, nranks, block, lim.sms, lim.coresident);
   } else if (grid > static_cast<unsigned>(lim.coresident)) {
     // Blocks wait on their peers' blocks; more than fit at once could wait forever.
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
                 "grid %u exceeds the co-resident limit of %d blocks for %s with %u threads",
                 grid, lim.coresident, k.name, block);
   }
-  a.flags |= (launch.flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) ? UBNEXT_F_MULTICAST : 0;
-
   void* params[] = {&a.desc,     &a.in,    &a.out,       &a.residual,
                     &a.residual_out, &a.weight, &a.scale, &a.scale_inv,
                     &a.n,        &a.hidden, &a.eps,      &a.flags};
   const cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(k.stub), dim3(grid), dim3(block), params, 0,
                        static_cast<cudaStream_t>(launch.stream));
   return from_cuda(err, k.name);
+}
+
+ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
+                              ubnext_dtype_t dtype, const ubnext_comm_desc* d, size_t tokens,
+                              KernelArgs a) {
+  a.flags |= (launch.flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) ? UBNEXT_F_MULTICAST : 0;
+  return launch_index(launch, static_cast<int>(algo) * kNumDtypes + static_cast<int>(dtype),
+                      kAlgos[algo].per_rank_share, static_cast<size_t>(a.n) * ubnext_dtype_size(dtype), tokens,
+                      static_cast<size_t>(d->nranks), a);
+}
+
+// count in 1..INT32_MAX (the kernels' n is an int32; it also keeps count * size from overflowing)
+ubnext_status_t check_count(size_t count, const char* name) {
+  if (count == 0 || count > INT32_MAX) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "%s %zu is outside 1..%d", name, count, INT32_MAX);
+  }
+  return UBNEXT_STATUS_SUCCESS;
+}
+
+ubnext_status_t check_input_dtype(ubnext_dtype_t dtype) {
+  if (static_cast<unsigned>(dtype) >= static_cast<unsigned>(kNumDtypes)) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "dtype %d must be BF16, FP16 or FP32",
+                static_cast<int>(dtype));
+  }
+  return UBNEXT_STATUS_SUCCESS;
 }
 
 }  // namespace
@@ -490,6 +539,98 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
                args.scale,   args.scale_inv, static_cast<int32_t>(args.count),
                static_cast<int32_t>(args.hidden), args.eps, flags};
   return launch_kernel(launch, algo, dtype, d, args.count / args.hidden, a);
+}
+
+ubnext_status_t ubnext_allgather(const ubnext_launch_t* user_launch, const void* in, void* out, size_t bytes) {
+  clear_error();
+  ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
+  UBNEXT_TRY(read_versioned(user_launch, &launch, "ubnext_launch_t"));
+  if (launch.flags != 0) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "ubnext_allgather takes no launch flags (it pushes through multicast when the descriptor has it)");
+  }
+  const ubnext_comm_desc* d = nullptr;
+  UBNEXT_TRY(check_launch(&launch, false, "allgather", &d));
+  UBNEXT_TRY(check_count(bytes, "bytes"));
+  if (bytes % 4 != 0) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "bytes %zu is not a multiple of 4", bytes);
+  UBNEXT_TRY(check_buffer(in, "in", 4));
+  UBNEXT_TRY(check_buffer(out, "out", 16));
+  const size_t total = bytes * static_cast<size_t>(d->nranks);
+  UBNEXT_TRY(check_in_arena_named(d, "allgather", out, round_up16(total), "out"));
+  const char* own = static_cast<const char*>(out) + bytes * static_cast<size_t>(d->rank);
+  if (in != own && overlaps(in, bytes, out, total)) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "in overlaps out without being this rank's slice of it");
+  }
+  KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(bytes), 0, 0.0f,
+               d->mc_base != 0 ? UBNEXT_F_MULTICAST : 0};
+  return launch_index(launch, kAllgatherKernel, false, bytes, 0, static_cast<size_t>(d->nranks), a);
+}
+
+ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* user_launch, ubnext_dtype_t dtype, const void* in,
+                                      void* out, size_t count, float factor) {
+  clear_error();
+  ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
+  UBNEXT_TRY(read_versioned(user_launch, &launch, "ubnext_launch_t"));
+  if (launch.flags != 0) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "ubnext_reduce_scatter takes no launch flags");
+  UBNEXT_TRY(check_input_dtype(dtype));
+  const ubnext_comm_desc* d = nullptr;
+  UBNEXT_TRY(check_launch(&launch, false, "reduce_scatter", &d));
+  UBNEXT_TRY(check_count(count, "count"));
+  const size_t elem = ubnext_dtype_size(dtype), bytes = count * elem;
+  if (bytes % 16 != 0) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "count %zu x %zu bytes is not a multiple of 16 bytes (each shard moves as 16-byte vectors)", count,
+                elem);
+  }
+  if (!std::isfinite(factor)) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "factor %g is not finite", factor);
+  UBNEXT_TRY(check_buffer(in, "in", 16));
+  UBNEXT_TRY(check_buffer(out, "out", 16));
+  const size_t total = bytes * static_cast<size_t>(d->nranks);
+  UBNEXT_TRY(check_in_arena_named(d, "reduce_scatter", in, total, "in"));
+  if (overlaps(in, total, out, bytes)) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "out overlaps in");
+  KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(count), 0,
+               factor, 0};
+  return launch_index(launch, kReduceScatterKernel + static_cast<int>(dtype), false, bytes, 0,
+                      static_cast<size_t>(d->nranks), a);
+}
+
+ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_fp8_scaling_t scaling, const void* in,
+                                    void* out, size_t count, size_t hidden, const float* scale, float* scale_inv) {
+  clear_error();
+  UBNEXT_TRY(check_input_dtype(dtype));
+  UBNEXT_TRY(check_count(count, "count"));
+  const size_t elem = ubnext_dtype_size(dtype);
+  if (hidden == 0 || count % hidden != 0 || (hidden * elem) % 16 != 0) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "hidden %zu must divide count %zu into rows of whole 16-byte vectors", hidden, count);
+  }
+  int32_t flags = 0;
+  size_t scales = 0;
+  if (scaling == UBNEXT_FP8_STATIC) {
+    UBNEXT_TRY(check_buffer(scale, "scale (FP8_STATIC)", 4));
+    flags = UBNEXT_F_FP8_STATIC;
+    scales = 1;
+  } else if (scaling == UBNEXT_FP8_PER_TOKEN) {
+    if (scale != nullptr) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "scale must be NULL with FP8_PER_TOKEN");
+    flags = UBNEXT_F_FP8_PER_TOKEN;
+    scales = count / hidden;
+  } else {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "scaling %d must be FP8_STATIC or FP8_PER_TOKEN",
+                static_cast<int>(scaling));
+  }
+  UBNEXT_TRY(check_buffer(in, "in", 16));
+  UBNEXT_TRY(check_buffer(out, "out", 8));
+  UBNEXT_TRY(check_buffer(scale_inv, "scale_inv", 4));
+  if (overlaps(in, count * elem, out, count) || overlaps(scale_inv, scales * sizeof(float), in, count * elem) ||
+      overlaps(scale_inv, scales * sizeof(float), out, count)) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "in, out and scale_inv must not overlap");
+  }
+  ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
+  launch.stream = stream;
+  KernelArgs a{nullptr, in, out, nullptr, nullptr, nullptr, scale, scale_inv, static_cast<int32_t>(count),
+               static_cast<int32_t>(hidden), 0.0f, flags};
+  // one block per row (a per-tensor scale is one row: one block)
+  return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, 0, count / hidden, 1, a);
 }
 
 ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_desc) {

@@ -609,6 +609,52 @@ static void test_last_error_is_thread_local(void) {
   CHECK(ubnext_get_last_error_string()[0] != '\0');
 }
 
+/* The FSDP collectives and the FP8 cast: what each refuses, naming it; valid requests end in
+ * NO_DEVICE without a GPU. */
+static void test_fsdp_entries(int gpu) {
+  const ubnext_status_t INV = UBNEXT_STATUS_INVALID_ARGUMENT;
+  char* elsewhere = (char*)(uintptr_t)0x7e0000000000ull;
+  char* a;
+  float* s = (float*)(elsewhere + 0x100000);
+  reset_fixture();
+  a = (char*)g_arena;
+  /* all-gather: out in the arena, bytes a multiple of 4, in this rank's slice or outside out */
+  EXPECT(ubnext_allgather(&g_launch, elsewhere, elsewhere + 0x10000, 256), INV, "symmetric pool");
+  EXPECT(ubnext_allgather(&g_launch, elsewhere, a, 6), INV, "multiple of 4");
+  EXPECT(ubnext_allgather(&g_launch, elsewhere, a, 0), INV, "bytes");
+  EXPECT(ubnext_allgather(&g_launch, a + 256, a, 256), INV, "slice");
+  EXPECT(ubnext_allgather(&g_launch, elsewhere + 2, a, 256), INV, "aligned");
+  g_launch.flags = UBNEXT_LAUNCH_LAMPORT_MULTICAST;
+  EXPECT(ubnext_allgather(&g_launch, elsewhere, a, 256), INV, "flags");
+  g_launch.flags = 0;
+  /* reduce-scatter: in in the arena, whole 16-byte vectors, finite factor, out not over in */
+  EXPECT(ubnext_reduce_scatter(&g_launch, UBNEXT_DTYPE_BF16, elsewhere, elsewhere + 0x10000, 64, 1.0f), INV,
+         "symmetric pool");
+  EXPECT(ubnext_reduce_scatter(&g_launch, UBNEXT_DTYPE_BF16, a, elsewhere, 5, 1.0f), INV, "16 bytes");
+  EXPECT(ubnext_reduce_scatter(&g_launch, UBNEXT_DTYPE_FP8_E4M3, a, elsewhere, 64, 1.0f), INV, "dtype");
+  EXPECT(ubnext_reduce_scatter(&g_launch, UBNEXT_DTYPE_FP32, a, elsewhere, 64, 1.0f / 0.0f), INV, "finite");
+  EXPECT(ubnext_reduce_scatter(&g_launch, UBNEXT_DTYPE_FP32, a, a + 128, 64, 1.0f), INV, "overlaps");
+  /* quantisation: rows of whole vectors, the scale that the scaling needs */
+  EXPECT(ubnext_quantize_fp8(NULL, UBNEXT_DTYPE_BF16, UBNEXT_FP8_PER_TOKEN, elsewhere, a, 64, 12, NULL, s), INV,
+         "hidden");
+  EXPECT(ubnext_quantize_fp8(NULL, UBNEXT_DTYPE_BF16, UBNEXT_FP8_STATIC, elsewhere, a, 64, 64, NULL, s), INV,
+         "scale");
+  EXPECT(ubnext_quantize_fp8(NULL, UBNEXT_DTYPE_BF16, UBNEXT_FP8_PER_TOKEN, elsewhere, a, 64, 64, s, s + 4), INV,
+         "NULL");
+  EXPECT(ubnext_quantize_fp8(NULL, UBNEXT_DTYPE_BF16, UBNEXT_FP8_NONE, elsewhere, a, 64, 64, NULL, s), INV,
+         "scaling");
+  EXPECT(ubnext_quantize_fp8(NULL, UBNEXT_DTYPE_FP32, UBNEXT_FP8_PER_TOKEN, elsewhere, elsewhere + 8, 64, 64,
+                             NULL, s), INV, "overlap");
+  if (gpu) return; /* tests/gpu launches for real */
+  EXPECT(ubnext_allgather(&g_launch, elsewhere, a, 256), UBNEXT_STATUS_NO_DEVICE, NULL);
+  EXPECT(ubnext_allgather(&g_launch, a, a, 12), UBNEXT_STATUS_NO_DEVICE, NULL); /* rank 0's own slice */
+  EXPECT(ubnext_reduce_scatter(&g_launch, UBNEXT_DTYPE_BF16, a, elsewhere, 64, 0.5f), UBNEXT_STATUS_NO_DEVICE, NULL);
+  EXPECT(ubnext_quantize_fp8(NULL, UBNEXT_DTYPE_BF16, UBNEXT_FP8_PER_TOKEN, elsewhere, a, 64, 8, NULL, s),
+         UBNEXT_STATUS_NO_DEVICE, NULL);
+  EXPECT(ubnext_quantize_fp8(NULL, UBNEXT_DTYPE_FP32, UBNEXT_FP8_STATIC, elsewhere, a, 64, 64, s, s + 4),
+         UBNEXT_STATUS_NO_DEVICE, NULL);
+}
+
 int main(void) {
   int gpu;
   test_version();
@@ -620,6 +666,7 @@ int main(void) {
   test_rmsnorm_arguments();
   test_kernel_error();
   test_last_error_is_thread_local();
+  test_fsdp_entries(gpu);
   if (!gpu) {
     test_no_device_launches();
   } else {
