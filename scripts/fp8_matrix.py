@@ -65,6 +65,9 @@ def run_cell(row: str, column: str, fullgraph: bool) -> float:
     elif row == "model":
         model.compile(fullgraph=fullgraph)
     elif row == "model_hooks":
+        if not hasattr(torch._dynamo.config, "skip_fsdp_hooks"):
+            raise RuntimeError(f"torch {torch.__version__} always runs FSDP2's hooks outside the graph "
+                               "(torch._dynamo.disable in fsdp/_fully_shard/_fsdp_common.py; no skip_fsdp_hooks switch)")
         torch._dynamo.config.skip_fsdp_hooks = False
         model.compile(fullgraph=fullgraph)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
