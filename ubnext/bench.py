@@ -49,7 +49,13 @@ def _time_calls(fn, sync, iters: int, budget_s: float) -> tuple[float, int]:
 
 
 def bench_mode(comm: Communicator, label: str, sizes: list[int], dtype: torch.dtype, iters: int,
-               budget_s: float, fused: bool, rows: list) -> None:
+               budget_s: float, op: str, rows: list) -> None:
+    """Rows of ``op`` (all_reduce, all_reduce_add_rmsnorm, all_gather, reduce_scatter) for each
+    message size: the all-gather's message is its gathered output, the reduce-scatter's its input,
+    both in pool buffers (comm.empty) as FSDP2's allocate gives them."""
+    if op in ("all_gather", "reduce_scatter"):
+        return bench_exchange(comm, label, sizes, dtype, iters, budget_s, op, rows)
+    fused = op == "all_reduce_add_rmsnorm"
     elem = dtype.itemsize
     device = comm.device
     for nbytes in sizes:
@@ -58,7 +64,7 @@ def bench_mode(comm: Communicator, label: str, sizes: list[int], dtype: torch.dt
         numel -= numel % hidden
         inputs = [rank_input(r, numel, dtype, nbytes) for r in range(comm.world_size)]
         x = inputs[comm.rank].to(device)
-        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        sync = _sync(device)
         try:
             if fused:
                 residual = torch.zeros(numel // hidden, hidden, dtype=dtype, device=device)
@@ -88,6 +94,43 @@ def bench_mode(comm: Communicator, label: str, sizes: list[int], dtype: torch.dt
         n = comm.world_size
         busbw = (2 * (n - 1) / n) * numel * elem / t.item() / 1e9
         rows.append((label, path, numel * elem, f"{calls}", us, busbw, err.max().item(), ok))
+
+
+def _sync(device: torch.device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def bench_exchange(comm: Communicator, label: str, sizes: list[int], dtype: torch.dtype, iters: int,
+                   budget_s: float, op: str, rows: list) -> None:
+    n, elem = comm.world_size, dtype.itemsize
+    for nbytes in sizes:
+        shard = max(16 // elem, nbytes // elem // n // (16 // elem) * (16 // elem))  # whole 16-byte vectors
+        numel = shard * n
+        inputs = [rank_input(r, numel, dtype, nbytes) for r in range(n)]
+        try:
+            if op == "all_gather":
+                out = comm.empty(numel, dtype=dtype)
+                x = inputs[comm.rank][comm.rank * shard:(comm.rank + 1) * shard].to(comm.device)
+                call = lambda: comm.all_gather(x, out=out)  # noqa: E731
+                want = torch.cat([inputs[r][r * shard:(r + 1) * shard] for r in range(n)]).double()
+                bound = torch.zeros_like(want)  # bytes move unchanged
+            else:
+                x = comm.empty(numel, dtype=dtype).copy_(inputs[comm.rank].to(comm.device))
+                out = torch.empty(shard, dtype=dtype, device=comm.device)
+                call = lambda: comm.reduce_scatter(x, out=out)  # noqa: E731
+                mine = [t[comm.rank * shard:(comm.rank + 1) * shard] for t in inputs]
+                want, bound = reference_sum(mine), allreduce_bound(mine, dtype)
+            seconds, calls = _time_calls(call, _sync(comm.device), iters, budget_s)
+        except UbnextError as exc:
+            rows.append((label, "error", nbytes, str(exc)[:60], None, None, None, None))
+            continue
+        err = (out.reshape(-1).double().cpu() - want).abs()
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
+        # nccl-tests' bus bandwidth of both: (N-1)/N of the whole message crosses each rank's links
+        busbw = ((n - 1) / n) * numel * elem / t.item() / 1e9
+        rows.append((label, comm.last_path, numel * elem, f"{calls}", t.item() * 1e6, busbw, err.max().item(),
+                     bool((err <= bound).all())))
 
 
 # ---------------------------------------------------------------------------------- host overhead
@@ -259,7 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--iters", type=int, default=None, help="calls per size (default 200 GPU, 20 CPU)")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds per size at most (CPU)")
-    parser.add_argument("--fused", action="store_true", help="time all_reduce_add_rmsnorm instead")
+    parser.add_argument("--op", choices=["all_reduce", "all_reduce_add_rmsnorm", "all_gather", "reduce_scatter"],
+                        default="all_reduce", help="the operation timed (message: the all-gather's output, the "
+                        "reduce-scatter's input)")
+    parser.add_argument("--fused", action="store_true", help="the same as --op all_reduce_add_rmsnorm")
     parser.add_argument("--modes", nargs="+", choices=["gpu", "emulator", "torch"], default=None)
     parser.add_argument("--algo", nargs="+", default=None,
                         help="force a path (UBNEXT_ALGO's values) in the gpu/emulator modes; several: one pass each")
@@ -282,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     iters = args.iters or (200 if gpu else 20)
     dtype = DTYPES[args.dtype]
 
+    op = "all_reduce_add_rmsnorm" if args.fused else args.op
     rows: list = []
     for mode in modes:
         if mode == "gpu" and not gpu:
@@ -293,11 +340,10 @@ def main(argv: list[str] | None = None) -> int:
             if algo not in (None, "torch") and len(args.algo) > 1:
                 # a forced path that cannot run falls back: its rows must not join another pass's line
                 label += f" (forced {algo})"
-            bench_mode(comm, label, sizes, dtype, iters, args.budget, args.fused, rows)
+            bench_mode(comm, label, sizes, dtype, iters, args.budget, op, rows)
             comm.close()
 
     if dist.get_rank() == 0:
-        op = "all_reduce_add_rmsnorm" if args.fused else "all_reduce"
         print(f"# ubnext.bench {op} dtype={args.dtype} ranks={dist.get_world_size()}")
         print(f"{'mode':22} {'path':14} {'bytes':>10} {'calls':>6} {'us/call':>10} {'busbw GB/s':>11} "
               f"{'max |err|':>11} {'<= bound':>8}")

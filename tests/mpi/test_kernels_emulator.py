@@ -9,7 +9,7 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
         "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint", "all_gather",
-        "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8"]
+        "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8", "exchange_compile"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8"]

@@ -54,3 +54,28 @@ def test_readme_parallelize_module_block_runs(mpi, tmp_path, emulate, launcher):
     assert out.count("torch.Size([4, 256])") == 2, out
     path = "lamport" if emulate == "1" else r"torch(?!\.Size)"
     assert len(re.findall(path, out)) == 2, f"both ranks should report path {path}:\n{out}"
+
+
+def readme_fsdp_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    return re.search(r"```python\n(import torch\nimport ubnext\nimport ubnext\.fsdp\n.*?)```",
+                     text, re.S).group(1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+@pytest.mark.parametrize("emulate", ["0", "1"])
+def test_readme_fsdp_block_runs(mpi, tmp_path, emulate, launcher):
+    """The FSDP2 block: exit status, the converted layers, and the path of its last collective
+    (the reduce-scatter's kernel on the emulator, torch.distributed on gloo) on every rank."""
+    script = tmp_path / "fsdp.py"
+    script.write_text(readme_fsdp_block())
+    if launcher == "mpirun":
+        proc = mpi(2, script, env={"UBNEXT_EMULATE": emulate})
+    else:
+        proc = run_torchrun(2, script, env={"UBNEXT_EMULATE": emulate}, cwd=tmp_path)
+    assert_mpi_ok(proc)
+    out = proc.stdout
+    assert out.count("['0', '2']") == 2, out
+    want = "fsdp reduce_scatter True" if emulate == "1" else "fsdp torch True"
+    assert out.count(want) == 2, f"both ranks should print {want!r}:\n{out}"

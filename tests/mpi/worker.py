@@ -798,6 +798,26 @@ def case_quantize_fp8():
                                 2 if scale is not None else 4)].path == ("torch" if MODE == "torch" else "quantize_fp8")
 
 
+def case_exchange_compile():
+    """all_gather, reduce_scatter and quantize_fp8 under torch.compile(fullgraph=True), default
+    backend: no graph break, and the same bits as eager."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    x = T.rank_input(rank, 8 * 64, torch.bfloat16, 50).view(8, 64).to(device())
+    big = T.rank_input(rank, n * 8 * 64, torch.float32, 51).view(n * 8, 64).to(device())
+
+    def step(x, big):
+        gathered = COMM.all_gather(x)
+        reduced = COMM.reduce_scatter(big, op="avg")
+        q, scale_inv = COMM.quantize_fp8(gathered, scaling="row")
+        return gathered, reduced, q.view(torch.uint8), scale_inv
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    for got, want in zip(compiled(x, big), step(x, big)):
+        assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
+        assert torch.equal(got, want), "compiled exchange ops differ from eager"
+
+
 # -- FSDP2 (ubnext.fsdp) -------------------------------------------------------------------------
 
 FSDP_HIDDEN, FSDP_FFN, FSDP_OUT, FSDP_BATCH = 32, 64, 16, 4

@@ -1,0 +1,131 @@
+"""ubnext.fsdp and the FSDP2-facing pieces of the communicator, without ranks: the reduce-scatter's
+factor, the exchange planner, the FP8 weight subclass, dequantisation and the conversion."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ubnext import fsdp as UF
+from ubnext import plan
+from ubnext.comm import FP8, check_all_gather_args, check_quantize_args, check_reduce_scatter_args, \
+    quantize_fp8_reference, reduce_factor
+
+
+def test_reduce_factor():
+    assert reduce_factor("sum", 4) == 1.0
+    assert reduce_factor("avg", 4) == 0.25
+    assert reduce_factor(0.5, 4) == 0.5
+    assert reduce_factor(dist.ReduceOp.SUM, 4) == 1.0
+    assert reduce_factor(dist.ReduceOp.AVG, 8) == 0.125
+    assert reduce_factor(dist.ReduceOp.PREMUL_SUM(0.125), 2) == 0.125  # FSDP2's gradient divide factor
+    for bad in ("max", dist.ReduceOp.MAX, True, None):
+        with pytest.raises(ValueError, match="reduce-scatter op"):
+            reduce_factor(bad, 2)
+
+
+def test_exchange_plan_is_a_function_of_the_call():
+    view = plan.PoolView(None, True, 1 << 20, 4096, "emulator", False, (), "UBNEXT_MAX_BATCH=64 tokens")
+    assert plan.exchange_path("allgather", 4096, False, None, view) == ("allgather", "fits")
+    path, why = plan.exchange_path("allgather", 8192, False, None, view)
+    assert path == "torch" and "staging region (4096 bytes" in why and "comm.empty" in why
+    assert plan.exchange_path("allgather", 8192, True, None, view)[0] == "allgather"  # a pool buffer
+    assert plan.exchange_path("reduce_scatter", 64, True, "odd shard", view) == ("torch", "odd shard")
+    off = plan.PoolView("no symmetric pool")
+    assert plan.exchange_path("allgather", 64, True, None, off) == ("torch", "no symmetric pool")
+    broken = plan.PoolView(None, False, 1 << 20, 4096, "emulator", False, (("twoshot", "wrong sums"),))
+    assert "self-test" in plan.exchange_path("reduce_scatter", 64, True, None, broken)[1]
+
+
+def test_argument_checks():
+    x = torch.zeros(8, 4, dtype=torch.bfloat16)
+    check_all_gather_args(x, torch.zeros(16, 4, dtype=torch.bfloat16), 2)
+    check_all_gather_args(torch.zeros(12, dtype=torch.uint8), None, 2)  # bytes are fine
+    with pytest.raises(ValueError, match="world_size x"):
+        check_all_gather_args(x, torch.zeros(8, 4, dtype=torch.bfloat16), 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        check_all_gather_args(x.t(), None, 2)
+    check_reduce_scatter_args(x, torch.zeros(4, 4, dtype=torch.bfloat16), 2)
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        check_reduce_scatter_args(torch.zeros(3, 4), None, 2)
+    with pytest.raises(TypeError, match="bfloat16, float16 and float32"):
+        check_reduce_scatter_args(torch.zeros(4, dtype=torch.uint8), None, 2)
+    with pytest.raises(ValueError, match="hidden"):
+        check_quantize_args(torch.zeros(10), 4, None)
+    with pytest.raises(ValueError, match="one-element float32"):
+        check_quantize_args(torch.zeros(8), 8, torch.ones(2))
+
+
+def test_quantize_reference_contract():
+    y = torch.tensor([[1.0, -2.0, 448.0 * 3], [0.0, 0.0, 0.0]])
+    q, s = quantize_fp8_reference(y, 3, None)
+    assert torch.equal(s, torch.tensor([3.0, 1e-12]))  # amax / 448, and the floor of an all-zero row
+    assert q[0].float().tolist() == [0.34375, -0.6875, 448.0]  # 1/3 and -2/3 to the nearest e4m3
+    q, s = quantize_fp8_reference(y, 3, torch.tensor([1.0]))
+    assert s.tolist() == [1.0] and q[0, 2].float() == 448.0  # saturates, never NaN
+
+
+def test_dequantize_modes():
+    q = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]).to(FP8)
+    rows = UF.dequantize(q, torch.tensor([1.0, 2.0, 3.0, 4.0]), "row", torch.float32)
+    assert rows.tolist() == [[1, 2], [6, 8], [15, 18], [28, 32]]
+    shards = UF.dequantize(q, torch.tensor([1.0, 10.0]), "shard", torch.float32)  # 2 ranks, 2 rows each
+    assert shards.tolist() == [[1, 2], [3, 4], [50, 60], [70, 80]]
+
+
+def test_fp8_weight_is_its_tensor_for_every_op_but_the_hooks():
+    w = torch.randn(8, 4)
+    fw = UF.FP8AllGatherWeight(w, "row")
+    # FSDP2's sharding ops keep the subclass, with the scaling mode
+    for piece in torch.chunk(fw, 2):
+        assert isinstance(piece, UF.FP8AllGatherWeight) and piece._scaling == "row"
+    assert isinstance(fw.detach(), UF.FP8AllGatherWeight)
+    assert isinstance(fw.new_zeros(3, 4), UF.FP8AllGatherWeight)
+    # arithmetic (the optimizer) sees the plain tensor and updates it in place
+    out = fw * 2
+    assert type(out) is torch.Tensor and torch.equal(out, w * 2)
+    fw.add_(torch.ones(8, 4))
+    assert torch.equal(fw._tensor, w)  # the same storage: w was updated
+    names, meta = fw.__tensor_flatten__()
+    again = UF.FP8AllGatherWeight.__tensor_unflatten__({"_tensor": w}, meta, w.shape, w.stride())
+    assert names == ["_tensor"] and again._scaling == "row"
+    static = UF.FP8AllGatherWeight(w, "static", torch.tensor([0.5]))
+    assert static.__tensor_flatten__()[0] == ["_tensor", "_scale"]
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        UF.FP8AllGatherWeight(w, "block")
+    with pytest.raises(ValueError, match="scale is required"):
+        UF.FP8AllGatherWeight(w, "static")
+    with pytest.raises(ValueError, match="one-element float32"):
+        UF.FP8AllGatherWeight(w, "static", torch.tensor([1.0, 2.0]))
+
+
+def test_fp8_weight_refuses_uneven_shards():
+    class Mesh:
+        def size(self):
+            return 4
+
+    fw = UF.FP8AllGatherWeight(torch.randn(3, 8), "row")
+    with pytest.raises(ValueError, match="divide evenly among the 4 FSDP ranks"):
+        fw.fsdp_pre_all_gather(Mesh(), torch.Size([10, 8]), (8, 1), None, None)
+
+
+def test_convert_by_name():
+    model = torch.nn.ModuleDict({"attn": torch.nn.Linear(4, 8), "mlp": torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))})
+    assert UF.convert_to_fp8_all_gather(model, include="mlp.*") == ["mlp.0", "mlp.2"]
+    assert isinstance(model["mlp"][0].weight.data, UF.FP8AllGatherWeight)
+    assert isinstance(model["mlp"][0].weight, torch.nn.Parameter) and model["mlp"][0].weight.requires_grad
+    assert not isinstance(model["attn"].weight.data, UF.FP8AllGatherWeight)
+    assert UF.convert_to_fp8_all_gather(model, include=lambda name, m: name == "attn") == ["attn"]
+    assert UF.convert_to_fp8_all_gather(model) == []  # already converted
+    # the converted layer computes as before
+    x = torch.randn(2, 4)
+    assert torch.equal(model["attn"](x), torch.nn.functional.linear(x, model["attn"].weight._tensor,
+                                                                     model["attn"].bias))
+
+
+def test_missing_fsdp2_api_is_named(monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delattr(FSDPModule, "set_custom_all_gather")
+    with pytest.raises(RuntimeError, match=r"torch >= 2.9 .*set_custom_all_gather"):
+        UF.require_fsdp2()
