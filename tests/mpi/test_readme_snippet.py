@@ -8,6 +8,18 @@ import pytest
 from tests.conftest import ROOT, assert_mpi_ok, run_torchrun
 
 
+def run_block(mpi, tmp_path, source: str, emulate: str, launcher: str):
+    """Run a README block as a script under mpirun or torchrun (2 ranks); its exit status must be 0."""
+    script = tmp_path / "block.py"
+    script.write_text(source)
+    if launcher == "mpirun":
+        proc = mpi(2, script, env={"UBNEXT_EMULATE": emulate})
+    else:
+        proc = run_torchrun(2, script, env={"UBNEXT_EMULATE": emulate}, cwd=tmp_path)
+    assert_mpi_ok(proc)
+    return proc.stdout
+
+
 def readme_block() -> str:
     text = (ROOT / "README.md").read_text()
     return re.search(r"```python\n(import torch\nimport ubnext\n.*?)```", text, re.S).group(1)
@@ -17,15 +29,8 @@ def readme_block() -> str:
 @pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
 @pytest.mark.parametrize("emulate", ["0", "1"])
 def test_readme_block_runs(mpi, tmp_path, emulate, launcher):
-    script = tmp_path / "block.py"
-    script.write_text(readme_block())
-    if launcher == "mpirun":
-        proc = mpi(2, script, env={"UBNEXT_EMULATE": emulate})
-    else:
-        proc = run_torchrun(2, script, env={"UBNEXT_EMULATE": emulate}, cwd=tmp_path)
-    assert_mpi_ok(proc)
+    out = run_block(mpi, tmp_path, readme_block(), emulate, launcher)
     # two ranks share one pipe, so their lines may interleave: count, do not split lines
-    out = proc.stdout
     assert out.count("torch.Size([8, 1024])") == 2, out
     path = "lamport" if emulate == "1" else r"torch(?!\.Size)"
     assert len(re.findall(path, out)) == 2, f"both ranks should report path {path}:\n{out}"
@@ -43,14 +48,7 @@ def readme_plan_block() -> str:
 def test_readme_parallelize_module_block_runs(mpi, tmp_path, emulate, launcher):
     """The parallelize_module block: it asserts the tensor-parallel MLP against the dense one
     itself; here, its exit status and the path its row-parallel layer took on every rank."""
-    script = tmp_path / "tp_plan.py"
-    script.write_text(readme_plan_block())
-    if launcher == "mpirun":
-        proc = mpi(2, script, env={"UBNEXT_EMULATE": emulate})
-    else:
-        proc = run_torchrun(2, script, env={"UBNEXT_EMULATE": emulate}, cwd=tmp_path)
-    assert_mpi_ok(proc)
-    out = proc.stdout
+    out = run_block(mpi, tmp_path, readme_plan_block(), emulate, launcher)
     assert out.count("torch.Size([4, 256])") == 2, out
     path = "lamport" if emulate == "1" else r"torch(?!\.Size)"
     assert len(re.findall(path, out)) == 2, f"both ranks should report path {path}:\n{out}"
@@ -68,14 +66,7 @@ def readme_fsdp_block() -> str:
 def test_readme_fsdp_block_runs(mpi, tmp_path, emulate, launcher):
     """The FSDP2 block: exit status, the converted layers, and the path of its last collective
     (the reduce-scatter's kernel on the emulator, torch.distributed on gloo) on every rank."""
-    script = tmp_path / "fsdp.py"
-    script.write_text(readme_fsdp_block())
-    if launcher == "mpirun":
-        proc = mpi(2, script, env={"UBNEXT_EMULATE": emulate})
-    else:
-        proc = run_torchrun(2, script, env={"UBNEXT_EMULATE": emulate}, cwd=tmp_path)
-    assert_mpi_ok(proc)
-    out = proc.stdout
+    out = run_block(mpi, tmp_path, readme_fsdp_block(), emulate, launcher)
     assert out.count("['0', '2']") == 2, out
     want = "fsdp reduce_scatter True" if emulate == "1" else "fsdp torch True"
     assert out.count(want) == 2, f"both ranks should print {want!r}:\n{out}"
