@@ -270,12 +270,6 @@ class FP8AllGatherWeight(torch.Tensor):
         return weight, (weight,)
 
 
-# checkpoints of a converted model hold FP8AllGatherWeights: let torch.load's default
-# (weights_only=True, torch >= 2.6) rebuild them
-if hasattr(torch.serialization, "add_safe_globals"):
-    torch.serialization.add_safe_globals([FP8AllGatherWeight])
-
-
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, scaling: str, dtype: torch.dtype) -> torch.Tensor:
     """``q * scale_inv`` of a gathered weight: scale_inv holds one value per row ("row"), or one
     per rank's shard (the others; equal on every rank for "tensor" and "static")."""

@@ -129,14 +129,3 @@ def test_missing_fsdp2_api_is_named(monkeypatch):
     monkeypatch.delattr(FSDPModule, "set_custom_all_gather")
     with pytest.raises(RuntimeError, match=r"torch >= 2.9 .*set_custom_all_gather"):
         UF.require_fsdp2()
-
-
-def test_fp8_weight_checkpoints_load_with_weights_only(tmp_path):
-    """torch.load's default (weights_only=True) rebuilds a converted model's state dict."""
-    model = torch.nn.Linear(4, 8)
-    UF.convert_to_fp8_all_gather(model, scaling="static", scale=torch.tensor([0.5]))
-    torch.save(model.state_dict(), tmp_path / "ckpt.pt")
-    loaded = torch.load(tmp_path / "ckpt.pt")
-    weight = loaded["weight"]
-    assert isinstance(weight, UF.FP8AllGatherWeight) and weight._scaling == "static"
-    assert torch.equal(weight._tensor, model.weight._tensor) and weight._scale.tolist() == [0.5]
