@@ -14,6 +14,7 @@ import functools
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 __all__ = [
     "CudaError",
@@ -49,10 +50,18 @@ def core():
     return mod
 
 
-def driver():
-    from cuda.bindings import driver as drv
+_driver_module = None
 
-    return drv
+
+def driver():
+    """cuda.bindings.driver, imported on first use (an import statement costs ~0.2 us even when the
+    module is loaded, and the launch asks on every call)."""
+    global _driver_module
+    if _driver_module is None:
+        from cuda.bindings import driver as drv
+
+        _driver_module = drv
+    return _driver_module
 
 
 def check(result: Any, what: str = "CUDA call") -> Any:
@@ -76,11 +85,6 @@ _probe: tuple[bool, str] | None = None
 def _probe_once() -> tuple[bool, str]:
     global _probe
     if _probe is not None:
-        return _probe
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        _probe = (False, "torch is not installed")
         return _probe
     if not torch.version.cuda:
         _probe = (False, "torch is a CPU build")
@@ -134,18 +138,28 @@ def driver_problem(driver_cuda: int, nvrtc_major: int) -> str | None:
 
 @functools.lru_cache(maxsize=64)
 def _is_cuda(device) -> bool:
-    # asked on every op: torch.device.type builds a new string each time (~0.2 us)
-    return device.type == "cuda"
+    # asked on every op: torch.device.type builds a new string each time (~0.2 us). A CUDA device
+    # counts only where the probe found a GPU: torch's CPU build has CUDA device objects too, but
+    # its capture query raises
+    return device.type == "cuda" and gpu_available()
 
 
 def capturing(device) -> bool:
     """Whether work issued now on ``device`` goes into a CUDA graph capture (never on CPU). The one
     place ubnext asks, so that tests can fake a capture on the emulator."""
-    if not _is_cuda(device):
-        return False
-    import torch
+    return _is_cuda(device) and torch.cuda.is_current_stream_capturing()
 
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+def _current_stream_handle_of_stream_object(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+# current_stream_handle(device_index): torch's current stream on that device, as its raw
+# cudaStream_t (an int): what a launch needs. torch.cuda.current_stream builds a Stream object
+# through three Python functions on every call (about 1 us); torch._C._cuda_getCurrentRawStream
+# (torch/csrc/cuda/Module.cpp, what inductor's generated code calls) returns the handle itself,
+# the same value as that object's .cuda_stream. torch's CPU build has neither, and never calls this.
+current_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_stream_handle_of_stream_object
 
 
 def device_arch(device_index: int) -> str:
@@ -175,34 +189,40 @@ def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]
 
 @functools.lru_cache(maxsize=None)
 def _primary_context(device_index: int):
-    """The device's primary context (torch's), retained once for the process's lifetime."""
+    """The device's primary context (torch's), retained once for the process's lifetime, and its
+    address."""
     drv = driver()
     dev = check(drv.cuDeviceGet(device_index), "cuDeviceGet")
-    return check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    ctx = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    return ctx, int(ctx)
 
 
-def launch(kernel, grid: int, block: int, stream_handle: int, args: list, device_index: int) -> None:
-    """Launch a loaded cuda.core kernel on the stream whose raw handle is ``stream_handle``
-    (torch's current stream, so ordering with torch work is the stream's), from any thread. The
-    kernel lives in the device's primary context, and launches come from any thread (autograd's
-    backward threads, a user's own), where another context, or none, may be current: that context
-    is pushed for the launch and popped after it, so the thread's own state is left as it was."""
+def launch(kernel, config, stream_handle: int, args: Sequence, device_index: int) -> None:
+    """Launch a loaded cuda.core kernel with ``config`` (``launch_config``) on the stream whose raw
+    handle is ``stream_handle`` (torch's current stream, so ordering with torch work is the
+    stream's), from any thread. The kernel lives in the device's primary context, and launches come
+    from any thread (autograd's backward threads, a user's own), where another context, or none,
+    may be current: that context is pushed for the launch and popped after it, so the thread's own
+    state is left as it was. Host cost, against a stub driver: docs/PERF.md."""
     drv = driver()
-    want = _primary_context(device_index)
-    switch = int(check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(want)
+    want, want_address = _primary_context(device_index)
+    status, current = drv.cuCtxGetCurrent()
+    if status:
+        check((status, current), "cuCtxGetCurrent")
+    switch = int(current) != want_address
     if switch:
         check(drv.cuCtxPushCurrent(want), "cuCtxPushCurrent")
     try:
-        mod = core()
-        mod.launch(_wrap_stream(stream_handle), _launch_config(grid, block), kernel, *args)
+        core().launch(_wrap_stream(stream_handle), config, kernel, *args)
     finally:
         if switch:
             check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_config(grid: int, block: int):
-    # made once per geometry: a LaunchConfig costs ~0.7 us to build (docs/PERF.md)
+def launch_config(grid: int, block: int):
+    """cuda.core's LaunchConfig for a 1-D grid and block: made once per geometry, since building one
+    costs ~0.7 us (docs/PERF.md); a communicator keeps it with each call signature's launch."""
     return core().LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1))
 
 

@@ -137,8 +137,9 @@ def bench_exchange(comm: Communicator, label: str, sizes: list[int], dtype: torc
 
 
 class _FakeStream:
-    """Stands in for torch's current CUDA stream: the host path only reads its handle and
-    compares it with the last one."""
+    """Stands in for torch's current CUDA stream: each call reads its raw handle
+    (_cuda.current_stream_handle) and compares it with the last one's; the object itself is asked
+    for once, when the stream changes."""
 
     cuda_stream = 0x1234
 
@@ -220,7 +221,8 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7) -> lis
          {"call": lambda: linear(xl), "minus": lambda: torch.nn.functional.linear(xl, linear.weight)}),
     ]
     rows = []
-    with mock.patch.object(torch.cuda, "current_stream", lambda device=None: _FakeStream), \
+    with mock.patch.object(_cuda, "current_stream_handle", lambda index: _FakeStream.cuda_stream), \
+         mock.patch.object(torch.cuda, "current_stream", lambda device=None: _FakeStream), \
          mock.patch.object(kernels, "load_kernel", lambda name, index: name), \
          mock.patch.object(_cuda, "launch", record_launch), \
          torch.inference_mode():

@@ -86,10 +86,8 @@ class _Launch(NamedTuple):
     out_align: int  # the kernel writes `out` in vectors: 8 bytes for FP8, else 16
     scalars: tuple  # (n, hidden, eps, flags)
     packed: tuple  # the same, packed by _cuda.pack_kernel_args
-
-    def args(self, pointers: Sequence[int]) -> list:
-        """The kernel's arguments in kernels.KERNEL_SIGNATURE's order."""
-        return [*pointers, *self.packed]
+    kernel: Any = None  # gpu mode: the loaded kernel (kernels.load_kernel), looked up once
+    config: Any = None  # gpu mode: cuda.core's LaunchConfig of grid and block (_cuda.launch_config)
 
 
 class _Call(NamedTuple):
@@ -331,8 +329,10 @@ class Communicator:
         self._logged: set[tuple[str, str]] = set()
         self._broken: str | None = None
         self._closed = False
-        self._last_stream = None  # the stream of the last eager launch (_order_after_other_stream)
-        self._stream = None  # the current call's stream (gpu mode), set by _check_usable
+        # the stream of the last eager call (_order_after_other_stream): raw handle and torch object
+        self._last_stream: int | None = None
+        self._last_torch_stream = None
+        self._stream = 0  # the current call's stream (gpu mode, raw handle), set by _check_usable
         self._capturing = False  # whether the current call is captured (gpu mode), set by _check_usable
         self._disabled: dict[str, str] = {}  # kernel paths the self-test turned off, on every rank
         self._run_self_test = False  # agreed at pool creation
@@ -587,10 +587,11 @@ class Communicator:
         if self._closed:
             raise UbnextError("communicator is closed")
         if self.mode == "gpu":
-            # this call's stream and whether it is captured: the launch uses both
-            self._capturing = _cuda.capturing(self.device)
-            self._stream = torch.cuda.current_stream(self.device)
-            self._order_after_other_stream(self._stream, self._capturing)
+            # this call's stream (its raw handle) and whether it is captured: the launch uses both
+            capturing = self._capturing = _cuda.capturing(self.device)
+            stream = self._stream = _cuda.current_stream_handle(self._device_index)
+            if stream != self._last_stream and not capturing:
+                self._order_after_other_stream(stream)
         if self._broken:
             raise UbnextError(f"communicator is unusable after an earlier failure: {self._broken}")
         pool = self._pool
@@ -723,11 +724,14 @@ class Communicator:
         scalars = (n, hidden, float(eps), flags)
         packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(scalars):], scalars)
         fp8_out = flags & (kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN)
-        return _Launch(algo, _kernel_name(algo, dtype), grid, block, 8 if fp8_out else 16, scalars, tuple(packed))
+        name = _kernel_name(algo, dtype)
+        kernel = config = None
+        if self.mode == "gpu":
+            kernel, config = kernels.load_kernel(name, self._device_index), _cuda.launch_config(grid, block)
+        return _Launch(algo, name, grid, block, 8 if fp8_out else 16, scalars, tuple(packed), kernel, config)
 
     def _launch(self, how: _Launch, inp: torch.Tensor, out: torch.Tensor, residual=None, residual_out=None,
                 weight=None, scale=None, scale_inv=None) -> None:
-        pool = self._pool
         p_in, p_out = inp.data_ptr(), out.data_ptr()
         if residual is None:  # the plain allreduce; the fused norm passes all three
             p_res = p_res_out = p_w = 0
@@ -745,7 +749,7 @@ class Communicator:
                 raise AssertionError(f"{how.algo}: pool input at {p_in:#x} is not 16-byte aligned")
             staged = self._aligned_copies(inp, out, residual, residual_out, weight, copy_back)
             p_in, p_out, p_res, p_res_out, p_w = (_ptr(t) for t in staged)  # `staged` is held: the kernel reads the copies
-        self._run(how, (pool.base, p_in, p_out, p_res, p_res_out, p_w,
+        self._run(how, (self._pool.base, p_in, p_out, p_res, p_res_out, p_w,
                         0 if scale is None else scale.data_ptr(), 0 if scale_inv is None else scale_inv.data_ptr()))
         if copy_back:
             for target, staged_out in copy_back:
@@ -763,9 +767,7 @@ class Communicator:
             return
         if self._capturing:  # since this op's _check_usable, as self._stream
             pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
-        index = self._device_index
-        _cuda.launch(kernels.load_kernel(how.name, index), how.grid, how.block, self._stream.cuda_stream,
-                     how.args(pointers), index)
+        _cuda.launch(how.kernel, how.config, self._stream, (*pointers, *how.packed), self._device_index)
         if self._debug:
             torch.cuda.synchronize(self.device)
             if pool.err_view[0]:
@@ -786,22 +788,22 @@ class Communicator:
         return (inp, aligned_output(out, 8 if out.dtype == FP8 else 16), residual, aligned_output(residual_out),
                 weight)
 
-    def _order_after_other_stream(self, stream, capturing: bool) -> None:
+    def _order_after_other_stream(self, stream: int) -> None:
         """A communicator's kernels share one sync region, so two of them must never run at the same
         time: from two streams they could, and their barriers would pair up wrongly or deadlock
-        (DESIGN.md section 8). When a call comes from another stream than the last eager one (a
-        side stream for overlap, FSDP2's streams, a graph's warm-up stream), that stream first
-        waits for everything enqueued on the last one, so kernels stay in one order whatever
-        stream issues them. Costs nothing while the stream stays the same. Captured calls are
-        left alone: a graph's kernels run when and where its owner replays it, ordered by them."""
-        if capturing:
-            return
-        last = self._last_stream
-        if last is not None and last != stream:
+        (DESIGN.md section 8). When an eager call comes from another stream than the last eager one
+        (a side stream for overlap, FSDP2's streams, a graph's warm-up stream), that stream first
+        waits for everything enqueued on the last one, so kernels stay in one order whatever stream
+        issues them. _check_usable calls this only when the stream (``stream``, the current one's
+        raw handle) changed, and never for captured calls: a graph's kernels run when and where its
+        owner replays it, ordered by them."""
+        current = torch.cuda.current_stream(self.device)  # the torch object of `stream`
+        last = self._last_torch_stream
+        if last is not None:
             done = torch.cuda.Event()
             done.record(last)
-            stream.wait_event(done)
-        self._last_stream = stream
+            current.wait_event(done)
+        self._last_stream, self._last_torch_stream = stream, current
 
     def synchronize(self) -> None:
         """Wait for this rank's queued ops and raise any error a kernel reported."""
@@ -991,12 +993,13 @@ class Communicator:
         return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, self.key, out_dtype, scale)
 
     def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
-        """The fused op itself (torch.ops.ubnext.all_reduce_add_rmsnorm's implementation)."""
-        fp8 = out_dtype == FP8
+                                eps: float, scale: torch.Tensor | None = None, fp8: bool = False):
+        """The fused op itself: torch.ops.ubnext.all_reduce_add_rmsnorm's implementation, returning
+        ``(out, residual_out)``, and with ``fp8`` all_reduce_add_rmsnorm_fp8's, returning
+        ``(out, residual_out, scale_inv)``."""
         try:
             signature = ("all_reduce_add_rmsnorm", x.shape, x.dtype, residual.shape, residual.dtype, weight.shape,
-                         weight.dtype, eps, out_dtype, scale is None, self._algo)
+                         weight.dtype, eps, fp8, scale is None, self._algo)
         except AttributeError:  # not a tensor (an operator passes None through): say which
             check_fused_args(x, residual, weight, eps, fp8, scale)
             raise
@@ -1009,11 +1012,11 @@ class Communicator:
             self._check_device("x residual weight", x, residual, weight)
         self._check_usable()
         if self._debug:
-            self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), str(out_dtype)))
+            self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), fp8))
         if call is None:  # a remembered signature has more than one rank and elements to reduce
             if self.world_size == 1 or x.numel() == 0:
                 self.last_path = "torch"
-                return reference_add_rmsnorm(x, residual, weight, eps, out_dtype, scale)
+                return self._fused_in_torch(x, residual, weight, eps, scale, fp8)
             flags = kernels.F_FUSED_NORM
             if fp8:
                 flags |= kernels.F_FP8_STATIC if scale is not None else kernels.F_FP8_PER_TOKEN
@@ -1023,7 +1026,7 @@ class Communicator:
         if launch is None:
             reduced = torch.empty_like(x)
             self._all_reduce_by(call, x, reduced)
-            return reference_add_rmsnorm(reduced, residual, weight, eps, out_dtype, scale)
+            return self._fused_in_torch(reduced, residual, weight, eps, scale, fp8)
         # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool and
         # overwrite their input, so x is always staged (never the caller's x)
         inp = x if path == "lamport" else self._pool.staging(x.shape, x.dtype).copy_(x)
@@ -1031,7 +1034,7 @@ class Communicator:
         if not fp8:
             out = torch.empty_like(x)
             self._launch(launch, inp, out, residual, residual_out, weight)
-            return out, residual_out, None
+            return out, residual_out
         out = torch.empty_like(x, dtype=FP8)
         if scale is not None:
             scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
@@ -1040,6 +1043,11 @@ class Communicator:
         self._launch(launch, inp, out, residual, residual_out, weight, scale, scale_inv)
         return out, residual_out, scale_inv
 
+    @staticmethod
+    def _fused_in_torch(reduced, residual, weight, eps, scale, fp8):
+        """add + RMSNorm (+FP8) of an already reduced x, in torch, as the fused op returns it."""
+        outputs = reference_add_rmsnorm(reduced, residual, weight, eps, FP8 if fp8 else reduced.dtype, scale)
+        return outputs if fp8 else outputs[:2]
 
     # -- all-gather, reduce-scatter and FP8 quantisation (FSDP2: ubnext.fsdp) -------------------
 

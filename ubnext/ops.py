@@ -47,9 +47,9 @@ _lib.define("reduce_scatter_out(Tensor x, Tensor(a!) out, float factor, str comm
 _lib.define("quantize_fp8(Tensor x, int hidden, Tensor? scale, str comm) -> (Tensor, Tensor)")
 
 
-def communicator_for(key: str) -> Communicator:
-    """The communicator an operator's ``comm`` argument names (see the module docstring)."""
-    return _lifecycle.lookup(key)
+# the communicator an operator's ``comm`` argument names (see the module docstring); the
+# registry's own function, without a frame of ours around it, since every operator call asks
+communicator_for = _lifecycle.lookup
 
 
 # -- implementations (real tensors) --------------------------------------------------------------
@@ -71,11 +71,11 @@ def _linear_all_reduce_impl(x, weight, comm):
 
 
 def _fused_impl(x, residual, weight, eps, comm):
-    return communicator_for(comm)._all_reduce_add_rmsnorm(x, residual, weight, eps, x.dtype, None)[:2]
+    return communicator_for(comm)._all_reduce_add_rmsnorm(x, residual, weight, eps)
 
 
 def _fused_fp8_impl(x, residual, weight, eps, scale, comm):
-    return communicator_for(comm)._all_reduce_add_rmsnorm(x, residual, weight, eps, FP8, scale)
+    return communicator_for(comm)._all_reduce_add_rmsnorm(x, residual, weight, eps, scale, fp8=True)
 
 
 def _world_size(comm: str) -> int:
@@ -197,12 +197,34 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
+def _dispatcher_callable(name: str):
+    """The operator's overload as the dispatcher's own callable. ``torch.ops.ubnext.<name>(...)``
+    passes two Python frames before the dispatcher (the namespace's attribute lookups and
+    OpOverloadPacket.__call__, which only forwards to this callable): about 0.3 us per call here
+    (docs/PERF.md). Dynamo cannot trace the bare callable, so entry points that torch.compile may
+    trace take the OpOverload while compiling (``_op(name)``)."""
+    overload = getattr(torch.ops.ubnext, name).default
+    return overload, getattr(overload, "_op", overload)  # OpOverload._op: torch 2.0 to 2.13 at least
+
+
+# (OpOverload, its dispatcher callable) of each operator the entry points below call; an entry
+# point calls `(overload if _is_compiling() else direct)(...)`
+_ALL_REDUCE = _dispatcher_callable("all_reduce")
+_ALL_REDUCE_OUT = _dispatcher_callable("all_reduce_out")
+_LINEAR_ALL_REDUCE = _dispatcher_callable("linear_all_reduce")
+_FUSED = _dispatcher_callable("all_reduce_add_rmsnorm")
+_FUSED_FP8 = _dispatcher_callable("all_reduce_add_rmsnorm_fp8")
+
+
 class _AllReduceGrad(torch.autograd.Function):
     """The gradient of an allreduce of partial sums is the identity."""
 
     @staticmethod
     def forward(ctx, x, comm, torch_symm_op):
-        return torch.ops.ubnext.all_reduce(x, comm, torch_symm_op)
+        return _ALL_REDUCE[0](x, comm, torch_symm_op)
 
     @staticmethod
     def backward(ctx, grad):
@@ -213,7 +235,7 @@ class _LinearAllReduceGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, comm):
         ctx.save_for_backward(x, weight)
-        return torch.ops.ubnext.linear_all_reduce(x, weight, comm)
+        return _LINEAR_ALL_REDUCE[0](x, weight, comm)
 
     @staticmethod
     def backward(ctx, grad):
@@ -274,9 +296,10 @@ def all_reduce(x: torch.Tensor, comm: str, torch_symm_op: str = "") -> torch.Ten
     """Allreduce by the communicator's path choice, or by a named torch symmetric-memory op
     (``one_shot_all_reduce``, ``two_shot_all_reduce_``, ``multimem_all_reduce_``) where
     that op exists, else by the path choice."""
-    if _needs_grad(x):
+    if torch.is_grad_enabled() and x.requires_grad:
         return _AllReduceGrad.apply(x, comm, torch_symm_op)
-    return torch.ops.ubnext.all_reduce(x, comm, torch_symm_op)
+    overload, direct = _ALL_REDUCE
+    return (overload if _is_compiling() else direct)(x, comm, torch_symm_op)
 
 
 def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tensor:
@@ -284,20 +307,22 @@ def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tenso
     if _needs_grad(x, out):
         raise RuntimeError("all_reduce(..., out=...) does not support automatic differentiation; "
                            "call it without out= to get a gradient")
-    torch.ops.ubnext.all_reduce_out(x, out, comm)
+    overload, direct = _ALL_REDUCE_OUT
+    (overload if _is_compiling() else direct)(x, out, comm)
     return out
 
 
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch.Tensor:
-    if _needs_grad(x, weight):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _LinearAllReduceGrad.apply(x, weight, comm)
-    return torch.ops.ubnext.linear_all_reduce(x, weight, comm)
+    overload, direct = _LINEAR_ALL_REDUCE
+    return (overload if _is_compiling() else direct)(x, weight, comm)
 
 
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype=None,
                            scale: Optional[torch.Tensor] = None):
-    fp8 = fp8_output(x, out_dtype, scale)
-    if _needs_grad(x, residual, weight):
+    fp8 = (out_dtype is not None or scale is not None) and fp8_output(x, out_dtype, scale)
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
         out, residual_out, scale_inv = _FusedGrad.apply(x, residual, weight, float(eps), fp8, scale, comm)
         return out, residual_out, (scale_inv if fp8 else None)
     return _fused(x, residual, weight, float(eps), fp8, scale, comm)
@@ -306,6 +331,8 @@ def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype
 def _fused(x, residual, weight, eps: float, fp8: bool, scale, comm: str):
     """(out, residual_out, scale_inv or None) through the operator for the output's kind."""
     if fp8:
-        return torch.ops.ubnext.all_reduce_add_rmsnorm_fp8(x, residual, weight, eps, scale, comm)
-    out, residual_out = torch.ops.ubnext.all_reduce_add_rmsnorm(x, residual, weight, eps, comm)
+        overload, direct = _FUSED_FP8
+        return (overload if _is_compiling() else direct)(x, residual, weight, eps, scale, comm)
+    overload, direct = _FUSED
+    out, residual_out = (overload if _is_compiling() else direct)(x, residual, weight, eps, comm)
     return out, residual_out, None

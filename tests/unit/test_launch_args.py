@@ -63,24 +63,33 @@ def test_scalar_types():
             pack_kernel_args((("n", "i32"),), (2**31,))
 
 
-def test_a_cached_launch_packs_what_the_generic_packer_packs():
+def test_a_cached_launch_packs_what_the_generic_packer_packs(monkeypatch):
     """The hot path packs a call signature's scalars once (Communicator._launch_for) and adds the
-    pointers per call (_Launch.args): the result must be what pack_kernel_args makes of all twelve."""
+    pointers per call (Communicator._run): what reaches _cuda.launch must be what pack_kernel_args
+    makes of all twelve, with the signature's kernel and launch configuration."""
     from types import SimpleNamespace
 
     import torch
 
+    from ubnext import _cuda
     from ubnext.comm import Communicator
 
+    launched = []
+    monkeypatch.setattr(kernels, "load_kernel", lambda name, index: ("kernel", name, index))
+    monkeypatch.setattr(_cuda, "launch", lambda *args: launched.append(args))
     comm = object.__new__(Communicator)
-    comm.mode, comm.world_size, comm._sm_count = "gpu", 4, 132
+    comm.mode, comm.world_size, comm._sm_count, comm._device_index = "gpu", 4, 132, 1
+    comm._capturing, comm._stream, comm._debug = False, 0x5000, False
     comm._pool = SimpleNamespace(has_multicast=True)
-    pointers = [0x7F0000001000 + 16 * i for i in range(8)]
+    pointers = tuple(0x7F0000001000 + 16 * i for i in range(8))
     for algo, hidden, flags in (("lamport", 0, 0), ("nvls_twoshot", 0, 0), ("lamport", 512, 13)):
         launch = comm._launch_for(algo, torch.bfloat16, 4096, hidden, 1e-6, flags)
         sent_flags = flags | (kernels.F_MULTICAST if algo == "lamport" else 0)
-        generic = pack_kernel_args(kernels.KERNEL_SIGNATURE, pointers + [4096, hidden, 1e-6, sent_flags])
-        fast = launch.args(pointers)
-        assert [type(v) for v in fast] == [type(v) for v in generic] and fast == generic
+        generic = pack_kernel_args(kernels.KERNEL_SIGNATURE, list(pointers) + [4096, hidden, 1e-6, sent_flags])
+        comm._run(launch, pointers)
+        kernel, config, stream, fast, device_index = launched.pop()
+        assert [type(v) for v in fast] == [type(v) for v in generic] and list(fast) == generic
+        assert kernel == ("kernel", launch.name, 1) and stream == 0x5000 and device_index == 1
+        assert config is _cuda.launch_config(launch.grid, launch.block)
         assert launch.scalars == (4096, hidden, 1e-6, sent_flags)
     assert [k for _, k in kernels.KERNEL_SIGNATURE] == ["ptr"] * 8 + ["i32", "i32", "f32", "i32"]

@@ -62,13 +62,11 @@ def fakes(monkeypatch):
     drv = FakeDriver()
     core = FakeCore(drv)
     cu._primary_context.cache_clear()
-    cu._launch_config.cache_clear()
     monkeypatch.setattr(cu, "driver", lambda: drv)
     monkeypatch.setattr(cu, "core", lambda: core)
     monkeypatch.setattr(cu, "_wrap_stream", lambda handle: handle)
     yield drv, core
     cu._primary_context.cache_clear()
-    cu._launch_config.cache_clear()  # it holds FakeCore's configs now
 
 
 def test_launch_from_a_fresh_thread_and_after_another_device(fakes):
@@ -76,17 +74,17 @@ def test_launch_from_a_fresh_thread_and_after_another_device(fakes):
     after = {}
 
     def fresh_thread():  # no context current there
-        cu.launch("k", 1, 32, 7, [], 1)
+        cu.launch("k", (1, 32), 7, (), 1)
         after["fresh"] = int(drv.cuCtxGetCurrent()[1])
 
     worker = threading.Thread(target=fresh_thread)
     worker.start()
     worker.join()
     drv.local.ctx = PRIMARY[0]  # this thread works on device 0
-    cu.launch("k", 1, 32, 7, [], 1)
+    cu.launch("k", (1, 32), 7, (), 1)
     assert int(drv.cuCtxGetCurrent()[1]) == PRIMARY[0], "the launch left device 1's context current"
     drv.local.ctx = PRIMARY[1]
-    cu.launch("k", 1, 32, 7, [], 1)  # already current: no switch
+    cu.launch("k", (1, 32), 7, (), 1)  # already current: no switch
     assert [int(ctx) for _, ctx, _ in core.launches] == [PRIMARY[1]] * 3
     assert after["fresh"] == 0
     assert [c[0] for c in drv.calls if c[0] in ("push", "pop")] == ["push", "pop"] * 2
@@ -96,12 +94,34 @@ def test_launch_from_a_fresh_thread_and_after_another_device(fakes):
 def test_the_launch_config_is_built_once_per_geometry():
     """cuda.core's LaunchConfig (constructible without a GPU) costs ~0.7 us to build: one per
     geometry, with the grid and block the launch asks for."""
-    cu._launch_config.cache_clear()
+    cu.launch_config.cache_clear()
     try:
-        config = cu._launch_config(4, 256)
+        config = cu.launch_config(4, 256)
         assert isinstance(config, cu.core().LaunchConfig)
         assert tuple(config.grid) == (4, 1, 1) and tuple(config.block) == (256, 1, 1)
-        assert cu._launch_config(4, 256) is config
-        assert tuple(cu._launch_config(2, 64).grid) == (2, 1, 1)
+        assert cu.launch_config(4, 256) is config
+        assert tuple(cu.launch_config(2, 64).grid) == (2, 1, 1)
     finally:
-        cu._launch_config.cache_clear()
+        cu.launch_config.cache_clear()
+
+
+def test_capturing_asks_torch_only_for_a_usable_cuda_device(monkeypatch):
+    """The capture query runs on every GPU op, so it skips torch.cuda.is_available(); a CUDA device
+    object counts only where the GPU probe succeeded (torch's CPU build has CUDA device objects, and
+    its capture query raises)."""
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: asked.append(1) or True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("asked is_available on the hot path"))
+    cu._is_cuda.cache_clear()
+    try:
+        monkeypatch.setattr(cu, "_probe", (False, "no GPU"))
+        assert not cu.capturing(torch.device("cuda", 0)) and not cu.capturing(torch.device("cpu"))
+        assert asked == []
+        cu._is_cuda.cache_clear()
+        monkeypatch.setattr(cu, "_probe", (True, "1 CUDA device(s)"))
+        assert cu.capturing(torch.device("cuda", 0)) and asked == [1]
+        assert not cu.capturing(torch.device("cpu")) and asked == [1]
+    finally:
+        cu._is_cuda.cache_clear()

@@ -120,10 +120,13 @@ def test_first_use_inside_graph_capture_is_refused(monkeypatch):
 
 def test_a_second_stream_waits_for_the_first(monkeypatch):
     """Two streams must never run this communicator's kernels at the same time (one sync region):
-    a call from a new stream makes it wait for the last one; no event while the stream stays."""
+    a call from a new stream makes it wait for the last one; no event while the stream stays, and
+    none for a captured call. Each call reads only the current stream's raw handle, from
+    _cuda.current_stream_handle, with the comm's device index; the stream object is asked for
+    only when the handle changes."""
     import torch
 
-    events = []
+    events, asked = [], []
 
     class FakeEvent:
         def record(self, stream):
@@ -138,14 +141,33 @@ def test_a_second_stream_waits_for_the_first(monkeypatch):
             events.append(("wait", self.name, event.on))
 
     comm = _bare_communicator("gpu")
-    comm._last_stream = None
+    comm.device, comm._device_index = torch.device("cuda", 3), 3
+    comm._broken, comm._last_stream, comm._last_torch_stream = None, None, None
+    handles = {0x10: FakeStream("main"), 0x20: FakeStream("side")}
+    current = [0x10]
+    capture = [False]
+
+    def handle_of(index):
+        assert index == 3
+        return current[0]
+
+    def stream_object(device):
+        asked.append(current[0])
+        return handles[current[0]]
+
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    main, side = FakeStream("main"), FakeStream("side")
-    for s in (main, main, side, side, main):
-        comm._order_after_other_stream(s, capturing=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", stream_object)
+    monkeypatch.setattr(ubnext._cuda, "current_stream_handle", handle_of)
+    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: capture[0])
+    for handle in (0x10, 0x10, 0x20, 0x20, 0x10):
+        current[0] = handle
+        comm._check_usable()
+        assert comm._stream == handle  # what the launch uses
     assert events == [("record", "main"), ("wait", "side", "main"), ("record", "side"), ("wait", "main", "side")]
-    comm._order_after_other_stream(side, capturing=True)  # captured: ordered by the graph's owner
-    assert len(events) == 4 and comm._last_stream is main
+    assert asked == [0x10, 0x20, 0x10]  # the stream object only when the stream changed
+    current[0], capture[0] = 0x20, True
+    comm._check_usable()  # captured: ordered by the graph's owner
+    assert len(events) == 4 and comm._last_stream == 0x10 and comm._stream == 0x20 and comm._capturing
 
 
 def test_torch_symm_never_allocates_inside_capture(monkeypatch):

@@ -1,0 +1,209 @@
+/* A stand-in libcuda.so.1 for machines without a GPU: every entry point is a no-op that returns
+ * CUDA_SUCCESS with fake handles, and a launch records what it was given. With it on
+ * LD_LIBRARY_PATH, cuda.bindings and cuda.core load and run their real code up to the driver call,
+ * so that ubnext's launch path (ubnext/_cuda.py) is executed and its host time measured without a
+ * GPU (tests/unit/test_stub_driver.py, python -m ubnext.bench --host --launch driver).
+ *
+ * Build: tests/stub_driver/__init__.py (gcc -O2 -shared -fPIC -o libcuda.so.1 stub_libcuda.c -ldl).
+ * STUB_TRACE=1 prints every cuGetProcAddress lookup and every stub call to stderr.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+
+#define FAKE_CTX ((CUcontext)0xC7C7C000ull)
+#define FAKE_LIB ((void *)0x11B11B000ull)
+#define FAKE_MOD ((void *)0x30D30D000ull)
+#define FAKE_KERNEL ((void *)0x4E4E4E000ull)
+#define FAKE_FUNC ((void *)0xF00F00000ull)
+#define FAKE_STREAM ((void *)0x5A5A5A000ull)
+#define FAKE_EVENT ((void *)0xE0E0E0000ull)
+
+static int trace_on = -1;
+static int tracing(void) {
+    if (trace_on < 0) trace_on = getenv("STUB_TRACE") != NULL;
+    return trace_on;
+}
+#define T() do { if (tracing()) fprintf(stderr, "[stub] %s\n", __func__); } while (0)
+
+/* What the last launch was given, read by the tests through ctypes. The driver cannot know how many
+ * parameters a kernel takes (the cubin says so); the test sets stub_param_sizes[i] to the byte size
+ * of parameter i (0 ends the list), and each launch copies that many bytes of each parameter, so
+ * the values outlive the caller's parameter buffer. */
+unsigned long long stub_launch_count = 0;
+void *stub_last_func = NULL;
+void *stub_last_stream = NULL;
+void *stub_last_ctx = NULL; /* the context current on the launching thread */
+unsigned stub_last_grid = 0, stub_last_block = 0;
+unsigned stub_param_sizes[16];
+unsigned long long stub_last_args[16];
+
+static __thread CUcontext ctx_stack[64];
+static __thread int ctx_depth = 0; /* ctx_stack[ctx_depth-1] is current */
+
+static void record_launch(void *f, void *stream, unsigned grid, unsigned block, void **params) {
+    stub_launch_count++;
+    stub_last_func = f;
+    stub_last_stream = stream;
+    stub_last_ctx = ctx_depth ? ctx_stack[ctx_depth - 1] : NULL;
+    stub_last_grid = grid;
+    stub_last_block = block;
+    for (int i = 0; i < 16; i++) {
+        stub_last_args[i] = 0;
+        if (stub_param_sizes[i] && params) memcpy(&stub_last_args[i], params[i], stub_param_sizes[i]);
+    }
+}
+
+#define API __attribute__((visibility("default")))
+
+
+API CUresult cuInit(unsigned int f) { (void)f; T(); return 0; }
+API CUresult cuDriverGetVersion(int *v) { T(); *v = 13000; return 0; }
+API CUresult cuDeviceGetCount(int *n) { T(); *n = 1; return 0; }
+API CUresult cuDeviceGet(CUdevice *d, int ordinal) { T(); *d = ordinal; return 0; }
+API CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
+    (void)d; T(); snprintf(name, len, "Stub GPU"); return 0;
+}
+API CUresult cuDeviceGetAttribute(int *v, int attrib, CUdevice d) {
+    (void)d; T();
+    switch (attrib) {
+    case 75: *v = 9; break;  /* CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR */
+    case 76: *v = 0; break;  /* ..._MINOR */
+    case 16: *v = 132; break; /* multiprocessor count */
+    case 1: *v = 1024; break; /* max threads per block */
+    default: *v = 1; break;
+    }
+    return 0;
+}
+API CUresult cuDeviceGetUuid_v2(void *uuid, CUdevice d) { (void)d; T(); memset(uuid, 0xab, 16); return 0; }
+API CUresult cuDeviceGetUuid(void *uuid, CUdevice d) { return cuDeviceGetUuid_v2(uuid, d); }
+API CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { (void)d; T(); *b = (size_t)80 << 30; return 0; }
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { (void)d; T(); *c = FAKE_CTX; return 0; }
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; T(); return 0; }
+API CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned *flags, int *active) {
+    (void)d; T(); *flags = 0; *active = 1; return 0;
+}
+
+API CUresult cuCtxGetCurrent(CUcontext *c) { T(); *c = ctx_depth ? ctx_stack[ctx_depth - 1] : NULL; return 0; }
+API CUresult cuCtxSetCurrent(CUcontext c) {
+    T();
+    if (ctx_depth == 0) { if (c) ctx_stack[ctx_depth++] = c; }
+    else if (c) ctx_stack[ctx_depth - 1] = c;
+    else ctx_depth--;
+    return 0;
+}
+API CUresult cuCtxPushCurrent_v2(CUcontext c) { T(); if (ctx_depth < 64) ctx_stack[ctx_depth++] = c; return 0; }
+API CUresult cuCtxPopCurrent_v2(CUcontext *c) {
+    T();
+    CUcontext top = ctx_depth ? ctx_stack[--ctx_depth] : NULL;
+    if (c) *c = top;
+    return 0;
+}
+API CUresult cuCtxPushCurrent(CUcontext c) { return cuCtxPushCurrent_v2(c); }
+API CUresult cuCtxPopCurrent(CUcontext *c) { return cuCtxPopCurrent_v2(c); }
+API CUresult cuCtxGetDevice(CUdevice *d) { T(); *d = 0; return 0; }
+API CUresult cuCtxGetDevice_v2(CUdevice *d, CUcontext c) { (void)c; T(); *d = 0; return 0; }
+API CUresult cuCtxSynchronize(void) { T(); return 0; }
+API CUresult cuCtxGetId(CUcontext c, unsigned long long *id) { (void)c; T(); *id = 1; return 0; }
+API CUresult cuCtxGetApiVersion(CUcontext c, unsigned *v) { (void)c; T(); *v = 13000; return 0; }
+
+API CUresult cuLibraryLoadData(void **lib, const void *code, void *jo, void *jov, unsigned nj,
+                               void *lo, void *lov, unsigned nl) {
+    (void)code; (void)jo; (void)jov; (void)nj; (void)lo; (void)lov; (void)nl; T();
+    *lib = FAKE_LIB; return 0;
+}
+API CUresult cuLibraryLoadFromFile(void **lib, const char *f, void *jo, void *jov, unsigned nj,
+                                   void *lo, void *lov, unsigned nl) {
+    (void)f; (void)jo; (void)jov; (void)nj; (void)lo; (void)lov; (void)nl; T();
+    *lib = FAKE_LIB; return 0;
+}
+API CUresult cuLibraryUnload(void *lib) { (void)lib; T(); return 0; }
+API CUresult cuLibraryGetKernel(void **k, void *lib, const char *name) { (void)lib; (void)name; T(); *k = FAKE_KERNEL; return 0; }
+API CUresult cuLibraryGetModule(void **m, void *lib) { (void)lib; T(); *m = FAKE_MOD; return 0; }
+API CUresult cuKernelGetFunction(void **f, void *k) { (void)k; T(); *f = FAKE_FUNC; return 0; }
+API CUresult cuKernelGetLibrary(void **l, void *k) { (void)k; T(); *l = FAKE_LIB; return 0; }
+API CUresult cuKernelGetAttribute(int *v, int a, void *k, CUdevice d) { (void)a; (void)k; (void)d; T(); *v = 0; return 0; }
+API CUresult cuKernelGetName(const char **n, void *k) { (void)k; T(); *n = "k"; return 0; }
+API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; T(); *m = FAKE_MOD; return 0; }
+API CUresult cuModuleLoadDataEx(void **m, const void *img, unsigned n, void *o, void *ov) {
+    (void)img; (void)n; (void)o; (void)ov; T(); *m = FAKE_MOD; return 0;
+}
+API CUresult cuModuleGetFunction(void **f, void *m, const char *name) { (void)m; (void)name; T(); *f = FAKE_FUNC; return 0; }
+API CUresult cuModuleUnload(void *m) { (void)m; T(); return 0; }
+API CUresult cuFuncGetAttribute(int *v, int a, void *f) { (void)a; (void)f; T(); *v = 0; return 0; }
+
+API CUresult cuStreamGetCtx(void *s, CUcontext *c) { (void)s; T(); *c = FAKE_CTX; return 0; }
+API CUresult cuStreamGetCtx_v2(void *s, CUcontext *c, void **gc) { (void)s; T(); *c = FAKE_CTX; if (gc) *gc = NULL; return 0; }
+API CUresult cuStreamGetDevice(void *s, CUdevice *d) { (void)s; T(); *d = 0; return 0; }
+API CUresult cuStreamGetFlags(void *s, unsigned *f) { (void)s; T(); *f = 0; return 0; }
+API CUresult cuStreamGetPriority(void *s, int *p) { (void)s; T(); *p = 0; return 0; }
+API CUresult cuStreamGetId(void *s, unsigned long long *id) { (void)s; T(); *id = 7; return 0; }
+API CUresult cuStreamCreate(void **s, unsigned f) { (void)f; T(); *s = FAKE_STREAM; return 0; }
+API CUresult cuStreamCreateWithPriority(void **s, unsigned f, int p) { (void)f; (void)p; T(); *s = FAKE_STREAM; return 0; }
+API CUresult cuStreamDestroy_v2(void *s) { (void)s; T(); return 0; }
+API CUresult cuStreamSynchronize(void *s) { (void)s; T(); return 0; }
+API CUresult cuStreamQuery(void *s) { (void)s; T(); return 0; }
+API CUresult cuStreamIsCapturing(void *s, int *st) { (void)s; T(); *st = 0; return 0; }
+API CUresult cuEventCreate(void **e, unsigned f) { (void)f; T(); *e = FAKE_EVENT; return 0; }
+API CUresult cuEventDestroy_v2(void *e) { (void)e; T(); return 0; }
+API CUresult cuEventRecord(void *e, void *s) { (void)e; (void)s; T(); return 0; }
+
+API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                            unsigned bz, unsigned shmem, void *stream, void **params, void **extra) {
+    (void)gy; (void)gz; (void)by; (void)bz; (void)shmem; (void)extra; T();
+    record_launch(f, stream, gx, bx, params);
+    return 0;
+}
+typedef struct { unsigned gx, gy, gz, bx, by, bz, shmem; void *hStream; void *attrs; unsigned nattrs; } LaunchCfg;
+API CUresult cuLaunchKernelEx(const LaunchCfg *cfg, void *f, void **params, void **extra) {
+    (void)extra; T();
+    record_launch(f, cfg->hStream, cfg->gx, cfg->bx, params);
+    return 0;
+}
+
+API CUresult cuGetErrorString(CUresult e, const char **s) { (void)e; *s = "stub error"; return 0; }
+API CUresult cuGetErrorName(CUresult e, const char **s) { (void)e; *s = "STUB_ERROR"; return 0; }
+
+/* Any symbol not implemented above resolves to this: returns success, writes nothing. */
+static CUresult generic_noop(void) { if (tracing()) fprintf(stderr, "[stub] generic_noop called\n"); return 0; }
+
+static void *self_handle(void) {
+    static void *h = NULL;
+    if (!h) {
+        Dl_info info;
+        dladdr((void *)&cuInit, &info);
+        h = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+    }
+    return h;
+}
+
+/* cuGetProcAddress: the real driver maps a base name ("cuCtxPushCurrent") to its newest ABI
+ * version for cudaVersion; we try the exact name, then name_v4.._v2, then the generic no-op. */
+API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, unsigned long long flags,
+                                 int *symbolStatus) {
+    char buf[256];
+    void *h = self_handle();
+    void *p = NULL;
+    (void)flags;
+    p = dlsym(h, symbol); /* exact name first: cuCtxGetDevice_v2/cuStreamGetCtx_v2 differ in ABI */
+    for (int v = 4; v >= 2 && !p; v--) {
+        snprintf(buf, sizeof buf, "%s_v%d", symbol, v);
+        p = dlsym(h, buf);
+    }
+    if (tracing()) fprintf(stderr, "[stub] cuGetProcAddress(%s, ver=%d) -> %s\n", symbol, cudaVersion,
+                           p ? "impl" : "generic_noop");
+    if (!p) p = (void *)&generic_noop;
+    *pfn = p;
+    if (symbolStatus) *symbolStatus = 0; /* CU_GET_PROC_ADDRESS_SUCCESS */
+    return 0;
+}
+API CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, unsigned long long flags) {
+    return cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, NULL);
+}

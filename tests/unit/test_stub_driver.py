@@ -1,0 +1,78 @@
+"""ubnext's launch path (_cuda.launch) run through the real cuda.core and cuda.bindings against the
+stub driver (tests/stub_driver): the kernel, grid, block, stream and all twelve argument values
+reach the driver's launch, with the device's primary context current on the launching thread, and
+a thread that had no context current has none after it. The GPU-less check of the code that only a
+GPU would otherwise run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests import stub_driver
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent("""
+    import ctypes, struct, threading
+    import numpy as np
+    from ubnext import kernels
+    from ubnext._cuda import core, driver, launch, launch_config, pack_kernel_args
+
+    stub = ctypes.CDLL("libcuda.so.1")
+    assert hasattr(stub, "stub_launch_count"), "libcuda.so.1 is not the stub"
+    sizes = (ctypes.c_uint * 16).in_dll(stub, "stub_param_sizes")
+    for i, (_, kind) in enumerate(kernels.KERNEL_SIGNATURE):
+        sizes[i] = 8 if kind == "ptr" else 4
+    recorded = lambda name, kind=ctypes.c_void_p: kind.in_dll(stub, name).value
+    check = lambda result: result[0] == 0 or (_ for _ in ()).throw(RuntimeError(result))
+    check(driver().cuInit(0))
+    kernel = core().ObjectCode.from_cubin(b"\\x7fELF not a cubin").get_kernel("ubnext_lamport_bf16")
+    pointers = tuple(0x7F0000001000 + 0x100 * i for i in range(8))
+    scalars = (4096, 512, 1e-6, 13)
+    args = (*pointers, *pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], scalars))
+    seen = {}
+
+    def fresh_thread():  # no context is current on a new thread
+        launch(kernel, launch_config(3, 256), 0x5A00, args, 0)
+        seen["after"] = int(driver().cuCtxGetCurrent()[1])
+
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join()
+    assert seen["after"] == 0, "the launch left a context current on a thread that had none"
+    assert recorded("stub_launch_count", ctypes.c_ulonglong) == 1
+    assert recorded("stub_last_stream") == 0x5A00
+    assert recorded("stub_last_grid", ctypes.c_uint) == 3 and recorded("stub_last_block", ctypes.c_uint) == 256
+    primary = int(driver().cuDevicePrimaryCtxRetain(driver().cuDeviceGet(0)[1])[1])
+    assert recorded("stub_last_ctx") == primary, "the kernel's context was not current at the launch"
+    values = list((ctypes.c_ulonglong * 16).in_dll(stub, "stub_last_args"))
+    assert tuple(values[:8]) == pointers, [hex(v) for v in values[:8]]
+    assert values[8] == 4096 and values[9] == 512 and values[11] == 13
+    assert values[10] == struct.unpack("<I", struct.pack("<f", 1e-6))[0]
+    # the primary context already current (torch's threads): launched without a switch
+    check(driver().cuCtxSetCurrent(driver().cuDevicePrimaryCtxRetain(driver().cuDeviceGet(0)[1])[1]))
+    launch(kernel, launch_config(1, 64), 0x5B00, args, 0)
+    assert recorded("stub_launch_count", ctypes.c_ulonglong) == 2 and recorded("stub_last_stream") == 0x5B00
+    assert int(driver().cuCtxGetCurrent()[1]) == primary
+    print("stub launch ok")
+""")
+
+
+@pytest.fixture(scope="module")
+def stub_dir(tmp_path_factory):
+    # a C compiler is part of the set-up (the emulator needs one too): no compiler is a failure
+    return stub_driver.build(tmp_path_factory.mktemp("stub_driver"))
+
+
+def test_launch_reaches_the_driver_with_every_argument(stub_dir):
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{stub_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+               PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "stub launch ok" in result.stdout, result.stdout + result.stderr
