@@ -166,18 +166,52 @@ def _median(values: list[float]) -> float:
     return values[len(values) // 2]
 
 
-def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7) -> list[tuple[str, float, float, float, float]]:
+STUB_DEVICE_NAME = "Stub GPU"  # what tests/stub_driver's cuDeviceGetName answers
+
+
+def _driver_is_the_stub() -> bool:
+    """Whether libcuda.so.1 is the stub driver (tests/stub_driver): the only driver to which
+    ``--launch driver`` may hand launches of kernels whose pointers are CPU memory."""
+    from . import _cuda
+
+    try:
+        drv = _cuda.driver()
+        if drv.cuInit(0)[0] != 0:
+            return False
+        status, name = drv.cuDeviceGetName(64, drv.cuDeviceGet(0)[1])
+        return status == 0 and name.split(b"\0")[0].decode() == STUB_DEVICE_NAME
+    except Exception:  # noqa: BLE001 - no driver at all, or a real one that refuses: not the stub
+        return False
+
+
+def _stub_launch_count() -> int:
+    """How many launches the stub driver has seen (its STUB_ATTRIBUTE_LAUNCH_COUNT)."""
+    from . import _cuda
+
+    drv = _cuda.driver()
+    return _cuda.check(drv.cuDeviceGetAttribute(0x5754, drv.cuDeviceGet(0)[1]), "cuDeviceGetAttribute")
+
+
+def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
+                  launch: str = "recorder") -> list[tuple[str, float, float, float, float]]:
     """Host time per call of the GPU code path, on a machine without one: the communicator runs
-    in gpu mode over an emulator pool, with a fake current stream and a recorder in place of the
-    kernel launch, so the same Python runs up to the launch call (the launch itself is not timed).
-    Returns rows of (what, median us, median us above the floor, min and max of that over the
-    rounds). The floor is a no-op operator registered with Library define + impl, timed in every
-    round next to each row; the Linear row subtracts the layer's own F.linear too."""
+    in gpu mode over an emulator pool with a fake current stream. ``launch="recorder"``: a
+    recorder replaces the kernel launch, so the same Python runs up to the launch call.
+    ``launch="driver"``: the launch itself runs too (kernels.load_kernel, _cuda.launch, cuda.core,
+    cuda.bindings), into the stub driver of tests/stub_driver, which must be libcuda.so.1 (on
+    LD_LIBRARY_PATH); only the real driver's own work is then missing. Returns rows of (what,
+    median us, median us above the floor, min and max of that over the rounds). The floor is a
+    no-op operator registered with Library define + impl, timed in every round next to each row;
+    the Linear row subtracts the layer's own F.linear too."""
+    from contextlib import ExitStack
     from unittest import mock
 
     from . import _cuda, get_communicator, kernels
     from .nn import Linear
 
+    if launch == "driver" and not _driver_is_the_stub():
+        raise SystemExit("--launch driver needs the stub driver as libcuda.so.1: scripts/host_bench.sh builds it "
+                         "and puts it on LD_LIBRARY_PATH (a real driver would be handed CPU pointers)")
     comm = get_communicator()  # the one ubnext.nn.Linear uses too
     if comm.mode != "emulator":
         raise SystemExit("python -m ubnext.bench --host times the GPU code path over an emulator pool: "
@@ -221,11 +255,13 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7) -> lis
          {"call": lambda: linear(xl), "minus": lambda: torch.nn.functional.linear(xl, linear.weight)}),
     ]
     rows = []
-    with mock.patch.object(_cuda, "current_stream_handle", lambda index: _FakeStream.cuda_stream), \
-         mock.patch.object(torch.cuda, "current_stream", lambda device=None: _FakeStream), \
-         mock.patch.object(kernels, "load_kernel", lambda name, index: name), \
-         mock.patch.object(_cuda, "launch", record_launch), \
-         torch.inference_mode():
+    with ExitStack() as patches:
+        patches.enter_context(mock.patch.object(_cuda, "current_stream_handle", lambda index: _FakeStream.cuda_stream))
+        patches.enter_context(mock.patch.object(torch.cuda, "current_stream", lambda device=None: _FakeStream))
+        if launch == "recorder":
+            patches.enter_context(mock.patch.object(kernels, "load_kernel", lambda name, index: name))
+            patches.enter_context(mock.patch.object(_cuda, "launch", record_launch))
+        patches.enter_context(torch.inference_mode())
         comm.mode = "gpu"  # the GPU branch of every decision, up to the launch
         try:
             floors = []
@@ -239,18 +275,24 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7) -> lis
             comm.mode = "emulator"
             comm._plans.clear()  # made in gpu mode
             comm._calls.clear()
-    assert launches[0] and comm.last_path != "torch", "the timed path did not reach a kernel launch"
+    reached = launches[0] if launch == "recorder" else _stub_launch_count()
+    assert reached and comm.last_path != "torch", "the timed path did not reach a kernel launch"
     return rows
 
 
 def host_main(args) -> int:
-    rows = host_overhead(args.calls, args.tokens, args.hidden)
+    rows = host_overhead(args.calls, args.tokens, args.hidden, launch=args.launch)
     if dist.get_rank() == 0:
         print(f"# ubnext.bench --host: host time per call, {args.tokens}x{args.hidden} bf16, "
               f"{dist.get_world_size()} ranks, medians of 7 rounds of {args.calls} calls")
-        print("# gpu-mode code path with a fake stream and a recorder in place of the kernel launch:")
-        print("# the launch itself (cuda.core, the driver) is not timed here. 'above floor' is per round,")
-        print("# against the floor timed in the same round; its min..max over the rounds is the spread")
+        if args.launch == "recorder":
+            print("# gpu-mode code path with a fake stream and a recorder in place of the kernel launch:")
+            print("# the launch itself (cuda.core, the driver) is not timed here.")
+        else:
+            print("# gpu-mode code path with a fake stream, launching through cuda.core into the stub driver:")
+            print("# everything up to the driver's cuLaunchKernelEx is timed, not the real driver's own work.")
+        print("# 'above floor' is per round, against the floor timed in the same round; its min..max over")
+        print("# the rounds is the spread")
         print(f"{'call':52} {'us/call':>8} {'above floor':>12} {'min..max':>14}")
         for i, (what, med, above, lo, hi) in enumerate(rows):
             if i == 0:
@@ -316,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
                              "path (needs matplotlib: pip install 'ubnext[plot]')")
     parser.add_argument("--host", action="store_true",
                         help="host time per call of the GPU code path (recorder instead of the launch)")
+    parser.add_argument("--launch", choices=["recorder", "driver"], default="recorder",
+                        help="--host: a recorder in place of the kernel launch, or the launch itself into the "
+                             "stub driver (scripts/host_bench.sh sets it up)")
     parser.add_argument("--calls", type=int, default=2000, help="--host: calls per timing")
     parser.add_argument("--tokens", type=int, default=8, help="--host: rows of the message")
     parser.add_argument("--hidden", type=int, default=4096, help="--host: row length")

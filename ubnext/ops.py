@@ -193,8 +193,9 @@ def _(x, hidden, scale, comm):
 # torch.ops.ubnext.* directly on tensors that require grad gives outputs whose backward raises.
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _requires_grad(t) -> bool:
+    """Whether ``t`` requires grad; False for what is not a tensor, which the operator's checks name."""
+    return getattr(t, "requires_grad", False)
 
 
 _is_compiling = torch.compiler.is_compiling
@@ -296,7 +297,7 @@ def all_reduce(x: torch.Tensor, comm: str, torch_symm_op: str = "") -> torch.Ten
     """Allreduce by the communicator's path choice, or by a named torch symmetric-memory op
     (``one_shot_all_reduce``, ``two_shot_all_reduce_``, ``multimem_all_reduce_``) where
     that op exists, else by the path choice."""
-    if torch.is_grad_enabled() and x.requires_grad:
+    if torch.is_grad_enabled() and _requires_grad(x):
         return _AllReduceGrad.apply(x, comm, torch_symm_op)
     overload, direct = _ALL_REDUCE
     return (overload if _is_compiling() else direct)(x, comm, torch_symm_op)
@@ -304,7 +305,7 @@ def all_reduce(x: torch.Tensor, comm: str, torch_symm_op: str = "") -> torch.Ten
 
 def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tensor:
     """Allreduce into ``out`` (which may be ``x``); like torch's out= variants, not differentiable."""
-    if _needs_grad(x, out):
+    if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(out)):
         raise RuntimeError("all_reduce(..., out=...) does not support automatic differentiation; "
                            "call it without out= to get a gradient")
     overload, direct = _ALL_REDUCE_OUT
@@ -313,7 +314,7 @@ def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tenso
 
 
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch.Tensor:
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(weight)):
         return _LinearAllReduceGrad.apply(x, weight, comm)
     overload, direct = _LINEAR_ALL_REDUCE
     return (overload if _is_compiling() else direct)(x, weight, comm)
@@ -322,7 +323,7 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype=None,
                            scale: Optional[torch.Tensor] = None):
     fp8 = (out_dtype is not None or scale is not None) and fp8_output(x, out_dtype, scale)
-    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+    if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(residual) or _requires_grad(weight)):
         out, residual_out, scale_inv = _FusedGrad.apply(x, residual, weight, float(eps), fp8, scale, comm)
         return out, residual_out, (scale_inv if fp8 else None)
     return _fused(x, residual, weight, float(eps), fp8, scale, comm)

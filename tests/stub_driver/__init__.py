@@ -26,8 +26,3 @@ def build(directory: Path) -> Path:
         tmp.replace(target)  # atomic: a concurrent build never leaves a half-written library
     return directory
 
-
-if __name__ == "__main__":  # python -m tests.stub_driver DIR: build it, print the directory
-    import sys
-
-    print(build(Path(sys.argv[1] if len(sys.argv) > 1 else "build/stub_driver")))

@@ -6,6 +6,9 @@
  *
  * Build: tests/stub_driver/__init__.py (gcc -O2 -shared -fPIC -o libcuda.so.1 stub_libcuda.c -ldl).
  * STUB_TRACE=1 prints every cuGetProcAddress lookup and every stub call to stderr.
+ *
+ * It reports one sm_90 device. NVRTC looks for the driver too and crashes on the stub: a process
+ * that loads the stub finds its kernels compiled already (python -m ubnext.kernels build --arch sm_90).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -38,6 +41,9 @@ static int tracing(void) {
  * of parameter i (0 ends the list), and each launch copies that many bytes of each parameter, so
  * the values outlive the caller's parameter buffer. */
 unsigned long long stub_launch_count = 0;
+/* cuDeviceGetAttribute(&v, STUB_ATTRIBUTE_LAUNCH_COUNT, dev): how many launches the stub has seen,
+ * for a process that reads it through cuda.bindings (python -m ubnext.bench --host --launch driver) */
+#define STUB_ATTRIBUTE_LAUNCH_COUNT 0x5754
 void *stub_last_func = NULL;
 void *stub_last_stream = NULL;
 void *stub_last_ctx = NULL; /* the context current on the launching thread */
@@ -78,6 +84,7 @@ API CUresult cuDeviceGetAttribute(int *v, int attrib, CUdevice d) {
     case 76: *v = 0; break;  /* ..._MINOR */
     case 16: *v = 132; break; /* multiprocessor count */
     case 1: *v = 1024; break; /* max threads per block */
+    case STUB_ATTRIBUTE_LAUNCH_COUNT: *v = (int)stub_launch_count; break;
     default: *v = 1; break;
     }
     return 0;
