@@ -167,6 +167,7 @@ def _median(values: list[float]) -> float:
 
 
 STUB_DEVICE_NAME = "Stub GPU"  # what tests/stub_driver's cuDeviceGetName answers
+STUB_ARCH = "sm_90"  # the compute capability it reports
 
 
 def _driver_is_the_stub() -> bool:
@@ -209,9 +210,15 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
     from . import _cuda, get_communicator, kernels
     from .nn import Linear
 
-    if launch == "driver" and not _driver_is_the_stub():
-        raise SystemExit("--launch driver needs the stub driver as libcuda.so.1: scripts/host_bench.sh builds it "
-                         "and puts it on LD_LIBRARY_PATH (a real driver would be handed CPU pointers)")
+    if launch == "driver":
+        if not _driver_is_the_stub():
+            raise SystemExit("--launch driver needs the stub driver as libcuda.so.1: scripts/host_bench.sh builds "
+                             "it and puts it on LD_LIBRARY_PATH (a real driver would be handed CPU pointers)")
+        # NVRTC looks for the driver too and crashes on the stub: the kernels must be compiled already
+        missing = [f for f in kernels.sources() if not kernels.is_cached(f, STUB_ARCH)]
+        if missing:
+            raise SystemExit(f"--launch driver: {', '.join(missing)} not compiled for the stub's {STUB_ARCH}; run "
+                             f"python -m ubnext.kernels build --arch {STUB_ARCH} without the stub first")
     comm = get_communicator()  # the one ubnext.nn.Linear uses too
     if comm.mode != "emulator":
         raise SystemExit("python -m ubnext.bench --host times the GPU code path over an emulator pool: "
@@ -266,7 +273,11 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
         try:
             floors = []
             for what, fns in cases:
+                launched_before = launches[0] if launch == "recorder" else _stub_launch_count()
                 times = _interleaved({floor[0]: floor[1], **fns}, calls, repeats)
+                launched = (launches[0] if launch == "recorder" else _stub_launch_count()) - launched_before
+                if not what.startswith("(") and launched < calls * repeats:
+                    raise AssertionError(f"{what}: {launched} kernel launches in {calls * repeats} calls")
                 above = [c - f - m for c, f, m in zip(times["call"], times["floor"], times.get("minus", [0.0] * repeats))]
                 floors += times["floor"]
                 rows.append((what, _median(times["call"]), _median(above), min(above), max(above)))
@@ -275,8 +286,7 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
             comm.mode = "emulator"
             comm._plans.clear()  # made in gpu mode
             comm._calls.clear()
-    reached = launches[0] if launch == "recorder" else _stub_launch_count()
-    assert reached and comm.last_path != "torch", "the timed path did not reach a kernel launch"
+    assert comm.last_path != "torch", "the timed path did not reach a kernel launch"
     return rows
 
 

@@ -18,7 +18,7 @@ import functools
 import logging
 import math
 import socket
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist

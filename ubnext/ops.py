@@ -202,17 +202,19 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _dispatcher_callable(name: str):
-    """The operator's overload as the dispatcher's own callable. ``torch.ops.ubnext.<name>(...)``
-    passes two Python frames before the dispatcher (the namespace's attribute lookups and
-    OpOverloadPacket.__call__, which only forwards to this callable): about 0.3 us per call here
-    (docs/PERF.md). Dynamo cannot trace the bare callable, so entry points that torch.compile may
-    trace take the OpOverload while compiling (``_op(name)``)."""
-    overload = getattr(torch.ops.ubnext, name).default
-    return overload, getattr(overload, "_op", overload)  # OpOverload._op: torch 2.0 to 2.13 at least
+    """(the operator's OpOverloadPacket, the dispatcher's own callable behind it).
+    ``torch.ops.ubnext.<name>(...)`` passes two Python frames before the dispatcher (the namespace's
+    attribute lookups and OpOverloadPacket.__call__, which only forwards to this callable): about
+    0.3 us per call here (docs/PERF.md). Both reach the same dispatcher entry, with the same
+    __torch_function__ handling, so modes, subclasses and the profiler see the same operator. Dynamo
+    cannot trace the bare callable, so entry points take the packet while
+    ``torch.compiler.is_compiling()``."""
+    packet = getattr(torch.ops.ubnext, name)
+    return packet, getattr(packet, "_op", packet)  # OpOverloadPacket._op: torch 2.0 to 2.13 at least
 
 
-# (OpOverload, its dispatcher callable) of each operator the entry points below call; an entry
-# point calls `(overload if _is_compiling() else direct)(...)`
+# (OpOverloadPacket, its dispatcher callable) of each operator the entry points below call; an
+# entry point calls `(packet if _is_compiling() else direct)(...)`
 _ALL_REDUCE = _dispatcher_callable("all_reduce")
 _ALL_REDUCE_OUT = _dispatcher_callable("all_reduce_out")
 _LINEAR_ALL_REDUCE = _dispatcher_callable("linear_all_reduce")
@@ -299,8 +301,8 @@ def all_reduce(x: torch.Tensor, comm: str, torch_symm_op: str = "") -> torch.Ten
     that op exists, else by the path choice."""
     if torch.is_grad_enabled() and _requires_grad(x):
         return _AllReduceGrad.apply(x, comm, torch_symm_op)
-    overload, direct = _ALL_REDUCE
-    return (overload if _is_compiling() else direct)(x, comm, torch_symm_op)
+    packet, direct = _ALL_REDUCE
+    return (packet if _is_compiling() else direct)(x, comm, torch_symm_op)
 
 
 def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tensor:
@@ -308,16 +310,16 @@ def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tenso
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(out)):
         raise RuntimeError("all_reduce(..., out=...) does not support automatic differentiation; "
                            "call it without out= to get a gradient")
-    overload, direct = _ALL_REDUCE_OUT
-    (overload if _is_compiling() else direct)(x, out, comm)
+    packet, direct = _ALL_REDUCE_OUT
+    (packet if _is_compiling() else direct)(x, out, comm)
     return out
 
 
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch.Tensor:
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(weight)):
         return _LinearAllReduceGrad.apply(x, weight, comm)
-    overload, direct = _LINEAR_ALL_REDUCE
-    return (overload if _is_compiling() else direct)(x, weight, comm)
+    packet, direct = _LINEAR_ALL_REDUCE
+    return (packet if _is_compiling() else direct)(x, weight, comm)
 
 
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype=None,
@@ -332,8 +334,8 @@ def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype
 def _fused(x, residual, weight, eps: float, fp8: bool, scale, comm: str):
     """(out, residual_out, scale_inv or None) through the operator for the output's kind."""
     if fp8:
-        overload, direct = _FUSED_FP8
-        return (overload if _is_compiling() else direct)(x, residual, weight, eps, scale, comm)
-    overload, direct = _FUSED
-    out, residual_out = (overload if _is_compiling() else direct)(x, residual, weight, eps, comm)
+        packet, direct = _FUSED_FP8
+        return (packet if _is_compiling() else direct)(x, residual, weight, eps, scale, comm)
+    packet, direct = _FUSED
+    out, residual_out = (packet if _is_compiling() else direct)(x, residual, weight, eps, comm)
     return out, residual_out, None

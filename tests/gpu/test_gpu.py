@@ -33,6 +33,33 @@ def test_every_kernel_loads_on_this_gpu():
             assert kernels.load_kernel(name, 0) is not None
 
 
+def test_the_raw_stream_handle_is_the_current_streams():
+    """The hot path reads the current stream as its raw handle (_cuda.current_stream_handle) where
+    torch.cuda.current_stream(...).cuda_stream was read before: the same value on the default stream,
+    a side stream, and the capture stream of a CUDA graph."""
+    dev = torch.cuda.current_device()
+
+    def same() -> int:
+        handle = _cuda.current_stream_handle(dev)
+        assert handle == torch.cuda.current_stream(dev).cuda_stream
+        return handle
+
+    default = same()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert same() == side.cuda_stream != default
+    graph, x = torch.cuda.CUDAGraph(), torch.zeros(4, device="cuda")
+    capture = torch.cuda.Stream()
+    with torch.cuda.stream(capture):  # warm-up off the default stream, as torch.cuda.graph does
+        x.add_(1)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        assert _cuda.capturing(torch.device("cuda", dev))
+        captured = same()
+        x.add_(1)
+    assert captured != default and not _cuda.capturing(torch.device("cuda", dev)) and same() == default
+
+
 @pytest.mark.skipif(0 < NGPU < 2, reason="needs at least 2 GPUs for multi-rank tests")
 @pytest.mark.parametrize("backend", ["torch_symm", "vmm"])
 def test_collectives(mpi, backend):

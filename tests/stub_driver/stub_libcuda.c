@@ -84,7 +84,7 @@ API CUresult cuDeviceGetAttribute(int *v, int attrib, CUdevice d) {
     case 76: *v = 0; break;  /* ..._MINOR */
     case 16: *v = 132; break; /* multiprocessor count */
     case 1: *v = 1024; break; /* max threads per block */
-    case STUB_ATTRIBUTE_LAUNCH_COUNT: *v = (int)stub_launch_count; break;
+    case STUB_ATTRIBUTE_LAUNCH_COUNT: *v = (int)(stub_launch_count & 0x7fffffff); break;
     default: *v = 1; break;
     }
     return 0;
@@ -106,7 +106,13 @@ API CUresult cuCtxSetCurrent(CUcontext c) {
     else ctx_depth--;
     return 0;
 }
-API CUresult cuCtxPushCurrent_v2(CUcontext c) { T(); if (ctx_depth < 64) ctx_stack[ctx_depth++] = c; return 0; }
+unsigned long long stub_push_count = 0; /* context pushes, to tell a launch that switched contexts */
+API CUresult cuCtxPushCurrent_v2(CUcontext c) {
+    T();
+    stub_push_count++;
+    if (ctx_depth < 64) ctx_stack[ctx_depth++] = c;
+    return 0;
+}
 API CUresult cuCtxPopCurrent_v2(CUcontext *c) {
     T();
     CUcontext top = ctx_depth ? ctx_stack[--ctx_depth] : NULL;

@@ -24,3 +24,74 @@ def test_requires_grad():
     not (the operator's checks then name it: worker case bad_input)."""
     assert not ops._requires_grad(None) and not ops._requires_grad(torch.ones(3))
     assert ops._requires_grad(torch.ones(3, requires_grad=True))
+
+
+def _recorders(monkeypatch):
+    """Stand-ins for every operator and autograd Function the entry points may call; each records
+    its name, so a test sees which route a call took without a communicator."""
+    seen = []
+
+    def recorder(name, result):
+        def call(*args):
+            seen.append(name)
+            return result(*args)
+        return call
+
+    pair = lambda *args: (args[0], args[0])  # noqa: E731 - (out, residual_out)
+    triple = lambda *args: (args[0], args[0], args[0])  # noqa: E731 - (out, residual_out, scale_inv)
+    for name, result in (("_ALL_REDUCE", lambda *a: a[0]), ("_LINEAR_ALL_REDUCE", lambda *a: a[0]),
+                         ("_FUSED", pair)):
+        monkeypatch.setattr(ops, name, (recorder(name + " packet", result), recorder(name + " direct", result)))
+    for name, result in (("_AllReduceGrad", lambda *a: a[0]), ("_LinearAllReduceGrad", lambda *a: a[0]),
+                         ("_FusedGrad", triple)):
+        monkeypatch.setattr(getattr(ops, name), "apply", recorder(name, result))
+    return seen
+
+
+def test_entry_points_take_autograd_only_when_a_gradient_is_wanted(monkeypatch):
+    """The autograd Functions run only in grad mode with an input that requires grad; otherwise the
+    operator is called directly (no Python autograd kernel on the hot path)."""
+    seen = _recorders(monkeypatch)
+    x, w = torch.ones(4, 8), torch.ones(8)
+    xg = torch.ones(4, 8, requires_grad=True)
+
+    def calls(a, weight):
+        ops.all_reduce(a, "k")
+        ops.linear_all_reduce(a, torch.ones(8, 8), "k")
+        ops.all_reduce_add_rmsnorm(a, x, weight, 1e-6, "k")
+
+    calls(x, w)
+    assert seen == ["_ALL_REDUCE direct", "_LINEAR_ALL_REDUCE direct", "_FUSED direct"]
+    seen.clear()
+    calls(xg, w)
+    assert seen == ["_AllReduceGrad", "_LinearAllReduceGrad", "_FusedGrad"]
+    seen.clear()
+    ops.all_reduce_add_rmsnorm(x, x, w.requires_grad_(), 1e-6, "k")  # the norm weight alone
+    assert seen == ["_FusedGrad"]
+    for mode in (torch.no_grad, torch.inference_mode):
+        seen.clear()
+        with mode():
+            calls(xg, w)
+        assert seen == ["_ALL_REDUCE direct", "_LINEAR_ALL_REDUCE direct", "_FUSED direct"], mode
+
+
+def test_entry_points_call_the_packet_while_compiling(monkeypatch):
+    """Dynamo cannot trace the dispatcher's bare callable: under torch.compile the entry points call
+    the OpOverloadPacket, in eager mode the callable behind it."""
+    seen = _recorders(monkeypatch)
+    x = torch.ones(4, 8)
+    monkeypatch.setattr(ops, "_is_compiling", lambda: True)
+    ops.all_reduce(x, "k")
+    ops.linear_all_reduce(x, torch.ones(8, 8), "k")
+    ops.all_reduce_add_rmsnorm(x, x, torch.ones(8), 1e-6, "k")
+    assert seen == ["_ALL_REDUCE packet", "_LINEAR_ALL_REDUCE packet", "_FUSED packet"]
+
+
+def test_the_direct_callable_is_the_packets_own():
+    """What the entry points call in eager mode is what torch.ops.ubnext.<op>(...) forwards to."""
+    for name in ("all_reduce", "all_reduce_out", "linear_all_reduce", "all_reduce_add_rmsnorm",
+                 "all_reduce_add_rmsnorm_fp8"):
+        packet, direct = getattr(ops, {"all_reduce": "_ALL_REDUCE", "all_reduce_out": "_ALL_REDUCE_OUT",
+                                       "linear_all_reduce": "_LINEAR_ALL_REDUCE", "all_reduce_add_rmsnorm": "_FUSED",
+                                       "all_reduce_add_rmsnorm_fp8": "_FUSED_FP8"}[name])
+        assert packet is getattr(torch.ops.ubnext, name) and direct is packet._op

@@ -152,6 +152,7 @@ def test_a_second_stream_waits_for_the_first(monkeypatch):
         return current[0]
 
     def stream_object(device):
+        assert device == comm.device
         asked.append(current[0])
         return handles[current[0]]
 

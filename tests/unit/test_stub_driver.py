@@ -46,6 +46,7 @@ SCRIPT = textwrap.dedent("""
     worker.start()
     worker.join()
     assert seen["after"] == 0, "the launch left a context current on a thread that had none"
+    assert recorded("stub_push_count", ctypes.c_ulonglong) == 1
     assert recorded("stub_launch_count", ctypes.c_ulonglong) == 1
     assert recorded("stub_last_stream") == 0x5A00
     assert recorded("stub_last_grid", ctypes.c_uint) == 3 and recorded("stub_last_block", ctypes.c_uint) == 256
@@ -59,6 +60,7 @@ SCRIPT = textwrap.dedent("""
     check(driver().cuCtxSetCurrent(driver().cuDevicePrimaryCtxRetain(driver().cuDeviceGet(0)[1])[1]))
     launch(kernel, launch_config(1, 64), 0x5B00, args, 0)
     assert recorded("stub_launch_count", ctypes.c_ulonglong) == 2 and recorded("stub_last_stream") == 0x5B00
+    assert recorded("stub_push_count", ctypes.c_ulonglong) == 1, "switched to a context that was current"
     assert int(driver().cuCtxGetCurrent()[1]) == primary
     print("stub launch ok")
 """)
