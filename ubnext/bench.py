@@ -168,6 +168,7 @@ def _median(values: list[float]) -> float:
 
 STUB_DEVICE_NAME = "Stub GPU"  # what tests/stub_driver's cuDeviceGetName answers
 STUB_ARCH = "sm_90"  # the compute capability it reports
+STUB_ATTRIBUTE_LAUNCH_COUNT = 0x5754  # its cuDeviceGetAttribute code for the launches it has seen
 
 
 def _driver_is_the_stub() -> bool:
@@ -190,7 +191,8 @@ def _stub_launch_count() -> int:
     from . import _cuda
 
     drv = _cuda.driver()
-    return _cuda.check(drv.cuDeviceGetAttribute(0x5754, drv.cuDeviceGet(0)[1]), "cuDeviceGetAttribute")
+    return _cuda.check(drv.cuDeviceGetAttribute(STUB_ATTRIBUTE_LAUNCH_COUNT, drv.cuDeviceGet(0)[1]),
+                       "cuDeviceGetAttribute")
 
 
 def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
@@ -233,6 +235,9 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
         launches[0] += 1
         launches[1] = args
 
+    def launches_so_far() -> int:
+        return launches[0] if launch == "recorder" else _stub_launch_count()
+
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
     residual = torch.randn(tokens, hidden, dtype=torch.bfloat16)
     weight = torch.randn(hidden, dtype=torch.bfloat16)
@@ -273,9 +278,9 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
         try:
             floors = []
             for what, fns in cases:
-                launched_before = launches[0] if launch == "recorder" else _stub_launch_count()
+                launched_before = launches_so_far()
                 times = _interleaved({floor[0]: floor[1], **fns}, calls, repeats)
-                launched = (launches[0] if launch == "recorder" else _stub_launch_count()) - launched_before
+                launched = launches_so_far() - launched_before
                 if not what.startswith("(") and launched < calls * repeats:
                     raise AssertionError(f"{what}: {launched} kernel launches in {calls * repeats} calls")
                 above = [c - f - m for c, f, m in zip(times["call"], times["floor"], times.get("minus", [0.0] * repeats))]

@@ -50,14 +50,15 @@ SCRIPT = textwrap.dedent("""
     assert recorded("stub_launch_count", ctypes.c_ulonglong) == 1
     assert recorded("stub_last_stream") == 0x5A00
     assert recorded("stub_last_grid", ctypes.c_uint) == 3 and recorded("stub_last_block", ctypes.c_uint) == 256
-    primary = int(driver().cuDevicePrimaryCtxRetain(driver().cuDeviceGet(0)[1])[1])
+    primary_context = driver().cuDevicePrimaryCtxRetain(driver().cuDeviceGet(0)[1])[1]
+    primary = int(primary_context)
     assert recorded("stub_last_ctx") == primary, "the kernel's context was not current at the launch"
     values = list((ctypes.c_ulonglong * 16).in_dll(stub, "stub_last_args"))
     assert tuple(values[:8]) == pointers, [hex(v) for v in values[:8]]
     assert values[8] == 4096 and values[9] == 512 and values[11] == 13
     assert values[10] == struct.unpack("<I", struct.pack("<f", 1e-6))[0]
     # the primary context already current (torch's threads): launched without a switch
-    check(driver().cuCtxSetCurrent(driver().cuDevicePrimaryCtxRetain(driver().cuDeviceGet(0)[1])[1]))
+    check(driver().cuCtxSetCurrent(primary_context))
     launch(kernel, launch_config(1, 64), 0x5B00, args, 0)
     assert recorded("stub_launch_count", ctypes.c_ulonglong) == 2 and recorded("stub_last_stream") == 0x5B00
     assert recorded("stub_push_count", ctypes.c_ulonglong) == 1, "switched to a context that was current"
