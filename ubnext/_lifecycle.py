@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import envs
+from .errors import UbnextError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Communicator
@@ -66,6 +67,9 @@ _serial = itertools.count()
 # their own, which ubnext must then leave alone)
 _our_group: "weakref.ref | None" = None
 _atexit_registered = False
+# the class communicator_of builds: ubnext.comm.Communicator, set when that module is imported (this
+# registry sits below the Communicator, which registers itself here)
+communicator_class: "type[Communicator] | None" = None
 
 
 def register(comm: "Communicator") -> str:
@@ -85,8 +89,6 @@ def lookup(key: str) -> "Communicator":
     if comm is not None:
         return comm
     if "#" in key:
-        from .comm import UbnextError
-
         raise UbnextError(f"no live ubnext communicator {key!r} (it was closed or garbage-collected)")
     comm = cached.get(key)
     if comm is not None and not comm.closed:
@@ -98,14 +100,12 @@ def lookup(key: str) -> "Communicator":
 def communicator_of(group=None) -> "Communicator":
     """The cached communicator of ``group`` (the default group when None); created on first
     use, which is collective."""
-    from .comm import Communicator
-
     if not dist.is_initialized():
         bootstrap()
     group = group if group is not None else dist.group.WORLD
     comm = cached.get(group.group_name)
     if comm is None or comm.closed:
-        comm = cached[group.group_name] = Communicator(group)
+        comm = cached[group.group_name] = communicator_class(group)
     return comm
 
 
@@ -114,7 +114,6 @@ def bootstrap() -> None:
     owns the process group and destroys it at exit."""
     global _our_group
     from ._cuda import gpu_available
-    from .comm import UbnextError
 
     info = envs.launcher_info()
     if info is None:

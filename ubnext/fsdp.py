@@ -49,7 +49,8 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from . import _lifecycle
-from .comm import FP8, FP8_MAX, FP8_TINY_SCALE_INV, Communicator
+from ._checks import FP8, FP8_MAX, FP8_TINY_SCALE_INV
+from .comm import Communicator
 
 __all__ = ["AllGather", "ReduceScatter", "use_ubnext_collectives", "FP8AllGatherWeight", "convert_to_fp8_all_gather",
            "fp8_gathered", "SCALINGS", "require_fsdp2"]

@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 
 from . import _lifecycle
-from .comm import (FP8, Communicator, check_all_gather_args, check_all_reduce_args, check_fused_args,
-                   check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
+from ._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args,
+                     check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
 
 __all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for",
            "rmsnorm_backward"]

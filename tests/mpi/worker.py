@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import ubnext  # noqa: E402
 from ubnext import testing as T  # noqa: E402
-from ubnext.comm import FP8  # noqa: E402
+from ubnext._checks import FP8  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MODE = "torch"
@@ -752,7 +752,7 @@ def case_reduce_scatter():
                                       (1024, torch.float16, dist.ReduceOp.AVG, True),
                                       (512, torch.bfloat16, dist.ReduceOp.PREMUL_SUM(0.125), False)):
         inputs = [T.rank_input(r, n * numel, dtype, 11) for r in range(n)]
-        factor = ubnext.comm.reduce_factor(op, n)
+        factor = ubnext._checks.reduce_factor(op, n)
         x = inputs[rank].to(device())
         if in_pool:
             x = COMM.empty(n * numel, dtype=dtype).copy_(x)
@@ -780,7 +780,7 @@ def case_quantize_fp8():
     """The quantisation kernel against quantize_fp8_reference, bitwise (true division, saturation,
     the 1e-12 floor of an all-zero row), per row, per tensor and static, including rows longer than
     the kernel's row cache."""
-    from ubnext.comm import quantize_fp8_reference
+    from ubnext._checks import quantize_fp8_reference
 
     for rows, cols, dtype in ((8, 64, torch.bfloat16), (3, 4096 * 5, torch.bfloat16), (5, 32, torch.float32),
                               (4, 48, torch.float16)):
@@ -855,7 +855,7 @@ def _fsdp_stack(seed: int) -> torch.nn.Module:
 def _fsdp_effective(name: str, full: torch.Tensor, scaling: str | None, static_scale, world: int) -> torch.Tensor:
     """The weight the FSDP2 forward must compute with, from the full fp32 master: its bf16 cast,
     or for an FP8 layer the e4m3 round trip of its scaling mode (torch reference), in bf16."""
-    from ubnext.comm import FP8_MAX, FP8_TINY_SCALE_INV, quantize_fp8_reference
+    from ubnext._checks import FP8_MAX, FP8_TINY_SCALE_INV, quantize_fp8_reference
     from ubnext.fsdp import dequantize
 
     if scaling is None or not name.startswith("blocks."):

@@ -4,7 +4,7 @@ entry points attach autograd only when a gradient is wanted."""
 import torch
 
 from ubnext import ops
-from ubnext.comm import rmsnorm
+from ubnext._checks import rmsnorm
 
 
 def test_rmsnorm_backward_matches_autograd():

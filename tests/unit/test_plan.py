@@ -62,7 +62,7 @@ def test_forced_path_falls_back_down_the_chain():
 def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
     """Blocks wait on the same block of every peer: a rank with more SMs must not launch more. And
     no rank gives up on a peer sooner than another rank would wait: the longest timeout wins."""
-    import ubnext.comm as comm_mod
+    import ubnext._prepare as comm_mod
 
     comm = object.__new__(Communicator)
     comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = "gpu", 2, 0, None, 1024
@@ -92,7 +92,7 @@ def _bare_communicator(mode="emulator"):
 def test_a_group_across_hosts_takes_the_torch_path(monkeypatch):
     """The pool is shared through one node's file descriptors: a group spanning hosts agrees on the
     torch path at creation, before any rank allocates, and says why."""
-    import ubnext.comm as comm_mod
+    import ubnext._prepare as comm_mod
 
     comm = _bare_communicator()
     reports = [{"error": None, "sm_count": 0, "timeout_s": 30.0, "host": h, "selftest": True}
@@ -201,7 +201,7 @@ def test_isolated_gpus_make_the_fallback_say_why(monkeypatch, caplog):
     """Ranks that each see one GPU: when the pool cannot be built, the warning says what to change."""
     import torch
 
-    import ubnext.comm as comm_mod
+    import ubnext._prepare as comm_mod
     from ubnext.pool import PoolSetupError
 
     comm = _bare_communicator("gpu")

@@ -1,0 +1,190 @@
+"""The allreduce: its public methods, its implementation on every path (the kernels, torch's
+symmetric-memory ops, torch.distributed), and the GEMM + allreduce of the row-parallel Linear.
+
+``AllReduceOps`` is one of the Communicator's parts (ubnext/comm.py). Its public methods enter
+through the operators (ubnext/ops.py); the operators call the underscored implementations here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import _cuda, ops, plan
+from ._checks import check_all_reduce_args, check_linear_args
+from ._executor import Call, Launch
+from .pool import NoRoom
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of equal shape are the same memory (the dispatcher may hand an
+    operator a different Python object for the tensor the caller passed)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.device == b.device and a.stride() == b.stride())
+
+
+
+class AllReduceOps:
+    """The Communicator's allreduce, with its torch fallbacks beside its kernel paths."""
+
+    def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of ``x`` over the ranks. ``x`` is unchanged unless ``out is x``."""
+        if out is None:
+            return ops.all_reduce(x, self.key)
+        return ops.all_reduce_out(x, out, self.key)
+
+    def _all_reduce(self, x: torch.Tensor, out: torch.Tensor, call: Call | None = None) -> torch.Tensor:
+        """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x.
+        A caller that made x and out itself, fresh and contiguous, passes their signature's
+        ``call`` (as _linear_all_reduce does): the signature's checks are then its word."""
+        in_place = in_place_pool = False
+        if call is None:
+            try:
+                in_place = _same_memory(out, x)
+                # a pool tensor reduced where it lies needs no staging: part of the call's signature
+                in_place_pool = in_place and self._in_pool_aligned(x)
+                signature = ("all_reduce", x.shape, x.dtype, out.shape, out.dtype, in_place_pool, self._algo)
+            except AttributeError:  # not a tensor (an operator passes None through): say which
+                check_all_reduce_args(x, out)
+                raise
+            call = self._calls.get(signature)
+            if call is None or not (x.is_contiguous() and out.is_contiguous()):
+                check_all_reduce_args(x, out)  # what a remembered signature does not vouch for
+        device = self.device
+        if x.device != device or out.device != device:
+            self._check_device("x out", x, out)
+        self._check_usable()
+        if self._debug:
+            self._check_same_across_ranks(("all_reduce", tuple(x.shape), str(x.dtype), in_place_pool))
+        if call is None:  # a remembered signature has more than one rank and elements to reduce
+            if self.world_size == 1 or x.numel() == 0:
+                self.last_path = "torch"
+                return out if in_place else out.copy_(x)
+            call = self._call_for(signature, x.shape, x.dtype, in_place_pool=in_place_pool)
+        if in_place:
+            out = x  # the kernels' in-place test is identity
+        self.last_path = call.path
+        self._all_reduce_by(call, x, out)
+        return out
+
+    def _all_reduce_by(self, call: Call, x: torch.Tensor, out: torch.Tensor) -> None:
+        path = call.path
+        if path == "lamport":
+            self._launch(call.launch, x, out)
+        elif path in plan.IN_PLACE_PATHS:
+            self._in_place(call.launch, x, out)
+        elif path in ("nvls_oneshot", "nvls_lamport"):
+            # peers read `in` through multicast while this rank writes `out`: never the same memory
+            in_pool = out is not x and self._in_pool_aligned(x)
+            stage = x if in_pool else self._pool.staging(x.shape, x.dtype).copy_(x)
+            self._launch(call.launch, stage, out)
+        elif path == "torch_symm":
+            self._torch_symm_all_reduce(x, out)
+        else:
+            self._torch_all_reduce(x, out)
+
+    def _linear_all_reduce(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` summed over the ranks (torch.ops.ubnext.linear_all_reduce, the row-parallel
+        ubnext.nn.Linear). A path that reduces through the pool's staging region finds the GEMM's
+        output already there, at the same offset on every rank whatever each rank has allocated
+        (no copy in); Lamport reads its input anywhere, so for a signature planned to take it the
+        GEMM writes a fresh tensor. The sum lands in a fresh tensor, since the next call reuses
+        the staging region."""
+        shape = (*x.shape[:-1], weight.shape[0])
+        # the plan of the GEMM output's allreduce, decided before the first GEMM of a signature,
+        # so that every call of it runs the same GEMM
+        signature = ("linear_all_reduce", x.shape, x.dtype, weight.shape, weight.dtype, self._algo)
+        planned = self._calls.get(signature)
+        if planned is None:
+            check_linear_args(x, weight)
+            if self.world_size > 1 and math.prod(shape) > 0:
+                planned = self._call_for(signature, shape, x.dtype)
+        if planned is not None and planned.path == "lamport":
+            # in place: each Lamport thread reads its vectors of `in` before it writes them in `out`
+            y = torch.nn.functional.linear(x, weight)
+            return self._all_reduce(y, y, planned)
+        y = self._staging_or_none(shape, x.dtype)
+        if y is None:
+            y = torch.nn.functional.linear(x, weight)
+        else:
+            torch.matmul(x, weight.t(), out=y)
+        return self._all_reduce(y, torch.empty_like(y))
+
+    def _staging_or_none(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A view of the pool's staging region, or None when there is no pool or the shape does
+        not fit."""
+        pool = self._pool
+        if pool is None:
+            pool = self.pool if self.mode != "torch" else None  # made on first use
+        if pool is None:
+            return None
+        self._check_usable()  # before the caller's GEMM writes into staging
+        try:
+            return pool.staging(shape, dtype)
+        except NoRoom:
+            return None
+
+    def _in_place(self, launch: Launch, x: torch.Tensor, out: torch.Tensor) -> None:
+        if out is x and self._in_pool_aligned(x):
+            self._launch(launch, x, x)
+            return
+        stage = self._pool.staging(x.shape, x.dtype)
+        if stage.data_ptr() != x.data_ptr():  # x may already be the staging region
+            stage.copy_(x)
+        self._launch(launch, stage, stage)
+        out.copy_(stage)
+
+    def _torch_all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if x.device.type == "cpu" and x.dtype != torch.float32:
+            # gloo sums in the tensor's dtype; sum in fp32 like the kernels do
+            acc = x.float()
+            dist.all_reduce(acc, group=self.group)
+            out.copy_(acc)
+            return
+        if out is not x:
+            out.copy_(x)
+        dist.all_reduce(out, group=self.group)
+
+    def _torch_symm_all_reduce(self, x: torch.Tensor, out: torch.Tensor,
+                               op_name: str = "one_shot_all_reduce") -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        key = (x.numel(), x.dtype)
+        buf = self._symm_buffers.get(key)
+        if buf is None and _cuda.capturing(self.device):
+            # a new buffer means an allocation and a rendezvous, which a capture cannot contain;
+            # which keys exist follows from the call sequence, the same on every rank: agreed
+            self._log_once("capture", f"torch_symm: no buffer for {key} was made before capture; "
+                           "this captured call uses torch.distributed (run it once eagerly first)")
+            self._torch_all_reduce(x, out)
+            return
+        if buf is None:
+            buf = symm_mem.empty(x.numel(), dtype=x.dtype, device=self.device)
+            symm_mem.rendezvous(buf, self.group.group_name)
+            self._symm_buffers[key] = buf
+        buf.copy_(x.reshape(-1))
+        op = getattr(torch.ops.symm_mem, op_name)
+        result = op(buf, "sum", self.group.group_name)
+        # the in-place variants (trailing underscore) leave the sum in buf
+        out.copy_((buf if op_name.endswith("_") else result).view_as(x))
+
+    def all_reduce_torch_symm(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
+        """Allreduce by one named torch symmetric-memory op where it exists (CUDA tensors),
+        else by the normal path choice (logged once)."""
+        return ops.all_reduce(x, self.key, op_name)
+
+    def _all_reduce_torch_symm(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
+        check_all_reduce_args(x)
+        self._check_device("x", x)
+        self._check_usable()
+        usable = self.mode == "gpu" and hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, op_name)
+        if not usable or self.world_size == 1:
+            self._log_once("torch_symm", f"torch symmetric-memory op {op_name} unavailable here; "
+                           "using the ubnext path choice")
+            return self._all_reduce(x, torch.empty_like(x))
+        out = torch.empty_like(x)
+        self._torch_symm_all_reduce(x, out, op_name)
+        self.last_path = "torch_symm"
+        return out
+

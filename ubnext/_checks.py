@@ -1,0 +1,182 @@
+"""Argument checks and reference math: what every ubnext operator asks of its arguments, and the
+torch arithmetic that the kernels' contract is written in (csrc/device/norm.cuh).
+
+One home for both, shared by the eager operators, their fake (tracing) implementations and the
+torch fallbacks, so that a compiled call fails at trace time as an eager call fails, and a
+fallback computes what the kernel computes. A leaf: it imports no other ubnext module.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+DTYPE_CODES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Smallest per-token scale_inv: an all-zero row gets this scale, so q = 0 and no 0/0.
+FP8_TINY_SCALE_INV = 1e-12
+
+
+def check_tensor(name: str, x: torch.Tensor) -> None:
+    """What every ubnext operator asks of a tensor argument, whatever its device."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPE_CODES:
+        raise TypeError(f"{name}: ubnext supports bfloat16, float16 and float32, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def check_all_reduce_args(x: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    """Argument checks of the allreduce operators, shared by the real and the fake (tracing)
+    implementations, so a compiled call fails at trace time as an eager call fails."""
+    check_tensor("x", x)
+    if out is not None:
+        check_tensor("out", out)
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(f"out must match x ({tuple(x.shape)}, {x.dtype}), got "
+                             f"({tuple(out.shape)}, {out.dtype})")
+
+
+def check_linear_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Argument checks of the GEMM + allreduce operator (real and fake implementations): a wrong
+    weight must fail here, not resize the staging view the GEMM writes into."""
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [out_features, {x.shape[-1] if x.dim() else '?'}] of x's dtype {x.dtype}, "
+                         f"got {tuple(weight.shape)} {weight.dtype}")
+
+
+def check_fused_args(x, residual, weight, eps, fp8: bool, scale) -> None:
+    """Argument checks of the fused operator (real and fake implementations)."""
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        check_tensor(name, t)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last (hidden) dimension, got {tuple(x.shape)}")
+    hidden = x.shape[-1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x ({tuple(x.shape)}, {x.dtype}), got "
+                         f"({tuple(residual.shape)}, {residual.dtype})")
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must have shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if scale is not None:
+        if not fp8:
+            raise ValueError("scale is only meaningful with out_dtype=torch.float8_e4m3fn")
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError("scale must be a one-element float32 tensor (the dequantisation scale)")
+        if scale.device != x.device:
+            raise ValueError(f"scale is on {scale.device}, x on {x.device}")
+
+
+def check_all_gather_args(x: torch.Tensor, out: torch.Tensor | None, world_size: int) -> None:
+    """Argument checks of the all-gather operators (real and fake implementations). Any dtype: the
+    all-gather moves bytes."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_contiguous() or x.dim() == 0:
+        raise ValueError(f"x must be contiguous with at least one dimension, got shape {tuple(x.shape)}")
+    if out is not None:
+        want = (world_size * x.shape[0], *x.shape[1:])
+        if not isinstance(out, torch.Tensor) or not out.is_contiguous():
+            raise ValueError("out must be a contiguous tensor")
+        if out.dtype != x.dtype or out.numel() != world_size * x.numel():
+            raise ValueError(f"out must hold world_size x x's elements ({want}, {x.dtype}), got "
+                             f"({tuple(out.shape)}, {out.dtype})")
+
+
+def check_reduce_scatter_args(x: torch.Tensor, out: torch.Tensor | None, world_size: int) -> None:
+    """Argument checks of the reduce-scatter operators (real and fake implementations)."""
+    check_tensor("x", x)
+    if x.dim() == 0 or x.shape[0] % world_size:
+        raise ValueError(f"x's first dimension must be a multiple of the world size {world_size}, got "
+                         f"shape {tuple(x.shape)}")
+    if out is not None:
+        check_tensor("out", out)
+        if out.dtype != x.dtype or out.numel() * world_size != x.numel():
+            raise ValueError(f"out must hold 1/{world_size} of x's elements in {x.dtype}, got "
+                             f"({tuple(out.shape)}, {out.dtype})")
+
+
+def reduce_factor(op, world_size: int) -> float:
+    """The factor a reduce-scatter applies to its sum: ``op`` is "sum", "avg", a number, or a
+    torch.distributed ReduceOp (SUM, AVG, or PREMUL_SUM(factor), as FSDP2 passes)."""
+    if isinstance(op, (int, float)) and not isinstance(op, bool):
+        return float(op)
+    if isinstance(op, str) and op in ("sum", "avg"):
+        return 1.0 if op == "sum" else 1.0 / world_size
+    if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        # a RedOpType is itself the kind; a ReduceOp object (PREMUL_SUM(f)) carries kind and factor
+        kind, factor = (op, None) if isinstance(op, dist.ReduceOp.RedOpType) else (
+            op.op, getattr(op, "factor", None))
+        if kind == dist.ReduceOp.SUM:
+            return 1.0
+        if kind == dist.ReduceOp.AVG:
+            return 1.0 / world_size
+        if kind == dist.ReduceOp.PREMUL_SUM and isinstance(factor, (int, float)):
+            return float(factor)
+    raise ValueError(f"reduce-scatter op must be 'sum', 'avg', a number, or ReduceOp SUM / AVG / PREMUL_SUM(x), "
+                     f"got {op!r}")
+
+
+def check_quantize_args(x: torch.Tensor, hidden: int, scale) -> None:
+    """Argument checks of the FP8 quantisation operator (real and fake implementations)."""
+    check_tensor("x", x)
+    if hidden <= 0 or x.numel() == 0 or x.numel() % hidden:
+        raise ValueError(f"hidden ({hidden}) must divide x's {x.numel()} elements")
+    if scale is not None and (not isinstance(scale, torch.Tensor) or scale.numel() != 1
+                              or scale.dtype != torch.float32 or scale.device != x.device):
+        raise ValueError("scale must be a one-element float32 tensor on x's device (the dequantisation scale)")
+
+
+def quantize_fp8_reference(y: torch.Tensor, hidden: int, scale: torch.Tensor | None):
+    """(q, scale_inv) of ``y`` (any float dtype, quantised as its fp32 values) with the kernels'
+    contract (csrc/device/norm.cuh): static, q = sat(y / scale) and scale_inv = scale; else one
+    scale per row of ``hidden`` elements, scale_inv = max(amax / 448, 1e-12), q = sat(y / scale_inv).
+    q has y's shape; scale_inv has one element (static) or one per row."""
+    rows = y.float().reshape(-1, hidden)
+    if scale is not None:
+        scale_inv = scale.float().reshape(1).clone()
+        q = (rows / scale_inv).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    else:
+        scale_inv = torch.clamp(rows.abs().amax(dim=-1) / FP8_MAX, min=FP8_TINY_SCALE_INV)
+        q = (rows / scale_inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.reshape(y.shape), scale_inv
+
+
+def fp8_output(x: torch.Tensor, out_dtype: torch.dtype | None, scale) -> bool:
+    """Whether the fused op writes FP8 (``out_dtype`` is x's dtype, None or e4m3)."""
+    if out_dtype is not None and out_dtype not in (x.dtype, FP8):
+        raise TypeError(f"out_dtype must be x.dtype ({x.dtype}) or torch.float8_e4m3fn, got {out_dtype}")
+    if scale is not None and out_dtype != FP8:
+        raise ValueError("scale is only meaningful with out_dtype=torch.float8_e4m3fn")
+    return out_dtype == FP8
+
+
+
+def rmsnorm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(r * rsqrt(mean(r^2) + eps)) * weight`` over the last dimension, in r's precision, in
+    the kernels' order of operations (the torch fallback)."""
+    return r * torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
+    """add + RMSNorm (+FP8) in torch with the kernels' contract (csrc/device/norm.cuh):
+    residual_out rounded to the input dtype, statistics in fp32 from that rounded value,
+    y = (r * rms) * weight rounded to the input dtype, FP8 from that same rounded y."""
+    residual_out = (reduced.float() + residual.float()).to(residual.dtype)
+    y = rmsnorm(residual_out.float(), weight.float(), eps).to(residual.dtype)
+    if out_dtype != FP8:
+        return y, residual_out, None
+    # FP8 quantises y rounded to the input dtype; amax comes from those same rounded values
+    q, scale_inv = quantize_fp8_reference(y, y.shape[-1], scale)
+    return q, residual_out, (scale_inv if scale is not None else scale_inv.reshape(y.shape[:-1]))
+

@@ -1,0 +1,230 @@
+"""From a call signature to a kernel launch: geometry, argument packing, alignment staging, stream
+ordering, and the error word that every launch may leave behind.
+
+``Executor`` is one of the Communicator's parts (ubnext/comm.py). It owns what happens at every
+call once the path is known: the checks that a call may run now (closed, aborted, a kernel's
+error word, the devices), the launch on the emulator or the GPU, and the ordering of this
+communicator's kernels across streams. It reads the state Communicator.__init__ sets
+(``mode``, ``device``, ``_pool``, ``_emu``, ``_closed``, ``_broken``, ``_debug``) and keeps the
+current call's ``_stream`` and ``_capturing``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _cuda, kernels
+from ._checks import DTYPE_CODES, FP8
+from .errors import UbnextError, kernel_error
+
+log = logging.getLogger("ubnext")
+
+_SIGNATURE_KINDS = tuple(kind for _, kind in kernels.KERNEL_SIGNATURE)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_name(algo: str, dtype: torch.dtype) -> str:
+    return kernels.kernel_name(algo, "u8" if dtype == torch.uint8 else DTYPE_CODES[dtype])
+
+
+class Launch(NamedTuple):
+    """One call signature's kernel launch, made once (Executor._launch_for): which kernel,
+    its grid, and its scalar arguments, raw for the emulator and packed for cuda.core, so that
+    a call only adds its eight pointers."""
+
+    algo: str
+    name: str
+    grid: int
+    block: int
+    out_align: int  # the kernel writes `out` in vectors: 8 bytes for FP8, else 16
+    scalars: tuple  # (n, hidden, eps, flags)
+    packed: tuple  # the same, packed by _cuda.pack_kernel_args
+    kernel: Any = None  # gpu mode: the loaded kernel (kernels.load_kernel), looked up once
+    config: Any = None  # gpu mode: cuda.core's LaunchConfig of grid and block (_cuda.launch_config)
+
+
+class Call(NamedTuple):
+    """What one call signature does, decided once (Planner._call_for)."""
+
+    path: str
+    launch: Launch | None  # the kernel paths' launch; None for torch_symm and torch
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _misaligned(t: torch.Tensor | None, align: int = 16) -> bool:
+    """Whether a kernel's vector access to ``t`` would be misaligned."""
+    return t is not None and t.data_ptr() % align != 0
+
+
+class Executor:
+    """The Communicator's launches and the checks every call makes before one."""
+
+    def _log_once(self, key: str, message: str) -> None:
+        if (key, message) not in self._logged:
+            self._logged.add((key, message))
+            # without a GPU and without emulation the torch path is expected, not a degradation
+            log.log(logging.INFO if self.mode == "torch" else logging.WARNING, "%s", message)
+
+    def _check_usable(self) -> None:
+        """At the start of every op: refuse a closed or aborted communicator, and order this call's
+        stream after the last one, before the op writes anything (staging, pool tensors)."""
+        if self._closed:
+            raise UbnextError("communicator is closed")
+        if self.mode == "gpu":
+            # this call's stream (its raw handle) and whether it is captured: the launch uses both
+            capturing = self._capturing = _cuda.capturing(self.device)
+            stream = self._stream = _cuda.current_stream_handle(self._device_index)
+            if stream != self._last_stream and not capturing:
+                self._order_after_other_stream(stream)
+        if self._broken:
+            raise UbnextError(f"communicator is unusable after an earlier failure: {self._broken}")
+        pool = self._pool
+        if pool is not None:
+            code = pool.err_view[0]
+            if code:
+                self._raise_kernel_error(pool)
+
+    def _raise_kernel_error(self, pool) -> None:
+        if self.device.type == "cuda":
+            # the details are complete once the writing kernel has ended (csrc/device/barrier.cuh)
+            torch.cuda.synchronize(self.device)
+        error = kernel_error(pool.err_word.tolist(), pool.timeout_s, self.rank)
+        self._broken = str(error)
+        raise error
+
+    def _check_device(self, names: str, *tensors: torch.Tensor) -> None:
+        """Every tensor is on this communicator's device; ``names`` names them, space-separated.
+        (The ops' hot paths compare devices inline first and call this to raise.)"""
+        device = self.device
+        for name, x in zip(names.split(), tensors):
+            if x.device != device:
+                raise ValueError(f"{name} is on {x.device}, but this communicator works on {device}")
+
+    def _check_same_across_ranks(self, what: tuple) -> None:
+        """UBNEXT_DEBUG: compare a call's signature across the ranks before it runs."""
+        seen = self._allgather(what)
+        if any(s != seen[0] for s in seen):
+            detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
+            raise ValueError(f"ubnext: ranks called with different arguments ({detail})")
+
+    def _geometry(self, algo: str, n: int, elem: int, tokens: int, fused: bool) -> tuple[int, int]:
+        if self.mode == "emulator":
+            block, max_blocks = 64, 4  # emulated threads are fibers on 2 cores: keep it small
+        else:
+            # 256 threads: the kernels' register use (up to 168 on sm_100) allows it, not 512;
+            # one block per SM at most keeps the grid co-resident (blocks wait on peers' blocks)
+            block, max_blocks = 256, self._sm_count
+        if fused:
+            return max(1, min(tokens, max_blocks)), block
+        vectors = -(-n * elem // 16)
+        if algo in ("nvls_twoshot", "twoshot", "nvls_lamport"):
+            vectors = -(-vectors // self.world_size)  # each rank reduces its 1/N share
+        return max(1, min(-(-vectors // block), max_blocks)), block
+
+    def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int) -> Launch:
+        grid, block = self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden))
+        if algo in ("lamport", "allgather") and self._pool.has_multicast:
+            flags |= kernels.F_MULTICAST
+        scalars = (n, hidden, float(eps), flags)
+        packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(scalars):], scalars)
+        fp8_out = flags & (kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN)
+        name = _kernel_name(algo, dtype)
+        kernel = config = None
+        if self.mode == "gpu":
+            kernel, config = kernels.load_kernel(name, self._device_index), _cuda.launch_config(grid, block)
+        return Launch(algo, name, grid, block, 8 if fp8_out else 16, scalars, tuple(packed), kernel, config)
+
+    def _launch(self, how: Launch, inp: torch.Tensor, out: torch.Tensor, residual=None, residual_out=None,
+                weight=None, scale=None, scale_inv=None) -> None:
+        p_in, p_out = inp.data_ptr(), out.data_ptr()
+        if residual is None:  # the plain allreduce; the fused norm passes all three
+            p_res = p_res_out = p_w = 0
+        else:
+            p_res, p_res_out, p_w = residual.data_ptr(), residual_out.data_ptr(), weight.data_ptr()
+        # Every pointer the kernels touch with vectors must be aligned: 16 bytes, 8 for an FP8
+        # out; a misaligned GPU access is a sticky fault that kills the context. A misaligned
+        # caller tensor is staged through a fresh (aligned) one, locally: the path, and so what
+        # the peers see, stays the same. Inputs that peers read through the pool were staged
+        # into it by the caller, aligned.
+        copy_back: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if (p_in | p_res | p_res_out | p_w) % 16 or p_out % how.out_align:
+            copy_back = []
+            if how.algo != "lamport" and _misaligned(inp):
+                raise AssertionError(f"{how.algo}: pool input at {p_in:#x} is not 16-byte aligned")
+            staged = self._aligned_copies(inp, out, residual, residual_out, weight, copy_back)
+            p_in, p_out, p_res, p_res_out, p_w = (_ptr(t) for t in staged)  # `staged` is held: the kernel reads the copies
+        self._run(how, (self._pool.base, p_in, p_out, p_res, p_res_out, p_w,
+                        0 if scale is None else scale.data_ptr(), 0 if scale_inv is None else scale_inv.data_ptr()))
+        if copy_back:
+            for target, staged_out in copy_back:
+                target.copy_(staged_out)  # stream-ordered after the kernel
+
+    def _run(self, how: Launch, pointers: tuple) -> None:
+        """Launch one kernel with its eight pointers (kernels.KERNEL_SIGNATURE's order), on the
+        emulator or the GPU; the emulator's launch is synchronous, so its error word is read here."""
+        pool = self._pool
+        if self.mode == "emulator":
+            self._emu.launch(how.name, how.grid, how.block, list(zip(_SIGNATURE_KINDS, (*pointers, *how.scalars))),
+                             timeout_s=pool.timeout_s)
+            if pool.err_view[0]:
+                self._raise_kernel_error(pool)
+            return
+        if self._capturing:  # since this op's _check_usable, as self._stream
+            pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
+        _cuda.launch(how.kernel, how.config, self._stream, (*pointers, *how.packed), self._device_index)
+        if self._debug:
+            torch.cuda.synchronize(self.device)
+            if pool.err_view[0]:
+                self._raise_kernel_error(pool)
+
+    @staticmethod
+    def _aligned_copies(inp, out, residual, residual_out, weight, copy_back):
+        """Aligned stand-ins for the misaligned ones: inputs cloned, outputs written to a fresh
+        tensor and copied back after the kernel (stream-ordered)."""
+        def aligned_output(t, align=16):
+            if t is None or not _misaligned(t, align):
+                return t
+            staged = torch.empty_like(t)
+            copy_back.append((t, staged))
+            return staged
+
+        inp, residual, weight = (t.clone() if _misaligned(t) else t for t in (inp, residual, weight))
+        return (inp, aligned_output(out, 8 if out.dtype == FP8 else 16), residual, aligned_output(residual_out),
+                weight)
+
+    def _order_after_other_stream(self, stream: int) -> None:
+        """A communicator's kernels share one sync region, so two of them must never run at the same
+        time: from two streams they could, and their barriers would pair up wrongly or deadlock
+        (DESIGN.md section 8). When an eager call comes from another stream than the last eager one
+        (a side stream for overlap, FSDP2's streams, a graph's warm-up stream), that stream first
+        waits for everything enqueued on the last one, so kernels stay in one order whatever stream
+        issues them. _check_usable calls this only when the stream (``stream``, the current one's
+        raw handle) changed, and never for captured calls: a graph's kernels run when and where its
+        owner replays it, ordered by them."""
+        current = torch.cuda.current_stream(self.device)  # the torch object of `stream`
+        last = self._last_torch_stream
+        if last is not None:
+            done = torch.cuda.Event()
+            done.record(last)
+            current.wait_event(done)
+        self._last_stream, self._last_torch_stream = stream, current
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued ops and raise any error a kernel reported."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._check_usable()
+
+    def _in_pool_aligned(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is a pool tensor, 16-byte aligned: peers can read it, and the two-shot
+        kernels reduce it, where it lies."""
+        pool = self._pool
+        return pool is not None and pool.contains(x) and not _misaligned(x)
+

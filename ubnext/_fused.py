@@ -1,0 +1,87 @@
+"""The fused allreduce + residual add + RMSNorm, with its FP8 output, on the kernels or, where
+they cannot run it, as the chosen allreduce followed by the same arithmetic in torch.
+
+``FusedNormOps`` is one of the Communicator's parts (ubnext/comm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels, ops
+from ._checks import FP8, check_fused_args, reference_add_rmsnorm
+
+
+class FusedNormOps:
+    """The Communicator's fused norm."""
+
+    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
+                               scale: torch.Tensor | None = None):
+        """``residual_out = allreduce(x) + residual``; ``out = rmsnorm(residual_out) * weight``.
+
+        Returns ``(out, residual_out, scale_inv)``. ``out_dtype`` defaults to ``x.dtype``; with
+        ``torch.float8_e4m3fn`` the output is FP8 with a static scale (``scale``: a one-element
+        fp32 tensor holding the dequantisation scale) or per-token scales, and ``scale_inv``
+        satisfies ``y ≈ out.float() * scale_inv`` (one value, or one per token). ``scale_inv``
+        is None for non-FP8 outputs.
+        """
+        return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, self.key, out_dtype, scale)
+
+    def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float, scale: torch.Tensor | None = None, fp8: bool = False):
+        """The fused op itself: torch.ops.ubnext.all_reduce_add_rmsnorm's implementation, returning
+        ``(out, residual_out)``, and with ``fp8`` all_reduce_add_rmsnorm_fp8's, returning
+        ``(out, residual_out, scale_inv)``."""
+        try:
+            signature = ("all_reduce_add_rmsnorm", x.shape, x.dtype, residual.shape, residual.dtype, weight.shape,
+                         weight.dtype, eps, fp8, scale is None, self._algo)
+        except AttributeError:  # not a tensor (an operator passes None through): say which
+            check_fused_args(x, residual, weight, eps, fp8, scale)
+            raise
+        call = self._calls.get(signature)
+        if call is None or scale is not None or not (
+                x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
+            check_fused_args(x, residual, weight, eps, fp8, scale)  # what a remembered signature does not vouch for
+        device = self.device
+        if x.device != device or residual.device != device or weight.device != device:
+            self._check_device("x residual weight", x, residual, weight)
+        self._check_usable()
+        if self._debug:
+            self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), fp8))
+        if call is None:  # a remembered signature has more than one rank and elements to reduce
+            if self.world_size == 1 or x.numel() == 0:
+                self.last_path = "torch"
+                return self._fused_in_torch(x, residual, weight, eps, scale, fp8)
+            flags = kernels.F_FUSED_NORM
+            if fp8:
+                flags |= kernels.F_FP8_STATIC if scale is not None else kernels.F_FP8_PER_TOKEN
+            call = self._call_for(signature, x.shape, x.dtype, hidden=x.shape[-1], eps=eps, flags=flags)
+        path = self.last_path = call.path
+        launch = call.launch
+        if launch is None:
+            reduced = torch.empty_like(x)
+            self._all_reduce_by(call, x, reduced)
+            return self._fused_in_torch(reduced, residual, weight, eps, scale, fp8)
+        # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool and
+        # overwrite their input, so x is always staged (never the caller's x)
+        inp = x if path == "lamport" else self._pool.staging(x.shape, x.dtype).copy_(x)
+        residual_out = torch.empty_like(residual)
+        if not fp8:
+            out = torch.empty_like(x)
+            self._launch(launch, inp, out, residual, residual_out, weight)
+            return out, residual_out
+        out = torch.empty_like(x, dtype=FP8)
+        if scale is not None:
+            scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+        else:
+            scale_inv = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)  # one per token
+        self._launch(launch, inp, out, residual, residual_out, weight, scale, scale_inv)
+        return out, residual_out, scale_inv
+
+    @staticmethod
+    def _fused_in_torch(reduced, residual, weight, eps, scale, fp8):
+        """add + RMSNorm (+FP8) of an already reduced x, in torch, as the fused op returns it."""
+        outputs = reference_add_rmsnorm(reduced, residual, weight, eps, FP8 if fp8 else reduced.dtype, scale)
+        return outputs if fp8 else outputs[:2]
+

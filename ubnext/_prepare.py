@@ -1,0 +1,233 @@
+"""Everything collective that happens once per communicator: the kernels' build or load and its
+agreement across ranks, the pool's creation (or the agreed reason there is none), the self-test
+of every kernel path, and the pool tensors handed to users (``comm.empty``).
+
+``Preparation`` is one of the Communicator's parts (ubnext/comm.py). Every step here talks to
+all ranks through ``_allgather``, and every decision is taken from what all ranks reported, so
+that no rank launches a kernel its peers never join.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from . import _cuda, _lifecycle, envs, kernels, plan
+from ._checks import DTYPE_CODES, FP8
+from .errors import UbnextError
+from .pool import NoRoom, SymmetricPool, plan_layout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .comm import Communicator
+
+log = logging.getLogger("ubnext")
+
+DEFAULT_HIDDEN = 8192
+
+
+def _host_identity() -> str:
+    """Which machine this process runs on: hostname/boot id. The boot id (one per running
+    kernel) tells apart nodes that share a hostname; the hostname names them in the message."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+
+class Preparation:
+    """The Communicator's pool and kernels, made once, collectively."""
+
+    def register_hidden(self, hidden: int) -> None:
+        """Size the pool for rows of ``hidden`` elements (call before the first op)."""
+        if hidden <= 0:
+            raise ValueError(f"hidden must be positive, got {hidden}")
+        self._max_hidden = max(self._max_hidden, hidden)
+
+    def _allgather(self, obj):
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    @property
+    def pool(self) -> SymmetricPool | None:
+        """The symmetric pool, created on first use (collective)."""
+        if self._closed:
+            raise UbnextError("communicator is closed")
+        if self._pool is None and self._pool_error is None:
+            if _cuda.capturing(self.device):
+                raise UbnextError(
+                    "ubnext: this communicator's first use is inside CUDA graph capture, but creating its "
+                    "pool and loading its kernels synchronise the device and talk to the other ranks, which "
+                    "a capture cannot contain: call comm.prepare() on every rank before capturing")
+            self._pool = self._create_pool()
+            if self._pool is not None:
+                self._self_test()
+        return self._pool
+
+    def prepare(self) -> "Communicator":
+        """Create the pool and load every kernel now (collective: every rank calls it). The first
+        op does this otherwise; call it before CUDA graph capture, and to keep first-call latency
+        (NVRTC compiles, the ranks' rendezvous) out of timed or captured regions."""
+        _ = self.pool
+        return self
+
+    def _self_test(self) -> None:
+        """Run every kernel path once on known data (UBNEXT_SELFTEST=0 skips it), so that a first
+        run on new hardware cannot silently give wrong numbers. The inputs are small integers, so
+        every correct path returns the exact sum bit for bit, in any summation order. A path that
+        differs on any rank is disabled on every rank (agreed), with a warning naming it and the
+        mismatch. A kernel that fails outright (timeout, mismatch) raises, as any call would."""
+        if not self._run_self_test:  # agreed at pool creation: it is collective
+            return
+        numel = 2048 * self.world_size + 3  # whole vectors, and a tail that ends inside one
+        i = torch.arange(numel, dtype=torch.int64)
+        mine = (((i * 7 + self.rank * 3) % 13) - 6).to(torch.bfloat16).to(self.device)
+        want = sum((((i * 7 + r * 3) % 13) - 6) for r in range(self.world_size)).to(torch.bfloat16)
+        algo, failures = self._algo, {}
+        try:
+            runnable = self._capabilities(numel * 2, torch.bfloat16, fused=False)
+            for path in plan.KERNEL_PATHS:
+                if runnable[path] is not None:
+                    continue  # this pool cannot run it (no multicast, say): nothing to test
+                self._algo = path
+                out = self._all_reduce(mine, torch.empty_like(mine))
+                got = out.cpu()
+                if not torch.equal(got, want):
+                    bad = (got != want).nonzero().flatten()
+                    k = int(bad[0])
+                    failures[path] = (f"rank {self.rank}: {bad.numel()} of {numel} sums wrong, first at {k}: "
+                                      f"got {got[k].item():g}, want {want[k].item():g}")
+        finally:
+            self._algo, self.last_path = algo, None
+            self._plans.clear()  # the plans made here did not know the verdict yet
+            self._calls.clear()
+        for report in self._allgather(failures):
+            for path, why in report.items():
+                if path not in self._disabled:
+                    self._disabled[path] = why
+                    log.warning("ubnext self-test: %s gave wrong sums (%s); %s is disabled on every rank",
+                                path, why, path)
+
+    def _create_pool(self) -> SymmetricPool | None:
+        # Agreed before anything is allocated: a rank that cannot build or load the kernels sends
+        # every rank to the torch path; a group that spans hosts too (the pool's memory is shared
+        # within one node only); the grid bound (blocks wait on the same blocks of their peers)
+        # and the kernels' timeout.
+        reports = self._allgather({
+            "error": self._prepare_kernels(), "sm_count": self._sm_count, "host": _host_identity(),
+            "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device),
+            "selftest": envs.get("UBNEXT_SELFTEST")})
+        self._run_self_test = all(r["selftest"] for r in reports)
+        if self.mode == "gpu":
+            self._sm_count = min(r["sm_count"] for r in reports)
+        # the longest: no rank gives up on a peer that another rank is still willing to wait for
+        timeout_s = max(r["timeout_s"] for r in reports)
+        errors = [f"rank {i}: {r['error']}" for i, r in enumerate(reports) if r["error"]]
+        if errors:
+            self._pool_error = f"ubnext kernels unavailable ({'; '.join(errors)})"
+            log.warning("%s; using torch.distributed", self._pool_error)
+            return None
+        hosts = {r["host"] for r in reports}
+        if len(hosts) > 1:
+            names = ", ".join(sorted({h.split("/")[0] for h in hosts}))
+            self._pool_error = (f"the group spans {len(hosts)} hosts ({names}); ubnext's symmetric "
+                                "pool works within one node")
+            log.warning("%s; using torch.distributed", self._pool_error)
+            return None
+        layout = plan_layout(self.world_size, self._max_hidden or DEFAULT_HIDDEN)
+        pool, error = None, None
+        try:
+            pool = SymmetricPool(layout=layout, rank=self.rank, group=self.group, device=self.device,
+                                 allgather=self._allgather, timeout_s=timeout_s)
+        except (RuntimeError, OSError, ImportError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        # every rank must agree, or one rank launches kernels its peers never join
+        errors = [e for e in self._allgather(error) if e]
+        if errors:
+            if pool is not None:
+                pool.close()
+            self._pool_error = f"symmetric pool unavailable: {errors[0]}" + self._isolated_gpu_hint()
+            log.warning("%s; using torch.distributed", self._pool_error)
+            return None
+        return pool
+
+    def _isolated_gpu_hint(self) -> str:
+        """Why a GPU pool may fail where every rank sees a single GPU (CUDA_VISIBLE_DEVICES set per
+        rank, common under SLURM): importing a peer's memory needs the peer's GPU to be visible
+        to the driver in this process, as NCCL's own P2P/IPC transports do."""
+        if self.mode != "gpu" or self.world_size < 2 or torch.cuda.device_count() != 1:
+            return ""
+        return (f" (every rank sees one GPU, CUDA_VISIBLE_DEVICES={envs.cuda_visible_devices()!r}: the driver "
+                "may refuse to map a peer's memory on a GPU this process cannot see. Give each rank all of the "
+                "node's GPUs and pick one with torch.cuda.set_device(local_rank))")
+
+    def _prepare_kernels(self) -> str | None:
+        """Build or load every kernel this communicator may launch; None, or why it cannot."""
+        try:
+            if self.mode == "emulator":
+                from . import _emu
+
+                self._emu = _emu.load(envs.get("UBNEXT_EMU_BREAK"))
+                seed = envs.get("UBNEXT_EMU_SEED")
+                # 0 lets the emulator derive a seed per process; a fixed seed differs per rank
+                self._emu.configure(envs.get("UBNEXT_EMU_CHAOS"), seed + self.rank if seed else 0)
+            else:
+                kernels.load_all(self.device.index)
+        except Exception as exc:  # noqa: BLE001 - any failure here means "use torch", agreed below
+            log.warning("rank %d cannot prepare the ubnext kernels: %s: %s", self.rank, type(exc).__name__, exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def empty(self, *shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A tensor in the symmetric pool (collective, same order on every rank), so that a
+        GEMM can write its output there (``out=``) and the allreduce runs in place. Falls back
+        to an ordinary tensor, counted in ``pool_stats()['fallbacks']``, when it does not fit."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+            shape = tuple(shape[0])
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"negative dimension in shape {shape}")
+        if math.prod(shape) == 0:
+            raise ValueError(f"pool tensors must hold at least one element, got shape {shape}")
+        if dtype not in DTYPE_CODES and dtype not in (FP8, torch.uint8):
+            raise TypeError(f"ubnext pool tensors support bf16, fp16, fp32, e4m3 and uint8 (bytes, as FSDP2 "
+                            f"all-gathers mixed dtypes), got {dtype}")
+        pool = self.pool
+        if pool is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        tensor, offset, reason = None, None, ""
+        try:
+            tensor = pool.empty(shape, dtype)
+            offset = pool.offset_of(tensor)
+        except NoRoom as exc:
+            reason = str(exc)
+        # A tensor reduced in place must sit at the same offset on every rank, and arenas can
+        # differ (the garbage collector frees at different times on each rank): agree, and
+        # give every rank an ordinary tensor unless all got the same offset.
+        offsets = self._allgather(offset)
+        if tensor is not None and len(set(offsets)) == 1:
+            return tensor
+        if tensor is not None:
+            reason = f"the ranks' pool offsets differ ({offsets})"
+        elif any(o is not None for o in offsets):
+            reason = f"{reason} on this rank"
+        del tensor
+        self._log_once("pool", f"comm.empty{shape} {dtype} is not in the pool: {reason}; "
+                       "returning an ordinary tensor")
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def pool_stats(self) -> dict[str, Any]:
+        pool = self.pool
+        if pool is None:
+            return {"backend": None, "size": 0, "used": 0, "peak": 0, "largest_free": 0,
+                    "fallbacks": 0, "reason": self._pool_error}
+        return pool.stats()
+

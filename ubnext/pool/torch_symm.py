@@ -1,0 +1,67 @@
+"""The pool backend over torch symmetric memory, the default on GPUs."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from ._backend import _agree, _Backend
+from .layout import _align
+
+TORCH_SYMM_SEGMENT = 2 << 20  # the CUDA caching allocator's large-segment granularity
+
+
+class TorchSymmBackend(_Backend):
+    """torch symmetric memory: ``symm_mem.empty`` + ``rendezvous``. ``multicast_ptr`` is 0
+    where the system has no multicast (PCIe, several ranks on one GPU); ubnext keeps working
+    on unicast paths then."""
+
+    name = "torch_symm"
+
+    def __init__(self, size: int, group, device: torch.device, allgather: Callable[[object], list]):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.device = device
+        self.size = size
+        group_name = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # torch < 2.8 needs it
+            # newer torch keeps it as a deprecated no-op-in-effect that warns (FutureWarning:
+            # "There is no need to call this function anymore")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(group_name)
+        # a whole number of the caching allocator's large segments (2 MiB), so that a fresh
+        # allocation starts its own block (see the offset check below)
+        self._tensor, self._handle, error = None, None, None
+        try:
+            self._tensor = symm_mem.empty(_align(size, TORCH_SYMM_SEGMENT), dtype=torch.uint8, device=device)
+        except Exception as exc:  # noqa: BLE001 - any refusal: agreed below, the caller takes VMM
+            error = f"{type(exc).__name__}: {exc}"
+        _agree(allgather, error, "symm_mem.empty")  # the rendezvous is collective
+        self._handle = symm_mem.rendezvous(self._tensor, group_name)
+        bases = [int(p) for p in self._handle.buffer_ptrs]
+        # buffer_ptrs are the bases of the symmetric blocks, and torch's pool may place a tensor
+        # inside a block. The multicast address is then ambiguous: older torch returns the
+        # block's multicast base from multicast_ptr, newer torch (and the NCCL backend) adds the
+        # tensor's offset, and one revision has get_offset() yet returns the bare base. Only at
+        # offset 0 do both conventions agree, so anything else is refused (the caller falls back to
+        # ubnext's own VMM, agreed across ranks).
+        offset = self._tensor.data_ptr() - bases[group.rank()]
+        if offset != 0:
+            self._tensor = self._handle = None
+            raise RuntimeError(f"torch symmetric memory placed the pool {offset} bytes into its block, where "
+                               "torch versions disagree on the multicast address")
+        self.peer_bases = bases
+        self.mc_base = int(getattr(self._handle, "multicast_ptr", 0) or 0)
+
+    def local_tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    def _release_all(self) -> None:
+        # work queued through a view that has died may still run: the block goes back to torch's
+        # pool, and another allocation could reuse it, only after it ends
+        torch.cuda.synchronize(self.device)
+        self._handle = None
+        self._tensor = None
