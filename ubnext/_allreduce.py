@@ -3,6 +3,8 @@ symmetric-memory ops, torch.distributed), and the GEMM + allreduce of the row-pa
 
 ``AllReduceOps`` is one of the Communicator's parts (ubnext/comm.py). Its public methods enter
 through the operators (ubnext/ops.py); the operators call the underscored implementations here.
+It reads ``_calls`` (Planner), ``_pool``, ``_algo``, ``_debug`` and ``key``, sets ``last_path``, and
+keeps torch_symm's buffers in ``_symm_buffers``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """All-gather and reduce-scatter (FSDP2's collectives: ubnext.fsdp), on the kernels through the
 pool or, where plan.exchange_path says they cannot run, on torch.distributed.
 
-``ExchangeOps`` is one of the Communicator's parts (ubnext/comm.py).
+``ExchangeOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
+(Planner), ``_pool``, ``_debug`` and ``key``, and sets ``last_path``.
 """
 
 from __future__ import annotations

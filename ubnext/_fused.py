@@ -1,7 +1,8 @@
 """The fused allreduce + residual add + RMSNorm, with its FP8 output, on the kernels or, where
 they cannot run it, as the chosen allreduce followed by the same arithmetic in torch.
 
-``FusedNormOps`` is one of the Communicator's parts (ubnext/comm.py).
+``FusedNormOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
+(Planner), ``_pool``, ``_algo``, ``_debug`` and ``key``, and sets ``last_path``.
 """
 
 from __future__ import annotations

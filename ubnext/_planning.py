@@ -4,7 +4,9 @@ path choice, and the cache of both.
 ``Planner`` is one of the Communicator's parts (ubnext/comm.py). A plan is a function of the
 call's signature, the forced algorithm and what the pool offers (its layout's sizes, never what
 this rank has allocated), so every rank plans identically; a signature's path and launch are
-then remembered in ``_calls`` and a repeated call skips its checks and its planning.
+then remembered in ``_calls`` and a repeated call skips its checks and its planning. It reads
+``_algo``, ``_env_algo``, ``_allow_nondeterministic``, ``_disabled``, ``_pool`` and ``_pool_error``,
+and keeps ``_plans`` and ``_calls``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ of every kernel path, and the pool tensors handed to users (``comm.empty``).
 
 ``Preparation`` is one of the Communicator's parts (ubnext/comm.py). Every step here talks to
 all ranks through ``_allgather``, and every decision is taken from what all ranks reported, so
-that no rank launches a kernel its peers never join.
+that no rank launches a kernel its peers never join. It sets ``_pool`` or ``_pool_error``, ``_emu``,
+``_sm_count``, ``_run_self_test`` and ``_disabled``, from ``mode``, ``device``, ``rank``, ``group``
+and ``_max_hidden``.
 """
 
 from __future__ import annotations

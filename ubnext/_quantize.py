@@ -1,7 +1,8 @@
 """FP8 (e4m3) quantisation of a local tensor with its scale_inv (FSDP2's FP8 all-gather weights):
 one kernel where ubnext's kernels run, else quantize_fp8_reference, the same contract.
 
-``QuantizeOps`` is one of the Communicator's parts (ubnext/comm.py).
+``QuantizeOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
+(Planner), ``_pool`` and ``key``.
 """
 
 from __future__ import annotations
