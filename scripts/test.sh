@@ -8,8 +8,8 @@ step() { echo; echo "=== $* ($((SECONDS - start)) s)"; }
 step "kernels: NVRTC compile of every kernel for sm_90 and sm_100 (no spills allowed)"
 python -m ubnext.kernels build --arch sm_90 sm_100 --fail-on-spill
 
-step "emulator: build the CPU emulator library"
-python -m ubnext._emu build
+step "emulator: build the CPU emulator library and its test-only broken builds (cached by content)"
+python -m ubnext._emu build --all
 
 step "unit tier (no GPU, one process)"
 python -m pytest -q tests/unit

@@ -17,7 +17,7 @@ API::
     emu.traffic()                      # Traffic of the last launch
     emu.configure(chaos, seed)
 
-``python -m ubnext._emu build [--break NAME]`` builds ahead of time and prints the path.
+``python -m ubnext._emu build [--break NAME | --all]`` builds ahead of time and prints the path(s).
 """
 
 from __future__ import annotations
@@ -298,10 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build the emulator library and print its path")
     b.add_argument("--break", dest="break_name", default="", choices=sorted(BREAKS),
                    help="TEST ONLY: a deliberately broken protocol build")
+    b.add_argument("--all", action="store_true",
+                   help="also every test-only broken build (the test suite's, ahead of its tiers)")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
     ns = parser.parse_args(argv)
     try:
-        print(build(ns.break_name, force=ns.force))
+        for name in sorted(BREAKS) if ns.all else [ns.break_name]:
+            print(build(name, force=ns.force))
     except EmulatorError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -1469,11 +1469,11 @@ def case_misaligned_unstaged():
     and names the kernel, the access and the pointer: the check that catches a missing staging."""
     if MODE != "emulator":
         return
-    import ubnext.comm
+    import ubnext._executor
     from ubnext._emu import EmulatorError
 
-    staged = ubnext.comm._misaligned
-    ubnext.comm._misaligned = lambda t, align=16: False
+    staged = ubnext._executor._misaligned
+    ubnext._executor._misaligned = lambda t, align=16: False
     comm = ubnext.Communicator(emulate=True, algo="lamport")
     comm.all_reduce(torch.ones(4096, dtype=torch.bfloat16))  # creates the pool, aligned: fine
     x = misaligned(torch.ones(4096, dtype=torch.bfloat16))
@@ -1488,7 +1488,7 @@ def case_misaligned_unstaged():
         else:
             raise AssertionError("a misaligned vector access went unnoticed")
     finally:
-        ubnext.comm._misaligned = staged
+        ubnext._executor._misaligned = staged
         comm._pool.close()  # a faulted launch leaves the protocol state undefined: no collective close
     dist.barrier()
 
