@@ -50,6 +50,11 @@ BROKEN = {
     "twoshot_drop_peer": ["reduce_scatter"],  # the shared rank-order sum leaves a rank out
     "allgather_short_push": ["all_gather"],  # a shard's last word never reaches the peers
 }
+# A violation is caught as a wrong result (AssertionError) or a lost peer (UbnextTimeoutError). With one
+# header slot, a rank that reads the header of its peer's next call (header_race alternates the sizes)
+# reports the ranks' calls as different: that false mismatch is the catch too, and which of the two a
+# run shows depends on timing (a run that saw only the mismatch failed this test before it was accepted).
+CAUGHT_AS_MISMATCH = {"single_header_slot"}
 
 
 @pytest.mark.mpi
@@ -62,8 +67,9 @@ def test_broken_protocol_is_caught(mpi, break_name):
                timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"the {break_name} build passed the tests that should catch it:\n{output[-3000:]}"
-    assert ("AssertionError" in output or "UbnextTimeoutError" in output), \
-        f"the {break_name} build failed for another reason than a caught protocol violation:\n{output[-4000:]}"
+    caught = "AssertionError" in output or "UbnextTimeoutError" in output or (
+        break_name in CAUGHT_AS_MISMATCH and "with different arguments" in output)
+    assert caught, f"the {break_name} build failed for another reason than a caught protocol violation:\n{output[-4000:]}"
 
 
 @pytest.mark.mpi
