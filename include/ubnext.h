@@ -121,7 +121,9 @@ UBNEXT_API ubnext_status_t ubnext_device_count(int* count);
  * "anywhere" means any device memory. Buffer contracts of ubnext_allreduce:
  *  LAMPORT       one-shot push into Lamport buffers; lowest latency. `in` anywhere, not
  *                modified; `out` anywhere, may equal `in`. Needs count * dtype size, rounded up
- *                to 16 bytes, <= the descriptor's lamport_slot_bytes.
+ *                to 16 bytes, plus the 16-byte call header (UBNEXT_LAMPORT_HEADER_BYTES),
+ *                <= the descriptor's lamport_slot_bytes. Every rank compares its peers' call
+ *                headers (dtype, count, hidden, flags): a difference is UBNEXT_ERR_MISMATCH.
  *  NVLS_ONESHOT  every rank reduces the whole message through the multicast address. `in` in
  *                the arena, not modified (peers read it during the call); `out` anywhere but
  *                never on `in`. Needs multicast. Ranks may differ in the last bits (the switch

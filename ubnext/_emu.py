@@ -55,6 +55,7 @@ BREAKS = {
     "no_proxy_fence": "UBNEXT_BREAK_NO_PROXY_FENCE",
     "twoshot_drop_peer": "UBNEXT_BREAK_TWOSHOT_DROP_PEER",
     "allgather_short_push": "UBNEXT_BREAK_ALLGATHER_SHORT_PUSH",
+    "no_lamport_header_check": "UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")

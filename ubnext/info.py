@@ -71,7 +71,7 @@ def gpus() -> list[dict]:
 def pool_view(world_size: int, hidden: int, mode: str, multicast: bool, unavailable: str | None) -> plan.PoolView:
     """The planner's view of a fresh pool of the default size for this world size and hidden."""
     layout = plan_layout(world_size, hidden)
-    return plan.PoolView(unavailable, multicast, layout.lamport_slot_bytes, layout.staging_bytes, mode,
+    return plan.PoolView(unavailable, multicast, layout.lamport_capacity, layout.staging_bytes, mode,
                          torch_symm_op=mode == "gpu", sized_by=layout.sized_by)
 
 

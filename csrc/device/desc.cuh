@@ -55,6 +55,8 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_SYNC_LAMPORT_CALL 0
 #define UBNEXT_SYNC_LAMPORT_BLOCKS_DONE 1
 #define UBNEXT_SYNC_LAMPORT_BYTES 2 /* [3] */
+/* A Lamport one-shot slot starts with the pushing rank's call header (lamport.cu), then the data. */
+#define UBNEXT_LAMPORT_HEADER_BYTES 16
 /* Sticky abort (barrier.cuh): 0, or 1 + the rank whose failure aborted the communicator. Any rank
  * sets it in every rank's sync region (plain release stores; every writer writes a valid value). */
 #define UBNEXT_SYNC_ABORT 8

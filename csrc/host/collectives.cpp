@@ -256,11 +256,11 @@ ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo,
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "out overlaps in without being equal to it");
   }
   if (t.in_in_arena) UBNEXT_TRY(check_in_arena(d, algo, in, padded, "in"));
-  if (t.uses_lamport && padded > d->lamport_slot_bytes) {
+  if (t.uses_lamport && padded + UBNEXT_LAMPORT_HEADER_BYTES > d->lamport_slot_bytes) {
     return fail(UBNEXT_STATUS_NO_ROOM,
-                "%s: %zu bytes (%zu as 16-byte vectors) do not fit the Lamport slot of %llu "
-                "bytes",
-                ubnext_algo_string(algo), bytes, padded, d->lamport_slot_bytes);
+                "%s: %zu bytes (%zu as 16-byte vectors) and the %d-byte call header do not fit the "
+                "Lamport slot of %llu bytes",
+                ubnext_algo_string(algo), bytes, padded, UBNEXT_LAMPORT_HEADER_BYTES, d->lamport_slot_bytes);
   }
   return UBNEXT_STATUS_SUCCESS;
 }

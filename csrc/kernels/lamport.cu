@@ -5,7 +5,8 @@
 //
 // Call k (k = sync[LAMPORT_CALL], local) uses buffer b = k % 3 of every rank:
 //   1. push: each thread loads 16-byte vectors of `in`, sanitises -0 -> +0 and stores them into slot
-//      [rank] of buffer b on every rank (relaxed .sys stores; or once through the multicast address).
+//      [rank] of buffer b on every rank (relaxed .sys stores; or once through the multicast address),
+//      after the slot's first vector, which holds the call header (below).
 //   2. re-poison buffer (k + 2) % 3 of THIS rank, the previous call's.
 //   3. poll: volatile 16-byte loads of our own buffer b, every slot, until no word is the sentinel
 //      (bounded by desc->timeout_ns); sum in fp32 in rank order 0..N-1 (bitwise identical on every
@@ -19,6 +20,14 @@
 // mapping on every rank, since every rank launches the same grid), so a block's waits depend only on the
 // same block of the peers, which pushes before it waits. That keeps the kernel deadlock-free for any grid,
 // including grids larger than the co-resident limit and an emulator running one block at a time.
+//
+// Call header: thread 0 of every block pushes this rank's call header (op, dtype, flags, n, hidden:
+// barrier.cuh's call_header without the `in` offset, which Lamport does not need) into vector 0 of its
+// slot with the block's first data, and polls every peer's before its own data. A peer whose header
+// differs is reported as UBNEXT_ERR_MISMATCH, which aborts the communicator: every rank compares every
+// peer, so each rank raises the mismatch, and a rank waiting for data its peer will never send (another
+// count) leaves at the abort instead of at the timeout. No hop is added: the header travels beside the
+// data and is polled while the data is in flight; one 16-byte store per peer and block more.
 //
 // Ordering of the data path: no fence and no release. Every 32-bit word is self-validating (sentinel vs
 // sanitised data), so a reader needs no flag; a vector is consumed only when all four words have arrived.
@@ -47,7 +56,7 @@ struct LamportSrc {
   // Slow path: spin on one slot until ready. On timeout report {TIMEOUT, LAMPORT, rank, peer}, which
   // aborts the communicator; stop when it is aborted (barrier.cuh), so that a dead peer costs one
   // timeout, not one per thread.
-  UBX_DEV bool wait(const uint8_t* addr, uint4& v, uint32_t peer) {
+  UBX_DEV bool wait(const uint8_t* addr, uint4& v, uint32_t peer) const {
     const uint64_t t0 = globaltimer_ns();
     uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
     for (;;) {
@@ -96,6 +105,34 @@ struct LamportSrc {
   }
 };
 
+// Thread 0 of each block: every peer's call header in our buffer equals ours, else report the first
+// differing word (UBNEXT_HDR_*) as a mismatch. False if a header differs, did not come, or the
+// communicator was aborted.
+template <typename T>
+UBX_DEV bool lamport_headers_match(const LamportSrc<T>& src, const uint4& mine, uint32_t rank) {
+#if !defined(UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK)
+  for (uint32_t p = 0; p < src.nranks; ++p) {
+    if (p == rank) continue;
+    const uint8_t* addr = src.buf - 16 + p * src.slot_bytes;
+    uint4 theirs = ld_volatile_v4(addr);
+    if (!is_ready(theirs) && !src.wait(addr, theirs, p)) return false;
+    const uint32_t m[4] = {mine.x, mine.y, mine.z, mine.w};
+    const uint32_t t[4] = {theirs.x, theirs.y, theirs.z, theirs.w};
+    for (uint32_t f = 0; f < 4; ++f) {
+      if (m[f] != t[f]) {
+        report_error(src.desc, UBNEXT_ERR_MISMATCH, UBNEXT_OP_LAMPORT, p, f, m[f], t[f]);
+        return false;
+      }
+    }
+  }
+#else
+  (void)src;
+  (void)mine;
+  (void)rank;  // test-only broken build: headers are pushed but never compared
+#endif
+  return true;
+}
+
 template <typename T>
 UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* out, const void* residual,
                                void* residual_out, const void* weight, const float* scale, float* scale_inv,
@@ -115,7 +152,8 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 
   const LamportRot rot = lamport_rot_begin(d);  // before this block's done increment (step 4)
   const uint64_t buf_off = lamport_buffer_off(d, rot.b);                                // buffer b, slot 0
-  const uint64_t my_off = buf_off + static_cast<uint64_t>(rank) * slot;               // our slot in it
+  const uint64_t my_off = buf_off + static_cast<uint64_t>(rank) * slot;               // our slot: header
+  const uint64_t my_data_off = my_off + UBNEXT_LAMPORT_HEADER_BYTES;                        // then the data
   const uint64_t mc = (flags & UBNEXT_F_MULTICAST) ? static_cast<uint64_t>(d->mc_base) : 0ull;
   const int64_t nvec = (static_cast<int64_t>(n) + V - 1) / V;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -128,10 +166,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   const uint32_t aborted = abort_flag(d);
 
   // ---- 1. push (peers first, own slot last: the local store is the one nobody waits long for)
-  auto push = [&](int64_t gi) {
-    const uint4 v = sanitize<T>(load_vec<T>(in, gi, n));  // tail: zero padding, a valid value
-    if (aborted != 0u) return;
-    const uint64_t off = my_off + static_cast<uint64_t>(gi) * 16u;
+  auto store_everywhere = [&](uint64_t off, const uint4& v) {
     if (mc != 0ull) {
       multimem_st_v4(reinterpret_cast<void*>(mc + off), v);
     } else {
@@ -142,6 +177,16 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
       }
     }
   };
+  auto push = [&](int64_t gi) {
+    const uint4 v = sanitize<T>(load_vec<T>(in, gi, n));  // tail: zero padding, a valid value
+    if (aborted != 0u) return;
+    store_everywhere(my_data_off + static_cast<uint64_t>(gi) * 16u, v);
+  };
+  // no word of a header is the sentinel: op != 0, and n, hidden < 2^31
+  const uint4 header = make_uint4(UBNEXT_OP_LAMPORT | (DType<T>::kCode << 8) |
+                                      ((static_cast<uint32_t>(flags) & 0xffffu) << 16),
+                                  static_cast<uint32_t>(n), static_cast<uint32_t>(hidden), 0u);
+  if (threadIdx.x == 0 && aborted == 0u) store_everywhere(my_off, header);
   if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) push(gi);
   } else {
@@ -157,7 +202,8 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   lamport_repoison(d, rot);
 
   // ---- 3. poll, reduce, write
-  LamportSrc<T> src{rot.own + buf_off, slot, nranks, d, timeout_ns(d), aborted != 0u};
+  LamportSrc<T> src{rot.own + buf_off + UBNEXT_LAMPORT_HEADER_BYTES, slot, nranks, d, timeout_ns(d), aborted != 0u};
+  if (threadIdx.x == 0 && !src.failed && !lamport_headers_match(src, header, rank)) src.failed = true;
   if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) {
       float x[V];
@@ -175,7 +221,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   }
 
   // ---- 4. finish: the last block advances the rotation (also after a timeout)
-  lamport_rot_finish(rot, static_cast<uint64_t>(nvec) * 16u);
+  lamport_rot_finish(rot, UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(nvec) * 16u);
 }
 
 }  // namespace ubx

@@ -564,11 +564,13 @@ static void test_no_device_launches(void) {
     if (out_may_be_in) EXPECT(fused(al), NODEV, NULL);
   }
   reset_fixture();
-  /* A message exactly the size of the Lamport slot fits. */
-  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, elsewhere, SLOT_BYTES / 2), NODEV,
+  /* A message that fills the Lamport slot after its 16-byte call header fits; 16 bytes more do not. */
+  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, elsewhere, SLOT_BYTES / 2 - 8), NODEV,
          NULL);
-  EXPECT(allreduce(UBNEXT_ALGO_NVLS_LAMPORT, UBNEXT_DTYPE_FP32, a, elsewhere, SLOT_BYTES / 4),
+  EXPECT(allreduce(UBNEXT_ALGO_NVLS_LAMPORT, UBNEXT_DTYPE_FP32, a, elsewhere, SLOT_BYTES / 4 - 4),
          NODEV, NULL);
+  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, elsewhere, SLOT_BYTES / 2),
+         UBNEXT_STATUS_NO_ROOM, "the 16-byte call header do not fit");
   g_launch.flags = UBNEXT_LAUNCH_LAMPORT_MULTICAST;
   g_launch.grid = 7;
   g_launch.block = 128;

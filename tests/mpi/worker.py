@@ -1365,7 +1365,7 @@ def case_header_race():
     for algo in ("nvls_lamport",):
         comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo)
         comm._geometry = lambda algo, n, elem, tokens, fused: (4, 64)
-        for i in range(200):
+        for i in range(int(os.environ.get("UBNEXT_TEST_RACE_CALLS", "200"))):
             numel = 512 if i % 2 == 0 else 1024
             x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device())
             y = comm.all_reduce(x)
@@ -1373,6 +1373,74 @@ def case_header_race():
             assert torch.all(y == n * (n + 1) / 2), (algo, i, y[:4])
         assert comm.last_path == algo or not comm.pool.has_multicast, comm.last_path
         comm.close()
+
+
+def case_mismatch():
+    """Ranks whose calls differ (dtype, element count, hidden size, plain against fused) raise a
+    mismatch error on every rank, in the call itself (the emulator's launch is synchronous), naming
+    the differing field and both ranks' values: on every kernel path, never a result and never a
+    timeout. Rank 0 makes one call, every other rank the other. The Lamport one-shot compares the
+    call headers its peers push beside their data (csrc/kernels/lamport.cu); the barrier kernels
+    compare theirs at the first barrier."""
+    if MODE == "torch":
+        return
+    rank = dist.get_rank()
+    bound_s = 30.0  # the kernels' timeout here: a mismatch must be seen long before it
+    previous = os.environ.get("UBNEXT_TIMEOUT")
+    os.environ["UBNEXT_TIMEOUT"] = str(bound_s)
+
+    def plain(dtype, numel):
+        return lambda comm: comm.all_reduce(torch.ones(numel, dtype=dtype, device=device()))
+
+    def fused(tokens, hidden):
+        def call(comm):
+            x = torch.ones(tokens, hidden, dtype=torch.bfloat16, device=device())
+            return comm.all_reduce_add_rmsnorm(x, torch.zeros_like(x), torch.ones(hidden, dtype=x.dtype,
+                                                                                     device=device()))
+        return call
+
+    variants = {  # what differs: (rank 0's call, the other ranks' call, the field the error names)
+        "dtype": (plain(torch.float32, 1024), plain(torch.bfloat16, 1024), "op/dtype/flags"),
+        "count": (plain(torch.bfloat16, 1024), plain(torch.bfloat16, 2048), "element count"),
+        "hidden": (fused(4, 256), fused(2, 512), "hidden size"),
+        "op": (fused(4, 256), plain(torch.bfloat16, 1024), "op/dtype/flags"),
+    }
+    checked = []
+    try:
+        for algo in ("lamport", "twoshot", "nvls_twoshot", "nvls_lamport", "nvls_oneshot"):
+            for what, (first, other, field) in variants.items():
+                if algo == "nvls_oneshot" and what in ("hidden", "op"):
+                    continue  # never fused (its ranks may differ in the last bits)
+                comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo)
+                plain(torch.bfloat16, 1024)(comm)  # every rank alike: creates the pool
+                if comm.last_path != algo:
+                    comm.close()
+                    break  # this pool cannot run it (no multicast): no variant can
+                start = time.monotonic()
+                try:
+                    (first if rank == 0 else other)(comm)
+                    outcome = "returned a result"
+                except ubnext.UbnextTimeoutError as exc:
+                    outcome = f"timed out: {exc}"
+                except ubnext.UbnextError as exc:
+                    outcome = str(exc)
+                took = time.monotonic() - start
+                where = f"{algo}, {what} differs, rank {rank}"
+                assert "with different arguments" in outcome, f"{where}: {outcome}"
+                assert f"with {field} " in outcome and "but rank" in outcome, f"{where}: {outcome}"
+                assert took < bound_s / 3, f"{where}: the mismatch took {took:.1f} s to raise"
+                outcomes = gather(outcome)
+                assert all("with different arguments" in o for o in outcomes), f"{where}: {outcomes}"
+                comm.close()
+                checked.append((algo, what))
+    finally:
+        if previous is None:
+            os.environ.pop("UBNEXT_TIMEOUT", None)
+        else:
+            os.environ["UBNEXT_TIMEOUT"] = previous
+    assert ("lamport", "dtype") in checked and ("twoshot", "count") in checked, checked
+    if rank == 0:
+        log(f"mismatch: {len(checked)} (path, field) pairs raised on every rank")
 
 
 def case_uneven_history():

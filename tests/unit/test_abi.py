@@ -46,6 +46,7 @@ def test_descriptor_field_order_matches_header():
     assert f"#define UBNEXT_MAX_RANKS {pool.MAX_RANKS}" in text
     assert f"#define UBNEXT_SYNC_BYTES {pool.SYNC_BYTES}" in text
     assert f"#define UBNEXT_DESC_BYTES {pool.DESC_BYTES}" in text
+    assert f"#define UBNEXT_LAMPORT_HEADER_BYTES {pool.LAMPORT_HEADER_BYTES}" in text
     for flag in ("FUSED_NORM", "FP8_STATIC", "FP8_PER_TOKEN", "MULTICAST"):
         assert f"#define UBNEXT_F_{flag} {getattr(kernels, 'F_' + flag)}" in text
     packed = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=6, mc_base=7,

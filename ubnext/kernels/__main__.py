@@ -4,7 +4,9 @@ print each kernel's registers, spills and shared memory; fills the cubin cache."
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from . import CSRC, _cache_dir, compile_kernels, nvrtc_version, sources
 
@@ -24,9 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"NVRTC {nvrtc_version()}; cache {_cache_dir()}")
     print(f"{'kernel':32} {'arch':7} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} {'smem':>6}")
     spills = 0
+    jobs = [(fname, arch) for fname in sorted(files) for arch in args.arch]
+    # one NVRTC compile per file and architecture, as many at once as there are cores: NVRTC
+    # releases the GIL while it compiles, and the cache publishes each cubin atomically
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        built = dict(zip(jobs, pool.map(lambda job: compile_kernels(*job), jobs)))
     for fname, names in sorted(files.items()):
         for arch in args.arch:
-            _, resources = compile_kernels(fname, arch)
+            _, resources = built[fname, arch]
             found = {r.name for r in resources}
             missing = [n for n in names if n not in found]
             if missing:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from ..allocator import NoRoom
 from ._backend import PoolSetupError, _Backend, _Slot, release_deferred
 from .emulator import EmulatorBackend
-from .layout import (DESC_BYTES, DESC_FIELDS, DESC_MAGIC, ERR_WORDS, MAX_RANKS, PAGE, SENTINEL_WORD, SYNC_BYTES,
+from .layout import (DESC_BYTES, DESC_FIELDS, DESC_MAGIC, ERR_WORDS, LAMPORT_HEADER_BYTES, MAX_RANKS, PAGE, SENTINEL_WORD, SYNC_BYTES,
                      PoolLayout, pack_desc, plan_layout)
 from .symmetric import SymmetricPool
 from .torch_symm import TORCH_SYMM_SEGMENT, TorchSymmBackend
@@ -31,5 +31,5 @@ from .vmm import VmmBackend
 
 # the pool's names, where every caller (and the tests) import them from
 __all__ = ["PoolLayout", "SymmetricPool", "NoRoom", "PoolSetupError", "DESC_FIELDS", "DESC_BYTES", "DESC_MAGIC",
-           "ERR_WORDS", "MAX_RANKS", "PAGE", "SENTINEL_WORD", "SYNC_BYTES", "TORCH_SYMM_SEGMENT", "EmulatorBackend",
+           "ERR_WORDS", "LAMPORT_HEADER_BYTES", "MAX_RANKS", "PAGE", "SENTINEL_WORD", "SYNC_BYTES", "TORCH_SYMM_SEGMENT", "EmulatorBackend",
            "TorchSymmBackend", "VmmBackend", "pack_desc", "plan_layout", "release_deferred", "_Backend", "_Slot"]

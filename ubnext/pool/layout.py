@@ -20,6 +20,7 @@ DESC_FIELDS = (
     "magic", "rank", "nranks", "timeout_ns", "err_ptr", "mc_base", "sync_off", "lamport_off",
     "lamport_slot_bytes", "data_off", "pool_bytes", "reserved[5]", f"peer_base[{MAX_RANKS}]",
 )
+LAMPORT_HEADER_BYTES = 16  # UBNEXT_LAMPORT_HEADER_BYTES: a Lamport slot holds the call header, then data
 ERR_WORDS = 8  # UBNEXT_ERR_WORDS: {code, op, rank, peer, field, mine, theirs, 0}
 SENTINEL_WORD = -0x80000000  # 0x80000000 as int32: -0.0f, the Lamport "not yet written" mark
 
@@ -53,6 +54,11 @@ class PoolLayout:
     @property
     def lamport_bytes(self) -> int:
         return 3 * self.nranks * self.lamport_slot_bytes
+
+    @property
+    def lamport_capacity(self) -> int:
+        """The bytes a Lamport call may reduce: one slot, less its call header."""
+        return self.lamport_slot_bytes - LAMPORT_HEADER_BYTES
 
     @property
     def data_off(self) -> int:

@@ -127,7 +127,8 @@ class SymmetricPool:
 
     @property
     def lamport_capacity(self) -> int:
-        return self.layout.lamport_slot_bytes
+        """The bytes a Lamport call may reduce: its slot, less the call header."""
+        return self.layout.lamport_capacity
 
     def contains(self, t: torch.Tensor) -> bool:
         start = t.data_ptr()
@@ -200,7 +201,7 @@ class SymmetricPool:
             "size": self.layout.pool_bytes,
             "data_bytes": self.layout.data_bytes,
             "staging_bytes": self.layout.staging_bytes,
-            "lamport_capacity": self.layout.lamport_slot_bytes,
+            "lamport_capacity": self.layout.lamport_capacity,
             "used": eager.stats.used + graph.stats.used,
             "peak": eager.stats.peak + graph.stats.peak,
             "largest_free": max(eager.largest_free(), graph.largest_free()),
