@@ -30,6 +30,26 @@ def check_tensor(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
 
+def is_meta(*tensors) -> bool:
+    """Whether any argument is a tensor on the meta device (False for what is not a tensor, which the
+    operator's checks name). The entry points ask before dispatch, since the dispatcher sends a call
+    with any meta argument to the fake implementation, which returns uninitialised outputs."""
+    try:
+        return any(t is not None and t.is_meta for t in tensors)
+    except AttributeError:
+        return False
+
+
+def check_same_device(names: str, *tensors) -> None:
+    """Every tensor among ``tensors`` (named by ``names``, space-separated; the first is x) is on x's
+    device, or a ValueError names the argument and both devices."""
+    x = tensors[0]
+    for name, t in zip(names.split()[1:], tensors[1:]):
+        if isinstance(t, torch.Tensor) and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}: every tensor of a ubnext call "
+                             "must be on the communicator's device")
+
+
 def check_all_reduce_args(x: torch.Tensor, out: torch.Tensor | None = None) -> None:
     """Argument checks of the allreduce operators, shared by the real and the fake (tracing)
     implementations, so a compiled call fails at trace time as an eager call fails."""

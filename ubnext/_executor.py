@@ -19,7 +19,7 @@ import torch
 
 from . import _cuda, kernels
 from ._checks import DTYPE_CODES, FP8
-from .errors import UbnextError, kernel_error
+from .errors import CLOSED, UbnextError, kernel_error
 
 log = logging.getLogger("ubnext")
 
@@ -76,7 +76,7 @@ class Executor:
         """At the start of every op: refuse a closed or aborted communicator, and order this call's
         stream after the last one, before the op writes anything (staging, pool tensors)."""
         if self._closed:
-            raise UbnextError("communicator is closed")
+            raise UbnextError(CLOSED)
         if self.mode == "gpu":
             # this call's stream (its raw handle) and whether it is captured: the launch uses both
             capturing = self._capturing = _cuda.capturing(self.device)

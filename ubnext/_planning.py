@@ -16,7 +16,7 @@ import math
 import torch
 
 from . import plan
-from .errors import UbnextError
+from .errors import CLOSED, UbnextError
 from ._executor import Call
 from .plan import KERNEL_PATHS
 
@@ -44,25 +44,32 @@ class Planner:
         (the self-test's verdict included), so a cached plan is the one every rank would
         compute. The pool's creation (or failure) and the forced algorithm are in the key."""
         if self._closed:
-            raise UbnextError("communicator is closed")
+            raise UbnextError(CLOSED)
         key = (nbytes, dtype, fused, hidden, in_place_pool, self._algo, self._pool is None, self._pool_error)
         chosen = self._plans.get(key)
         if chosen is None:
-            chosen = plan.choose(nbytes, dtype.itemsize, fused, hidden, self._pool_view(),
-                                 forced=self._algo or self._env_algo,
-                                 allow_nondeterministic=self._allow_nondeterministic, in_place_pool=in_place_pool)
+            chosen = self._choose(nbytes, dtype, fused, hidden, in_place_pool)
             for path, why in chosen.skipped:  # once per plan, not per call
                 self._log_once(path, f"not using {path}: {why}")
             if len(self._plans) < 4096:
                 self._plans[key] = chosen
         return chosen
 
+    def _choose(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int, in_place_pool: bool) -> plan.Plan:
+        """plan.choose for a call of this communicator, neither cached nor logged."""
+        return plan.choose(nbytes, dtype.itemsize, fused, hidden, self._pool_view(),
+                           forced=self._algo or self._env_algo,
+                           allow_nondeterministic=self._allow_nondeterministic, in_place_pool=in_place_pool)
+
     def explain(self, x: torch.Tensor, *, fused: bool = False, in_place: bool = False) -> str:
         """Which path an allreduce (``fused``: the fused norm over x's last dimension; ``in_place``:
-        ``out=x``) of ``x`` would take, and why the better ones would not."""
+        ``out=x``) of ``x`` would take, and why the better ones would not. A query: it logs
+        nothing (the call itself logs each skipped path once)."""
+        if self._closed:
+            raise UbnextError(CLOSED)
         nbytes = x.numel() * x.element_size()
-        chosen = self._plan(nbytes, x.dtype, fused, x.shape[-1] if fused and x.dim() else 0,
-                            in_place_pool=in_place and not fused and self._in_pool_aligned(x))
+        chosen = self._choose(nbytes, x.dtype, fused, x.shape[-1] if fused and x.dim() else 0,
+                              in_place and not fused and self._in_pool_aligned(x))
         lines = [f"{chosen.path}: {chosen.reason} ({nbytes} bytes, {self.world_size} ranks, mode {self.mode})"]
         lines += [f"  not {p}: {why}" for p, why in chosen.skipped]
         return "\n".join(lines)

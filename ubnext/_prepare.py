@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import _cuda, _lifecycle, envs, kernels, plan
 from ._checks import DTYPE_CODES, FP8
-from .errors import UbnextError
+from .errors import CLOSED, UbnextError
 from .pool import NoRoom, SymmetricPool, plan_layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,7 +62,7 @@ class Preparation:
     def pool(self) -> SymmetricPool | None:
         """The symmetric pool, created on first use (collective)."""
         if self._closed:
-            raise UbnextError("communicator is closed")
+            raise UbnextError(CLOSED)
         if self._pool is None and self._pool_error is None:
             if _cuda.capturing(self.device):
                 raise UbnextError(

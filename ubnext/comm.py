@@ -64,6 +64,7 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
 
     def __init__(self, group=None, *, emulate: bool | None = None, max_hidden: int | None = None,
                  algo: str | None = None):
+        envs.check_all()  # on every rank alike, before anything collective
         if not dist.is_initialized():
             _lifecycle.bootstrap()
         self.group = group if group is not None else dist.group.WORLD

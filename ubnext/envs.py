@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["EnvError", "Var", "VARIABLES", "get", "describe_table"]
+__all__ = ["EnvError", "Var", "VARIABLES", "get", "check_all", "describe_table"]
 
 
 class EnvError(ValueError):
@@ -122,9 +122,9 @@ VARIABLES: dict[str, Var] = {
             "Seed of the emulator's chaos mode (0: derived from time and rank)."),
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
                                      "single_header_slot", "no_abort_check", "no_proxy_fence",
-                                     "twoshot_drop_peer", "allgather_short_push"), "",
+                                     "twoshot_drop_peer", "allgather_short_push", "no_lamport_header_check"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
-            "no_proxy_fence|twoshot_drop_peer|allgather_short_push",
+            "no_proxy_fence|twoshot_drop_peer|allgather_short_push|no_lamport_header_check",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),
@@ -166,6 +166,13 @@ def get(name: str) -> Any:
         raise EnvError(
             f"{source}{alias}={text!r} is not valid; accepted: {var.accepted}"
         ) from None
+
+
+def check_all() -> None:
+    """Read every variable once: the first bad value raises EnvError, whatever the mode (a
+    variable the current mode does not use is refused too, rather than ignored until it is)."""
+    for name in VARIABLES:
+        get(name)
 
 
 def describe_table() -> str:

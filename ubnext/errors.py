@@ -11,6 +11,10 @@ _HEADER_FIELDS = {0: "op/dtype/flags", 1: "element count", 2: "hidden size", 3: 
 _HEADER_DTYPES = {1: "bf16", 2: "fp16", 3: "fp32", 4: "bytes"}
 
 
+CLOSED = ("communicator is closed: make a new ubnext.Communicator (collective), or call "
+          "ubnext.get_communicator() again for a group's cached one")
+
+
 class UbnextError(RuntimeError):
     """A ubnext collective failed."""
 

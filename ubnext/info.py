@@ -103,8 +103,12 @@ def report(world_size: int, hidden: int, build_emulator: bool) -> str:
     devices: list[dict] = []
     if not has_gpu:
         add(f"  no GPU: {no_gpu_reason()}.")
-        add("  What runs instead: every ubnext op falls back to torch.distributed (gloo); with")
-        add("  UBNEXT_EMULATE=1 the ubnext kernels run on the CPU emulator (CPU tensors, ranks as processes).")
+        if envs.get("UBNEXT_EMULATE"):
+            add("  What runs instead: UBNEXT_EMULATE=1, so the ubnext kernels run on the CPU emulator (CPU")
+            add("  tensors, ranks as processes); a Communicator(emulate=False) falls back to torch.distributed (gloo).")
+        else:
+            add("  What runs instead: every ubnext op falls back to torch.distributed (gloo); with")
+            add("  UBNEXT_EMULATE=1 the ubnext kernels run on the CPU emulator (CPU tensors, ranks as processes).")
     else:
         devices = gpus()
         for d in devices:

@@ -202,6 +202,10 @@ class Linear(torch.nn.Module):
             return F.linear(_CopyToTensorParallel.apply(x, self, through), self.weight, self.bias)
         if self.parallel_mode != "row":
             return F.linear(x, self.weight, self.bias)
+        if x.dim() > 0 and x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"x has {x.shape[-1]} features in its last dimension, but a row-parallel layer takes "
+                             f"this rank's shard of its input: {self.weight.shape[1]} features (in_features="
+                             f"{self.in_features} / {self.tp_size} ranks)")
         x = x.contiguous()
         kind = self.symmetric_ar_type
         if kind == "ubnext_add_rms":

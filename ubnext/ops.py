@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import _lifecycle
-from ._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args,
+from ._checks import (FP8, check_all_gather_args, check_same_device, is_meta, check_all_reduce_args, check_fused_args,
                      check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
 
 __all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for",
@@ -310,12 +310,16 @@ def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tenso
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(out)):
         raise RuntimeError("all_reduce(..., out=...) does not support automatic differentiation; "
                            "call it without out= to get a gradient")
+    if is_meta(x, out):
+        check_same_device("x out", x, out)
     packet, direct = _ALL_REDUCE_OUT
     (packet if _is_compiling() else direct)(x, out, comm)
     return out
 
 
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch.Tensor:
+    if is_meta(x, weight):
+        check_same_device("x weight", x, weight)
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(weight)):
         return _LinearAllReduceGrad.apply(x, weight, comm)
     packet, direct = _LINEAR_ALL_REDUCE
@@ -325,6 +329,8 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype=None,
                            scale: Optional[torch.Tensor] = None):
     fp8 = (out_dtype is not None or scale is not None) and fp8_output(x, out_dtype, scale)
+    if is_meta(x, residual, weight, scale):
+        check_same_device("x residual weight scale", x, residual, weight, scale)
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(residual) or _requires_grad(weight)):
         out, residual_out, scale_inv = _FusedGrad.apply(x, residual, weight, float(eps), fp8, scale, comm)
         return out, residual_out, (scale_inv if fp8 else None)

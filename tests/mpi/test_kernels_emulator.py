@@ -9,7 +9,7 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
         "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint", "all_gather",
-        "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch"]
+        "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "misuse"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8", "mismatch"]
@@ -74,6 +74,8 @@ def test_broken_protocol_is_caught(mpi, break_name):
                timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"the {break_name} build passed the tests that should catch it:\n{output[-3000:]}"
+    # the broken library itself must have run: not refused by envs, not replaced by torch.distributed
+    assert "EnvError" not in output and "kernels unavailable" not in output, output[-4000:]
     caught = any(marker in output for marker in CAUGHT)
     assert caught, f"the {break_name} build failed for another reason than a caught protocol violation:\n{output[-4000:]}"
 

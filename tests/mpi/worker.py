@@ -1443,6 +1443,43 @@ def case_mismatch():
         log(f"mismatch: {len(checked)} (path, field) pairs raised on every rank")
 
 
+def case_misuse():
+    """Issue 29's smaller confusions, each as a user meets it: comm.explain(x) is a query and logs
+    nothing; a closed communicator's error says what to do; a row-parallel Linear given its full
+    input width names x and the width it takes."""
+    import logging
+
+    from ubnext.nn import Linear
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("ubnext")
+    logger.addHandler(handler)
+    try:
+        comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=1024)
+        text = comm.explain(torch.empty(1 << 24, device=device()))  # skips every path that cannot take it
+        assert "not " in text or MODE == "torch", text
+        assert not records, f"explain() logged: {[r.getMessage() for r in records]}"
+    finally:
+        logger.removeHandler(handler)
+    comm.close()
+    try:
+        comm.all_reduce(torch.ones(8, device=device()))
+    except ubnext.UbnextError as exc:
+        assert "make a new ubnext.Communicator" in str(exc), exc
+    else:
+        raise AssertionError("a closed communicator reduced")
+    n = dist.get_world_size()
+    layer = Linear(64 * n, 32, parallel_mode="row", symmetric_ar_type="ubnext").to(device())
+    try:
+        layer(torch.ones(4, 64 * n, device=device()))  # the full width, not this rank's shard
+    except ValueError as exc:
+        assert str(exc).startswith(f"x has {64 * n} features") and "64 features" in str(exc), exc
+    else:
+        raise AssertionError("a row-parallel layer took its full input width")
+
+
 def case_uneven_history():
     """Rank 0 has filled its eager arena, the others have not: every rank still takes the same
     path (planning and staging depend on the pool's layout, not on what a rank allocated), and

@@ -108,3 +108,17 @@ def test_kernel_timeout(monkeypatch):
     assert kernel_timeout_s(_FakeGroup(), torch.device("cpu")) == 1800.0
     monkeypatch.setenv("UBNEXT_TIMEOUT", "2.5")
     assert kernel_timeout_s(group, torch.device("cpu")) == 2.5
+
+
+def test_every_test_only_break_is_accepted_by_envs(monkeypatch):
+    """UBNEXT_EMU_BREAK accepts exactly the emulator's broken builds: a name missing here makes
+    the kernels unavailable, and a broken-build test would then fail for that reason, not for
+    the violation it is meant to show."""
+    from ubnext import _emu
+
+    for name in _emu.BREAKS:
+        monkeypatch.setenv("UBNEXT_EMU_BREAK", name)
+        assert envs.get("UBNEXT_EMU_BREAK") == name
+    monkeypatch.setenv("UBNEXT_EMU_BREAK", "no_such_break")
+    with pytest.raises(envs.EnvError):
+        envs.get("UBNEXT_EMU_BREAK")

@@ -28,6 +28,8 @@ def test_emulated_paths(monkeypatch):
     monkeypatch.setenv("UBNEXT_EMULATE", "1")
     out = info.report(4, 8192, build_emulator=False)
     assert "pool backend     emulator" in out
+    assert "UBNEXT_EMULATE=1, so the ubnext kernels run on the CPU emulator" in out, out
+    assert "every ubnext op falls back" not in out, out
     row = next(line for line in out.splitlines() if line.strip().startswith("8 KB"))
     assert row.split()[2:4] == ["lamport", "lamport"], row
 
