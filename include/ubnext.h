@@ -134,7 +134,8 @@ UBNEXT_API ubnext_status_t ubnext_device_count(int* count);
  *                identical on every rank.
  *  NVLS_LAMPORT  NVLS two-shot whose broadcast lands in the Lamport buffers. `in` in the arena,
  *                not modified; `out` anywhere but never on `in`. Needs multicast, and the
- *                message (rounded up to 16 bytes) must fit the Lamport slot.
+ *                message (rounded up to 16 bytes) must fit the Lamport slot with the same
+ *                16-byte margin as LAMPORT (one bound for both Lamport-buffer algorithms).
  *  TWOSHOT       unicast reduce-scatter + broadcast; `in` and `out` as NVLS_TWOSHOT (`in` is
  *                overwritten with the result). No multicast.
  * Everywhere: `out` equals `in` (where allowed above) or does not overlap it.

@@ -30,19 +30,10 @@ def check_tensor(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
 
-def is_meta(*tensors) -> bool:
-    """Whether any argument is a tensor on the meta device (False for what is not a tensor, which the
-    operator's checks name). The entry points ask before dispatch, since the dispatcher sends a call
-    with any meta argument to the fake implementation, which returns uninitialised outputs."""
-    try:
-        return any(t is not None and t.is_meta for t in tensors)
-    except AttributeError:
-        return False
-
-
 def check_same_device(names: str, *tensors) -> None:
     """Every tensor among ``tensors`` (named by ``names``, space-separated; the first is x) is on x's
-    device, or a ValueError names the argument and both devices."""
+    device, or a ValueError names the argument and both devices. The fake implementations call it:
+    the dispatcher sends a real call with any meta argument there."""
     x = tensors[0]
     for name, t in zip(names.split()[1:], tensors[1:]):
         if isinstance(t, torch.Tensor) and t.device != x.device:

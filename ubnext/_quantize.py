@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels, ops  # noqa: F401 - ops defines the torch.ops.ubnext operators called here
-from ._checks import FP8, check_quantize_args, check_same_device, is_meta, quantize_fp8_reference
+from ._checks import FP8, check_quantize_args, quantize_fp8_reference
 from ._executor import Call
 
 
@@ -28,8 +28,6 @@ class QuantizeOps:
         if (scaling == "static") != (scale is not None):
             raise ValueError("scale is required with scaling='static' and meaningless otherwise")
         hidden = x.shape[-1] if scaling == "row" and x.dim() else x.numel()
-        if is_meta(x, scale):
-            check_same_device("x scale", x, scale)
         return torch.ops.ubnext.quantize_fp8(x, hidden, scale, self.key)
 
     def _quantize_fp8(self, x: torch.Tensor, hidden: int, scale: torch.Tensor | None):

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import _lifecycle
-from ._checks import (FP8, check_all_gather_args, check_same_device, is_meta, check_all_reduce_args, check_fused_args,
+from ._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_same_device,
                      check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
 
 __all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for",
@@ -123,6 +123,9 @@ for _name, _fn in (("all_reduce", _all_reduce_impl), ("all_reduce_out", _all_red
 
 
 # -- fake implementations (tracing) --------------------------------------------------------------
+# They also run for a real call with any argument on the meta device (the dispatcher picks the Meta
+# kernel for the whole call), so each checks that its tensors share x's device: otherwise a CPU call
+# with a meta weight would return uninitialised outputs without running anything.
 
 
 @torch.library.register_fake("ubnext::all_reduce", lib=_lib)
@@ -134,23 +137,27 @@ def _(x, comm, torch_symm_op=""):
 @torch.library.register_fake("ubnext::all_reduce_out", lib=_lib)
 def _(x, out, comm):
     check_all_reduce_args(x, out)
+    check_same_device("x out", x, out)
 
 
 @torch.library.register_fake("ubnext::linear_all_reduce", lib=_lib)
 def _(x, weight, comm):
     check_linear_args(x, weight)
+    check_same_device("x weight", x, weight)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.register_fake("ubnext::all_reduce_add_rmsnorm", lib=_lib)
 def _(x, residual, weight, eps, comm):
     check_fused_args(x, residual, weight, eps, False, None)
+    check_same_device("x residual weight", x, residual, weight)
     return torch.empty_like(x), torch.empty_like(residual)
 
 
 @torch.library.register_fake("ubnext::all_reduce_add_rmsnorm_fp8", lib=_lib)
 def _(x, residual, weight, eps, scale, comm):
     check_fused_args(x, residual, weight, eps, True, scale)
+    check_same_device("x residual weight scale", x, residual, weight, scale)
     scale_inv = x.new_empty(1 if scale is not None else x.shape[:-1], dtype=torch.float32)
     return torch.empty_like(x, dtype=FP8), torch.empty_like(residual), scale_inv
 
@@ -164,6 +171,7 @@ def _(x, comm):
 
 @torch.library.register_fake("ubnext::all_gather_out", lib=_lib)
 def _(x, out, comm):
+    check_same_device("x out", x, out)
     check_all_gather_args(x, out, _world_size(comm))
 
 
@@ -176,12 +184,14 @@ def _(x, factor, comm):
 
 @torch.library.register_fake("ubnext::reduce_scatter_out", lib=_lib)
 def _(x, out, factor, comm):
+    check_same_device("x out", x, out)
     check_reduce_scatter_args(x, out, _world_size(comm))
 
 
 @torch.library.register_fake("ubnext::quantize_fp8", lib=_lib)
 def _(x, hidden, scale, comm):
     check_quantize_args(x, hidden, scale)
+    check_same_device("x scale", x, scale)
     return torch.empty_like(x, dtype=FP8), x.new_empty(1 if scale is not None else x.numel() // hidden,
                                                         dtype=torch.float32)
 
@@ -310,16 +320,12 @@ def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tenso
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(out)):
         raise RuntimeError("all_reduce(..., out=...) does not support automatic differentiation; "
                            "call it without out= to get a gradient")
-    if is_meta(x, out):
-        check_same_device("x out", x, out)
     packet, direct = _ALL_REDUCE_OUT
     (packet if _is_compiling() else direct)(x, out, comm)
     return out
 
 
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch.Tensor:
-    if is_meta(x, weight):
-        check_same_device("x weight", x, weight)
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(weight)):
         return _LinearAllReduceGrad.apply(x, weight, comm)
     packet, direct = _LINEAR_ALL_REDUCE
@@ -329,8 +335,6 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype=None,
                            scale: Optional[torch.Tensor] = None):
     fp8 = (out_dtype is not None or scale is not None) and fp8_output(x, out_dtype, scale)
-    if is_meta(x, residual, weight, scale):
-        check_same_device("x residual weight scale", x, residual, weight, scale)
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(residual) or _requires_grad(weight)):
         out, residual_out, scale_inv = _FusedGrad.apply(x, residual, weight, float(eps), fp8, scale, comm)
         return out, residual_out, (scale_inv if fp8 else None)

@@ -21,13 +21,16 @@
 // same block of the peers, which pushes before it waits. That keeps the kernel deadlock-free for any grid,
 // including grids larger than the co-resident limit and an emulator running one block at a time.
 //
-// Call header: thread 0 of every block pushes this rank's call header (op, dtype, flags, n, hidden:
+// Call header: thread 0 of block 0 pushes this rank's call header (op, dtype, flags, n, hidden:
 // barrier.cuh's call_header without the `in` offset, which Lamport does not need) into vector 0 of its
-// slot with the block's first data, and polls every peer's before its own data. A peer whose header
-// differs is reported as UBNEXT_ERR_MISMATCH, which aborts the communicator: every rank compares every
-// peer, so each rank raises the mismatch, and a rank waiting for data its peer will never send (another
-// count) leaves at the abort instead of at the timeout. No hop is added: the header travels beside the
-// data and is polled while the data is in flight; one 16-byte store per peer and block more.
+// slot beside its first data, then loads every peer's at once and compares them before its own data. A
+// peer whose header differs is reported as UBNEXT_ERR_MISMATCH, which aborts the communicator: every
+// rank compares every peer, so each rank raises the mismatch, and a thread waiting for data its peer
+// will never send (another count) leaves at the abort instead of at the timeout. One writer per header
+// word, as for data words, so the rotation's argument (lamport_rotation.cuh: a word seen is a store
+// landed) holds for it too; other blocks neither write nor wait for it. No NVLink hop is added: the
+// header travels beside the data and is polled while the data is in flight; one 16-byte store per peer
+// (or one multicast store) more per call.
 //
 // Ordering of the data path: no fence and no release. Every 32-bit word is self-validating (sentinel vs
 // sanitised data), so a reader needs no flag; a vector is consumed only when all four words have arrived.
@@ -105,23 +108,32 @@ struct LamportSrc {
   }
 };
 
-// Thread 0 of each block: every peer's call header in our buffer equals ours, else report the first
-// differing word (UBNEXT_HDR_*) as a mismatch. False if a header differs, did not come, or the
-// communicator was aborted.
+// Thread 0 of block 0: every peer's call header in our buffer equals ours, else report the first
+// differing word (UBNEXT_HDR_*) as a mismatch. The headers are loaded back to back, kBatch at a time
+// (one round trip, as LamportSrc's slots), then checked. False if a header differs, did not come, or
+// the communicator was aborted.
 template <typename T>
 UBX_DEV bool lamport_headers_match(const LamportSrc<T>& src, const uint4& mine, uint32_t rank) {
 #if !defined(UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK)
-  for (uint32_t p = 0; p < src.nranks; ++p) {
-    if (p == rank) continue;
-    const uint8_t* addr = src.buf - 16 + p * src.slot_bytes;
-    uint4 theirs = ld_volatile_v4(addr);
-    if (!is_ready(theirs) && !src.wait(addr, theirs, p)) return false;
-    const uint32_t m[4] = {mine.x, mine.y, mine.z, mine.w};
-    const uint32_t t[4] = {theirs.x, theirs.y, theirs.z, theirs.w};
-    for (uint32_t f = 0; f < 4; ++f) {
-      if (m[f] != t[f]) {
-        report_error(src.desc, UBNEXT_ERR_MISMATCH, UBNEXT_OP_LAMPORT, p, f, m[f], t[f]);
-        return false;
+  constexpr uint32_t kBatch = 8;
+  const uint8_t* headers = src.buf - UBNEXT_LAMPORT_HEADER_BYTES;  // slot 0's header
+  for (uint32_t p0 = 0; p0 < src.nranks; p0 += kBatch) {
+    uint4 h[kBatch];
+#pragma unroll
+    for (uint32_t j = 0; j < kBatch; ++j)
+      if (p0 + j < src.nranks && p0 + j != rank) h[j] = ld_volatile_v4(headers + (p0 + j) * src.slot_bytes);
+#pragma unroll
+    for (uint32_t j = 0; j < kBatch; ++j) {
+      const uint32_t p = p0 + j;
+      if (p >= src.nranks || p == rank) continue;
+      if (!is_ready(h[j]) && !src.wait(headers + p * src.slot_bytes, h[j], p)) return false;
+      const uint32_t m[4] = {mine.x, mine.y, mine.z, mine.w};
+      const uint32_t t[4] = {h[j].x, h[j].y, h[j].z, h[j].w};
+      for (uint32_t f = 0; f < 4; ++f) {
+        if (m[f] != t[f]) {
+          report_error(src.desc, UBNEXT_ERR_MISMATCH, UBNEXT_OP_LAMPORT, p, f, m[f], t[f]);
+          return false;
+        }
       }
     }
   }
@@ -186,7 +198,8 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   const uint4 header = make_uint4(UBNEXT_OP_LAMPORT | (DType<T>::kCode << 8) |
                                       ((static_cast<uint32_t>(flags) & 0xffffu) << 16),
                                   static_cast<uint32_t>(n), static_cast<uint32_t>(hidden), 0u);
-  if (threadIdx.x == 0 && aborted == 0u) store_everywhere(my_off, header);
+  const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;  // its one writer and reader (above)
+  if (header_thread && aborted == 0u) store_everywhere(my_off, header);
   if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) push(gi);
   } else {
@@ -203,7 +216,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 
   // ---- 3. poll, reduce, write
   LamportSrc<T> src{rot.own + buf_off + UBNEXT_LAMPORT_HEADER_BYTES, slot, nranks, d, timeout_ns(d), aborted != 0u};
-  if (threadIdx.x == 0 && !src.failed && !lamport_headers_match(src, header, rank)) src.failed = true;
+  if (header_thread && !src.failed && !lamport_headers_match(src, header, rank)) src.failed = true;
   if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) {
       float x[V];

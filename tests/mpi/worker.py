@@ -657,13 +657,14 @@ def case_traffic():
         assert COMM.last_path == path
         t = emu.traffic()
         log(path, t)
+        # the Lamport push: the S-byte message and one 16-byte call header (csrc/kernels/lamport.cu)
         if path == "lamport" and mc:
-            # one multicast push of the S-byte message
-            assert t.mc_store_bytes == S and sum(t.peer_store_bytes) == 0, t
+            # once through multicast
+            assert t.mc_store_bytes == S + 16 and sum(t.peer_store_bytes) == 0, t
         elif path == "lamport":
-            # unicast push: S bytes to each of the N-1 peers, nothing read from them
-            assert sum(t.peer_store_bytes) == (n - 1) * S and sum(t.peer_load_bytes) == 0, t
-            assert all(b == S for r, b in enumerate(t.peer_store_bytes[:n]) if r != dist.get_rank()), t
+            # unicast: to each of the N-1 peers, nothing read from them
+            assert sum(t.peer_store_bytes) == (n - 1) * (S + 16) and sum(t.peer_load_bytes) == 0, t
+            assert all(b == S + 16 for r, b in enumerate(t.peer_store_bytes[:n]) if r != dist.get_rank()), t
         elif path == "nvls_twoshot":
             # each rank reduces and broadcasts its 1/N slice; per block, one 16-byte call header
             # and two 4-byte barrier flags go out through multicast too

@@ -8,7 +8,9 @@ def test_default_sizing(monkeypatch):
     monkeypatch.delenv("NVTE_UB_SYMM_POOL_SIZE", raising=False)
     monkeypatch.setenv("UBNEXT_MAX_BATCH", "64")
     lay = pool.plan_layout(4, 4096)
-    assert lay.lamport_slot_bytes == 64 * 4096 * 4
+    # the message of UBNEXT_MAX_BATCH fp32 tokens, and the Lamport call header, page-aligned
+    assert lay.lamport_slot_bytes == 64 * 4096 * 4 + pool.PAGE
+    assert lay.lamport_capacity == 64 * 4096 * 4 + pool.PAGE - pool.LAMPORT_HEADER_BYTES
     assert lay.sync_off == pool.DESC_BYTES and lay.lamport_off == pool.DESC_BYTES + pool.SYNC_BYTES
     assert lay.data_off >= lay.lamport_off + 3 * 4 * lay.lamport_slot_bytes
     assert lay.data_off % pool.PAGE == 0

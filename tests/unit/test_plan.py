@@ -243,10 +243,12 @@ def test_a_call_that_does_not_fit_says_what_sized_the_pool_and_the_fix(monkeypat
 
     monkeypatch.setenv("UBNEXT_MAX_BATCH", "32")
     layout = plan_layout(2, 1024)
-    view = plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", False, (),
+    # the call header has a place of its own: a call of UBNEXT_MAX_BATCH tokens, fp32, still fits
+    assert layout.lamport_capacity >= 32 * 1024 * 4
+    view = plan.PoolView(None, True, layout.lamport_capacity, layout.staging_bytes, "gpu", False, (),
                          layout.sized_by)
     why = plan.capabilities(1 << 20, 2, False, 0, view)
-    assert why["lamport"].startswith(f"1048576 bytes exceed the Lamport slot ({32 * 1024 * 4} bytes, "
+    assert why["lamport"].startswith(f"1048576 bytes exceed the Lamport slot ({layout.lamport_capacity} bytes, "
                                      "from UBNEXT_MAX_BATCH=32 tokens x hidden 1024 x 4 bytes)")
     for path in ("lamport", "nvls_twoshot"):
         assert "UBNEXT_MAX_BATCH" in why[path] and "comm.register_hidden" in why[path], why[path]

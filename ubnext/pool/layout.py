@@ -81,12 +81,14 @@ def plan_layout(nranks: int, max_hidden: int, *, elem_bytes: int = 4) -> PoolLay
         raise ValueError(f"ubnext supports 1..{MAX_RANKS} ranks per communicator, got {nranks}")
     if max_hidden <= 0:
         raise ValueError(f"hidden size must be positive, got {max_hidden}")
-    message = _align(envs.get("UBNEXT_MAX_BATCH") * max_hidden * elem_bytes, PAGE)
+    raw = envs.get("UBNEXT_MAX_BATCH") * max_hidden * elem_bytes
+    message = _align(raw, PAGE)
+    slot_bytes = _align(raw + LAMPORT_HEADER_BYTES, PAGE)  # a Lamport slot holds the call header too
     pool_mb = envs.get("UBNEXT_SYMM_POOL_SIZE")
     if pool_mb is None:
         # data arena: the in-place buffer plus room for a GEMM output, residual and norm output,
         # in each of the eager and graph halves
-        return PoolLayout(nranks, message, 8 * message,
+        return PoolLayout(nranks, slot_bytes, 8 * message,
                           f"UBNEXT_MAX_BATCH={envs.get('UBNEXT_MAX_BATCH')} tokens x hidden {max_hidden} x {elem_bytes} bytes")
     total = pool_mb << 20
     reserved = DESC_BYTES + SYNC_BYTES
@@ -97,7 +99,7 @@ def plan_layout(nranks: int, max_hidden: int, *, elem_bytes: int = 4) -> PoolLay
             f"({minimum} bytes for {nranks} ranks)"
         )
     # give the Lamport buffers at most half of what is left, the data arena the rest
-    slot = min(message, (total - reserved) // 2 // (3 * nranks) // PAGE * PAGE)
+    slot = min(slot_bytes, (total - reserved) // 2 // (3 * nranks) // PAGE * PAGE)
     slot = max(slot, PAGE)
     data = total - _align(reserved + 3 * nranks * slot, PAGE)
     return PoolLayout(nranks, slot, data, f"UBNEXT_SYMM_POOL_SIZE={pool_mb} MB")
