@@ -70,11 +70,15 @@ typedef enum ubnext_status {
    * arena); a caller can fall back to another algorithm. */
   UBNEXT_STATUS_NO_ROOM = 6,
   /* A bug in ubnext or a corrupted descriptor / error word. */
-  UBNEXT_STATUS_INTERNAL = 7
+  UBNEXT_STATUS_INTERNAL = 7,
+  /* A kernel stopped waiting for a peer that had left: it set its word of UBNEXT_SYNC_DEPARTED in
+   * this rank's sync region (closed its communicator, or its process exited), as ubnext's Python
+   * host does and a C host may (reported by ubnext_take_kernel_error). */
+  UBNEXT_STATUS_PEER_LEFT = 8
 } ubnext_status_t;
 
 /* Number of status codes; codes are 0 .. UBNEXT_STATUS_COUNT-1. */
-#define UBNEXT_STATUS_COUNT 8
+#define UBNEXT_STATUS_COUNT 9
 
 /* Static, never-NULL name of a status ("UBNEXT_STATUS_TIMEOUT"); unknown values give
  * "UBNEXT_STATUS_<unknown>". */
@@ -329,10 +333,10 @@ UBNEXT_API ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtyp
  * mapped pinned memory). Returns SUCCESS if no kernel reported an error, TIMEOUT (last-error
  * text names the op, this rank and the peer it waited for), INVALID_ARGUMENT when ranks made
  * different calls (UBNEXT_ERR_MISMATCH: the text names the differing call-header field and both
- * values, e.g. the pool offsets of `in`) or when a kernel is still writing the word, or INTERNAL
- * (unknown code). Not collective, no CUDA call, not ordered with
+ * values, e.g. the pool offsets of `in`) or when a kernel is still writing the word, PEER_LEFT
+ * (the peer it waited for had left: UBNEXT_ERR_PEER_LEFT), or INTERNAL (unknown code). Not collective, no CUDA call, not ordered with
  * any stream: call it after synchronising the stream (or polling an event) so that the
- * kernels that could write it have finished. A timeout or a mismatch aborts the communicator
+ * kernels that could write it have finished. A timeout, a departure or a mismatch aborts the communicator
  * on every rank: every later kernel of it returns at once and reports the original failure again
  * (the text then starts "communicator aborted: "). Rebuild it (a fresh, zeroed sync region)
  * before the next collective. */

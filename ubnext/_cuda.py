@@ -219,6 +219,20 @@ def launch(kernel, config, stream_handle: int, args: Sequence, device_index: int
             check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
+def store_word(device_index: int, address: int, value: int) -> None:
+    """Write one 32-bit word at ``address``, device memory of this device or of a peer mapped into
+    it, and wait until it is written: cuMemsetD32 (no kernel, no stream of torch's) in the device's
+    primary context, then cuCtxSynchronize, from any thread (pushed and popped as in ``launch``)."""
+    drv = driver()
+    ctx, _ = _primary_context(device_index)
+    check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        check(drv.cuMemsetD32(address, value, 1), "cuMemsetD32")
+        check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+    finally:
+        check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+
 @functools.lru_cache(maxsize=256)
 def launch_config(grid: int, block: int):
     """cuda.core's LaunchConfig for a 1-D grid and block: made once per geometry, since building one

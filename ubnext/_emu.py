@@ -56,6 +56,7 @@ BREAKS = {
     "twoshot_drop_peer": "UBNEXT_BREAK_TWOSHOT_DROP_PEER",
     "allgather_short_push": "UBNEXT_BREAK_ALLGATHER_SHORT_PUSH",
     "no_lamport_header_check": "UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK",
+    "no_departure_check": "UBNEXT_BREAK_NO_DEPARTURE_CHECK",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")

@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .comm import Communicator
 
 log = logging.getLogger("ubnext")
+# the kernels' wait bound above which start-up says so (a silent 30 minutes is gloo's default)
+LONG_TIMEOUT_S = 300.0
 
 DEFAULT_HIDDEN = 8192
 
@@ -132,6 +134,10 @@ class Preparation:
             self._sm_count = min(r["sm_count"] for r in reports)
         # the longest: no rank gives up on a peer that another rank is still willing to wait for
         timeout_s = max(r["timeout_s"] for r in reports)
+        if timeout_s > LONG_TIMEOUT_S and self.rank == 0:
+            # a peer that is alive but never calls (a rank stuck elsewhere) is waited for this long
+            log.info("ubnext: kernels wait up to %g s for a peer (the process group's timeout); "
+                     "set UBNEXT_TIMEOUT=<seconds> for a shorter bound", timeout_s)
         errors = [f"rank {i}: {r['error']}" for i, r in enumerate(reports) if r["error"]]
         if errors:
             self._pool_error = f"ubnext kernels unavailable ({'; '.join(errors)})"

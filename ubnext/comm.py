@@ -125,7 +125,8 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         return self._closed
 
     def close(self) -> None:
-        """Release the pool (collective: every rank calls it)."""
+        """Release the pool (collective: every rank calls it). A peer that calls the communicator
+        after this rank closed it raises at once (a departed peer), instead of waiting out the timeout."""
         self._release()
 
     def _release(self) -> None:
@@ -138,6 +139,9 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
             if self._pool is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
+                # this rank's work is done: a peer still waiting for it (it called once more, or this
+                # rank is leaving early: an exception, interpreter exit) raises within 100 ms
+                self._pool.announce_departure()
                 self._pool.close()
         finally:
             self._pool = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 _OP_NAMES = {1: "lamport", 2: "nvls_oneshot", 3: "nvls_twoshot", 4: "nvls_lamport", 5: "twoshot", 6: "allgather",
              7: "reduce_scatter"}
 # csrc/device/desc.cuh: error codes and the call header's words
-ERR_TIMEOUT, ERR_MISMATCH = 1, 2
+ERR_TIMEOUT, ERR_MISMATCH, ERR_PEER_LEFT = 1, 2, 3
 _HEADER_FIELDS = {0: "op/dtype/flags", 1: "element count", 2: "hidden size", 3: "in offset"}
 _HEADER_DTYPES = {1: "bf16", 2: "fp16", 3: "fp32", 4: "bytes"}
 
@@ -48,6 +48,10 @@ def kernel_error(words, timeout_s: float, seen_by: int) -> UbnextError:
                  f"{_header_value(field, mine)} but rank {peer} with {name} {_header_value(field, theirs)}; "
                  "every rank must make the same calls, and pool tensors it reduces in place must sit "
                  "at the same offset on every rank (allocate and free them in the same order)")
+    elif code == ERR_PEER_LEFT:
+        cause = (f"rank {rank} stopped waiting in {op_name} for peer {peer}, which has left: it closed its "
+                 "communicator or its process exited (an exception or an early end on that rank; its "
+                 "output says which)")
     else:
         cause = f"{op_name} reported error code {code:#x} on rank {rank} (peer {peer})"
     if aborted:

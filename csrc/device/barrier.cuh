@@ -58,6 +58,15 @@
 // epochs no longer agree after an abort: the communicator is unusable for good and a new one must be
 // created (its sync region is zeroed at init). Lamport kernels check the flag at entry and in their polls.
 // UBNEXT_BREAK_NO_ABORT_CHECK (test-only) never reads the flag (failures are still recorded).
+//
+// A peer that has left never arrives. A rank that closes its communicator, or whose process exits,
+// first finishes its own work, then sets word [rank] of UBNEXT_SYNC_DEPARTED in every rank's region
+// (from the host). A wait for peer p that has lasted UBX_DEPARTED_GRACE_NS reads our word [p] with its
+// abort poll; set, it reads what it waits for once more (the departure's acquire orders every store
+// the peer made before leaving: a call the peer completed still completes here) and only then reports
+// UBNEXT_ERR_PEER_LEFT, which aborts the communicator like a timeout, within the grace instead of the
+// whole timeout. The grace keeps the extra load off every wait that ends in normal time.
+// UBNEXT_BREAK_NO_DEPARTURE_CHECK (test-only) never reads the word: waiters time out instead.
 #pragma once
 
 #include "platform.cuh"
@@ -66,6 +75,9 @@
 
 #ifndef UBX_ABORT_POLL_NS
 #define UBX_ABORT_POLL_NS 50000ull /* a waiting thread reads the local abort flag once per 50 us */
+#endif
+#ifndef UBX_DEPARTED_GRACE_NS
+#define UBX_DEPARTED_GRACE_NS 100000000ull /* 100 ms: a wait this long also polls the peer's departure */
 #endif
 
 #ifndef UBNEXT_DEFAULT_TIMEOUT_NS
@@ -152,15 +164,44 @@ UBX_DEV void adopt_abort(const ubnext_comm_desc* d, uint32_t flag) {
   write_error_word(d, w);
 }
 
-// Inside a wait: true if the communicator has been aborted (then reported). Reads the flag only once
-// `now` has reached `next_check`, then schedules the next read one period later.
-UBX_DEV bool abort_seen(const ubnext_comm_desc* d, uint64_t now, uint64_t& next_check) {
-  if (now < next_check) return false;
-  next_check = now + UBX_ABORT_POLL_NS;
-  const uint32_t f = abort_flag(d);
-  if (f == 0u) return false;
-  adopt_abort(d, f);
-  return true;
+enum WaitResult { kArrived = 0, kTimedOut = 1, kAborted = 2, kPeerLeft = 3, kWaiting = 4 };
+
+// Whether peer `peer` has left for good (see "A peer that has left" above). An acquire: a set word
+// orders every store the peer made before leaving.
+UBX_DEV bool peer_departed(const ubnext_comm_desc* d, uint32_t peer) {
+#if !defined(UBNEXT_BREAK_NO_DEPARTURE_CHECK)
+  return ld_acquire_sys_u32(sync_words(d, static_cast<uint32_t>(d->rank)) + UBNEXT_SYNC_DEPARTED + peer) != 0u;
+#else
+  (void)d;
+  (void)peer;
+  return false;  // test-only broken build: a departed peer is waited for until the timeout
+#endif
+}
+
+// One step of a wait for `peer` begun at t0, after the awaited word was found not ready: kAborted when
+// the communicator has been aborted (then reported), kPeerLeft when the peer has left (the caller reads
+// its word once more before reporting), kTimedOut past `limit`, else kWaiting. The abort flag and the
+// departure word are read once per UBX_ABORT_POLL_NS, the departure only after UBX_DEPARTED_GRACE_NS.
+UBX_DEV WaitResult wait_verdict(const ubnext_comm_desc* d, uint32_t peer, uint64_t t0, uint64_t limit,
+                                uint64_t& next_check) {
+  const uint64_t now = globaltimer_ns();
+  if (now >= next_check) {
+    next_check = now + UBX_ABORT_POLL_NS;
+    const uint32_t f = abort_flag(d);
+    if (f != 0u) {
+      adopt_abort(d, f);
+      return kAborted;
+    }
+    if (now - t0 > UBX_DEPARTED_GRACE_NS && peer_departed(d, peer)) return kPeerLeft;
+  }
+  return now - t0 > limit ? kTimedOut : kWaiting;
+}
+
+// A wait for `peer` ended without its word: report why (a timeout or a departure; an abort was
+// reported when it was seen).
+UBX_DEV void report_wait_failure(const ubnext_comm_desc* d, WaitResult r, uint32_t op, uint32_t peer) {
+  if (r == kTimedOut) report_timeout(d, op, peer);
+  if (r == kPeerLeft) report_error(d, UBNEXT_ERR_PEER_LEFT, op, peer);
 }
 
 // What this rank was asked to do, as the 4 words peers compare (desc.cuh: UBNEXT_HDR_*). Only
@@ -176,38 +217,41 @@ UBX_DEV uint4 call_header(uint32_t op, uint32_t dtype, int n, int hidden, int fl
 // Wrap-safe "a has reached b".
 UBX_DEV bool epoch_reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
 
-enum WaitResult { kArrived = 0, kTimedOut = 1, kAborted = 2 };
-
-// Spin (acquire, .sys) until *flag has reached `target`, at most `limit` ns, watching the abort flag.
+// Spin (acquire, .sys) until peer `peer`'s *flag has reached `target`, at most `limit` ns, watching the
+// abort flag and the peer's departure.
 UBX_DEV WaitResult wait_flag_reached(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target,
-                                     uint64_t limit) {
+                                     uint64_t limit, uint32_t peer) {
   if (epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
   const uint64_t t0 = globaltimer_ns();
   uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
   for (;;) {
     spin_pause();
     if (epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
-    const uint64_t now = globaltimer_ns();
-    if (abort_seen(d, now, next_check)) return kAborted;
-    if (now - t0 > limit) return kTimedOut;
+    const WaitResult r = wait_verdict(d, peer, t0, limit, next_check);
+    if (r == kPeerLeft && epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
+    if (r != kWaiting) return r;
   }
 }
 
 // Lamport-style poll of one 16-byte vector until no 32-bit word is the sentinel 0x80000000 (vec.cuh's
 // is_ready rule, restated here so that this header does not need vec.cuh). On timeout report
-// {TIMEOUT, op, rank, peer}; stop when the communicator is aborted (by that report from any thread,
-// here or on a peer), so that a dead peer costs one timeout rather than one per thread.
+// {TIMEOUT, op, rank, peer} (or PEER_LEFT); stop when the communicator is aborted (by that report from
+// any thread, here or on a peer), so that a dead peer costs one timeout rather than one per thread.
+UBX_DEV bool v4_ready(const uint4& v) {
+  return (v.x != 0x80000000u) & (v.y != 0x80000000u) & (v.z != 0x80000000u) & (v.w != 0x80000000u);
+}
+
 UBX_DEV bool poll_ready_v4(const void* addr, uint4& v, const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
   const uint64_t limit = timeout_ns(d);
   const uint64_t t0 = globaltimer_ns();
   uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
   for (;;) {
     v = ld_volatile_v4(addr);
-    if ((v.x != 0x80000000u) & (v.y != 0x80000000u) & (v.z != 0x80000000u) & (v.w != 0x80000000u)) return true;
-    const uint64_t now = globaltimer_ns();
-    if (abort_seen(d, now, next_check)) return false;
-    if (now - t0 > limit) {
-      report_timeout(d, op, peer);
+    if (v4_ready(v)) return true;
+    const WaitResult r = wait_verdict(d, peer, t0, limit, next_check);
+    if (r == kPeerLeft && v4_ready(v = ld_volatile_v4(addr))) return true;
+    if (r != kWaiting) {
+      report_wait_failure(d, r, op, peer);
       return false;
     }
     spin_pause();
@@ -327,8 +371,8 @@ UBX_DEV uint32_t barrier_signal_and_wait(RankBarrier& br, uint32_t lane) {
   uint32_t failed = 0;
 #if !defined(UBNEXT_BREAK_SKIP_BARRIER)
   if (br.wait != nullptr) {
-    const WaitResult r = wait_flag_reached(br.d, br.wait, epoch, br.limit_ns);
-    if (r == kTimedOut) report_timeout(br.d, br.op, lane);  // lane p waits for peer p: the timeout names it
+    const WaitResult r = wait_flag_reached(br.d, br.wait, epoch, br.limit_ns, lane);
+    report_wait_failure(br.d, r, br.op, lane);  // lane p waits for peer p: the report names it
     failed = r != kArrived;
   }
 #if !defined(UBNEXT_BREAK_NO_HEADER_CHECK)

@@ -25,6 +25,7 @@
 #define UBNEXT_ERR_BUSY 0xffffffffu
 #define UBNEXT_ERR_TIMEOUT 1
 #define UBNEXT_ERR_MISMATCH 2 /* a peer's call header differs from ours (field, mine, theirs) */
+#define UBNEXT_ERR_PEER_LEFT 3 /* the awaited peer closed its communicator or its process exited */
 #define UBNEXT_OP_LAMPORT 1
 #define UBNEXT_OP_NVLS_ONESHOT 2
 #define UBNEXT_OP_NVLS_TWOSHOT 3
@@ -62,6 +63,10 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_SYNC_ABORT 8
 /* Local: 0 until this rank has broadcast its abort (CAS 0 -> 1 by the first failing thread). */
 #define UBNEXT_SYNC_ABORT_CLAIM 9
+/* [UBNEXT_MAX_RANKS] words: word [r] is 1 once rank r has left for good (closed its communicator or
+ * exited). Rank r writes it into every rank's region from the host (ubnext/pool/symmetric.py,
+ * announce_departure); a wait for peer r reads it (barrier.cuh, wait_verdict). */
+#define UBNEXT_SYNC_DEPARTED 16
 /* [UBNEXT_MAX_RANKS][8] words: record [r] is written only by rank r, before it sets ABORT:
  * {code, op, peer, field, mine, theirs, 0, 0} of the failure rank r detected. */
 #define UBNEXT_SYNC_ABORT_RECORD 256

@@ -673,6 +673,11 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
                 "must issue the same collectives in the same order",
                 aborted, name, rank, peer, static_cast<double>(host_desc->timeout_ns) * 1e-6);
   }
+  if (code == UBNEXT_ERR_PEER_LEFT) {
+    return fail(UBNEXT_STATUS_PEER_LEFT,
+                "%s%s: rank %u stopped waiting for peer %u, which has left (closed its communicator or "
+                "exited)", aborted, name, rank, peer);
+  }
   if (code == UBNEXT_ERR_MISMATCH) {
     static const char* const fields[4] = {"op/dtype/flags", "count", "hidden", "in offset (16-byte units)"};
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,

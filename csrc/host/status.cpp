@@ -61,6 +61,7 @@ const char* ubnext_status_string(ubnext_status_t status) {
     case UBNEXT_STATUS_UNSUPPORTED: return "UBNEXT_STATUS_UNSUPPORTED";
     case UBNEXT_STATUS_NO_ROOM: return "UBNEXT_STATUS_NO_ROOM";
     case UBNEXT_STATUS_INTERNAL: return "UBNEXT_STATUS_INTERNAL";
+    case UBNEXT_STATUS_PEER_LEFT: return "UBNEXT_STATUS_PEER_LEFT";
   }
   return "UBNEXT_STATUS_<unknown>";
 }

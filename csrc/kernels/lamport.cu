@@ -56,7 +56,7 @@ struct LamportSrc {
   uint64_t limit_ns;
   bool failed;
 
-  // Slow path: spin on one slot until ready. On timeout report {TIMEOUT, LAMPORT, rank, peer}, which
+  // Slow path: spin on one slot until ready. On timeout (or the peer's departure) report it, which
   // aborts the communicator; stop when it is aborted (barrier.cuh), so that a dead peer costs one
   // timeout, not one per thread.
   UBX_DEV bool wait(const uint8_t* addr, uint4& v, uint32_t peer) const {
@@ -66,10 +66,10 @@ struct LamportSrc {
       spin_pause();
       v = ld_volatile_v4(addr);
       if (is_ready(v)) return true;
-      const uint64_t now = globaltimer_ns();
-      if (abort_seen(desc, now, next_check)) return false;
-      if (now - t0 > limit_ns) {
-        report_timeout(desc, UBNEXT_OP_LAMPORT, peer);
+      const WaitResult r = wait_verdict(desc, peer, t0, limit_ns, next_check);
+      if (r == kPeerLeft && is_ready(v = ld_volatile_v4(addr))) return true;
+      if (r != kWaiting) {
+        report_wait_failure(desc, r, UBNEXT_OP_LAMPORT, peer);
         return false;
       }
     }

@@ -485,6 +485,15 @@ static void test_kernel_error(void) {
          "communicator aborted: lamport timed out on rank 2 waiting for peer 1");
   CHECK(g_err_word[0] == 0 && g_err_word[7] == 0);
 
+  /* A peer that left: its own status, naming the rank and the peer. */
+  g_err_word[0] = UBNEXT_ERR_PEER_LEFT;
+  g_err_word[1] = UBNEXT_OP_TWOSHOT;
+  g_err_word[2] = 0;
+  g_err_word[3] = 3;
+  EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_PEER_LEFT,
+         "twoshot: rank 0 stopped waiting for peer 3, which has left");
+  CHECK(g_err_word[0] == 0 && g_err_word[3] == 0);
+
   g_err_word[0] = UBNEXT_ERR_BUSY;
   EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_INVALID_ARGUMENT, "still writing");
   g_err_word[0] = 0;

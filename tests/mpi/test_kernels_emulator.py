@@ -9,16 +9,16 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
         "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint", "all_gather",
-        "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "misuse"]
+        "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "misuse", "departed"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
-        "fsdp", "fsdp_fp8", "mismatch"]
+        "fsdp", "fsdp_fp8", "mismatch", "departed"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race", "all_gather",
          "reduce_scatter", "fsdp"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
 UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout", "misaligned",
            "divergent", "fp8_nan", "late_rank", "captured_sizes", "selftest", "in_place_past_staging", "all_gather",
-           "reduce_scatter", "mismatch"]
+           "reduce_scatter", "mismatch", "departed"]
 
 
 @pytest.mark.mpi
@@ -50,6 +50,7 @@ BROKEN = {
     "twoshot_drop_peer": ["reduce_scatter"],  # the shared rank-order sum leaves a rank out
     "allgather_short_push": ["all_gather"],  # a shard's last word never reaches the peers
     "no_lamport_header_check": ["mismatch"],  # Lamport pushes call headers but never compares them
+    "no_departure_check": ["departed"],  # a departed peer is waited for until the timeout
 }
 # A violation is caught as a wrong result (AssertionError) or a lost peer (UbnextTimeoutError). Three
 # breaks also show as a call header read wrong: their cases make the same call on every rank, so a

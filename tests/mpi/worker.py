@@ -349,6 +349,68 @@ def case_in_place_past_staging():
     comm.close()
 
 
+def case_departed():
+    """A peer that closed its communicator is noticed within seconds by every rank still calling, on
+    every path, and named, never waited out (the timeout is 60 s here; a wait for a departed peer
+    reads the departure after 100 ms, csrc/device/barrier.cuh). A peer alive but late is still
+    waited for: case_late_rank."""
+    if MODE == "torch":
+        return
+    previous = os.environ.get("UBNEXT_TIMEOUT")
+    os.environ["UBNEXT_TIMEOUT"] = previous or "60"  # the broken-build run's 5 s: a timeout is the catch
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gone = n - 1
+    bound_s = 10.0  # the grace, the emulator's slow start of a few hundred threads, a loaded machine
+    calls = {
+        "all_reduce": lambda comm: comm.all_reduce(torch.ones(1024, device=device())),
+        "all_gather": lambda comm: comm.all_gather(torch.ones(512, device=device())),
+        "reduce_scatter": lambda comm: comm.reduce_scatter(torch.ones(512 * n, device=device())),
+    }
+    checked = []
+    try:
+        for algo in ("lamport", "twoshot", "nvls_twoshot", "nvls_lamport", "nvls_oneshot", "auto"):
+            for what, call in calls.items():
+                if (algo == "auto") != (what != "all_reduce"):
+                    continue  # the exchanges choose their own kernel
+                comm = ubnext.Communicator(emulate=True, max_hidden=1024, algo=algo)
+                call(comm)
+                comm.synchronize()
+                path = comm.last_path
+                dist.barrier()
+                if algo != "auto" and path != algo:
+                    comm.close()
+                    break  # no multicast here
+                if rank == gone:
+                    comm.close()
+                    dist.barrier()
+                    checked.append((path, what))
+                    continue
+                dist.barrier()  # the peer has left
+                start = time.monotonic()
+                try:
+                    call(comm)
+                    comm.synchronize()
+                except ubnext.UbnextTimeoutError as exc:
+                    raise AssertionError(f"{path}: rank {rank} waited out the timeout for a departed peer: {exc}")
+                except ubnext.UbnextError as exc:
+                    took, msg = time.monotonic() - start, str(exc)
+                else:
+                    raise AssertionError(f"{path}: rank {rank} completed a call without its departed peer {gone}")
+                assert f"peer {gone}, which has left" in msg, f"{path}: {msg}"
+                assert took < bound_s, f"{path}: rank {rank} took {took:.1f} s to notice peer {gone} had left"
+                comm.close()
+                checked.append((path, what))
+                if rank == 0 and len(checked) == 1:
+                    log(f"departed: {path} raised after {took:.2f} s: {msg}")
+    finally:
+        if previous is None:
+            os.environ.pop("UBNEXT_TIMEOUT", None)
+        else:
+            os.environ["UBNEXT_TIMEOUT"] = previous
+    paths = {p for p, _ in checked}
+    assert {"lamport", "twoshot", "allgather", "reduce_scatter"} <= paths, checked
+
+
 def case_pool_cycles():
     """1000 create/close cycles of an emulator-backend pool leak no fd and no mapping."""
     if MODE != "emulator":
@@ -1883,9 +1945,13 @@ def main() -> int:
         COMM.close()
         return 0
     except BaseException:
-        # the traceback, then a non-zero exit: mpirun ends the job instead of peers waiting
+        # The traceback, then an exit that skips MPI_Finalize: hydra kills the peers at once when a
+        # rank ends without it, whereas a finalizing rank waits for peers that may be blocked in the
+        # failed case's next collective (until gloo's 30-minute timeout).
         traceback.print_exc()
-        return 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

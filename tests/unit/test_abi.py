@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from ubnext import kernels, pool
+from ubnext import errors, kernels, pool
 
 PTX_KIND = {"ptr": {".u64", ".b64"}, "i32": {".u32", ".s32", ".b32"}, "f32": {".f32"}}
 ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
@@ -47,6 +47,9 @@ def test_descriptor_field_order_matches_header():
     assert f"#define UBNEXT_SYNC_BYTES {pool.SYNC_BYTES}" in text
     assert f"#define UBNEXT_DESC_BYTES {pool.DESC_BYTES}" in text
     assert f"#define UBNEXT_LAMPORT_HEADER_BYTES {pool.LAMPORT_HEADER_BYTES}" in text
+    assert f"#define UBNEXT_SYNC_DEPARTED {pool.SYNC_DEPARTED}" in text
+    for name in ("TIMEOUT", "MISMATCH", "PEER_LEFT"):
+        assert re.search(rf"#define UBNEXT_ERR_{name} {getattr(errors, 'ERR_' + name)}\b", text), name
     for flag in ("FUSED_NORM", "FP8_STATIC", "FP8_PER_TOKEN", "MULTICAST"):
         assert f"#define UBNEXT_F_{flag} {getattr(kernels, 'F_' + flag)}" in text
     packed = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=6, mc_base=7,

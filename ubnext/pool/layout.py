@@ -21,6 +21,7 @@ DESC_FIELDS = (
     "lamport_slot_bytes", "data_off", "pool_bytes", "reserved[5]", f"peer_base[{MAX_RANKS}]",
 )
 LAMPORT_HEADER_BYTES = 16  # UBNEXT_LAMPORT_HEADER_BYTES: a Lamport slot holds the call header, then data
+SYNC_DEPARTED = 16  # UBNEXT_SYNC_DEPARTED: sync word [r] set once rank r has left (barrier.cuh)
 ERR_WORDS = 8  # UBNEXT_ERR_WORDS: {code, op, rank, peer, field, mine, theirs, 0}
 SENTINEL_WORD = -0x80000000  # 0x80000000 as int32: -0.0f, the Lamport "not yet written" mark
 

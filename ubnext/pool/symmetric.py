@@ -15,7 +15,7 @@ from .. import _cuda, envs
 from ..allocator import Allocator, NoRoom
 from ._backend import PoolSetupError, _agree, _Backend, _Slot, release_deferred
 from .emulator import EmulatorBackend
-from .layout import ERR_WORDS, SENTINEL_WORD, SYNC_BYTES, PoolLayout, pack_desc
+from .layout import ERR_WORDS, SENTINEL_WORD, SYNC_BYTES, SYNC_DEPARTED, PoolLayout, pack_desc
 from .torch_symm import TorchSymmBackend
 from .vmm import VmmBackend
 
@@ -209,6 +209,22 @@ class SymmetricPool:
             "fallbacks": self.fallbacks,
             "multicast": int(self.has_multicast),
         }
+
+    def announce_departure(self) -> None:
+        """Tell every peer that this rank has left for good: set word [rank] of UBNEXT_SYNC_DEPARTED in
+        every rank's sync region, so that a peer still waiting for this rank raises within
+        UBX_DEPARTED_GRACE_NS instead of the whole timeout (csrc/device/barrier.cuh). The caller has
+        finished this rank's work first (its kernels completed): a peer that finds the word set reads
+        what it waits for once more, and a call this rank completed still completes there. Not for a
+        pool captured into a CUDA graph, whose replays may still need this rank."""
+        if self._closed or self.captured:
+            return
+        word = self.layout.sync_off + 4 * (SYNC_DEPARTED + self.rank)
+        for base in self.backend.peer_bases:
+            if self.device.type == "cuda":
+                _cuda.store_word(self.device.index, base + word, 1)
+            else:
+                _Slot(base + word, 4, self.device, None).tensor(self.device).view(torch.int32).fill_(1)
 
     def close(self) -> None:
         """Collective. The memory is released once no pool tensor points into it (_Backend), and
