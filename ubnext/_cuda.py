@@ -219,15 +219,17 @@ def launch(kernel, config, stream_handle: int, args: Sequence, device_index: int
             check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
-def store_word(device_index: int, address: int, value: int) -> None:
-    """Write one 32-bit word at ``address``, device memory of this device or of a peer mapped into
-    it, and wait until it is written: cuMemsetD32 (no kernel, no stream of torch's) in the device's
-    primary context, then cuCtxSynchronize, from any thread (pushed and popped as in ``launch``)."""
+def store_words(device_index: int, addresses: Sequence[int], value: int) -> None:
+    """Write one 32-bit word at each address, device memory of this device or of a peer mapped into
+    it, and wait until all are written: cuMemsetD32 each (no kernel, no stream of torch's) in the
+    device's primary context, then one cuCtxSynchronize, from any thread (pushed and popped as in
+    ``launch``)."""
     drv = driver()
     ctx, _ = _primary_context(device_index)
     check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
     try:
-        check(drv.cuMemsetD32(address, value, 1), "cuMemsetD32")
+        for address in addresses:
+            check(drv.cuMemsetD32(address, value, 1), "cuMemsetD32")
         check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
     finally:
         check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")

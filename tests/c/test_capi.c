@@ -449,25 +449,27 @@ static void test_rmsnorm_arguments(void) {
   EXPECT(fused(UBNEXT_ALGO_LAMPORT), UBNEXT_STATUS_NO_ROOM, "Lamport slot");
 }
 
+/* What a failing kernel leaves in the error word: code, op, the detecting rank and the peer. */
+static void post_kernel_error(uint32_t code, uint32_t op, uint32_t rank, uint32_t peer) {
+  g_err_word[0] = code;
+  g_err_word[1] = op;
+  g_err_word[2] = rank;
+  g_err_word[3] = peer;
+}
+
 static void test_kernel_error(void) {
   reset_fixture();
   EXPECT(ubnext_take_kernel_error(NULL), UBNEXT_STATUS_INVALID_ARGUMENT, "NULL");
   EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_SUCCESS, NULL);
 
-  g_err_word[0] = UBNEXT_ERR_TIMEOUT;
-  g_err_word[1] = UBNEXT_OP_NVLS_TWOSHOT;
-  g_err_word[2] = 1;
-  g_err_word[3] = 3;
+  post_kernel_error(UBNEXT_ERR_TIMEOUT, UBNEXT_OP_NVLS_TWOSHOT, 1, 3);
   EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_TIMEOUT,
          "nvls_twoshot timed out on rank 1 waiting for peer 3");
   CHECK(g_err_word[0] == 0 && g_err_word[1] == 0 && g_err_word[2] == 0 && g_err_word[3] == 0);
   /* Taken means cleared: the next check is clean. */
   EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_SUCCESS, NULL);
 
-  g_err_word[0] = UBNEXT_ERR_MISMATCH;
-  g_err_word[1] = UBNEXT_OP_TWOSHOT;
-  g_err_word[2] = 0;
-  g_err_word[3] = 2;
+  post_kernel_error(UBNEXT_ERR_MISMATCH, UBNEXT_OP_TWOSHOT, 0, 2);
   g_err_word[4] = UBNEXT_HDR_IN_OFFSET;
   g_err_word[5] = 0x300;
   g_err_word[6] = 0x100;
@@ -476,20 +478,14 @@ static void test_kernel_error(void) {
   CHECK(g_err_word[0] == 0 && g_err_word[4] == 0 && g_err_word[5] == 0 && g_err_word[6] == 0);
 
   /* A rank that stopped because a peer aborted the communicator reports the peer's failure. */
-  g_err_word[0] = UBNEXT_ERR_TIMEOUT;
-  g_err_word[1] = UBNEXT_OP_LAMPORT;
-  g_err_word[2] = 2;
-  g_err_word[3] = 1;
+  post_kernel_error(UBNEXT_ERR_TIMEOUT, UBNEXT_OP_LAMPORT, 2, 1);
   g_err_word[7] = 1;
   EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_TIMEOUT,
          "communicator aborted: lamport timed out on rank 2 waiting for peer 1");
   CHECK(g_err_word[0] == 0 && g_err_word[7] == 0);
 
   /* A peer that left: its own status, naming the rank and the peer. */
-  g_err_word[0] = UBNEXT_ERR_PEER_LEFT;
-  g_err_word[1] = UBNEXT_OP_TWOSHOT;
-  g_err_word[2] = 0;
-  g_err_word[3] = 3;
+  post_kernel_error(UBNEXT_ERR_PEER_LEFT, UBNEXT_OP_TWOSHOT, 0, 3);
   EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_PEER_LEFT,
          "twoshot: rank 0 stopped waiting for peer 3, which has left");
   CHECK(g_err_word[0] == 0 && g_err_word[3] == 0);

@@ -366,42 +366,43 @@ def case_departed():
         "all_gather": lambda comm: comm.all_gather(torch.ones(512, device=device())),
         "reduce_scatter": lambda comm: comm.reduce_scatter(torch.ones(512 * n, device=device())),
     }
+    # every all-reduce path by name; the exchanges choose their own kernel
+    runs = [(algo, "all_reduce") for algo in ("lamport", "twoshot", "nvls_twoshot", "nvls_lamport", "nvls_oneshot")]
+    runs += [("auto", "all_gather"), ("auto", "reduce_scatter")]
     checked = []
     try:
-        for algo in ("lamport", "twoshot", "nvls_twoshot", "nvls_lamport", "nvls_oneshot", "auto"):
-            for what, call in calls.items():
-                if (algo == "auto") != (what != "all_reduce"):
-                    continue  # the exchanges choose their own kernel
-                comm = ubnext.Communicator(emulate=True, max_hidden=1024, algo=algo)
+        for algo, what in runs:
+            call = calls[what]
+            comm = ubnext.Communicator(emulate=True, max_hidden=1024, algo=algo)
+            call(comm)
+            comm.synchronize()
+            path = comm.last_path
+            dist.barrier()
+            if algo != "auto" and path != algo:
+                comm.close()
+                continue  # no multicast here
+            if rank == gone:
+                comm.close()
+                dist.barrier()
+                checked.append((path, what))
+                continue
+            dist.barrier()  # the peer has left
+            start = time.monotonic()
+            try:
                 call(comm)
                 comm.synchronize()
-                path = comm.last_path
-                dist.barrier()
-                if algo != "auto" and path != algo:
-                    comm.close()
-                    break  # no multicast here
-                if rank == gone:
-                    comm.close()
-                    dist.barrier()
-                    checked.append((path, what))
-                    continue
-                dist.barrier()  # the peer has left
-                start = time.monotonic()
-                try:
-                    call(comm)
-                    comm.synchronize()
-                except ubnext.UbnextTimeoutError as exc:
-                    raise AssertionError(f"{path}: rank {rank} waited out the timeout for a departed peer: {exc}")
-                except ubnext.UbnextError as exc:
-                    took, msg = time.monotonic() - start, str(exc)
-                else:
-                    raise AssertionError(f"{path}: rank {rank} completed a call without its departed peer {gone}")
-                assert f"peer {gone}, which has left" in msg, f"{path}: {msg}"
-                assert took < bound_s, f"{path}: rank {rank} took {took:.1f} s to notice peer {gone} had left"
-                comm.close()
-                checked.append((path, what))
-                if rank == 0 and len(checked) == 1:
-                    log(f"departed: {path} raised after {took:.2f} s: {msg}")
+            except ubnext.UbnextTimeoutError as exc:
+                raise AssertionError(f"{path}: rank {rank} waited out the timeout for a departed peer: {exc}")
+            except ubnext.UbnextError as exc:
+                took, msg = time.monotonic() - start, str(exc)
+            else:
+                raise AssertionError(f"{path}: rank {rank} completed a call without its departed peer {gone}")
+            assert f"peer {gone}, which has left" in msg, f"{path}: {msg}"
+            assert took < bound_s, f"{path}: rank {rank} took {took:.1f} s to notice peer {gone} had left"
+            comm.close()
+            checked.append((path, what))
+            if rank == 0 and len(checked) == 1:
+                log(f"departed: {path} raised after {took:.2f} s: {msg}")
     finally:
         if previous is None:
             os.environ.pop("UBNEXT_TIMEOUT", None)

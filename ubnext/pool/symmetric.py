@@ -4,6 +4,7 @@ hand out pool tensors."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import weakref
@@ -219,12 +220,12 @@ class SymmetricPool:
         pool captured into a CUDA graph, whose replays may still need this rank."""
         if self._closed or self.captured:
             return
-        word = self.layout.sync_off + 4 * (SYNC_DEPARTED + self.rank)
-        for base in self.backend.peer_bases:
-            if self.device.type == "cuda":
-                _cuda.store_word(self.device.index, base + word, 1)
-            else:
-                _Slot(base + word, 4, self.device, None).tensor(self.device).view(torch.int32).fill_(1)
+        words = [base + self.layout.sync_off + 4 * (SYNC_DEPARTED + self.rank) for base in self.backend.peer_bases]
+        if self.device.type == "cuda":
+            _cuda.store_words(self.device.index, words, 1)
+            return
+        for address in words:
+            ctypes.c_int32.from_address(address).value = 1
 
     def close(self) -> None:
         """Collective. The memory is released once no pool tensor points into it (_Backend), and
