@@ -144,6 +144,9 @@ static bool overlaps(const PendingStore& s, const Where& w, unsigned bytes) {
 
 static void commit_at(Block& b, std::vector<PendingStore>& buf, size_t i) {
   commit(&b, buf[i], __ATOMIC_RELAXED);
+  // A store that lands is progress a peer may be polling for: the block must not back off (sleep)
+  // while its buffers still drain one store per round, or chaos mode pays a sleep per store.
+  b.progress = true;
   buf[i] = buf.back();
   buf.pop_back();
 }

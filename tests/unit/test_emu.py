@@ -355,7 +355,7 @@ def test_concurrent_builds_share_one_library(tmp_path, monkeypatch):
     monkeypatch.setenv("UBNEXT_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def fake_compile(cxx, flags, sources, workdir, out):
+    def fake_compile(cxx, flags, sources, workdir, out, objects):
         calls.append(out)
         time.sleep(0.5)
         Path(out).write_bytes(b"lib")
