@@ -11,14 +11,24 @@ python -m ubnext.kernels build --arch sm_90 sm_100 --fail-on-spill
 step "emulator: build the CPU emulator library and its test-only broken builds (cached by content)"
 python -m ubnext._emu build --all
 
+step "c tier, in the background (CMake + nvcc for sm_90/sm_100, ctest): its log follows the unit tier"
+mkdir -p build
+scripts/build_c.sh > build/c-tier.log 2>&1 &
+c_tier=$!
+
 step "unit tier (no GPU, one process)"
-python -m pytest -q tests/unit
+unit_rc=0
+python -m pytest -q tests/unit || unit_rc=$?
 
-step "mpi tier (mpirun -np 2 and -np 4 on CPU: gloo fallback and emulated kernels, normal and chaos)"
-python -m pytest -q tests/mpi
+step "c tier's output"
+c_rc=0
+wait "$c_tier" || c_rc=$?
+tail -n 40 build/c-tier.log
+[ "$unit_rc" -eq 0 ] || { echo "unit tier failed"; exit "$unit_rc"; }
+[ "$c_rc" -eq 0 ] || { echo "c tier failed (whole log: build/c-tier.log)"; exit "$c_rc"; }
 
-step "c tier (CMake + nvcc for sm_90/sm_100, ctest)"
-scripts/build_c.sh
+step "mpi tier (mpirun -np 2, 3 and 4 on CPU: gloo fallback and emulated kernels, normal and chaos; two jobs at a time)"
+python -m pytest -q -n 2 --dist load tests/mpi
 
 step "gpu tier (skips without a GPU, saying why)"
 python -m pytest -q -rs tests/gpu
