@@ -28,7 +28,7 @@ tail -n 40 build/c-tier.log
 [ "$c_rc" -eq 0 ] || { echo "c tier failed (whole log: build/c-tier.log)"; exit "$c_rc"; }
 
 step "mpi tier (mpirun -np 2, 3 and 4 on CPU: gloo fallback and emulated kernels, normal and chaos; two jobs at a time)"
-python -m pytest -q -n 2 --dist load tests/mpi
+python -m pytest -q -n 2 --dist load --durations=12 tests/mpi
 
 step "gpu tier (skips without a GPU, saying why)"
 python -m pytest -q -rs tests/gpu

@@ -101,3 +101,15 @@ def test_one_visible_gpu_per_rank(mpi, tmp_path):
         f"runpy.run_path({str(MPI_WORKER)!r}, run_name='__main__')\n")
     proc = mpi(2, wrapper, "gpu", "isolated", timeout=900)
     assert_mpi_ok(proc)
+
+
+@pytest.mark.skipif(0 < NGPU < 2, reason="needs at least 2 GPUs")
+def test_cuda_graph_example(tmp_path):
+    """examples/cuda_graph.py as the README's Integrating section runs it (torchrun, one rank per
+    GPU): prepare(), warm-up, capture, five replays with refilled inputs, each checked."""
+    from tests.conftest import ROOT, run_torchrun
+
+    np = min(NGPU, 8)
+    proc = run_torchrun(np, ROOT / "examples" / "cuda_graph.py", timeout=600, cwd=tmp_path)
+    assert_mpi_ok(proc)
+    assert proc.stdout.count("5 replays of all_reduce and all_reduce_add_rmsnorm ok") == np, proc.stdout

@@ -5,7 +5,7 @@ the example, and requires bitwise identical logits on every rank."""
 
 import pytest
 
-from tests.conftest import ROOT, assert_mpi_ok, run_torchrun
+from tests.conftest import ROOT, assert_mpi_ok, run_mpi, run_torchrun
 
 EXAMPLE = ROOT / "examples" / "llama_tp.py"
 
@@ -26,3 +26,13 @@ def test_llama_tp_example_under_torchrun(tmp_path):
     proc = run_torchrun(2, EXAMPLE, "--fused", env={"UBNEXT_EMULATE": "1"}, timeout=300, cwd=tmp_path)
     assert_mpi_ok(proc)
     assert "tp=2 fused=True" in proc.stdout, proc.stdout
+
+
+@pytest.mark.mpi
+def test_tp_group_example():
+    """examples/tp_group.py: Megatron- and vLLM-style hooks on a tensor-parallel sub-group (TP 2 x
+    DP 2), each bitwise equal to torch.distributed's all-reduce on that group, on the emulator."""
+    proc = run_mpi(4, ROOT / "examples" / "tp_group.py", env={"UBNEXT_EMULATE": "1"}, timeout=300)
+    assert_mpi_ok(proc)
+    lines = sorted(line for line in proc.stdout.splitlines() if " tp group " in line)
+    assert len(lines) == 4 and all("styles ['megatron', 'vllm'] path lamport" in line for line in lines), proc.stdout

@@ -46,3 +46,19 @@ def test_fake_gpu_with_old_driver(monkeypatch):
     assert "supports CUDA 12.8  PROBLEM:" in out and "R580" in out
     assert "only one GPU is visible" in out
     assert "sm_90: " in out and "sm_100: " not in out
+
+
+def test_readme_sample_is_what_info_prints():
+    """README.md's sample is info's real output (scripts/readme_info_sample.py regenerates it): a
+    change to info's report, or a sample edited by hand, fails here with the diff."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("readme_info_sample", ROOT / "scripts" / "readme_info_sample.py")
+    sample = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sample)
+    assert sample.main(["--check"]) == 0
+    # the check itself can fail: a sample with one word changed is caught
+    edited = sample.readme_sample().replace("pool backend     none", "pool backend     vmm")
+    assert sample.comparable(edited) != sample.comparable(sample.generate())
