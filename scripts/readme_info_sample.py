@@ -6,8 +6,9 @@
 The sample is what a new user sees on a machine like the development one: ``python -m ubnext.info
 --no-build``, no ``UBNEXT_*`` variables set, a fresh home (so the cubin cache is the default
 ``~/.cache/ubnext``, empty). Paths are written as ``<checkout>`` and ``~``. Versions (Python, torch,
-cuda-python, NVRTC) are compared as ``<version>``: a contributor with another patch release must
-not fail, but every other word of the sample must match what info prints.
+cuda-python, NVRTC) and g++'s path are compared masked: a contributor with another patch release
+must not fail, but every other word of the sample must match what info prints. The sample shows a
+CPU-only machine (a CPU build of torch): on another kind of machine the check does not apply.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def readme_sample() -> str:
 
 
 def comparable(sample: str) -> str:
-    return VERSION.sub("<version>", sample)
+    """The sample with what differs between machines of the same kind masked: versions, and where
+    g++ lives."""
+    return re.sub(r"g\+\+ at \S+", "g++ at <path>", VERSION.sub("<version>", sample))
 
 
 def main(argv: list[str]) -> int:

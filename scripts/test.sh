@@ -23,9 +23,9 @@ python -m pytest -q tests/unit || unit_rc=$?
 step "c tier's output"
 c_rc=0
 wait "$c_tier" || c_rc=$?
-tail -n 40 build/c-tier.log
-[ "$unit_rc" -eq 0 ] || { echo "unit tier failed"; exit "$unit_rc"; }
-[ "$c_rc" -eq 0 ] || { echo "c tier failed (whole log: build/c-tier.log)"; exit "$c_rc"; }
+if [ "$c_rc" -eq 0 ]; then tail -n 40 build/c-tier.log; else cat build/c-tier.log; echo "c tier failed"; fi
+[ "$unit_rc" -eq 0 ] || echo "unit tier failed"
+[ "$unit_rc" -eq 0 ] && [ "$c_rc" -eq 0 ] || exit 1
 
 step "mpi tier (mpirun -np 2, 3 and 4 on CPU: gloo fallback and emulated kernels, normal and chaos; two jobs at a time)"
 python -m pytest -q -n 2 --dist load --durations=12 tests/mpi

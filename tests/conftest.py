@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,22 @@ def run_torchrun(np: int, script: Path | str, *args: str, env: dict | None = Non
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(np), str(script), *args],
                           capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
+
+
+def run_script(command: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``command`` through bash from the checkout, as a user types it (the scripts set up and use
+    .venv themselves). A hung command is killed with its whole process group (the mpirun jobs a
+    script starts too) after ``timeout`` seconds."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=full_env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{command} hung for {timeout} s:\n{out[-4000:]}\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def assert_mpi_ok(proc: subprocess.CompletedProcess) -> None:

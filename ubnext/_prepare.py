@@ -11,9 +11,11 @@ and ``_max_hidden``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import socket
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +48,16 @@ def _host_identity() -> str:
 
 
 
+_setup_serials: dict[str, itertools.count] = {}
+
+
+def setup_serial(group) -> int:
+    """This communicator's number among those made on ``group`` in this process. The constructor is
+    collective, so the number is the same on every rank of the group, and names the communicator's
+    set-up steps in the store (``Preparation._setup_allgather``)."""
+    return next(_setup_serials.setdefault(group.group_name, itertools.count()))
+
+
 class Preparation:
     """The Communicator's pool and kernels, made once, collectively."""
 
@@ -59,6 +71,45 @@ class Preparation:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def _setup_allgather(self, obj, step: str = "creating the pool"):
+        """``_allgather`` for a once-per-communicator set-up step, bounded: every rank first checks in
+        under the step's key in the process group's store, and a rank that finds a peer missing after
+        the kernels' timeout raises a UbnextError naming the step and the missing ranks, before it
+        enters the all-gather (so gloo's own, much later and nameless error never comes, and no
+        collective is left half entered). Two store writes and one wait per step, once per
+        communicator: none on the hot path."""
+        if self._setup_failed is not None:
+            # a step already gave up: the handlers around the pool's steps catch and vote, and each
+            # vote must raise at once instead of waiting out the timeout again
+            raise self._setup_failed
+        self._setup_steps += 1
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"ubnext/setup/{self.group.group_name}/{self._setup_serial}/{self._setup_steps}"
+        store.set(f"{prefix}/{self.rank}", "1")
+        timeout_s = _lifecycle.kernel_timeout_s(self.group, self.device)
+        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        try:
+            store.wait(keys, timedelta(seconds=timeout_s))
+            proposal = "go"  # every rank checked in
+        except RuntimeError:  # the store's timeout (DistStoreError)
+            proposal = "abandon"
+        # One verdict per step, the first proposal to reach the store: "go" only comes from a rank that
+        # saw every rank check in, so no rank is left alone in the all-gather, nor raises while its
+        # peers enter it (a rank arriving just after a peer gave up reads "abandon" and raises too).
+        verdict = store.compare_set(f"{prefix}/verdict", "", proposal).decode()
+        if verdict == "go":
+            return self._allgather(obj)
+        if proposal == "go":  # this rank saw everyone, but only after a peer had given up
+            why = f"reached the step only after a peer had given up waiting for it ({timeout_s:g} s)"
+        else:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            why = f"waited {timeout_s:g} s for rank(s) {missing} of the group, which never reached it"
+        self._setup_failed = UbnextError(
+            f"ubnext: while {step}, rank {self.rank} {why} (UBNEXT_TIMEOUT, else the process group's timeout): "
+            "every rank must create the communicator and make the same first call (or comm.prepare())")
+        self._broken = str(self._setup_failed)
+        raise self._setup_failed
 
     @property
     def pool(self) -> SymmetricPool | None:
@@ -113,7 +164,7 @@ class Preparation:
             self._algo, self.last_path = algo, None
             self._plans.clear()  # the plans made here did not know the verdict yet
             self._calls.clear()
-        for report in self._allgather(failures):
+        for report in self._setup_allgather(failures, "agreeing on the self-test's verdict"):
             for path, why in report.items():
                 if path not in self._disabled:
                     self._disabled[path] = why
@@ -125,10 +176,10 @@ class Preparation:
         # every rank to the torch path; a group that spans hosts too (the pool's memory is shared
         # within one node only); the grid bound (blocks wait on the same blocks of their peers)
         # and the kernels' timeout.
-        reports = self._allgather({
+        reports = self._setup_allgather({
             "error": self._prepare_kernels(), "sm_count": self._sm_count, "host": _host_identity(),
             "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device),
-            "selftest": envs.get("UBNEXT_SELFTEST")})
+            "selftest": envs.get("UBNEXT_SELFTEST")}, "agreeing on the kernels before creating the pool")
         self._run_self_test = all(r["selftest"] for r in reports)
         if self.mode == "gpu":
             self._sm_count = min(r["sm_count"] for r in reports)
@@ -154,11 +205,11 @@ class Preparation:
         pool, error = None, None
         try:
             pool = SymmetricPool(layout=layout, rank=self.rank, group=self.group, device=self.device,
-                                 allgather=self._allgather, timeout_s=timeout_s)
+                                 allgather=self._setup_allgather, timeout_s=timeout_s)
         except (RuntimeError, OSError, ImportError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         # every rank must agree, or one rank launches kernels its peers never join
-        errors = [e for e in self._allgather(error) if e]
+        errors = [e for e in self._setup_allgather(error) if e]
         if errors:
             if pool is not None:
                 pool.close()

@@ -37,7 +37,7 @@ from ._exchange import ExchangeOps
 from ._executor import Call, Executor
 from ._fused import FusedNormOps
 from ._planning import Planner
-from ._prepare import Preparation
+from ._prepare import Preparation, setup_serial
 from ._quantize import QuantizeOps
 from .errors import UbnextError, UbnextTimeoutError
 from .plan import PATHS, Plan
@@ -99,6 +99,9 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         self._capturing = False  # whether the current call is captured (gpu mode), set by _check_usable
         self._disabled: dict[str, str] = {}  # kernel paths the self-test turned off, on every rank
         self._run_self_test = False  # agreed at pool creation
+        self._setup_serial = setup_serial(self.group)  # names its set-up steps in the store
+        self._setup_steps = 0
+        self._setup_failed: UbnextError | None = None  # a set-up step that gave up on a peer
         # read once per communicator (README: environment variables): the hot path reads no
         # environment, and a plan, once made, stays right
         self._env_algo = envs.get("UBNEXT_ALGO")

@@ -1,40 +1,47 @@
-"""python -m ubnext.bench --host runs as docs/PERF.md and scripts/host_bench.sh run it: with a
-recorder in place of the launch, and with the launch into the stub driver, each row asserting that
-every timed call launched a kernel (the bench's own check); and it refuses a driver that is not the
-stub. Short runs: this checks that the bench works, not its figures."""
+"""The benchmark scripts run as README.md and docs/PERF.md write them: `scripts/host_bench.sh` (the
+host time per call with a recorder in place of the launch, then with the launch into the stub
+driver, each row asserting that every timed call launched a kernel: the bench's own check) and
+`UBNEXT_EMULATE=1 UBNEXT_BENCH_NP=2 scripts/bench.sh --host`; and the bench refuses a driver that
+is not the stub. This checks that the scripts work, not their figures."""
 
 from __future__ import annotations
 
-import os
-
-from tests import stub_driver
-from tests.conftest import assert_mpi_ok
+from tests.conftest import assert_mpi_ok, run_script
 
 ROWS = ("comm.all_reduce ", "comm.all_reduce_add_rmsnorm ", "torch.ops.ubnext.all_reduce_add_rmsnorm ",
         "nn.Linear forward")
 ENV = {"UBNEXT_EMULATE": "1", "UBNEXT_SELFTEST": "0"}
 
 
-def _rows_present(stdout: str) -> None:
+def _rows_present(stdout: str, times: int) -> None:
     for row in ROWS:
-        assert any(line.startswith(row) for line in stdout.splitlines()), f"no row {row!r}:\n{stdout}"
+        found = sum(line.startswith(row) for line in stdout.splitlines())
+        assert found == times, f"row {row!r} {found} times, want {times}:\n{stdout}"
 
 
-def test_host_bench_with_the_recorder(mpi):
-    proc = mpi(2, "-m", "ubnext.bench", "--host", "--calls", "50", env=ENV, timeout=300)
-    assert_mpi_ok(proc)
-    _rows_present(proc.stdout)
-
-
-def test_host_bench_launching_into_the_stub_driver(mpi, tmp_path):
-    # the kernels for the stub's sm_90 are compiled by scripts/test.sh's first step (NVRTC cannot
-    # run beside the stub); the bench refuses with the command to run if they are not
-    stub = stub_driver.build(tmp_path / "stub")
-    env = dict(ENV, LD_LIBRARY_PATH=f"{stub}:{os.environ.get('LD_LIBRARY_PATH', '')}")
-    proc = mpi(2, "-m", "ubnext.bench", "--host", "--launch", "driver", "--calls", "50", env=env, timeout=300)
+def test_host_bench_script():
+    # short runs; the script builds the stub driver and the sm_90 kernels it needs
+    proc = run_script("scripts/host_bench.sh --calls 50")
     assert_mpi_ok(proc)
     assert "launching through cuda.core into the stub driver" in proc.stdout
-    _rows_present(proc.stdout)
+    _rows_present(proc.stdout, 2)  # the recorder's run, then the stub driver's
+
+
+def test_bench_script_host_mode_as_the_readme_writes_it():
+    proc = run_script("scripts/bench.sh --host --calls 50", env={"UBNEXT_EMULATE": "1", "UBNEXT_BENCH_NP": "2"})
+    assert_mpi_ok(proc)
+    _rows_present(proc.stdout, 1)
+
+
+def test_bench_script():
+    """`scripts/bench.sh` (4 ranks; here the emulator's rows and gloo's), on one small size: one row
+    per mode and path at 8192 bytes, each within its error bound (the last column)."""
+    proc = run_script("scripts/bench.sh --sizes 8k")
+    assert_mpi_ok(proc)
+    assert "ranks=4" in proc.stdout, proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith(("#", "mode"))]
+    assert rows and all(row[2] == "8192" and row[-1] == "True" for row in rows), proc.stdout
+    assert {row[0] for row in rows} >= {"cpu-emulator", "torch.distributed"}, proc.stdout
 
 
 def test_host_bench_refuses_a_driver_that_is_not_the_stub(mpi):

@@ -7,11 +7,13 @@ mpirun end the job; pytest asserts the exit status.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
 import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -518,6 +520,7 @@ def case_timeout():
         comm = ubnext.Communicator(emulate=(MODE == "emulator"), max_hidden=1024, algo=algo)
         x = torch.ones(1024, device=device())
         comm.all_reduce(x)  # everyone in: creates the pool
+        dist.barrier()  # every rank out of that call before rank 1 stays away (see case_mismatch)
         if comm.last_path != algo:
             log(f"timeout: {algo} cannot run here ({comm.last_path} ran); skipped")
             comm.close()
@@ -648,9 +651,9 @@ def case_late_rank():
     barrier its peers have left); the communicator then refuses every call, with the cause, on every
     rank; close() works; a new Communicator on the same group works.
 
-    The paths share the waits: one communicator per path, the late rank sleeps once for all of them,
-    and its peers time out on each in turn while it sleeps; so it arrives on the first path
-    len(paths) timeouts late, and on the last by the lateness."""
+    The paths share the waits: one communicator per path made first; past the timeout, the late
+    rank arrives on each path once its peers have raised there (they say so in the store) and the
+    lateness has passed, so its peers time out on each path in turn with no sleep of its own between."""
     if MODE == "torch":
         return
     timeout = 3.0
@@ -672,17 +675,22 @@ def case_late_rank():
             continue
         comms[algo] = comm
     assert "lamport" in comms and "twoshot" in comms, f"the unicast paths must run: {sorted(comms)}"
-    dist.barrier()
-    if rank == late:
-        time.sleep(timeout / 2)
     for algo, comm in comms.items():
+        dist.barrier()
+        if rank == late:
+            time.sleep(timeout / 2)
         out = comm.all_reduce(x)  # late, but within the timeout: no error
         comm.synchronize()
         assert torch.equal(out, want), f"{algo}: a rank late by {timeout / 2} s changed the result"
     dist.barrier()
-    if rank == late:
-        time.sleep(len(comms) * timeout + lateness)
+    # The late rank arrives on each path only once every peer has raised there (a store key each):
+    # past the timeout by construction, whatever the machine's load, and by the lateness at least.
+    store = dist.distributed_c10d._get_default_store()
+    raised = "ubnext-test/late_rank/{algo}/{rank}"
     for algo, comm in comms.items():
+        if rank == late:
+            store.wait([raised.format(algo=algo, rank=r) for r in range(n) if r != late], timedelta(seconds=120))
+            time.sleep(lateness)
         start = time.monotonic()
         try:
             comm.all_reduce(x)
@@ -691,6 +699,8 @@ def case_late_rank():
             took, msg = time.monotonic() - start, str(exc)
         else:
             raise AssertionError(f"{algo}: rank {rank} completed a call that its peers gave up on")
+        if rank != late:
+            store.set(raised.format(algo=algo, rank=rank), "1")
         bound = 3.0 if rank == late else timeout + 3
         assert took < bound, f"{algo}: rank {rank} raised after {took:.1f} s (timeout {timeout} s)"
         assert f"waiting for peer {late}" in msg and algo in msg, msg
@@ -1523,6 +1533,99 @@ def case_mismatch():
         log(f"mismatch: {len(checked)} (path, field) pairs raised on every rank")
 
 
+@contextlib.contextmanager
+def kernel_timeout(seconds: float):
+    """UBNEXT_TIMEOUT set to ``seconds`` for the communicators made inside, restored after."""
+    previous = os.environ.get("UBNEXT_TIMEOUT")
+    os.environ["UBNEXT_TIMEOUT"] = str(seconds)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("UBNEXT_TIMEOUT", None)
+        else:
+            os.environ["UBNEXT_TIMEOUT"] = previous
+
+
+def case_mismatch_exchange():
+    """The exchanges check the call too: an all-gather or reduce-scatter whose element count differs
+    between rank 0 and the others, or an all-gather on rank 0 against a reduce-scatter elsewhere,
+    raises a mismatch error on every rank, in the call, naming the field: never a result, never a
+    timeout."""
+    if MODE == "torch":
+        return
+    rank, n = dist.get_rank(), dist.get_world_size()
+    bound_s = 60.0
+
+    def gather_of(numel):
+        return lambda comm: comm.all_gather(torch.ones(numel, dtype=torch.bfloat16, device=device()))
+
+    def scatter_of(numel):
+        return lambda comm: comm.reduce_scatter(torch.ones(numel * n, dtype=torch.bfloat16, device=device()))
+
+    variants = {  # (rank 0's call, the others', the field named)
+        "all_gather count": (gather_of(512), gather_of(1024), "element count"),
+        "reduce_scatter count": (scatter_of(512), scatter_of(1024), "element count"),
+        "op": (gather_of(1024), scatter_of(1024), "op/dtype/flags"),
+    }
+    with kernel_timeout(bound_s):
+        for what, (first, other, field) in variants.items():
+            comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096)
+            other(comm)  # every rank alike: creates the pool
+            dist.barrier()  # every rank out of that call first (see case_mismatch)
+            start = time.monotonic()
+            try:
+                (first if rank == 0 else other)(comm)
+                comm.synchronize()
+                outcome = "returned a result"
+            except ubnext.UbnextTimeoutError as exc:
+                outcome = f"timed out: {exc}"
+            except ubnext.UbnextError as exc:
+                outcome = str(exc)
+            took = time.monotonic() - start
+            where = f"{what} differs, rank {rank}"
+            assert "with different arguments" in outcome and f"with {field} " in outcome, f"{where}: {outcome}"
+            assert took < bound_s / 3, f"{where}: the mismatch took {took:.1f} s to raise"
+            comm.close()
+            if rank == 0:
+                log(f"mismatch_exchange {what}: {outcome}")
+
+
+def case_setup_absent():
+    """A rank that never reaches the communicator's set-up (it constructed the communicator, then
+    went elsewhere): the others raise a UbnextError within the timeout, naming the step and the
+    absent rank, instead of waiting in gloo for the process group's 30 minutes; the communicator
+    then refuses every call at once, with that cause."""
+    if MODE == "torch":
+        return
+    rank, n = dist.get_rank(), dist.get_world_size()
+    absent, timeout = n - 1, 3.0
+    with kernel_timeout(timeout):
+        comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=1024)
+        if rank != absent:
+            start = time.monotonic()
+            try:
+                comm.prepare()
+            except ubnext.UbnextError as exc:
+                took, msg = time.monotonic() - start, str(exc)
+            else:
+                raise AssertionError(f"rank {rank}: prepare() completed without rank {absent}")
+            assert f"rank(s) [{absent}] of the group" in msg and "agreeing on the kernels" in msg, msg
+            assert took < timeout + 5, f"rank {rank} raised after {took:.1f} s (timeout {timeout} s)"
+            start = time.monotonic()
+            try:
+                comm.all_reduce(torch.ones(8, device=device()))
+            except ubnext.UbnextError as exc:
+                assert "never reached" in str(exc), str(exc)
+            else:
+                raise AssertionError("a communicator whose set-up failed accepted a call")
+            assert time.monotonic() - start < 1.0, "the refusal waited"
+            if rank == 0:
+                log(f"setup_absent: raised after {took:.1f} s: {msg}")
+        dist.barrier()  # the absent rank "went elsewhere" until its peers were done
+        comm.close()
+
+
 def case_misuse():
     """Issue 29's smaller confusions, each as a user meets it: comm.explain(x) is a query and logs
     nothing; a closed communicator's error says what to do; a row-parallel Linear given its full
@@ -1911,6 +2014,35 @@ def case_capture_first_use():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.all(out == dist.get_world_size()), "a replay after close() lost the pool"
+
+
+def case_device_mix():
+    """A CPU tensor beside CUDA ones, in every public entry point that takes several tensors: a
+    ValueError naming the argument and both devices, before any work, on every rank alike."""
+    if MODE != "gpu":
+        return
+    comm = ubnext.Communicator(max_hidden=1024)
+    dev = comm.device
+    x = torch.ones(2, 64, dtype=torch.bfloat16, device=dev)
+    on_cpu = lambda t: t.cpu()  # noqa: E731
+    w = torch.ones(64, dtype=torch.bfloat16, device=dev)
+    calls = {
+        "out": lambda: comm.all_reduce(x, out=on_cpu(x)),
+        "residual": lambda: comm.all_reduce_add_rmsnorm(x, on_cpu(x), w),
+        "weight": lambda: comm.all_reduce_add_rmsnorm(x, x.clone(), on_cpu(w)),
+        "x": lambda: comm.all_reduce_add_rmsnorm(on_cpu(x), x.clone(), w),
+    }
+    calls["out "] = lambda: comm.all_gather(x, out=torch.empty(2 * comm.world_size, 64, dtype=x.dtype))
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as exc:
+            msg = str(exc)
+        else:
+            raise AssertionError(f"{name} on the CPU beside CUDA tensors was accepted")
+        assert msg.startswith(name.strip() + " ") and "cpu" in msg and ("cuda" in msg or "x's device" in msg), \
+            f"{name}: {msg}"
+    comm.close()
 
 
 def case_close_live():

@@ -9,6 +9,7 @@ import torch
 
 from ubnext import envs, ops
 from ubnext.comm import Communicator
+from ubnext.errors import UbnextError
 
 X = torch.ones(2, 64, dtype=torch.bfloat16)
 
@@ -81,3 +82,66 @@ def test_every_variable_is_checked_when_a_communicator_is_made(monkeypatch):
         envs.check_all()
     with pytest.raises(envs.EnvError, match="UBNEXT_MAX_BATCH"):
         Communicator(emulate=False)
+
+
+class _Group:
+    group_name = "test-group"
+
+
+def _preparing_rank(rank: int, gathered: list) -> Communicator:
+    """A communicator as far as its set-up steps need it: rank ``rank`` of 2, its all-gather recorded."""
+    comm = object.__new__(Communicator)
+    comm.group, comm.rank, comm.world_size, comm.device = _Group(), rank, 2, torch.device("cpu")
+    comm._setup_serial, comm._setup_steps, comm._setup_failed, comm._broken = 0, 0, None, None
+    comm._allgather = lambda obj: gathered.append((rank, obj)) or [obj, obj]
+    return comm
+
+
+@pytest.fixture
+def store(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("UBNEXT_TIMEOUT", "0.3")
+    hash_store = dist.HashStore()
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: hash_store)
+    return hash_store
+
+
+def test_a_set_up_step_names_the_rank_that_never_came(store):
+    """Issue 29: before the pool exists, a missing peer is a ubnext error naming the step and the rank,
+    after UBNEXT_TIMEOUT, instead of gloo's nameless wait; the communicator then refuses at once."""
+    import time
+
+    gathered = []
+    comm = _preparing_rank(0, gathered)
+    start = time.monotonic()
+    with pytest.raises(UbnextError, match=r"while making a step, rank 0 waited 0.3 s for rank\(s\) \[1\] of the group"):
+        comm._setup_allgather("report", "making a step")
+    assert time.monotonic() - start < 5 and not gathered, "it entered the all-gather without its peer"
+    start = time.monotonic()
+    with pytest.raises(UbnextError, match=r"rank\(s\) \[1\]"):
+        comm._setup_allgather("report", "the next step")
+    assert time.monotonic() - start < 0.2, "a second step waited again"
+
+
+def test_a_rank_arriving_after_its_peer_gave_up_raises_too(store):
+    """The peer that gave up raised before its all-gather: the late rank must not enter its own alone."""
+    gathered = []
+    with pytest.raises(UbnextError):
+        _preparing_rank(0, gathered)._setup_allgather("report", "making a step")
+    with pytest.raises(UbnextError, match="rank 1 reached the step only after a peer had given up"):
+        _preparing_rank(1, gathered)._setup_allgather("report", "making a step")
+    assert not gathered
+
+
+def test_ranks_that_all_arrive_go_on_to_the_all_gather(store):
+    import threading
+
+    gathered = []
+    ranks = [_preparing_rank(r, gathered) for r in range(2)]
+    threads = [threading.Thread(target=c._setup_allgather, args=(f"from {c.rank}",)) for c in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(gathered) == [(0, "from 0"), (1, "from 1")]

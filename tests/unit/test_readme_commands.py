@@ -1,0 +1,117 @@
+"""Every fenced block and command line of README.md has a runner in the suite, and this test says
+which: a block or a command that nobody runs (a new one) fails here. Commands cheap enough run here;
+the rest name the file that runs them (a test, the CI entry point, test.sh or a ctest script) and a
+piece of text that file must contain, which is how this test knows the runner is still there: it
+does not run those itself. Where the runner's form differs from the README's, the entry says how
+(a shorter run, the wheel built in steps). Command lines are what the COMMAND pattern finds in
+backticks: scripts, `python -m`, `python scripts/`, mpirun, torchrun, `cmake --`, `pip install`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+# what runs each fenced block: (language, the block's first line) -> (file, the text it must contain)
+BLOCKS = {
+    ("bash", "scripts/test.sh    # the whole test suite: kernels compile, unit, mpi (-np 2/4), C, GPU tiers"):
+        (".ci/run", "scripts/test.sh"),
+    ("text", "ubnext 0.1.0 (<checkout>/ubnext); kernel sources: <checkout>/csrc"):
+        ("tests/unit/test_info.py", "def test_readme_sample_is_what_info_prints"),
+}
+# the python blocks, told apart by their third line, each with the function that extracts and runs it
+PYTHON_BLOCKS = {
+    "from ubnext.nn import Linear": "readme_block",
+    "from torch.distributed.device_mesh import init_device_mesh": "readme_plan_block",
+    "import ubnext.fsdp": "readme_fsdp_block",
+}
+
+# inline commands (in backticks, starting like a command line) -> how each is run
+RUN_HERE = {
+    "python -m ubnext.info": [sys.executable, "-m", "ubnext.info", "--no-build"],  # --no-build: no g++ run here
+    "python -m ubnext.info --no-build": [sys.executable, "-m", "ubnext.info", "--no-build"],
+}
+RUN_BY = {  # command -> (file that runs it, text there that shows it does)
+    "scripts/test.sh": (".ci/run", "scripts/test.sh"),
+    "scripts/bench.sh": ("tests/mpi/test_host_bench.py", 'run_script("scripts/bench.sh --sizes 8k")'),
+    # with --calls 50: the same command, a shorter run
+    "UBNEXT_EMULATE=1 UBNEXT_BENCH_NP=2 scripts/bench.sh --host": ("tests/mpi/test_host_bench.py",
+                                                                   '"UBNEXT_BENCH_NP": "2"'),
+    "scripts/host_bench.sh": ("tests/mpi/test_host_bench.py", 'run_script("scripts/host_bench.sh --calls 50")'),
+    "scripts/build_c.sh": ("scripts/test.sh", "scripts/build_c.sh"),
+    ".venv/bin/mpirun -np 2 .venv/bin/python block.py": ("tests/mpi/test_readme_snippet.py", "mpi(2, script"),
+    "python -m ubnext.kernels build --arch sm_90 sm_100": ("scripts/test.sh",
+                                                           "python -m ubnext.kernels build --arch sm_90 sm_100"),
+    "cmake --install build/c --prefix <prefix>": ("cmake/check_package.cmake", "--install"),
+    # the wheel test builds the sdist, then the wheel from it, and pip-installs that: what `pip install .`
+    # does, in steps it can check (the wheel's contents, no write into the checkout)
+    "pip install .": ("tests/mpi/test_wheel.py", '"pip", "install"'),
+    "UBNEXT_EMULATE=1 mpirun -np 4 python your_program.py": ("tests/mpi/test_examples.py",
+                                                             '"UBNEXT_EMULATE": "1"'),
+    "torchrun --nproc-per-node 2 examples/cuda_graph.py": ("tests/gpu/test_gpu.py", "cuda_graph.py"),
+    "python scripts/readme_info_sample.py": ("tests/unit/test_info.py", "readme_info_sample.py"),
+    "python -m ubnext.bench": ("tests/mpi/test_host_bench.py", "scripts/bench.sh"),
+}
+# needs what CI lacks, so CI cannot run it; the reason is the entry
+NOT_IN_CI = {
+    "scripts/gpu_check.sh": "runs the GPU tier and the benchmark on a GPU node; the GPU tier skips here",
+}
+COMMAND = re.compile(r"`((?:[A-Z_]+=[^`\s]+ )*(?:\.venv/bin/)?(?:scripts/\w+\.sh|python -m [^`\s]+|python scripts/\w+\.py|mpirun|torchrun|cmake --|pip install)[^`]*)`")
+
+
+def fenced_blocks():
+    return re.findall(r"```(\w*)\n(.*?)```", README, re.S)
+
+
+def inline_commands() -> list[str]:
+    # a program's bare name (`mpirun`) is prose, not a command line
+    return sorted({c for c in COMMAND.findall(README) if " " in c or "/" in c})
+
+
+def test_every_block_is_run():
+    for lang, body in fenced_blocks():
+        lines = body.splitlines()
+        if lang == "python":
+            name = next((fn for marker, fn in PYTHON_BLOCKS.items() if marker in lines[2]), None)
+            assert name, f"README python block nobody runs (add it to tests/mpi/test_readme_snippet.py):\n{body[:300]}"
+            runner = (ROOT / "tests/mpi/test_readme_snippet.py").read_text()
+            assert f"def {name}" in runner and f"{name}()" in runner, name
+            continue
+        entry = BLOCKS.get((lang, lines[0]))
+        assert entry, f"README {lang} block nobody runs:\n{body[:300]}"
+        path, text = entry
+        assert text in (ROOT / path).read_text(), f"{path} no longer runs the README {lang} block ({text!r})"
+
+
+def test_every_command_line_is_run():
+    commands = inline_commands()
+    assert len(commands) >= 10, commands  # the pattern still finds the README's commands
+    for command in commands:
+        bare = command.split("  ")[0]
+        if bare in RUN_HERE or bare in NOT_IN_CI:
+            continue
+        assert bare in RUN_BY, f"README command nobody runs as written: {command!r} (run it in a test, add it here)"
+        path, text = RUN_BY[bare]
+        assert text in (ROOT / path).read_text(), f"{path} no longer runs README's {command!r} ({text!r} missing)"
+
+
+@pytest.mark.parametrize("command", sorted(RUN_HERE))
+def test_cheap_commands_run_here(command):
+    if f"`{command}`" not in README:
+        pytest.fail(f"{command!r} is no longer in README.md: drop it from RUN_HERE")
+    proc = subprocess.run(RUN_HERE[command], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_new_command_fails_this_test(monkeypatch):
+    """The check can fail: a README with one more command line than the registry knows."""
+    global README
+    monkeypatch.setattr(sys.modules[__name__], "README", README + "\nRun `scripts/new_tool.sh --now`.\n")
+    with pytest.raises(AssertionError, match="nobody runs as written"):
+        test_every_command_line_is_run()
