@@ -864,8 +864,10 @@ def case_reduce_scatter():
 def case_quantize_fp8():
     """The quantisation kernel against quantize_fp8_reference, bitwise (true division, saturation,
     the 1e-12 floor of an all-zero row), per row, per tensor and static, including rows longer than
-    the kernel's row cache."""
+    the kernel's row cache, and a one-scale tensor past ONE_CTA_BYTES (its amax first, then split
+    over the grid)."""
     from ubnext._checks import quantize_fp8_reference
+    from ubnext._quantize import ONE_CTA_BYTES, split_row
 
     for rows, cols, dtype in ((8, 64, torch.bfloat16), (3, 4096 * 5, torch.bfloat16), (5, 32, torch.float32),
                               (4, 48, torch.float16)):
@@ -879,8 +881,11 @@ def case_quantize_fp8():
             assert q.shape == x.shape and q.dtype == FP8, (q.shape, q.dtype)
             assert torch.equal(scale_inv.cpu(), s_ref), f"{scaling} {dtype}: scale_inv differs"
             assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), f"{scaling} {dtype}: q differs"
-            assert COMM._calls[("quantize_fp8", rows * cols, dtype, hidden,
-                                2 if scale is not None else 4)].path == ("torch" if MODE == "torch" else "quantize_fp8")
+            # one scale over many bytes runs split over the grid, as a static scale (its amax first)
+            n, elem = rows * cols, x.element_size()
+            split = scaling == "static" or (scaling == "tensor" and n * elem > ONE_CTA_BYTES)
+            signature = ("quantize_fp8", n, dtype, split_row(n, elem) if split else hidden, 2 if split else 4)
+            assert COMM._calls[signature].path == ("torch" if MODE == "torch" else "quantize_fp8"), signature
 
 
 def case_exchange_compile():

@@ -266,3 +266,23 @@ def test_attention_heads_must_be_whole_on_every_rank():
         check_attention_heads(32, 2, 4)
     with pytest.raises(ValueError, match="does not divide heads 6 or key/value heads 3"):
         check_attention_heads(6, 3, 4)
+
+
+def test_one_scale_quantize_spreads_over_the_grid():
+    """Issue 24 item F's count: FP8 quantisation with one scale over 64 MB (bf16) used to be one row,
+    so one CTA; split into rows of at most 1024 vectors it takes the whole grid (128 CTAs on a GPU
+    with 132 SMs, at least the 64 the issue asks), and every split divides the tensor into whole
+    vectors."""
+    from ubnext._quantize import SPLIT_ROW_VECTORS, split_row
+
+    comm = _bare_communicator("gpu")
+    comm._sm_count = 128
+    n = 32 << 20  # 64 MB of bf16
+    hidden = split_row(n, 2)
+    assert hidden == 8 * SPLIT_ROW_VECTORS and n % hidden == 0
+    grid, block = comm._geometry("quantize_fp8", n, 2, n // hidden, True)
+    assert (grid, block) == (128, 256)
+    assert comm._geometry("quantize_fp8", n, 2, 1, True)[0] == 1  # one row: the old count
+    for n, elem in ((8 * 3, 2), (4 * 7 * 1024, 4), (16 * 5, 1), (8 * 4096 * 3, 2)):
+        h = split_row(n, elem)
+        assert n % h == 0 and (h * elem) % 16 == 0 and h * elem <= 16 * SPLIT_ROW_VECTORS, (n, elem, h)
