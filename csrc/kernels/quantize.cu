@@ -12,7 +12,8 @@
 //     q = e4m3_satfinite(x / scale_inv[row]). hidden = n gives ONE scale for the whole tensor (FSDP2's
 //     per-shard mode; the host launches one block then, since the amax is a block reduction).
 //   UBNEXT_F_FP8_STATIC: q = e4m3_satfinite(x / scale[0]), scale_inv[0] = scale[0] (a device float, read
-//     by the kernel, so a captured graph picks up a new value on replay).
+//     by the kernel, so a captured graph picks up a new value on replay); flat over the whole grid with
+//     several loads in flight per thread (quantize_static_flat), since no element depends on another.
 // Contract: hidden % V == 0 and n % hidden == 0 (whole 16-byte vectors per row); in 16-byte aligned; out
 // 8-byte aligned; scale_inv holds n / hidden floats (per row) or 1 (static).
 #include "../device/platform.cuh"
@@ -24,6 +25,38 @@
 
 namespace ubx {
 
+// Loads each thread keeps in flight: a static scale makes every element independent, so a thread
+// issues kInFlight 16-byte loads before it converts any (one load per loop trip waits a memory latency
+// per vector: the row path's loop, ~6 GB/s on one SM).
+constexpr int kInFlight = 4;
+
+// UBNEXT_F_FP8_STATIC alone: flat over the whole grid, grid-strided, kInFlight vectors per trip. The
+// same arithmetic as the row path's static mode (q = e4m3_satfinite(x / scale[0]) of the fp32 values
+// of x), so the bits do not depend on which path or grid ran. Rows do not matter here: the host's row
+// split only sizes the grid.
+template <typename T>
+UBX_DEV void quantize_static_flat(const void* in, void* out, const float* scale, float* scale_inv, int n) {
+  constexpr int V = DType<T>::kElems;
+  if (blockIdx.x == 0 && threadIdx.x == 0) scale_inv[0] = scale[0];
+  const float div = scale[0];
+  const int64_t nv = n / V, stride = global_threads();
+  for (int64_t first = global_tid(); first < nv; first += stride * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (first + u * stride < nv) v[u] = load_whole_vec(in, first + u * stride);
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (first + u * stride >= nv) break;
+      float y[V];
+      uint8_t q[V];
+      unpack<T>(v[u], y);
+      quantize_fp8<V>(y, div, q);
+      store_fp8<V>(out, first + u * stride, n, q);
+    }
+  }
+}
+
 template <typename T>
 UBX_DEV void quantize_rows(const void* in, void* out, const float* scale, float* scale_inv, int n, int hidden,
                            int flags) {
@@ -31,6 +64,10 @@ UBX_DEV void quantize_rows(const void* in, void* out, const float* scale, float*
   __shared__ float s_red[UBX_RED_SCRATCH];
   flags &= UBNEXT_F_FP8_STATIC | UBNEXT_F_FP8_PER_TOKEN;  // never the norm: this is quantisation alone
   if (n <= 0 || flags == 0 || !row_shape_ok<T>(n, hidden, flags)) return;  // the host checks
+  if (flags == UBNEXT_F_FP8_STATIC) {
+    quantize_static_flat<T>(in, out, scale, scale_inv, n);
+    return;
+  }
   LocalSrc<T> src{in, static_cast<int64_t>(n)};
   rows_phase<T>(src, n / hidden, nullptr, nullptr, nullptr, scale, scale_inv, out, n, hidden, 0.f, flags, s_cache,
                 s_red);
