@@ -98,7 +98,11 @@ def _sizing(pool: PoolView) -> str:
 
 
 def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondeterministic: bool) -> list[str]:
-    """Paths to try, best first, for a message of ``nbytes``."""
+    """Paths to try, best first, for a message of ``nbytes``. ``torch_symm`` is not among them: what
+    reaches the end of the chain is a message past the staging region, which NCCL (torch.distributed)
+    serves at least as fast as torch's one-shot op (slower than NCCL from 32 MiB), and that op refuses
+    fp16 and 2-byte tensors of odd length and needs torch's own symmetric pool; it runs only when
+    asked for (UBNEXT_ALGO=torch_symm, or a layer's symmetric_ar_type naming a torch op)."""
     small = nbytes <= LAMPORT_MAX_BYTES
     order: list[str] = []
     if small:
@@ -110,7 +114,7 @@ def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondetermini
     order.append("twoshot")
     if not small:
         order.append("lamport")
-    return order + ["torch_symm", "torch"]
+    return order + ["torch"]
 
 
 def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView, *, forced: str = "auto",

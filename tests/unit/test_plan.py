@@ -50,7 +50,20 @@ def test_same_signature_same_plan(nbytes, fused):
     elif nbytes <= layout.staging_bytes:
         assert plans[0].path == "nvls_twoshot"
     else:
-        assert plans[0].path == ("torch" if fused else "torch_symm")
+        assert plans[0].path == "torch"  # NCCL past the staging region: torch_symm only when asked for
+
+
+def test_torch_symm_runs_only_when_asked_for():
+    """Issue 23: torch_symm left the automatic chain (plan.auto_order says why); forced, it still
+    runs where torch has the op, and falls back to torch.distributed where not."""
+    layout = plan_layout(8, 8192)
+    big = layout.staging_bytes * 2
+    view = plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True)
+    assert "torch_symm" not in plan.auto_order(big, False, True, False)
+    assert plan.choose(big, 2, False, 8192, view).path == "torch"
+    assert plan.choose(big, 2, False, 8192, view, forced="torch_symm").path == "torch_symm"
+    no_op = plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", False)
+    assert plan.choose(big, 2, False, 8192, no_op, forced="torch_symm").path == "torch"
 
 
 def test_forced_path_falls_back_down_the_chain():
