@@ -147,6 +147,13 @@ def check_quantize_args(x: torch.Tensor, hidden: int, scale) -> None:
         raise ValueError("scale must be a one-element float32 tensor on x's device (the dequantisation scale)")
 
 
+def fp8_scale_inv(amax: torch.Tensor) -> torch.Tensor:
+    """The kernels' scale_inv of an fp32 ``amax``: max(amax / 448, 1e-12), NaN kept, with a true
+    division on every device. (On CUDA, a tensor divided by a Python number is multiplied by its
+    reciprocal, which differs from the kernel's division in the last bit for about half the values.)"""
+    return torch.clamp(amax / torch.full((), FP8_MAX, device=amax.device), min=FP8_TINY_SCALE_INV)
+
+
 def quantize_fp8_reference(y: torch.Tensor, hidden: int, scale: torch.Tensor | None):
     """(q, scale_inv) of ``y`` (any float dtype, quantised as its fp32 values) with the kernels'
     contract (csrc/device/norm.cuh): static, q = sat(y / scale) and scale_inv = scale; else one
@@ -157,7 +164,7 @@ def quantize_fp8_reference(y: torch.Tensor, hidden: int, scale: torch.Tensor | N
         scale_inv = scale.float().reshape(1).clone()
         q = (rows / scale_inv).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     else:
-        scale_inv = torch.clamp(rows.abs().amax(dim=-1) / FP8_MAX, min=FP8_TINY_SCALE_INV)
+        scale_inv = fp8_scale_inv(rows.abs().amax(dim=-1))
         q = (rows / scale_inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.reshape(y.shape), scale_inv
 

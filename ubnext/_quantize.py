@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import kernels, ops  # noqa: F401 - ops defines the torch.ops.ubnext operators called here
-from ._checks import FP8, FP8_MAX, FP8_TINY_SCALE_INV, check_quantize_args, quantize_fp8_reference
+from ._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
 from ._executor import Call
 
 # Above this many bytes, one scale over the whole tensor is not left to one CTA (the kernel's row is
@@ -62,9 +62,9 @@ class QuantizeOps:
         whole_vectors = (hidden * x.element_size()) % 16 == 0
         if scale is None and hidden == n and n * x.element_size() > ONE_CTA_BYTES and whole_vectors:
             # one scale for the whole tensor: its amax first (two-phase, every SM), then the static path
-            # (the same arithmetic as the kernel's per-token mode: max(amax / 448, 1e-12), NaN kept)
+            # (the kernel's per-token arithmetic; abs: a NaN amax is the positive NaN the kernel gives)
             lo, hi = torch.aminmax(x)
-            scale = torch.clamp(torch.maximum(-lo, hi).float() / FP8_MAX, min=FP8_TINY_SCALE_INV).reshape(1)
+            scale = fp8_scale_inv(torch.maximum(-lo, hi).abs().float()).reshape(1)
         if scale is not None and whole_vectors:
             hidden = split_row(n, x.element_size())
         flags = kernels.F_FP8_STATIC if scale is not None else kernels.F_FP8_PER_TOKEN

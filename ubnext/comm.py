@@ -17,8 +17,10 @@ Paths, best first (``comm.last_path`` uses these names, as does ``UBNEXT_ALGO``)
 1. ``lamport``: ubnext Lamport one-shot, when the message fits a Lamport slot of the pool;
 2. ``nvls_twoshot`` / ``nvls_lamport`` / ``nvls_oneshot`` (multicast pools) or ``twoshot``
    (unicast): in place in the pool's data arena, when the message fits it;
-3. ``torch_symm``: torch's symmetric-memory one-shot op, on GPUs where it exists;
-4. ``torch``: ``torch.distributed.all_reduce`` (NCCL on GPUs, gloo on CPU; multi-node).
+3. ``torch``: ``torch.distributed.all_reduce`` (NCCL on GPUs, gloo on CPU; multi-node).
+
+``torch_symm`` (torch's symmetric-memory one-shot op) runs only when asked for (plan.auto_order says
+why).
 
 The fused op falls back to the chosen allreduce, then add + RMSNorm in torch. Each fallback
 step is logged once per communicator with its reason.

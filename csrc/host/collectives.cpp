@@ -630,7 +630,8 @@ ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_f
   KernelArgs a{nullptr, in, out, nullptr, nullptr, nullptr, scale, scale_inv, static_cast<int32_t>(count),
                static_cast<int32_t>(hidden), 0.0f, flags};
   // per token: one block per row (the row's amax is a block reduction); static: every element alone, so
-  // the kernel runs flat and the grid is sized by the vectors, as the Python launcher's row split does
+  // the kernel runs flat and the grid is sized by its vectors (default_grid's plain rule; the bits do
+  // not depend on the grid)
   if (flags == UBNEXT_F_FP8_STATIC)
     return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, count * elem, 0, 1, a);
   return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, 0, count / hidden, 1, a);
