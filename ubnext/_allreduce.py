@@ -148,10 +148,32 @@ class AllReduceOps:
             out.copy_(x)
         dist.all_reduce(out, group=self.group)
 
+    def _torch_symm_refusal(self, x: torch.Tensor, op_name: str) -> str | None:
+        """Why torch's symmetric-memory op cannot take ``x`` here, or None: what torch 2.13 refuses
+        inside the user's call (CUDASymmetricMemoryOps.cu dispatches float and bfloat16 only, and
+        needs 4-byte-aligned sizes; rendezvous refuses a group whose ranks share a device, which is
+        when ubnext's pool is its own VMM one). The same on every rank: dtype, size and the agreed
+        backend."""
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return f"{op_name} takes float32 and bfloat16 only, not {x.dtype}"
+        if (x.numel() * x.element_size()) % 4:
+            return f"{op_name} needs a size in whole 4-byte words ({x.numel()} {x.dtype} elements)"
+        pool = self.pool
+        backend = pool.backend.name if pool is not None else None
+        if backend != "torch_symm":
+            return f"the pool is not torch's symmetric memory ({backend or self._pool_error})"
+        return None
+
     def _torch_symm_all_reduce(self, x: torch.Tensor, out: torch.Tensor,
                                op_name: str = "one_shot_all_reduce") -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        refusal = self._torch_symm_refusal(x, op_name)
+        if refusal:
+            self._log_once("torch_symm", f"torch_symm: {refusal}; using torch.distributed")
+            self._torch_all_reduce(x, out)
+            self.last_path = "torch"
+            return
         key = (x.numel(), x.dtype)
         buf = self._symm_buffers.get(key)
         if buf is None and _cuda.capturing(self.device):
@@ -186,7 +208,7 @@ class AllReduceOps:
                            "using the ubnext path choice")
             return self._all_reduce(x, torch.empty_like(x))
         out = torch.empty_like(x)
+        self.last_path = "torch_symm"  # unless it falls back (_torch_symm_all_reduce says so)
         self._torch_symm_all_reduce(x, out, op_name)
-        self.last_path = "torch_symm"
         return out
 

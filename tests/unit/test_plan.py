@@ -4,6 +4,7 @@ from the pool's layout, never from the allocator's state."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import ubnext._cuda
 from ubnext import plan
@@ -192,6 +193,7 @@ def test_torch_symm_never_allocates_inside_capture(monkeypatch):
 
     comm = _bare_communicator("gpu")
     comm._symm_buffers, comm._logged = {}, set()
+    comm._pool = SimpleNamespace(backend=SimpleNamespace(name="torch_symm"))
     used = []
     comm._torch_all_reduce = lambda x, out: used.append("torch")
     monkeypatch.setattr(symm_mem, "empty", lambda *a, **k: pytest.fail("allocated inside capture"))
@@ -199,6 +201,40 @@ def test_torch_symm_never_allocates_inside_capture(monkeypatch):
     x = torch.ones(8)
     comm._torch_symm_all_reduce(x, x)
     assert used == ["torch"]
+
+
+@pytest.mark.parametrize("dtype,numel,backend,refused", [
+    (torch.float16, 8, "torch_symm", "float32 and bfloat16 only"),
+    (torch.bfloat16, 7, "torch_symm", "whole 4-byte words"),
+    (torch.float32, 8, "vmm", "not torch's symmetric memory (vmm)"),
+    (torch.bfloat16, 8, "torch_symm", None),
+])
+def test_torch_symm_takes_only_what_torchs_op_takes(monkeypatch, caplog, dtype, numel, backend, refused):
+    """Issue 23 item 1: what torch's symmetric-memory op refuses inside the user's call (fp16, odd
+    2-byte sizes, a pool that is not torch's) goes to torch.distributed instead, said once; the
+    rest reaches torch's allocation (faked here: CPU torch has no symmetric memory)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    comm = _bare_communicator("gpu")
+    comm._symm_buffers, comm._logged = {}, set()
+    comm._pool = SimpleNamespace(backend=SimpleNamespace(name=backend))
+    used = []
+    comm._torch_all_reduce = lambda x, out: used.append("torch")
+
+    def reached_torch(*args, **kwargs):
+        raise LookupError("reached symm_mem.empty")
+
+    monkeypatch.setattr(symm_mem, "empty", reached_torch)
+    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: False)
+    x = torch.ones(numel, dtype=dtype)
+    if refused is None:
+        with pytest.raises(LookupError, match="reached symm_mem.empty"):
+            comm._torch_symm_all_reduce(x, x.clone())
+        return
+    with caplog.at_level("INFO", logger="ubnext"):
+        comm._torch_symm_all_reduce(x, x.clone())
+    assert used == ["torch"] and comm.last_path == "torch"
+    assert refused in caplog.text, caplog.text
 
 
 def test_a_path_the_self_test_disabled_is_never_planned():
