@@ -1465,6 +1465,21 @@ def case_header_race():
         comm.close()
 
 
+def call_outcome(call, comm) -> tuple[str, float]:
+    """What ``call(comm)`` did, synchronised, and how long it took: the error's message, "timed out: ..."
+    or "returned a result" (the mismatch cases expect the first)."""
+    start = time.monotonic()
+    try:
+        call(comm)
+        comm.synchronize()
+        outcome = "returned a result"
+    except ubnext.UbnextTimeoutError as exc:
+        outcome = f"timed out: {exc}"
+    except ubnext.UbnextError as exc:
+        outcome = str(exc)
+    return outcome, time.monotonic() - start
+
+
 def case_mismatch():
     """Ranks whose calls differ (dtype, element count, hidden size, plain against fused) raise a
     mismatch error on every rank, in the call itself (the emulator's launch is synchronous), naming
@@ -1511,15 +1526,7 @@ def case_mismatch():
                 if comm.last_path != algo:
                     comm.close()
                     break  # this pool cannot run it (no multicast): no variant can
-                start = time.monotonic()
-                try:
-                    (first if rank == 0 else other)(comm)
-                    outcome = "returned a result"
-                except ubnext.UbnextTimeoutError as exc:
-                    outcome = f"timed out: {exc}"
-                except ubnext.UbnextError as exc:
-                    outcome = str(exc)
-                took = time.monotonic() - start
+                outcome, took = call_outcome(first if rank == 0 else other, comm)
                 where = f"{algo}, {what} differs, rank {rank}"
                 assert "with different arguments" in outcome, f"{where}: {outcome}"
                 assert f"with {field} " in outcome and "but rank" in outcome, f"{where}: {outcome}"
@@ -1578,16 +1585,7 @@ def case_mismatch_exchange():
             comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096)
             other(comm)  # every rank alike: creates the pool
             dist.barrier()  # every rank out of that call first (see case_mismatch)
-            start = time.monotonic()
-            try:
-                (first if rank == 0 else other)(comm)
-                comm.synchronize()
-                outcome = "returned a result"
-            except ubnext.UbnextTimeoutError as exc:
-                outcome = f"timed out: {exc}"
-            except ubnext.UbnextError as exc:
-                outcome = str(exc)
-            took = time.monotonic() - start
+            outcome, took = call_outcome(first if rank == 0 else other, comm)
             where = f"{what} differs, rank {rank}"
             assert "with different arguments" in outcome and f"with {field} " in outcome, f"{where}: {outcome}"
             assert took < bound_s / 3, f"{where}: the mismatch took {took:.1f} s to raise"
