@@ -16,6 +16,9 @@ API::
     mc = emu.reserve(nbytes); emu.release(mc, nbytes)
     emu.traffic()                      # Traffic of the last launch
     emu.configure(chaos, seed)
+    emu.register_stamps(handle, stamp_bases); emu.set_counting(True)
+    with emu.recording() as launches:  # count mode: one LaunchCount per launch inside the block
+        ...
 
 ``python -m ubnext._emu build [--break NAME | --all]`` builds ahead of time and prints the path(s).
 """
@@ -23,6 +26,7 @@ API::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -35,13 +39,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from . import envs
 from ._filelock import exclusive
 from ._sources import CSRC
 
-__all__ = ["BREAKS", "EmulatorError", "Traffic", "Emulator", "build", "load"]
+__all__ = ["BREAKS", "EmulatorError", "Traffic", "LaunchCount", "Emulator", "build", "load"]
 
 # Test-only protocol breaks: name -> macro. "" is the correct build.
 BREAKS = {
@@ -57,11 +61,15 @@ BREAKS = {
     "allgather_short_push": "UBNEXT_BREAK_ALLGATHER_SHORT_PUSH",
     "no_lamport_header_check": "UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK",
     "no_departure_check": "UBNEXT_BREAK_NO_DEPARTURE_CHECK",
+    "extra_fence": "UBNEXT_BREAK_EXTRA_FENCE",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")
 MAX_RANKS = 16
 TRAFFIC_WORDS = 4 * MAX_RANKS + 7
+COUNT_WORDS = 5
+# Bytes of stamp shadow per byte of a region in count mode (three 8-byte words per 4-byte word).
+STAMP_BYTES_PER_BYTE = 6
 _ERRLEN = 1024
 
 
@@ -207,6 +215,24 @@ class Traffic:
 _ARG_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
 
 
+class LaunchCount(NamedTuple):
+    """One launch's critical-path count (count mode; csrc/emu/memory.cpp states the rules):
+    ``hops`` is the longest chain of NVLink crossings, ``fences`` the system-scope fences on it,
+    ``max_cta_bytes`` the most bytes one block moved, ``total_bytes`` all blocks' bytes;
+    ``nvlink_bytes`` what this rank stored into and loaded from peers' memory through unicast,
+    ``multicast_bytes`` through the multicast address (from the traffic counters)."""
+
+    kernel: str
+    ctas: int
+    block: int
+    hops: int
+    fences: int
+    max_cta_bytes: int
+    total_bytes: int
+    nvlink_bytes: int
+    multicast_bytes: int
+
+
 class Emulator:
     """The loaded library. One launch runs at a time per process (the library serialises)."""
 
@@ -231,8 +257,16 @@ class Emulator:
         lib.ubnext_emu_configure.restype = None
         lib.ubnext_emu_set_watchdog_ns.argtypes = [u64]
         lib.ubnext_emu_set_watchdog_ns.restype = None
+        lib.ubnext_emu_register_stamps.argtypes = [i64, ctypes.POINTER(u64)]
+        lib.ubnext_emu_register_stamps.restype = i32
+        lib.ubnext_emu_set_counting.argtypes = [i32]
+        lib.ubnext_emu_set_counting.restype = None
+        lib.ubnext_emu_counts.argtypes = [ctypes.POINTER(u64), i32]
+        lib.ubnext_emu_counts.restype = i32
         self._lib = lib
         self._watchdog_s: float | None = None
+        self._counting = False
+        self._recorded: list[LaunchCount] | None = None
 
     def launch(self, kernel: str, grid: int, block: int, args: Sequence[tuple[str, object]],
                *, timeout_s: float | None = None) -> None:
@@ -258,6 +292,15 @@ class Emulator:
         if rc != 0:
             raise EmulatorError(f"emulator launch of {kernel} (grid {grid}, block {block}) failed: "
                                 f"{err.value.decode(errors='replace')}")
+        if self._counting and self._recorded is not None:
+            words = (ctypes.c_uint64 * COUNT_WORDS)()
+            self._lib.ubnext_emu_counts(words, COUNT_WORDS)
+            ctas, hops, fences, most, total = words
+            t = self.traffic()
+            self._recorded.append(LaunchCount(
+                kernel, ctas, int(block), hops, fences, most, total,
+                sum(t.peer_store_bytes) + sum(t.peer_load_bytes),
+                t.mc_store_bytes + t.mc_ld_reduce_bytes + t.mc_red_bytes))
 
     def set_watchdog(self, seconds: float | None) -> None:
         """Override the watchdog bound of later launches (None: from the kernels' timeout)."""
@@ -299,6 +342,29 @@ class Emulator:
         r = MAX_RANKS
         return Traffic(tuple(w[0:r]), tuple(w[r:2 * r]), tuple(w[2 * r:3 * r]), tuple(w[3 * r:4 * r]),
                        *w[4 * r:4 * r + 7])
+
+    def register_stamps(self, handle: int, stamp_bases: Sequence[int]) -> None:
+        """Count mode: rank r's copy of region ``handle`` has its stamps at ``stamp_bases[r]``,
+        ``STAMP_BYTES_PER_BYTE`` times its size, zero-filled and shared like the copy."""
+        bases = (ctypes.c_uint64 * max(1, len(stamp_bases)))(*stamp_bases)
+        if self._lib.ubnext_emu_register_stamps(handle, bases) != 0:
+            raise EmulatorError(f"no registered region {handle}")
+
+    def set_counting(self, on: bool) -> None:
+        """Count mode on/off for later launches (csrc/emu/memory.cpp)."""
+        self._counting = bool(on)
+        self._lib.ubnext_emu_set_counting(1 if on else 0)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Count mode: yields a list that receives one LaunchCount per launch made inside the block."""
+        if not self._counting:
+            raise EmulatorError("recording launches needs count mode (UBNEXT_EMU_COUNT=1)")
+        previous, self._recorded = self._recorded, []
+        try:
+            yield self._recorded
+        finally:
+            self._recorded = previous
 
     def configure(self, chaos: bool, seed: int = 0) -> None:
         """Chaos mode on/off for later launches; seed 0 derives one from the time and pid."""

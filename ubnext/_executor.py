@@ -24,6 +24,23 @@ from .errors import CLOSED, UbnextError, kernel_error
 log = logging.getLogger("ubnext")
 
 _SIGNATURE_KINDS = tuple(kind for _, kind in kernels.KERNEL_SIGNATURE)
+# The most blocks a kernel path launches on a GPU.
+GRID_CAP = 128
+# Threads per block on a GPU: the kernels' register use (up to 168 on sm_100) allows 256, not 512.
+GPU_BLOCK = 256
+
+
+def launch_geometry(algo: str, n: int, elem: int, tokens: int, fused: bool, world_size: int,
+                    block: int, max_blocks: int) -> tuple[int, int]:
+    """(grid, block) of one kernel call: a block per token row for the fused norm, else enough
+    blocks for one vector per thread (of this rank's 1/N share on the two-shot paths), at most
+    ``max_blocks`` (one per SM keeps the grid co-resident: blocks wait on peers' blocks)."""
+    if fused:
+        return max(1, min(tokens, max_blocks)), block
+    vectors = -(-n * elem // 16)
+    if algo in ("nvls_twoshot", "twoshot", "nvls_lamport"):
+        vectors = -(-vectors // world_size)  # each rank reduces its 1/N share
+    return max(1, min(-(-vectors // block), max_blocks)), block
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,18 +132,11 @@ class Executor:
             raise ValueError(f"ubnext: ranks called with different arguments ({detail})")
 
     def _geometry(self, algo: str, n: int, elem: int, tokens: int, fused: bool) -> tuple[int, int]:
-        if self.mode == "emulator":
+        if self.mode == "emulator" and not self._count_geometry:
             block, max_blocks = 64, 4  # emulated threads are fibers on 2 cores: keep it small
         else:
-            # 256 threads: the kernels' register use (up to 168 on sm_100) allows it, not 512;
-            # one block per SM at most keeps the grid co-resident (blocks wait on peers' blocks)
-            block, max_blocks = 256, self._sm_count
-        if fused:
-            return max(1, min(tokens, max_blocks)), block
-        vectors = -(-n * elem // 16)
-        if algo in ("nvls_twoshot", "twoshot", "nvls_lamport"):
-            vectors = -(-vectors // self.world_size)  # each rank reduces its 1/N share
-        return max(1, min(-(-vectors // block), max_blocks)), block
+            block, max_blocks = GPU_BLOCK, self._sm_count
+        return launch_geometry(algo, n, elem, tokens, fused, self.world_size, block, max_blocks)
 
     def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int) -> Launch:
         grid, block = self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden))

@@ -377,11 +377,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="--host: a recorder in place of the kernel launch, or the launch itself into the "
                              "stub driver (scripts/host_bench.sh sets it up)")
     parser.add_argument("--calls", type=int, default=2000, help="--host: calls per timing")
+    parser.add_argument("--model", action="store_true",
+                        help="the critical-path model (ubnext/_costmodel.py): counts every path on the CPU "
+                             "emulator at a GPU's launch geometry and models its time; starts its own ranks")
+    parser.add_argument("--world", type=int, default=8, help="--model: emulated ranks")
+    parser.add_argument("--json", action="store_true", help="--model: one JSON object per line")
+    parser.add_argument("--quick", action="store_true", help="--model: the smallest sizes only (tests)")
     parser.add_argument("--tokens", type=int, default=8, help="--host: rows of the message")
     parser.add_argument("--hidden", type=int, default=4096, help="--host: row length")
     args = parser.parse_args(argv)
     if args.host:
         return host_main(args)
+    if args.model:
+        from . import _costmodel
+
+        _costmodel.print_table(_costmodel.run(args.world, quick=args.quick), args.json)
+        return 0
 
     gpu = gpu_available()
     modes = args.modes or (["gpu", "torch"] if gpu else ["emulator", "torch"])

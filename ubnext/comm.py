@@ -36,7 +36,7 @@ from ._allreduce import AllReduceOps
 from ._checks import reference_add_rmsnorm, rmsnorm
 from ._cuda import gpu_available, no_gpu_reason
 from ._exchange import ExchangeOps
-from ._executor import Call, Executor
+from ._executor import GRID_CAP, Call, Executor
 from ._fused import FusedNormOps
 from ._planning import Planner
 from ._prepare import Preparation, setup_serial
@@ -73,14 +73,18 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         emulate = envs.get("UBNEXT_EMULATE") if emulate is None else bool(emulate)
-        self._sm_count = 0  # GPUs only: the grid bound, agreed at pool creation
+        self._sm_count = 0  # GPUs (and count mode): the grid bound, agreed at pool creation
         self._device_index = 0  # GPUs only: the launch's device
+        self._count_geometry = False  # the emulator launches as the GPU would (UBNEXT_EMU_COUNT)
         if emulate:
             self.mode, self.device = "emulator", torch.device("cpu")
+            if envs.get("UBNEXT_EMU_COUNT"):
+                self._count_geometry = True
+                self._sm_count = min(GRID_CAP, envs.get("UBNEXT_EMU_SM_COUNT"))
         elif gpu_available():
             self.mode, self.device = "gpu", torch.device("cuda", torch.cuda.current_device())
             self._device_index = self.device.index
-            self._sm_count = min(128, torch.cuda.get_device_properties(self.device).multi_processor_count)
+            self._sm_count = min(GRID_CAP, torch.cuda.get_device_properties(self.device).multi_processor_count)
         else:
             self.mode, self.device = "torch", torch.device("cpu")
         self._max_hidden = max_hidden or 0

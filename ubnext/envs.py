@@ -120,12 +120,18 @@ VARIABLES: dict[str, Var] = {
             "PCIe P2P or several ranks per GPU)."),
         Var("UBNEXT_EMU_SEED", _nonnegative_int, 0, "integer >= 0",
             "Seed of the emulator's chaos mode (0: derived from time and rank)."),
+        Var("UBNEXT_EMU_COUNT", _bool, False, "0|1",
+            "Emulator count mode: measure every launch's critical path (CTAs, NVLink hops, fences, "
+            "bytes per CTA) at a GPU's launch geometry, for `python -m ubnext.bench --model`. "
+            "Pools carry a stamp shadow: three times their memory."),
+        Var("UBNEXT_EMU_SM_COUNT", _positive_int, 132, "integer > 0",
+            "SMs of the GPU that count mode's launch geometry stands for (132: H100 SXM)."),
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
                                      "single_header_slot", "no_abort_check", "no_proxy_fence",
                                      "twoshot_drop_peer", "allgather_short_push", "no_lamport_header_check",
-                                     "no_departure_check"), "",
+                                     "no_departure_check", "extra_fence"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
-            "no_proxy_fence|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_departure_check",
+            "no_proxy_fence|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_departure_check|extra_fence",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),

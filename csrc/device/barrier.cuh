@@ -219,8 +219,8 @@ UBX_DEV bool epoch_reached(uint32_t a, uint32_t b) { return static_cast<int32_t>
 
 // Spin (acquire, .sys) until peer `peer`'s *flag has reached `target`, at most `limit` ns, watching the
 // abort flag and the peer's departure.
-UBX_DEV WaitResult wait_flag_reached(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target,
-                                     uint64_t limit, uint32_t peer) {
+UBX_DEV WaitResult wait_flag_polls(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target,
+                                   uint64_t limit, uint32_t peer) {
   if (epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
   const uint64_t t0 = globaltimer_ns();
   uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
@@ -232,6 +232,13 @@ UBX_DEV WaitResult wait_flag_reached(const ubnext_comm_desc* d, const uint32_t* 
     if (r != kWaiting) return r;
   }
 }
+UBX_DEV WaitResult wait_flag_reached(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target,
+                                     uint64_t limit, uint32_t peer) {
+  UBX_COUNT_WAIT_BEGIN();
+  const WaitResult r = wait_flag_polls(d, flag, target, limit, peer);
+  UBX_COUNT_WAIT_END_AT(flag, target, r == kArrived);
+  return r;
+}
 
 // Lamport-style poll of one 16-byte vector until no 32-bit word is the sentinel 0x80000000 (vec.cuh's
 // is_ready rule, restated here so that this header does not need vec.cuh). On timeout report
@@ -241,7 +248,7 @@ UBX_DEV bool v4_ready(const uint4& v) {
   return (v.x != 0x80000000u) & (v.y != 0x80000000u) & (v.z != 0x80000000u) & (v.w != 0x80000000u);
 }
 
-UBX_DEV bool poll_ready_v4(const void* addr, uint4& v, const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
+UBX_DEV bool poll_ready_v4_polls(const void* addr, uint4& v, const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
   const uint64_t limit = timeout_ns(d);
   const uint64_t t0 = globaltimer_ns();
   uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
@@ -256,6 +263,12 @@ UBX_DEV bool poll_ready_v4(const void* addr, uint4& v, const ubnext_comm_desc* d
     }
     spin_pause();
   }
+}
+UBX_DEV bool poll_ready_v4(const void* addr, uint4& v, const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
+  UBX_COUNT_WAIT_BEGIN();
+  const bool ready = poll_ready_v4_polls(addr, v, d, op, peer);
+  UBX_COUNT_WAIT_END(addr, 16, ready);
+  return ready;
 }
 
 // The barrier, as a per-block object: open it once at kernel entry (the descriptor loads and the

@@ -25,9 +25,19 @@ typedef long long int64_t;
 
 #if defined(UBNEXT_EMULATOR)
 #define UBX_DEV inline
-// the GPU faults on a misaligned vector access by itself; the emulator must be told to
-#define UBX_CHECK_ALIGNED(p, bytes, access) ::ubx_emu::check_aligned((p), (bytes), (access))
+// the GPU faults on a misaligned vector access by itself; the emulator must be told to, and it
+// counts the bytes of plain accesses too (its critical-path count, csrc/emu/memory.cpp)
+#define UBX_VECTOR_LOAD(p, bytes, access) ::ubx_emu::vector_access((p), (bytes), (access), true)
+// the emulator's critical-path count: a wait's polls count once, as the value they waited for
+#define UBX_COUNT_WAIT_BEGIN() ::ubx_emu::count_wait_begin()
+#define UBX_COUNT_WAIT_END(p, bytes, arrived) ::ubx_emu::count_wait_end((p), (bytes), (arrived), 0, 0u)
+#define UBX_COUNT_WAIT_END_AT(p, target, arrived) ::ubx_emu::count_wait_end((p), 4, (arrived), 1, (target))
+#define UBX_VECTOR_STORE(p, bytes, access) ::ubx_emu::vector_access((p), (bytes), (access), false)
 #else
 #define UBX_DEV __device__ __forceinline__
-#define UBX_CHECK_ALIGNED(p, bytes, access) ((void)0)
+#define UBX_VECTOR_LOAD(p, bytes, access) ((void)0)
+#define UBX_COUNT_WAIT_BEGIN() ((void)0)
+#define UBX_COUNT_WAIT_END(p, bytes, arrived) ((void)0)
+#define UBX_COUNT_WAIT_END_AT(p, target, arrived) ((void)0)
+#define UBX_VECTOR_STORE(p, bytes, access) ((void)0)
 #endif

@@ -134,7 +134,7 @@ UBX_DEV void st_release_sys_u32(uint32_t* p, uint32_t v) {
 // ---------------------------------------------------------------- atomics and fences
 UBX_DEV void red_release_sys_add_u32(uint32_t* p, uint32_t v) {
 #if defined(UBNEXT_EMULATOR)
-  (void)::ubx_emu::atomic_add_u32(p, v, ::ubx_emu::kRelease);
+  ::ubx_emu::red_add_u32(p, v, ::ubx_emu::kRelease);
 #else
   asm volatile("red.release.sys.global.add.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
 #endif
@@ -171,7 +171,7 @@ UBX_DEV uint32_t atom_cas_relaxed_sys_u32(uint32_t* p, uint32_t cmp, uint32_t va
 
 UBX_DEV void fence_acq_rel_sys() {
 #if defined(UBNEXT_EMULATOR)
-  ::ubx_emu::fence();
+  ::ubx_emu::fence(::ubx_emu::kScopeSys);
 #else
   asm volatile("fence.acq_rel.sys;" : : : "memory");
 #endif
@@ -179,7 +179,7 @@ UBX_DEV void fence_acq_rel_sys() {
 
 UBX_DEV void fence_acq_rel_gpu() {
 #if defined(UBNEXT_EMULATOR)
-  ::ubx_emu::fence();
+  ::ubx_emu::fence(::ubx_emu::kScopeGpu);
 #else
   asm volatile("fence.acq_rel.gpu;" : : : "memory");
 #endif

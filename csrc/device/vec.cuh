@@ -180,8 +180,13 @@ UBX_DEV bool is_ready(const uint4& v) {
 // loads fill the rest with +0 (a valid, sanitised value), stores skip them.
 // Whole vector gi of a 16-byte aligned array.
 UBX_DEV uint4 load_whole_vec(const void* base, int64_t gi) {
-  UBX_CHECK_ALIGNED(reinterpret_cast<const uint4*>(base) + gi, 16, "vector load");
+  UBX_VECTOR_LOAD(reinterpret_cast<const uint4*>(base) + gi, 16, "vector load");
   return reinterpret_cast<const uint4*>(base)[gi];
+}
+
+UBX_DEV void store_whole_vec(void* base, int64_t gi, const uint4& v) {
+  UBX_VECTOR_STORE(reinterpret_cast<uint4*>(base) + gi, 16, "vector store");
+  reinterpret_cast<uint4*>(base)[gi] = v;
 }
 
 template <typename T>
@@ -206,8 +211,7 @@ UBX_DEV void store_vec(void* base, int64_t gi, int64_t n, const uint4& v) {
   constexpr int V = DType<T>::kElems;
   const int64_t e0 = gi * V;
   if (e0 + V <= n) {
-    UBX_CHECK_ALIGNED(reinterpret_cast<uint4*>(base) + gi, 16, "vector store");
-    reinterpret_cast<uint4*>(base)[gi] = v;
+    store_whole_vec(base, gi, v);
     return;
   }
   for (int j = 0; j < V && e0 + j < n; ++j) {
@@ -229,10 +233,10 @@ UBX_DEV void store_fp8(void* base, int64_t gi, int64_t n, const uint8_t (&q)[V])
       uint2 w;
       w.x = (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) | ((uint32_t)q[3] << 24);
       w.y = (uint32_t)q[4] | ((uint32_t)q[5] << 8) | ((uint32_t)q[6] << 16) | ((uint32_t)q[7] << 24);
-      UBX_CHECK_ALIGNED(p, 8, "FP8 vector store");
+      UBX_VECTOR_STORE(p, 8, "FP8 vector store");
       *reinterpret_cast<uint2*>(p) = w;
     } else {
-      UBX_CHECK_ALIGNED(p, 4, "FP8 vector store");
+      UBX_VECTOR_STORE(p, 4, "FP8 vector store");
       *reinterpret_cast<uint32_t*>(p) =
           (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) | ((uint32_t)q[3] << 24);
     }

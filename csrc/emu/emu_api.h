@@ -13,7 +13,7 @@ extern "C" {
 #endif
 
 #define UBNEXT_EMU_MAX_RANKS 16
-#define UBNEXT_EMU_MAX_GRID 128
+#define UBNEXT_EMU_MAX_GRID 256
 /* Words of ubnext_emu_traffic: [peer_store_bytes[16], peer_store_ops[16], peer_load_bytes[16],
  * peer_load_ops[16], mc_store_bytes, mc_store_ops, mc_ld_reduce_bytes, mc_ld_reduce_ops,
  * mc_red_bytes, mc_red_ops, peer_atomic_ops]. */
@@ -40,6 +40,17 @@ UBNEXT_EMU_API int ubnext_emu_release(uint64_t addr, uint64_t bytes);
 
 /* Traffic of the last launch (see UBNEXT_EMU_TRAFFIC_WORDS); returns the words written. */
 UBNEXT_EMU_API int ubnext_emu_traffic(uint64_t* out, int nwords);
+
+/* Count mode (memory.cpp states its rules): each launch measures its critical path. Stamps need a
+ * shadow beside every rank's copy of a region, as shared as the copy: stamp_bases[r] is rank r's,
+ * 6 bytes of shadow per byte of region (three 8-byte words per 4-byte word), zero-filled. */
+UBNEXT_EMU_API int ubnext_emu_register_stamps(int64_t handle, const uint64_t* stamp_bases);
+UBNEXT_EMU_API void ubnext_emu_set_counting(int on);
+/* Words of ubnext_emu_counts, for the last launch in count mode: [ctas, hops, fences,
+ * max_cta_bytes, total_bytes]: the longest chain of NVLink crossings (hops) and the system-scope
+ * fences on it, the most bytes one block moved, and all blocks' bytes. */
+#define UBNEXT_EMU_COUNT_WORDS 5
+UBNEXT_EMU_API int ubnext_emu_counts(uint64_t* out, int nwords);
 
 /* chaos != 0: random delays and store reordering. seed 0: derived from time and pid. */
 UBNEXT_EMU_API void ubnext_emu_configure(int chaos, uint64_t seed);

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "emu_api.h"
@@ -26,6 +27,17 @@ struct Rng {
   bool one_in(uint32_t n) { return below(n) == 0; }
 };
 
+// The critical-path count (count mode, memory.cpp): the longest chain of serialised NVLink
+// crossings that led to a thread's present state, and the system-scope fences on it. Ordered by
+// hops, then fences: the chain with the most crossings is the critical one.
+struct Clock {
+  uint32_t hops = 0, fences = 0;
+  bool operator<(const Clock& o) const { return hops != o.hops ? hops < o.hops : fences < o.fences; }
+  void join(const Clock& o) {
+    if (*this < o) *this = o;
+  }
+};
+
 // A store that chaos mode holds back. `key_*` name the memory it lands in independently of the
 // alias used (unicast copy or multicast), so that overlap checks see through multicast.
 struct PendingStore {
@@ -36,6 +48,7 @@ struct PendingStore {
   int key_rank;    // copy the store lands in; -1 for multicast (every copy)
   uint64_t key_off;
   uint32_t data[4];
+  Clock stamp;  // count mode: what a reader of these bytes observes (the stamp at issue)
 };
 
 // A multicast store as the issuing thread's unicast loads may still see it (chaos mode's proxy model,
@@ -75,6 +88,9 @@ struct Fiber {
   uint32_t xchg_value = 0;
   int xchg_src = -1;
   uint32_t xchg_result = 0;
+  Clock clock;                       // count mode: this thread's critical path so far
+  unsigned waiting = 0;              // count mode: inside a wait (count_wait_begin): loads are polls
+  std::unordered_set<uint64_t> loaded;  // count mode: 16-byte granules it loaded (a poll counts once)
 };
 
 struct Warp {
@@ -107,6 +123,8 @@ struct Block {
   bool chaos = false;
   Rng rng;
   Traffic traffic{};
+  uint64_t bytes_moved = 0;  // count mode: bytes its threads loaded (once per granule) and stored
+  Clock end_clock;           // count mode: the longest chain of its threads that ended
   std::string error;
 };
 
@@ -123,6 +141,13 @@ void chaos_round(Block& b);  // after each round: maybe drain one store of each 
 void reset_traffic();
 void merge_traffic(const Traffic& t);
 bool chaos_enabled();
+bool counting();
+// Count mode, at the start of each launch: stamps of earlier launches read as zero.
+void count_new_launch();
+// Count mode: 8-byte words of stamp shadow per 4-byte word of a region (memory.cpp's StampWord).
+constexpr unsigned STAMP_WORDS_PER_WORD = 3;
+// Count mode: a thread at a barrier or warp op with the others takes the longest of their chains.
+void join_clocks(Fiber* const* fibers, unsigned n);
 uint64_t chaos_seed();
 
 }  // namespace ubx_emu

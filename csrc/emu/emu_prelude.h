@@ -62,8 +62,8 @@ inline int __syncthreads_count(int p) { return ::ubx_emu::syncthreads_op(p, 1); 
 inline int __syncthreads_and(int p) { return ::ubx_emu::syncthreads_op(p, 2); }
 inline int __syncthreads_or(int p) { return ::ubx_emu::syncthreads_op(p, 3); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { (void)::ubx_emu::warp_exchange(mask, 0, -1, 0); }
-inline void __threadfence() { ::ubx_emu::fence(); }
-inline void __threadfence_system() { ::ubx_emu::fence(); }
+inline void __threadfence() { ::ubx_emu::fence(::ubx_emu::kScopeGpu); }
+inline void __threadfence_system() { ::ubx_emu::fence(::ubx_emu::kScopeSys); }
 // Block-scope ordering is free: the fibers of a block share one OS thread.
 inline void __threadfence_block() {}
 inline void __nanosleep(unsigned ns) { ::ubx_emu::nanosleep_ns(ns); }

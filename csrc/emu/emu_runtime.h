@@ -8,7 +8,10 @@
 namespace ubx_emu {
 
 // Memory orders of the twins. Volatile and relaxed behave the same (relaxed in the emulator).
+// Scopes are those of ptx.cuh: every kRelease there is .sys (count mode counts it as a fence),
+// the one kAcqRel atomic is .gpu.
 enum Order { kRelaxed = 0, kAcquire = 1, kRelease = 2, kAcqRel = 3 };
+enum Scope { kScopeGpu = 0, kScopeSys = 1 };
 // Element types of multimem.ld_reduce.
 enum McType { kMcBf16 = 0, kMcF16 = 1, kMcF32 = 2 };
 
@@ -17,8 +20,9 @@ enum McType { kMcBf16 = 0, kMcF16 = 1, kMcF32 = 2 };
 void mem_load(void* dst, const void* src, unsigned bytes, int order);
 void mem_store(void* dst, const void* src, unsigned bytes, int order);
 uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order);                 // returns old
+void red_add_u32(uint32_t* p, uint32_t v, int order);                        // red: no result
 uint32_t atomic_cas_u32(uint32_t* p, uint32_t cmp, uint32_t val, int order);  // returns old
-void fence();
+void fence(int scope);
 // fence.proxy.alias: ends the window in which this thread's unicast loads may miss its own multicast
 // stores (chaos mode's proxy model, memory.cpp).
 void fence_proxy_alias();
@@ -27,6 +31,12 @@ void fence_proxy_alias();
 void mc_ld_reduce(void* dst16, const void* mc, int mc_type);
 void mc_store(void* mc, const void* src, unsigned bytes, int order);
 void mc_red_add_u32(uint32_t* mc, uint32_t v, int order);
+
+// Count mode (memory.cpp): between begin and end a thread's loads are polls that count nothing;
+// the end counts the awaited bytes once and joins the stamp of the value waited for (with a
+// target: the write that stored `target`, even if overwritten since; else the latest write).
+void count_wait_begin();
+void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, uint32_t target);
 
 uint64_t globaltimer_ns();
 void spin_pause();
@@ -49,5 +59,7 @@ void nanosleep_ns(unsigned ns);
 // naming the access, the pointer and the thread, as the GPU faults (cudaErrorMisalignedAddress)
 // where x86 would silently go on or crash in an aligned SSE instruction.
 void check_aligned(const void* p, unsigned bytes, const char* access);
+// A plain (non-twin) vector load or store of kernel code: check_aligned, and counted in count mode.
+void vector_access(const void* p, unsigned bytes, const char* access, bool is_load);
 
 }  // namespace ubx_emu

@@ -19,10 +19,31 @@
 //     Its own later unicast store to those bytes ends the window for them.
 // Traffic counters see every twin access: unicast bytes/ops per peer rank, multicast bytes/ops
 // once per access.
+//
+// Count mode (ubnext_emu_set_counting) measures the critical path a GPU would pay, which timing on
+// a CPU cannot show. Every thread carries a Clock (emu_internal.h); every 4-byte word of a region
+// that has stamps (ubnext_emu_register_stamps: a shadow beside each rank's copy, shared like it)
+// carries the Clock of its last writer. The rules, stated once (docs/PERF.md repeats them):
+//   - a store into this rank's copy stamps it with the thread's clock; into a peer's copy or
+//     through multicast, with the clock plus one hop (one NVLink crossing);
+//   - a load of this rank's copy joins the word's stamp into the thread's clock; a load of a peer's
+//     copy or a multicast ld_reduce is a round trip: the clock becomes the later of clock + 2 hops
+//     and stamp + 1 hop;
+//   - a system-scope fence, a proxy fence, and a system-scope release (every release of ptx.cuh is
+//     .sys; it waits for the thread's earlier stores to land) add one hop and one fence;
+//   - __syncthreads and warp ops give every participant the longest of their clocks;
+//   - stamps carry the launch they were written in: ranks launch the same kernels in the same order
+//     (collectives), so a stamp of an earlier launch reads as zero (that data is already there).
+// A writer stamps before it stores the data and a reader loads the data before the stamp, so a
+// reader that sees the data sees its stamp. Bytes are the data a block moves: vector accesses
+// (8 or 16 bytes through the twins, any plain access of vec.cuh), a load once per 16-byte granule
+// per thread (a poll counts once, however long it spins). Flags, counters and atomics are latency,
+// which the hops count; they move no bytes here (nor the 4-byte tail words of the all-gather).
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -40,6 +61,7 @@ struct Region {
   uint64_t base[UBNEXT_EMU_MAX_RANKS] = {};
   uint64_t bytes = 0;
   uint64_t mc = 0;
+  uint64_t stamps[UBNEXT_EMU_MAX_RANKS] = {};  // count mode: copy p's stamp words (8 bytes per 4), or 0
 };
 static constexpr int kMaxRegions = 64;
 static Region g_regions[kMaxRegions];
@@ -69,6 +91,121 @@ static std::atomic<int> g_chaos{0};
 static std::atomic<uint64_t> g_seed{0};
 bool chaos_enabled() { return g_chaos.load(std::memory_order_relaxed) != 0; }
 uint64_t chaos_seed() { return g_seed.load(std::memory_order_relaxed); }
+
+// ------------------------------------------------------------------------------ count mode
+static std::atomic<int> g_counting{0};
+static uint32_t g_epoch = 0;  // launches are serialised per process (sched.cpp)
+bool counting() { return g_counting.load(std::memory_order_relaxed) != 0; }
+void count_new_launch() { ++g_epoch; }
+
+static constexpr uint32_t kHop = 1;
+static Clock plus_hops(Clock c, uint32_t hops) {
+  c.hops += hops;
+  return c;
+}
+static uint64_t encode(Clock c) {
+  const uint64_t h = c.hops < 0xffff ? c.hops : 0xffff, f = c.fences < 0xffff ? c.fences : 0xffff;
+  return (uint64_t(g_epoch) << 32) | (h << 16) | f;
+}
+static Clock decode(uint64_t v) {
+  if (uint32_t(v >> 32) != g_epoch) return Clock{};
+  return Clock{uint32_t(v >> 16) & 0xffffu, uint32_t(v) & 0xffffu};
+}
+// Shadow of one 4-byte word: the stamp of its last write, the stamp of the write before, and the
+// value before (a flag's previous epoch): a waiter for epoch e of a flag that its one writer has
+// already moved to e + 1 still finds e's stamp (count_wait_end), so that how late a waiter
+// looks never changes its count. A writer is at most one epoch ahead of a waiter (it needs the
+// waiter's own signal to pass the next barrier).
+struct StampWord {
+  uint64_t cur, prev, prev_value;
+};
+static_assert(sizeof(StampWord) == 8 * STAMP_WORDS_PER_WORD, "stamp shadow layout");
+static StampWord* stamp_words(const Region& r, int rank, uint64_t off) {
+  return r.stamps[rank] ? reinterpret_cast<StampWord*>(r.stamps[rank]) + off / 4 : nullptr;
+}
+static uint64_t words_of(uint64_t off, unsigned bytes) { return (off % 4 + bytes + 3) / 4; }
+static Clock read_stamps(const Region& r, int rank, uint64_t off, unsigned bytes) {
+  Clock c;
+  if (StampWord* p = stamp_words(r, rank, off))
+    for (uint64_t i = 0, n = words_of(off, bytes); i < n; ++i) c.join(decode(__atomic_load_n(&p[i].cur, __ATOMIC_SEQ_CST)));
+  return c;
+}
+// join: keep the later of the old stamp and `c` (reductions: a reader depends on every adder).
+static void write_stamps(const Region& r, int rank, uint64_t off, unsigned bytes, Clock c, bool join) {
+  StampWord* p = stamp_words(r, rank, off);
+  if (!p) return;
+  const uint64_t v = encode(c);
+  const uint32_t* data = reinterpret_cast<const uint32_t*>(r.base[rank] + off / 4 * 4);
+  for (uint64_t i = 0, n = words_of(off, bytes); i < n; ++i) {
+    if (!join) {
+      __atomic_store_n(&p[i].prev_value, uint64_t(__atomic_load_n(data + i, __ATOMIC_SEQ_CST)), __ATOMIC_SEQ_CST);
+      __atomic_store_n(&p[i].prev, __atomic_load_n(&p[i].cur, __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST);
+      __atomic_store_n(&p[i].cur, v, __ATOMIC_SEQ_CST);
+      continue;
+    }
+    uint64_t old = __atomic_load_n(&p[i].cur, __ATOMIC_SEQ_CST);
+    while (decode(old) < c && !__atomic_compare_exchange_n(&p[i].cur, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+    }
+  }
+}
+// The stamp a store issued now by thread clock `c` leaves in the copy it lands in (-1: every copy).
+static Clock stamp_for(const Region& r, int rank, Clock c) { return rank == r.rank ? c : plus_hops(c, kHop); }
+static void stamp_store(const PendingStore& s, bool join) {
+  if (s.key_region < 0) return;
+  const Region& r = g_regions[s.key_region];
+  for (int p = 0; p < r.nranks; ++p)
+    if (s.key_rank < 0 || s.key_rank == p) write_stamps(r, p, s.key_off, s.bytes, s.stamp, join);
+}
+// A load by the running thread saw copy `rank` (-1: every copy, through ld_reduce) at `off`.
+// Inside a wait (count_wait_begin) loads are polls: only the awaited value counts, at its end.
+static void observe(Block& b, const Where& w, unsigned bytes) {
+  if (w.region < 0 || b.cur->waiting) return;
+  const Region& r = g_regions[w.region];
+  Clock seen;
+  for (int p = 0; p < r.nranks; ++p)
+    if (w.rank < 0 || w.rank == p) seen.join(read_stamps(r, p, w.off, bytes));
+  Clock& c = b.cur->clock;
+  if (w.rank == r.rank) c.join(seen);
+  else c = std::max(plus_hops(c, 2 * kHop), plus_hops(seen, kHop));
+}
+// A system-scope fence or release waits for the thread's stores to land.
+static void count_fence(Block& b) {
+  b.cur->clock.hops += kHop;
+  b.cur->clock.fences += 1;
+}
+static void count_load_bytes(Block& b, const void* p, unsigned bytes) {
+  if (b.cur->waiting || bytes < 8) return;
+  if (b.cur->loaded.insert(reinterpret_cast<uint64_t>(p) / 16).second) b.bytes_moved += bytes;
+}
+void count_wait_begin() {
+  Block* b = tl_block;
+  if (b && b->cur && counting()) ++b->cur->waiting;
+}
+
+void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, uint32_t target) {
+  Block* b = tl_block;
+  if (!b || !b->cur || !counting() || !b->cur->waiting) return;
+  --b->cur->waiting;
+  if (!arrived) return;  // a timeout or an abort: no value was consumed
+  const Where w = locate(reinterpret_cast<uint64_t>(p));
+  count_load_bytes(*b, p, bytes);
+  if (!has_target || w.region < 0 || w.rank < 0) return observe(*b, w, bytes);
+  // the write that stored `target` (a flag's epoch), whether or not it has been overwritten since
+  const Region& r = g_regions[w.region];
+  StampWord* s = stamp_words(r, w.rank, w.off);
+  if (!s) return;
+  const bool overwritten = uint32_t(__atomic_load_n(&s->prev_value, __ATOMIC_SEQ_CST)) == target;
+  const Clock seen = decode(__atomic_load_n(overwritten ? &s->prev : &s->cur, __ATOMIC_SEQ_CST));
+  Clock& c = b->cur->clock;
+  if (w.rank == r.rank) c.join(seen);
+  else c = std::max(plus_hops(c, 2 * kHop), plus_hops(seen, kHop));
+}
+
+void join_clocks(Fiber* const* fibers, unsigned n) {
+  Clock m;
+  for (unsigned i = 0; i < n; ++i) m.join(fibers[i]->clock);
+  for (unsigned i = 0; i < n; ++i) fibers[i]->clock = m;
+}
 
 // ------------------------------------------------------------------------------ traffic
 static std::mutex g_traffic_mutex;
@@ -124,6 +261,7 @@ static int rank_order(Block* b, const Region& r, int* order) {
 }
 
 static void commit(Block* b, const PendingStore& s, int mo) {
+  if (counting()) stamp_store(s, false);
   if (!s.mc) {
     words_store(reinterpret_cast<void*>(s.addr), s.data, s.bytes, mo);
     return;
@@ -171,16 +309,23 @@ static void drain_for_release(Block& b) {
 
 static constexpr size_t kMaxBuffered = 64;
 
-static void buffer_store(Block& b, const Where& w, uint64_t addr, const void* src, unsigned bytes, bool mc) {
-  drain_overlapping(b, w, bytes);  // the older store to these bytes must land first
+// A store as the store buffer keeps it: where it lands, whatever alias it was issued through.
+static PendingStore pending(const Where& w, uint64_t addr, const void* src, unsigned bytes, bool mc, Clock clock) {
   PendingStore s;
   s.addr = addr;
   s.bytes = bytes;
   s.mc = mc;
   s.key_region = w.region;
-  s.key_rank = w.rank;
+  s.key_rank = mc ? -1 : w.rank;
   s.key_off = w.off;
   memcpy(s.data, src, bytes);
+  s.stamp = w.region >= 0 && !mc ? stamp_for(g_regions[w.region], w.rank, clock) : plus_hops(clock, kHop);
+  return s;
+}
+
+static void buffer_store(Block& b, const PendingStore& s) {
+  const Where w{s.key_region, s.key_rank, s.key_off};
+  drain_overlapping(b, w, s.bytes);  // the older store to these bytes must land first
   std::vector<PendingStore>& buf = b.cur->sbuf;
   buf.push_back(s);
   if (buf.size() > kMaxBuffered) commit_at(b, buf, b.rng.below(uint32_t(buf.size())));
@@ -307,7 +452,10 @@ static void shadow_forget(Block& b, const Where& w, unsigned bytes) {
 }
 
 void fence_proxy_alias() {
-  if (Block* b = enter(true)) b->cur->mc_shadow.clear();
+  if (Block* b = enter(true)) {
+    b->cur->mc_shadow.clear();
+    if (counting()) count_fence(*b);
+  }
 }
 
 // ------------------------------------------------------------------------------ twins
@@ -322,6 +470,10 @@ void mem_load(void* dst, const void* src, unsigned bytes, int order) {
   }
   words_load(dst, src, bytes, memorder(order, true));
   if (b && !b->cur->mc_shadow.empty()) shadow_load(*b, w, dst, bytes);
+  if (b && counting()) {
+    observe(*b, w, bytes);
+    count_load_bytes(*b, src, bytes);
+  }
 }
 
 void mem_store(void* dst, const void* src, unsigned bytes, int order) {
@@ -333,37 +485,70 @@ void mem_store(void* dst, const void* src, unsigned bytes, int order) {
     if (!b->cur->mc_shadow.empty()) shadow_forget(*b, w, bytes);
     if (order == kRelease || order == kAcqRel) {
       drain_for_release(*b);
-    } else if (b->chaos) {
-      buffer_store(*b, w, reinterpret_cast<uint64_t>(dst), src, bytes, false);
+      if (counting() && order == kRelease) count_fence(*b);
+    }
+    if (counting()) {
+      if (bytes >= 8) b->bytes_moved += bytes;
+      PendingStore s = pending(w, reinterpret_cast<uint64_t>(dst), src, bytes, false, b->cur->clock);
+      if (b->chaos && order == kRelaxed) {
+        buffer_store(*b, s);
+        return;
+      }
+      stamp_store(s, false);
+    } else if (b->chaos && order == kRelaxed) {
+      buffer_store(*b, pending(w, reinterpret_cast<uint64_t>(dst), src, bytes, false, Clock{}));
       return;
     }
   }
   words_store(dst, src, bytes, memorder(order, false));
 }
 
-static void before_atomic(Block& b, const void* p, int order) {
+static Where before_atomic(Block& b, const void* p, int order) {
   const Where w = locate(reinterpret_cast<uint64_t>(p));
   count_unicast(b, w, 4, true);
   if (w.region >= 0 && w.rank >= 0 && w.rank != g_regions[w.region].rank) b.traffic.peer_atomic_ops += 1;
   if (!b.cur->mc_shadow.empty()) shadow_forget(b, w, 4);
   if (order == kRelease || order == kAcqRel) drain_for_release(b);
   else drain_overlapping(b, w, 4);
+  if (counting()) {
+    if (order == kRelease) count_fence(b);
+    if (w.region >= 0 && w.rank >= 0) {
+      const Region& r = g_regions[w.region];
+      write_stamps(r, w.rank, w.off, 4, stamp_for(r, w.rank, b.cur->clock), true);
+    }
+  }
+  return w;
 }
 
 uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order) {
+  Block* b = enter(true);
+  Where w{-1, -1, 0};
+  if (b) w = before_atomic(*b, p, order);
+  const uint32_t old = __atomic_fetch_add(p, v, memorder(order, false));
+  if (b && counting()) observe(*b, w, 4);  // the old value it returns
+  return old;
+}
+
+void red_add_u32(uint32_t* p, uint32_t v, int order) {
   if (Block* b = enter(true)) before_atomic(*b, p, order);
-  return __atomic_fetch_add(p, v, memorder(order, false));
+  __atomic_fetch_add(p, v, memorder(order, false));
 }
 
 uint32_t atomic_cas_u32(uint32_t* p, uint32_t cmp, uint32_t val, int order) {
-  if (Block* b = enter(true)) before_atomic(*b, p, order);
+  Block* b = enter(true);
+  Where w{-1, -1, 0};
+  if (b) w = before_atomic(*b, p, order);
   const int mo = memorder(order, false);
   __atomic_compare_exchange_n(p, &cmp, val, false, mo, mo == __ATOMIC_RELEASE ? __ATOMIC_RELAXED : mo == __ATOMIC_ACQ_REL ? __ATOMIC_ACQUIRE : mo);
+  if (b && counting()) observe(*b, w, 4);
   return cmp;
 }
 
-void fence() {
-  if (Block* b = enter(true)) drain_for_release(*b);
+void fence(int scope) {
+  if (Block* b = enter(true)) {
+    drain_for_release(*b);
+    if (counting() && scope == kScopeSys) count_fence(*b);
+  }
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
 
@@ -440,6 +625,10 @@ void mc_ld_reduce(void* dst16, const void* mc, int mc_type) {
       }
     }
   }
+  if (b && counting()) {
+    observe(*b, w, 16);
+    count_load_bytes(*b, mc, 16);
+  }
   uint32_t out[4];
   for (int k = 0; k < 4; ++k) {
     if (mc_type == kMcF32) out[k] = bits_from_f32(acc[k]);
@@ -454,14 +643,6 @@ void mc_store(void* mc, const void* src, unsigned bytes, int order) {
   Block* b = enter(true);
   const Where w = locate(reinterpret_cast<uint64_t>(mc));
   mc_region(w, mc, "multimem.st");
-  PendingStore s{};
-  s.addr = reinterpret_cast<uint64_t>(mc);
-  s.bytes = bytes;
-  s.mc = true;
-  s.key_region = w.region;
-  s.key_rank = -1;
-  s.key_off = w.off;
-  memcpy(s.data, src, bytes);
   if (b) {
     b->traffic.mc_store_bytes += bytes;
     b->traffic.mc_store_ops += 1;
@@ -471,10 +652,14 @@ void mc_store(void* mc, const void* src, unsigned bytes, int order) {
     }
     if (order == kRelease || order == kAcqRel) {
       drain_for_release(*b);
-    } else if (b->chaos) {
-      buffer_store(*b, w, s.addr, src, bytes, true);
-      return;
+      if (counting() && order == kRelease) count_fence(*b);
     }
+    if (counting() && bytes >= 8) b->bytes_moved += bytes;
+  }
+  const PendingStore s = pending(w, reinterpret_cast<uint64_t>(mc), src, bytes, true, b ? b->cur->clock : Clock{});
+  if (b && b->chaos && order == kRelaxed) {
+    buffer_store(*b, s);
+    return;
   }
   commit(b, s, memorder(order, false));
 }
@@ -488,11 +673,25 @@ void mc_red_add_u32(uint32_t* mc, uint32_t v, int order) {
     b->traffic.mc_red_ops += 1;
     if (order == kRelease || order == kAcqRel) drain_for_release(*b);
     else drain_overlapping(*b, w, 4);
+    if (counting()) {
+      if (order == kRelease) count_fence(*b);
+      for (int p = 0; p < r.nranks; ++p) write_stamps(r, p, w.off, 4, plus_hops(b->cur->clock, kHop), true);
+    }
   }
   int ord[UBNEXT_EMU_MAX_RANKS];
   const int n = rank_order(b, r, ord);
   for (int i = 0; i < n; ++i)
     __atomic_fetch_add(reinterpret_cast<uint32_t*>(r.base[ord[i]] + w.off), v, memorder(order, false));
+}
+
+// A plain vector access of kernel code (vec.cuh): faults when misaligned, as the GPU does, and
+// counts its bytes in count mode (a load once per granule, as the twins').
+void vector_access(const void* p, unsigned bytes, const char* access, bool is_load) {
+  check_aligned(p, bytes, access);
+  Block* b = tl_block;
+  if (!b || !b->cur || !counting()) return;
+  if (!is_load) b->bytes_moved += bytes;
+  else if (!b->cur->waiting && b->cur->loaded.insert(reinterpret_cast<uint64_t>(p) / 16).second) b->bytes_moved += bytes;
 }
 
 }  // namespace ubx_emu
@@ -512,12 +711,24 @@ extern "C" int64_t ubnext_emu_register(int rank, int nranks, const uint64_t* pee
     for (int p = 0; p < UBNEXT_EMU_MAX_RANKS; ++p) r.base[p] = p < nranks ? peer_bases[p] : 0;
     r.bytes = bytes;
     r.mc = mc_base;
+    for (int p = 0; p < UBNEXT_EMU_MAX_RANKS; ++p) r.stamps[p] = 0;
     r.live.store(true, std::memory_order_release);
     if (g_region_end.load() <= i) g_region_end.store(i + 1, std::memory_order_release);
     return i;
   }
   return -1;
 }
+
+extern "C" int ubnext_emu_register_stamps(int64_t handle, const uint64_t* stamp_bases) {
+  if (handle < 0 || handle >= kMaxRegions || !stamp_bases) return -1;
+  std::lock_guard<std::mutex> lk(g_region_mutex);
+  Region& r = g_regions[handle];
+  if (!r.live.load()) return -1;
+  for (int p = 0; p < r.nranks; ++p) r.stamps[p] = stamp_bases[p];
+  return 0;
+}
+
+extern "C" void ubnext_emu_set_counting(int on) { g_counting.store(on ? 1 : 0); }
 
 extern "C" int ubnext_emu_unregister(int64_t handle) {
   if (handle < 0 || handle >= kMaxRegions) return -1;

@@ -171,6 +171,12 @@ static void complete_barrier(Block& b) {
   b.bar_acc_count = 0;
   b.bar_acc_and = 1;
   b.bar_acc_or = 0;
+  if (counting()) {
+    std::vector<Fiber*> waiting;
+    for (Fiber& f : b.fibers)
+      if (f.state == kWaitBarrier) waiting.push_back(&f);
+    join_clocks(waiting.data(), unsigned(waiting.size()));
+  }
   for (Fiber& f : b.fibers) {
     if (f.state != kWaitBarrier) continue;
     f.state = kRunnable;
@@ -189,6 +195,13 @@ static void complete_warp(Block& b, unsigned warp) {
   uint32_t ballot = 0;
   for (unsigned l = 0; l < 32; ++l)
     if ((arrived >> l & 1) && lanes[l].xchg_value) ballot |= 1u << l;
+  if (counting()) {
+    Fiber* in_op[32];
+    unsigned k = 0;
+    for (unsigned l = 0; l < 32; ++l)
+      if (arrived >> l & 1) in_op[k++] = &lanes[l];
+    join_clocks(in_op, k);
+  }
   for (unsigned l = 0; l < 32; ++l) {
     if (!(arrived >> l & 1)) continue;
     Fiber& f = lanes[l];
@@ -286,6 +299,7 @@ void check_aligned(const void* p, unsigned bytes, const char* access) {
 
 static void fiber_exit(Block& b, Fiber& f) {
   drain_all(b, f.sbuf);  // kernel end makes every store visible
+  b.end_clock.join(f.clock);
   if (*reinterpret_cast<uint64_t*>(f.stack_lo) != kCanary)
     fail_block(b, "fiber stack overflow (" + std::to_string(kStackBytes) + " bytes) in " + where(b, &f));
   f.state = kDone;
@@ -333,6 +347,9 @@ static void run_block(Block& b, char* arena) {
     f.state = kRunnable;
     f.sbuf.clear();
     f.mc_shadow.clear();
+    f.clock = Clock{};
+    f.waiting = 0;
+    f.loaded.clear();
     f.stack_lo = arena + size_t(i) * kStackBytes;
     *reinterpret_cast<uint64_t*>(f.stack_lo) = kCanary;
     ctx_init(f, f.stack_lo + kStackBytes);
@@ -419,6 +436,10 @@ struct Worker {
 };
 
 static std::mutex g_launch_mutex;  // one launch at a time per process
+
+// Count mode: the last launch's critical-path count (ubnext_emu_counts).
+static std::mutex g_counts_mutex;
+static uint64_t g_counts[UBNEXT_EMU_COUNT_WORDS] = {};
 static std::vector<Worker*>* g_workers = new std::vector<Worker*>();
 
 static void ensure_workers(size_t n) {
@@ -465,7 +486,7 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
   if (err && errlen > 0) err[0] = 0;
   if (!kernel || !args) return set_err(err, errlen, 1, "null kernel name or args");
   if (grid < 1 || grid > UBNEXT_EMU_MAX_GRID)
-    return set_err(err, errlen, 1, "grid " + std::to_string(grid) + " outside [1, 128]");
+    return set_err(err, errlen, 1, "grid " + std::to_string(grid) + " outside [1, " + std::to_string(UBNEXT_EMU_MAX_GRID) + "]");
   if (block < 32 || block > 1024 || block % 32)
     return set_err(err, errlen, 1, "block " + std::to_string(block) + " is not a multiple of 32 in [32, 1024]");
   void* h = self_handle();
@@ -497,6 +518,7 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
     b.live = unsigned(block);  // until the worker starts it, for the watchdog report
   }
   reset_traffic();
+  if (counting()) count_new_launch();
   ensure_workers(size_t(grid));
   for (int i = 0; i < grid; ++i) {
     Worker* w = (*g_workers)[size_t(i)];
@@ -513,7 +535,27 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
   // Each worker clears its job before reporting done, so L may now go away.
   for (const Block& b : L.blocks)
     if (!b.error.empty()) return set_err(err, errlen, 3, std::string(kernel) + ": " + b.error);
+  if (counting()) {
+    Clock longest;
+    uint64_t most = 0, total = 0;
+    for (const Block& b : L.blocks) {
+      longest.join(b.end_clock);
+      most = b.bytes_moved > most ? b.bytes_moved : most;
+      total += b.bytes_moved;
+    }
+    std::lock_guard<std::mutex> lk(g_counts_mutex);
+    const uint64_t counts[UBNEXT_EMU_COUNT_WORDS] = {uint64_t(grid), longest.hops, longest.fences, most, total};
+    memcpy(g_counts, counts, sizeof counts);
+  }
   return 0;
+}
+
+extern "C" int ubnext_emu_counts(uint64_t* out, int nwords) {
+  if (!out || nwords < 0) return 0;
+  std::lock_guard<std::mutex> lk(g_counts_mutex);
+  const int n = nwords < UBNEXT_EMU_COUNT_WORDS ? nwords : UBNEXT_EMU_COUNT_WORDS;
+  memcpy(out, g_counts, size_t(n) * 8);
+  return n;
 }
 
 extern "C" void ubnext_emu_set_watchdog_ns(uint64_t ns) { g_watchdog_ns.store(ns ? ns : 1); }

@@ -60,6 +60,12 @@ struct LamportSrc {
   // aborts the communicator; stop when it is aborted (barrier.cuh), so that a dead peer costs one
   // timeout, not one per thread.
   UBX_DEV bool wait(const uint8_t* addr, uint4& v, uint32_t peer) const {
+    UBX_COUNT_WAIT_BEGIN();
+    const bool ready = wait_polls(addr, v, peer);
+    UBX_COUNT_WAIT_END(addr, 16, ready);
+    return ready;
+  }
+  UBX_DEV bool wait_polls(const uint8_t* addr, uint4& v, uint32_t peer) const {
     const uint64_t t0 = globaltimer_ns();
     uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
     for (;;) {

@@ -59,7 +59,7 @@ UBX_DEV void reduce_scatter_pull(const ubnext_comm_desc* d, const void* in, void
       if (i >= nvec) continue;
 #pragma unroll
       for (int e = 0; e < V; ++e) acc[u][e] *= factor;
-      reinterpret_cast<uint4*>(out)[i] = pack<T>(acc[u]);
+      store_whole_vec(out, i, pack<T>(acc[u]));
     }
   }
   (void)barrier_sync(br);

@@ -19,7 +19,9 @@ log = logging.getLogger("ubnext")
 class EmulatorBackend(_Backend):
     """Shared host memory for the CPU emulator: one memfd per rank, passed to every peer over
     Unix sockets (like cuMem POSIX-fd handles), each peer mapped at this process's own
-    address; a reserved address range stands for the multicast address."""
+    address; a reserved address range stands for the multicast address. In count mode
+    (UBNEXT_EMU_COUNT) each memfd also holds the stamps of its rank's copy, after the copy, so
+    that every rank sees every copy's stamps (csrc/emu/memory.cpp)."""
 
     name = "emulator"
 
@@ -34,10 +36,12 @@ class EmulatorBackend(_Backend):
         self._arrays: list[np.ndarray] = []
         self._local = None
         self.mc_base = 0
+        counting = envs.get("UBNEXT_EMU_COUNT")
+        mapped = size * (1 + _emu.STAMP_BYTES_PER_BYTE) if counting else size
         fd, error = -1, None
         try:
             fd = os.memfd_create(f"ubnext-pool-r{rank}", os.MFD_CLOEXEC)
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, mapped)
         except OSError as exc:
             error = str(exc)
         fds = _share_fd(fd, error, rank, nranks, allgather, "creating the pool's shared memory",
@@ -45,7 +49,7 @@ class EmulatorBackend(_Backend):
         error = None
         try:
             for peer_fd in fds:
-                self._maps.append(mmap.mmap(peer_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+                self._maps.append(mmap.mmap(peer_fd, mapped, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
         except OSError as exc:
             error = str(exc)
         finally:
@@ -56,10 +60,13 @@ class EmulatorBackend(_Backend):
         except PoolSetupError:
             self._release_all()
             raise
-        self._arrays = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+        self._arrays = [np.frombuffer(m, dtype=np.uint8, count=size) for m in self._maps]
         self.peer_bases = [a.__array_interface__["data"][0] for a in self._arrays]
         self.mc_base = self._lib.reserve(size) if envs.get("UBNEXT_EMU_MULTICAST") else 0
         self._handle = self._lib.register(rank, nranks, self.peer_bases, size, self.mc_base)
+        if counting:
+            self._lib.register_stamps(self._handle, [base + size for base in self.peer_bases])
+            self._lib.set_counting(True)
         self._local = torch.from_numpy(self._arrays[rank])
 
     def local_tensor(self) -> torch.Tensor:

@@ -1,0 +1,339 @@
+"""The critical-path model: ``python -m ubnext.bench --model [--world N] [--json]``.
+
+Kernel speed cannot be timed without a GPU, so it is counted. The emulator's count mode
+(``UBNEXT_EMU_COUNT=1``; the rules are in ``csrc/emu/memory.cpp``) runs every kernel at a GPU's
+launch geometry (256 threads, grids up to ``UBNEXT_EMU_SM_COUNT`` blocks, capped as the GPU
+path caps them) and measures, per launch: the CTAs, the serialised NVLink hops on the longest
+chain of dependencies, the system-scope fences on that chain, and the most bytes one CTA moves.
+
+This module starts its own emulated ranks (no launcher needed), runs each op on each kernel
+path at sizes small enough for two CPU cores, and derives larger sizes from the largest
+measured one of the same path (``derive``). A modeled time is built from the counts and the
+constants below, each with its source, and the published peer figure is printed beside it.
+
+The model's limits (repeated in docs/PERF.md): it knows no contention, caches, clocks or
+occupancy; a hop is a fixed latency whatever the distance; bandwidth terms take the largest
+of the per-CTA, HBM and NVLink bounds, never their overlap; torch's and NCCL's own kernels are
+not modeled (the published figure stands for them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+# ------------------------------------------------------------------ constants, with sources
+
+
+@dataclass(frozen=True)
+class Constant:
+    value: float
+    unit: str
+    source: str
+
+
+HOP_US = Constant(0.6, "us", "NCCL's tuning model: latency per NVLink hop of its LL protocol "
+                             "(src/graph/tuning.cc, hwLatencies[NVLINK][Ring/Tree][LL] = 0.6; NCCL 5067397, 2026-06)")
+LAUNCH_US = Constant(1.7, "us", "NCCL's symmetric allreduce of 8 B takes ~2.3 us on 8xH200 (nccl#1940), "
+                                "a kernel with one hop: 2.3 us less HOP_US")
+SM_GBPS = Constant(65 * 2**30 / 1e9, "GB/s", "NCCL's symmetric-kernel model, bandwidth of one SM on Hopper for "
+                                              "allreduce (src/sym_kernels.cc smBw = 65 GiB/s)")
+NVLINK_GBPS = Constant(320 * 2**30 / 1e9, "GB/s", "NCCL's symmetric-kernel model, peak unicast NVLink bandwidth "
+                                                   "on Hopper (src/sym_kernels.cc peakBw = 320 GiB/s)")
+NVLS_GBPS = Constant(480 * 2**30 / 1e9, "GB/s", "NCCL's symmetric-kernel model, peak with multicast on Hopper "
+                                                 "(src/sym_kernels.cc peakBw = 480 GiB/s; nccl-tests#212)")
+HBM_GBPS = Constant(3350.0, "GB/s", "H100 SXM HBM3 bandwidth (NVIDIA H100 datasheet)")
+CONSTANTS = {"launch_us": LAUNCH_US, "hop_us": HOP_US, "sm_GBps": SM_GBPS, "nvlink_GBps": NVLINK_GBPS,
+             "nvls_GBps": NVLS_GBPS, "hbm_GBps": HBM_GBPS}
+
+# Published figures (shared/DESIGN.md section 9), by (op, bytes or tokens): what users compare with.
+PEERS = {
+    ("all_reduce", 2048): "NCCL 16.6 us, torch multimem 8.5 us (8xH200, flashinfer#3759)",
+    ("all_reduce", 16384): "NCCL symmetric LL ~2.3 us at 8 B (8xH200, nccl#1940)",
+    ("all_reduce", 524288): "NCCL 20.8 us, torch multimem 11.3 us (8xH200, flashinfer#3759)",
+    ("all_reduce", 2097152): "NCCL 40 us, torch multimem 18.2 us (8xH200, flashinfer#3759)",
+    ("all_reduce_add_rmsnorm", 1): "FlashInfer MNNVL LL 4.8 us (TP8, hidden 5120, flashinfer#5178)",
+    ("all_reduce_add_rmsnorm", 32): "FlashInfer one-shot 10 us (H100 TP2, 32x8192, vllm#22086)",
+    ("all_gather", 2097152): "NCCL symmetric 10.9 us at 2 MiB (Megatron-LM#5596)",
+    ("all_gather", 33554432): "NCCL symmetric 95 us at 32 MiB (Megatron-LM#5596)",
+    ("reduce_scatter", 2097152): "NCCL symmetric 10.8 us at 2 MiB (Megatron-LM#5596)",
+    ("reduce_scatter", 33554432): "NCCL symmetric 100 us at 32 MiB (Megatron-LM#5596)",
+}
+
+HIDDEN = 8192
+# Sizes the emulated ranks run; larger ones are derived. A launch of more blocks than this
+# costs the emulator too much memory and time on two cores (a fiber per thread).
+MEASURE_MAX_CTAS = 16
+ALLREDUCE_BYTES = (2048, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+FUSED_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+EXCHANGE_BYTES = (65536, 2 << 20, 32 << 20)
+QUANTIZE_BYTES = (65536, 2 << 20, 64 << 20)
+ALLREDUCE_PATHS = ("lamport", "nvls_lamport", "nvls_oneshot", "nvls_twoshot", "twoshot")
+FUSED_PATHS = ("lamport", "nvls_lamport", "nvls_twoshot", "twoshot")
+QUANTIZE_MODES = ("row", "tensor", "static")
+KEYS = ("op", "path", "dtype", "tokens", "hidden", "bytes", "world", "ctas", "hops", "fences", "max_cta_bytes",
+        "model_us", "chosen")
+
+
+def model_us(launches: list[dict]) -> float:
+    """Modeled time of a sequence of launches, each: launch + hops x hop + its slowest bandwidth
+    term (one CTA's bytes at one SM's bandwidth, all bytes at HBM's, peer bytes at NVLink's)."""
+    total = 0.0
+    for c in launches:
+        data_us = max(c["max_cta_bytes"] / (SM_GBPS.value * 1e3), c["total_bytes"] / (HBM_GBPS.value * 1e3),
+                      c["nvlink_bytes"] / (NVLINK_GBPS.value * 1e3), c["multicast_bytes"] / (NVLS_GBPS.value * 1e3))
+        total += LAUNCH_US.value + c["hops"] * HOP_US.value + data_us
+    return round(total, 2)
+
+
+# ------------------------------------------------------------------ the cases
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # all_reduce | all_reduce_add_rmsnorm | all_gather | reduce_scatter | quantize
+    path: str  # the kernel path forced; quantize: its scaling mode
+    nbytes: int  # the message (all_gather: its output; reduce_scatter: its input)
+    tokens: int = 0
+
+    def row_key(self) -> tuple:
+        return (self.op, self.path)
+
+
+def cases(world: int, quick: bool = False) -> list[Case]:
+    """Every (op, path, size) of the table, measured or derived."""
+    out: list[Case] = []
+    ar = ALLREDUCE_BYTES[:3] if quick else ALLREDUCE_BYTES
+    for nbytes in ar:
+        out += [Case("all_reduce", p, nbytes, nbytes // (2 * HIDDEN)) for p in ALLREDUCE_PATHS]
+    for tokens in (FUSED_TOKENS[:2] if quick else FUSED_TOKENS):
+        out += [Case("all_reduce_add_rmsnorm", p, tokens * HIDDEN * 2, tokens) for p in FUSED_PATHS]
+    for nbytes in (EXCHANGE_BYTES[:1] if quick else EXCHANGE_BYTES):
+        out += [Case("all_gather", "allgather", nbytes), Case("reduce_scatter", "reduce_scatter", nbytes)]
+    for nbytes in (QUANTIZE_BYTES[:1] if quick else QUANTIZE_BYTES):
+        out += [Case("quantize", m, nbytes, nbytes // (2 * HIDDEN)) for m in QUANTIZE_MODES]
+    return out
+
+
+def grid_of(case: Case, world: int, sm_count: int) -> int:
+    """The grid the GPU launch would use (the Executor's own geometry)."""
+    from ._executor import GPU_BLOCK, GRID_CAP, launch_geometry
+
+    cap = min(GRID_CAP, sm_count)
+    n = case.nbytes // 2
+    if case.op == "all_reduce_add_rmsnorm":
+        return launch_geometry(case.path, n, 2, case.tokens, True, world, GPU_BLOCK, cap)[0]
+    if case.op == "quantize":
+        from ._quantize import split_row
+
+        rows = n // split_row(n, 2) if case.path != "row" else max(1, case.tokens)
+        return launch_geometry("quantize", n, 2, rows, True, world, GPU_BLOCK, cap)[0]
+    if case.op == "reduce_scatter":
+        n //= world  # the kernel's vectors: its output shard
+    return launch_geometry(case.path, n, 2, 0, False, world, GPU_BLOCK, cap)[0]
+
+
+def measurable(case: Case, world: int, sm_count: int) -> bool:
+    return grid_of(case, world, sm_count) <= MEASURE_MAX_CTAS
+
+
+# ------------------------------------------------------------------ one emulated rank
+
+
+def _run_case(comm, emu, case: Case, world: int):
+    import torch
+
+    from . import errors
+
+    comm._algo = case.path if case.op in ("all_reduce", "all_reduce_add_rmsnorm") else None
+    n = case.nbytes // 2
+    g = torch.Generator().manual_seed(1234 + comm.rank)
+    dtype = torch.bfloat16
+    with emu.recording() as launches:
+        try:
+            if case.op == "all_reduce":
+                x = torch.randn(n, generator=g).to(dtype)
+                comm.all_reduce(x, out=torch.empty_like(x))
+            elif case.op == "all_reduce_add_rmsnorm":
+                x = torch.randn(case.tokens, HIDDEN, generator=g).to(dtype)
+                comm.all_reduce_add_rmsnorm(x, torch.randn_like(x), torch.ones(HIDDEN, dtype=dtype))
+            elif case.op == "all_gather":
+                out = comm.empty(n, dtype=dtype)
+                comm.all_gather(torch.randn(n // world, generator=g).to(dtype), out=out)
+            elif case.op == "reduce_scatter":
+                inp = comm.empty(n, dtype=dtype)
+                inp.copy_(torch.randn(n, generator=g).to(dtype))
+                comm.reduce_scatter(inp)
+            else:
+                x = torch.randn(max(1, case.tokens), n // max(1, case.tokens), generator=g).to(dtype)
+                scale = torch.tensor([0.5]) if case.path == "static" else None
+                comm.quantize_fp8(x, scaling=case.path, scale=scale)
+        except errors.UbnextError as exc:
+            return None, f"{type(exc).__name__}: {exc}"[:200]
+    ran = comm.last_path
+    if case.op in ("all_reduce", "all_reduce_add_rmsnorm") and ran != case.path:
+        return None, f"ran {ran}, not {case.path}"
+    return [c._asdict() for c in launches], None
+
+
+def _worker(rank: int, world: int, port: int, out_path: str, quick: bool) -> int:
+    import torch.distributed as dist
+
+    from . import envs
+    from .comm import Communicator
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=__import__("datetime").timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    comm = Communicator(emulate=True, max_hidden=HIDDEN)
+    comm.prepare()
+    emu = comm._emu
+    sm_count = envs.get("UBNEXT_EMU_SM_COUNT")
+    rows = []
+    for case in cases(world, quick):
+        if not measurable(case, world, sm_count):
+            continue
+        launches, error = _run_case(comm, emu, case, world)
+        rows.append({"case": case.__dict__, "launches": launches, "error": error})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    comm.close()
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------ the table
+
+
+def derive(measured: dict, case: Case, world: int, sm_count: int) -> list[dict] | None:
+    """Counts of an unmeasured (larger) case from the largest measured case of its path: the
+    same launches with the same hops and fences (the chain's shape does not depend on how many
+    vectors each thread handles), the GPU geometry's grid, and bytes scaled with the message:
+    total bytes in proportion to the size, one CTA's bytes in proportion to its share."""
+    same = [(c, ls) for c, ls in measured.items() if c.row_key() == case.row_key() and ls]
+    if not same:
+        return None
+    base, launches = max(same, key=lambda item: item[0].nbytes)
+    ratio = case.nbytes / base.nbytes
+    grid0, grid1 = grid_of(base, world, sm_count), grid_of(case, world, sm_count)
+    out = []
+    for c in launches:
+        d = dict(c)
+        d["ctas"] = grid1 if c["ctas"] == grid0 else c["ctas"]
+        d["total_bytes"] = round(c["total_bytes"] * ratio)
+        d["max_cta_bytes"] = round(c["max_cta_bytes"] * ratio * c["ctas"] / d["ctas"])
+        d["nvlink_bytes"] = round(c["nvlink_bytes"] * ratio)
+        d["multicast_bytes"] = round(c["multicast_bytes"] * ratio)
+        out.append(d)
+    return out
+
+
+def chosen_path(case: Case, world: int) -> str:
+    """The planner's choice for this call with the default pool at this world size and hidden
+    8192 (the pool the model assumes), on a GPU with multicast."""
+    from . import info, plan
+
+    view = info.pool_view(world, HIDDEN, "gpu", True, None)
+    if case.op in ("all_reduce", "all_reduce_add_rmsnorm"):
+        fused = case.op != "all_reduce"
+        return plan.choose(case.nbytes, 2, fused, HIDDEN if fused else 0, view).path
+    if case.op == "quantize":
+        return case.path
+    kernel = "allgather" if case.op == "all_gather" else "reduce_scatter"
+    return plan.exchange_path(kernel, case.nbytes, True, None, view)[0]
+
+
+def table(measured: dict, world: int, sm_count: int, quick: bool) -> list[dict]:
+    rows = []
+    for case in cases(world, quick):
+        launches = measured.get(case)
+        derived = launches is None
+        if derived:
+            launches = derive(measured, case, world, sm_count)
+        row = {"op": case.op, "path": case.path, "dtype": "bf16", "tokens": case.tokens,
+               "hidden": HIDDEN if case.tokens else 0, "bytes": case.nbytes, "world": world}
+        if not launches:
+            row.update(ctas=None, hops=None, fences=None, max_cta_bytes=None, model_us=None)
+        else:
+            row.update(ctas=max(c["ctas"] for c in launches), hops=sum(c["hops"] for c in launches),
+                       fences=sum(c["fences"] for c in launches),
+                       max_cta_bytes=max(c["max_cta_bytes"] for c in launches), model_us=model_us(launches))
+        row["chosen"] = chosen_path(case, world) == case.path
+        row["derived"] = derived
+        row["launches"] = len(launches or [])
+        row["peer"] = PEERS.get((case.op, case.tokens if case.op == "all_reduce_add_rmsnorm" else case.nbytes), "")
+        rows.append(row)
+    return rows
+
+
+def run(world: int, *, quick: bool = False, timeout_s: float = 840.0, env: dict | None = None) -> list[dict]:
+    """Start ``world`` emulated ranks, measure, derive; the table's rows."""
+    import torch.distributed as dist
+
+    from . import envs
+
+    sm_count = envs.get("UBNEXT_EMU_SM_COUNT")
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="ubnext-model-") as tmp:
+        out_path = os.path.join(tmp, "rows.json")
+        child_env = dict(os.environ if env is None else env)
+        # pool sized for the measured cases (16 tokens of hidden 8192), no self-test launches
+        child_env.update(UBNEXT_EMULATE="1", UBNEXT_EMU_COUNT="1", UBNEXT_MAX_BATCH="16", UBNEXT_SELFTEST="0",
+                         UBNEXT_TIMEOUT=child_env.get("UBNEXT_TIMEOUT", "120"))
+        procs = [subprocess.Popen([sys.executable, "-m", "ubnext._costmodel", str(r), str(world), str(store.port),
+                                   out_path, "1" if quick else "0"], env=child_env, start_new_session=True)
+                 for r in range(world)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            for p in procs:
+                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                if rc != 0:
+                    raise RuntimeError(f"ubnext.bench --model: an emulated rank exited with {rc}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+        with open(out_path) as f:
+            raw = json.load(f)
+    measured = {}
+    errors = []
+    for r in raw:
+        case = Case(**r["case"])
+        if r["error"]:
+            errors.append(f"{case}: {r['error']}")
+        measured[case] = r["launches"]
+    if errors:
+        raise RuntimeError("ubnext.bench --model: measured cases failed:\n  " + "\n  ".join(errors))
+    return table(measured, world, sm_count, quick)
+
+
+def print_table(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
+    if as_json:
+        for r in rows:
+            print(json.dumps({k: r[k] for k in KEYS} | {"derived": r["derived"]}), file=out)
+        return
+    world = rows[0]["world"] if rows else 0
+    print(f"# ubnext critical-path model, {world} ranks, bf16, hidden {HIDDEN}; * = the planner's choice; "
+          "~ = derived from a smaller measured size", file=out)
+    for name, c in CONSTANTS.items():
+        print(f"#   {name} = {c.value:g} {c.unit}: {c.source}", file=out)
+    print(f"{'op':24} {'path':14} {'bytes':>10} {'tok':>5} {'ctas':>5} {'hops':>5} {'fences':>6} "
+          f"{'max_cta_bytes':>13} {'model_us':>9}  peer", file=out)
+    for r in rows:
+        mark = ("*" if r["chosen"] else " ") + ("~" if r["derived"] else " ")
+        if r["ctas"] is None:
+            print(f"{r['op']:24} {r['path']:14} {r['bytes']:10d} {r['tokens']:5d} {'-':>5} {'-':>5} {'-':>6} "
+                  f"{'-':>13} {'-':>9}{mark} {r['peer']}", file=out)
+            continue
+        print(f"{r['op']:24} {r['path']:14} {r['bytes']:10d} {r['tokens']:5d} {r['ctas']:5d} {r['hops']:5d} "
+              f"{r['fences']:6d} {r['max_cta_bytes']:13d} {r['model_us']:9.2f}{mark} {r['peer']}", file=out)
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"))
