@@ -37,6 +37,10 @@ struct Clock {
     if (*this < o) *this = o;
   }
 };
+inline Clock later(Clock a, const Clock& b) {
+  a.join(b);
+  return a;
+}
 
 // A store that chaos mode holds back. `key_*` name the memory it lands in independently of the
 // alias used (unicast copy or multicast), so that overlap checks see through multicast.
@@ -88,7 +92,12 @@ struct Fiber {
   uint32_t xchg_value = 0;
   int xchg_src = -1;
   uint32_t xchg_result = 0;
-  Clock clock;                       // count mode: this thread's critical path so far
+  // Count mode: `clock` is when the thread can issue its next access (control), `data` when the
+  // values it has loaded are there. Independent loads issue together, as on the GPU: a load's
+  // result waits for its round trip, the next load does not.
+  Clock clock;
+  Clock data;
+  Clock ready() const { return clock < data ? data : clock; }
   unsigned waiting = 0;              // count mode: inside a wait (count_wait_begin): loads are polls
   std::unordered_set<uint64_t> loaded;  // count mode: 16-byte granules it loaded (a poll counts once)
 };

@@ -24,14 +24,19 @@
 // a CPU cannot show. Every thread carries a Clock (emu_internal.h); every 4-byte word of a region
 // that has stamps (ubnext_emu_register_stamps: a shadow beside each rank's copy, shared like it)
 // carries the Clock of its last writer. The rules, stated once (docs/PERF.md repeats them):
-//   - a store into this rank's copy stamps it with the thread's clock; into a peer's copy or
-//     through multicast, with the clock plus one hop (one NVLink crossing);
-//   - a load of this rank's copy joins the word's stamp into the thread's clock; a load of a peer's
-//     copy or a multicast ld_reduce is a round trip: the clock becomes the later of clock + 2 hops
-//     and stamp + 1 hop;
+//   - a thread has two clocks: when it can issue (control) and when the values it loaded are there
+//     (data); a store depends on both, an independent load only on control, so that a thread's
+//     loads of N peers overlap as on the GPU instead of queuing behind each other;
+//   - a store into this rank's copy stamps it with the later of the two; into a peer's copy or
+//     through multicast, with that plus one hop (one NVLink crossing);
+//   - a load of this rank's copy is there at the later of control and the word's stamp; a load of a
+//     peer's copy or a multicast ld_reduce is a round trip: control + 2 hops, or stamp + 1 hop if
+//     later; the data clock takes it. A wait's awaited value (count_wait_end) and an atomic's result
+//     decide control flow: control takes them;
 //   - a system-scope fence, a proxy fence, and a system-scope release (every release of ptx.cuh is
-//     .sys; it waits for the thread's earlier stores to land) add one hop and one fence;
-//   - __syncthreads and warp ops give every participant the longest of their clocks;
+//     .sys; it waits for the thread's earlier stores to land): control becomes the later of the two
+//     clocks plus one hop, and one fence;
+//   - __syncthreads and warp ops give every participant the latest of all their clocks;
 //   - stamps carry the launch they were written in: ranks launch the same kernels in the same order
 //     (collectives), so a stamp of an earlier launch reads as zero (that data is already there).
 // A writer stamps before it stores the data and a reader loads the data before the stamp, so a
@@ -156,6 +161,12 @@ static void stamp_store(const PendingStore& s, bool join) {
   for (int p = 0; p < r.nranks; ++p)
     if (s.key_rank < 0 || s.key_rank == p) write_stamps(r, p, s.key_off, s.bytes, s.stamp, join);
 }
+// When a load issued now by `f` returns a word stamped `seen`: at once from this rank's memory,
+// after a round trip from a peer's (or the switch's).
+static Clock arrival(const Fiber& f, bool own, Clock seen) {
+  return own ? later(f.clock, seen) : later(plus_hops(f.clock, 2 * kHop), plus_hops(seen, kHop));
+}
+
 // A load by the running thread saw copy `rank` (-1: every copy, through ld_reduce) at `off`.
 // Inside a wait (count_wait_begin) loads are polls: only the awaited value counts, at its end.
 static void observe(Block& b, const Where& w, unsigned bytes) {
@@ -164,14 +175,14 @@ static void observe(Block& b, const Where& w, unsigned bytes) {
   Clock seen;
   for (int p = 0; p < r.nranks; ++p)
     if (w.rank < 0 || w.rank == p) seen.join(read_stamps(r, p, w.off, bytes));
-  Clock& c = b.cur->clock;
-  if (w.rank == r.rank) c.join(seen);
-  else c = std::max(plus_hops(c, 2 * kHop), plus_hops(seen, kHop));
+  Fiber& f = *b.cur;
+  f.data.join(arrival(f, w.rank == r.rank, seen));
 }
 // A system-scope fence or release waits for the thread's stores to land.
 static void count_fence(Block& b) {
-  b.cur->clock.hops += kHop;
-  b.cur->clock.fences += 1;
+  Fiber& f = *b.cur;
+  f.clock = plus_hops(f.ready(), kHop);
+  f.clock.fences += 1;
 }
 static void count_load_bytes(Block& b, const void* p, unsigned bytes) {
   if (b.cur->waiting || bytes < 8) return;
@@ -189,22 +200,25 @@ void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, 
   if (!arrived) return;  // a timeout or an abort: no value was consumed
   const Where w = locate(reinterpret_cast<uint64_t>(p));
   count_load_bytes(*b, p, bytes);
-  if (!has_target || w.region < 0 || w.rank < 0) return observe(*b, w, bytes);
+  if (!has_target || w.region < 0 || w.rank < 0) {
+    observe(*b, w, bytes);
+    b->cur->clock.join(b->cur->data);  // what the wait polled for decides what the thread does next
+    return;
+  }
   // the write that stored `target` (a flag's epoch), whether or not it has been overwritten since
   const Region& r = g_regions[w.region];
   StampWord* s = stamp_words(r, w.rank, w.off);
   if (!s) return;
   const bool overwritten = uint32_t(__atomic_load_n(&s->prev_value, __ATOMIC_SEQ_CST)) == target;
   const Clock seen = decode(__atomic_load_n(overwritten ? &s->prev : &s->cur, __ATOMIC_SEQ_CST));
-  Clock& c = b->cur->clock;
-  if (w.rank == r.rank) c.join(seen);
-  else c = std::max(plus_hops(c, 2 * kHop), plus_hops(seen, kHop));
+  Fiber& f = *b->cur;
+  f.clock = arrival(f, w.rank == r.rank, seen);
 }
 
 void join_clocks(Fiber* const* fibers, unsigned n) {
   Clock m;
-  for (unsigned i = 0; i < n; ++i) m.join(fibers[i]->clock);
-  for (unsigned i = 0; i < n; ++i) fibers[i]->clock = m;
+  for (unsigned i = 0; i < n; ++i) m.join(fibers[i]->ready());
+  for (unsigned i = 0; i < n; ++i) fibers[i]->clock = fibers[i]->data = m;
 }
 
 // ------------------------------------------------------------------------------ traffic
@@ -489,7 +503,7 @@ void mem_store(void* dst, const void* src, unsigned bytes, int order) {
     }
     if (counting()) {
       if (bytes >= 8) b->bytes_moved += bytes;
-      PendingStore s = pending(w, reinterpret_cast<uint64_t>(dst), src, bytes, false, b->cur->clock);
+      PendingStore s = pending(w, reinterpret_cast<uint64_t>(dst), src, bytes, false, b->cur->ready());
       if (b->chaos && order == kRelaxed) {
         buffer_store(*b, s);
         return;
@@ -514,10 +528,16 @@ static Where before_atomic(Block& b, const void* p, int order) {
     if (order == kRelease) count_fence(b);
     if (w.region >= 0 && w.rank >= 0) {
       const Region& r = g_regions[w.region];
-      write_stamps(r, w.rank, w.off, 4, stamp_for(r, w.rank, b.cur->clock), true);
+      write_stamps(r, w.rank, w.off, 4, stamp_for(r, w.rank, b.cur->ready()), true);
     }
   }
   return w;
+}
+
+// The old value an atomic returns decides what the thread does next ("am I the last block?").
+static void observe_result(Block& b, const Where& w) {
+  observe(b, w, 4);
+  b.cur->clock.join(b.cur->data);
 }
 
 uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order) {
@@ -525,7 +545,7 @@ uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order) {
   Where w{-1, -1, 0};
   if (b) w = before_atomic(*b, p, order);
   const uint32_t old = __atomic_fetch_add(p, v, memorder(order, false));
-  if (b && counting()) observe(*b, w, 4);  // the old value it returns
+  if (b && counting()) observe_result(*b, w);
   return old;
 }
 
@@ -540,7 +560,7 @@ uint32_t atomic_cas_u32(uint32_t* p, uint32_t cmp, uint32_t val, int order) {
   if (b) w = before_atomic(*b, p, order);
   const int mo = memorder(order, false);
   __atomic_compare_exchange_n(p, &cmp, val, false, mo, mo == __ATOMIC_RELEASE ? __ATOMIC_RELAXED : mo == __ATOMIC_ACQ_REL ? __ATOMIC_ACQUIRE : mo);
-  if (b && counting()) observe(*b, w, 4);
+  if (b && counting()) observe_result(*b, w);
   return cmp;
 }
 
@@ -656,7 +676,7 @@ void mc_store(void* mc, const void* src, unsigned bytes, int order) {
     }
     if (counting() && bytes >= 8) b->bytes_moved += bytes;
   }
-  const PendingStore s = pending(w, reinterpret_cast<uint64_t>(mc), src, bytes, true, b ? b->cur->clock : Clock{});
+  const PendingStore s = pending(w, reinterpret_cast<uint64_t>(mc), src, bytes, true, b ? b->cur->ready() : Clock{});
   if (b && b->chaos && order == kRelaxed) {
     buffer_store(*b, s);
     return;
@@ -675,7 +695,7 @@ void mc_red_add_u32(uint32_t* mc, uint32_t v, int order) {
     else drain_overlapping(*b, w, 4);
     if (counting()) {
       if (order == kRelease) count_fence(*b);
-      for (int p = 0; p < r.nranks; ++p) write_stamps(r, p, w.off, 4, plus_hops(b->cur->clock, kHop), true);
+      for (int p = 0; p < r.nranks; ++p) write_stamps(r, p, w.off, 4, plus_hops(b->cur->ready(), kHop), true);
     }
   }
   int ord[UBNEXT_EMU_MAX_RANKS];

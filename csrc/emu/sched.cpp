@@ -299,7 +299,7 @@ void check_aligned(const void* p, unsigned bytes, const char* access) {
 
 static void fiber_exit(Block& b, Fiber& f) {
   drain_all(b, f.sbuf);  // kernel end makes every store visible
-  b.end_clock.join(f.clock);
+  b.end_clock.join(f.ready());
   if (*reinterpret_cast<uint64_t*>(f.stack_lo) != kCanary)
     fail_block(b, "fiber stack overflow (" + std::to_string(kStackBytes) + " bytes) in " + where(b, &f));
   f.state = kDone;
@@ -347,7 +347,7 @@ static void run_block(Block& b, char* arena) {
     f.state = kRunnable;
     f.sbuf.clear();
     f.mc_shadow.clear();
-    f.clock = Clock{};
+    f.clock = f.data = Clock{};
     f.waiting = 0;
     f.loaded.clear();
     f.stack_lo = arena + size_t(i) * kStackBytes;
