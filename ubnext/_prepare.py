@@ -235,7 +235,9 @@ class Preparation:
     def empty(self, *shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """A tensor in the symmetric pool (collective, same order on every rank), so that a
         GEMM can write its output there (``out=``) and the allreduce runs in place. Falls back
-        to an ordinary tensor, counted in ``pool_stats()['fallbacks']``, when it does not fit."""
+        to an ordinary tensor, counted in ``pool_stats()['fallbacks']``, when it does not fit.
+        Raises inside CUDA graph capture, where the ranks cannot agree on the offset: allocate
+        before capturing."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
         shape = tuple(int(s) for s in shape)
@@ -249,6 +251,12 @@ class Preparation:
         pool = self.pool
         if pool is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
+        if _cuda.capturing(self.device):
+            # asked before a block is taken: a graph-arena block is never given back
+            raise UbnextError(
+                "ubnext: comm.empty inside CUDA graph capture: the ranks agree on a pool tensor's offset "
+                "with a host round trip (all_gather_object), which a capture cannot contain. Call "
+                "comm.prepare() and allocate the pool tensors before capturing, then use them in the capture")
         tensor, offset, reason = None, None, ""
         try:
             tensor = pool.empty(shape, dtype)
