@@ -4,7 +4,7 @@ symmetric-memory ops, torch.distributed), and the GEMM + allreduce of the row-pa
 ``AllReduceOps`` is one of the Communicator's parts (ubnext/comm.py). Its public methods enter
 through the operators (ubnext/ops.py); the operators call the underscored implementations here.
 It reads ``_calls`` (Planner), ``_pool``, ``_algo``, ``_debug`` and ``key``, sets ``last_path``, and
-keeps torch_symm's buffers in ``_symm_buffers``.
+keeps torch_symm's buffers in ``_symm_buffers`` (one per dtype).
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ import torch.distributed as dist
 from . import _cuda, ops, plan
 from ._checks import check_all_reduce_args, check_linear_args
 from ._executor import Call, Launch
-from .pool import NoRoom
+from .pool import TORCH_SYMM_SEGMENT, NoRoom
+from .pool.layout import _align
+
+# torch symmetric buffers a captured call used: kept until the process exits (a graph may be
+# replayed at any time)
+_SYMM_KEPT_FOR_GRAPHS: list[torch.Tensor] = []
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -174,19 +179,32 @@ class AllReduceOps:
             self._torch_all_reduce(x, out)
             self.last_path = "torch"
             return
-        key = (x.numel(), x.dtype)
-        buf = self._symm_buffers.get(key)
-        if buf is None and _cuda.capturing(self.device):
-            # a new buffer means an allocation and a rendezvous, which a capture cannot contain;
-            # which keys exist follows from the call sequence, the same on every rank: agreed
-            self._log_once("capture", f"torch_symm: no buffer for {key} was made before capture; "
-                           "this captured call uses torch.distributed (run it once eagerly first)")
+        buf = self._symm_buffers.get(x.dtype)
+        capturing = _cuda.capturing(self.device)
+        if (buf is None or buf.numel() < x.numel()) and capturing:
+            # a larger buffer means an allocation and a rendezvous, which a capture cannot contain;
+            # the buffers' sizes follow from the call sequence, the same on every rank: agreed
+            self._log_once("capture", f"torch_symm: no {x.dtype} buffer of {x.numel()} elements was made "
+                           "before capture; this captured call uses torch.distributed (run it once eagerly first)")
             self._torch_all_reduce(x, out)
             return
-        if buf is None:
-            buf = symm_mem.empty(x.numel(), dtype=x.dtype, device=self.device)
+        if buf is None or buf.numel() < x.numel():
+            # one buffer per dtype, grown to the largest call (in whole segments of torch's allocator):
+            # one per call size would cost a symmetric allocation, a rendezvous and a multicast object
+            # for each prefill length, until the GPU runs out of one of them. The smaller one goes
+            # back to torch, which synchronises the device before it unmaps it (AllocationRef)
+            numel = _align(x.numel() * x.element_size(), TORCH_SYMM_SEGMENT) // x.element_size()
+            self._symm_buffers.pop(x.dtype, None)
+            del buf  # freed before the larger one is made, so that the two never coexist
+            buf = symm_mem.empty(numel, dtype=x.dtype, device=self.device)
             symm_mem.rendezvous(buf, self.group.group_name)
-            self._symm_buffers[key] = buf
+            self._symm_buffers[x.dtype] = buf
+        if capturing and not any(kept is buf for kept in _SYMM_KEPT_FOR_GRAPHS):
+            # the graph addresses this buffer on every replay, long after it was replaced or closed
+            _SYMM_KEPT_FOR_GRAPHS.append(buf)
+        # torch's ops take a view: they find the allocation from the storage (rendezvous) and
+        # address it at the view's storage offset, 0 here (CUDASymmetricMemoryOps.cu)
+        buf = buf[: x.numel()]
         buf.copy_(x.reshape(-1))
         op = getattr(torch.ops.symm_mem, op_name)
         result = op(buf, "sum", self.group.group_name)

@@ -110,8 +110,9 @@ def communicator_of(group=None) -> "Communicator":
 
 
 def bootstrap() -> None:
-    """Initialise torch.distributed from torchrun's or an MPI launcher's variables; ubnext then
-    owns the process group and destroys it at exit."""
+    """Initialise torch.distributed from torchrun's or an MPI launcher's variables: NCCL on GPUs,
+    gloo without one or where ranks share a GPU; ubnext then owns the process group and destroys it
+    at exit."""
     global _our_group
     from ._cuda import gpu_available
 
@@ -123,23 +124,78 @@ def bootstrap() -> None:
         )
     use_gpu = gpu_available()
     backend = "nccl" if use_gpu else "gloo"
-    # the group's timeout is also the kernels' default bound (kernel_timeout_s): torch's default
-    # unless UBNEXT_TIMEOUT asks for a shorter one
-    bound = envs.get("UBNEXT_TIMEOUT")
-    timeout = (datetime.timedelta(seconds=max(60.0, 4 * bound)) if bound
-               else dist.distributed_c10d._get_default_timeout(backend))
-    kwargs: dict[str, Any] = {"backend": backend, "rank": info["rank"],
-                              "world_size": info["world_size"], "timeout": timeout}
-    if info["launcher"] == "torchrun":
-        kwargs["init_method"] = "env://"
-    else:
-        kwargs["store"] = _mpi_store(info["rank"], info["world_size"], timeout)
+    # made here rather than by init_process_group: the backend is chosen through it
+    store = _store(info, _group_timeout(backend))
+    device_id = None
     if use_gpu:
         torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
-        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        device = torch.cuda.current_device()
+        if _ranks_share_a_gpu(store, info["rank"], info["world_size"], _gpu_identity(device)):
+            # NCCL refuses a communicator with two ranks on one GPU ("Duplicate GPU detected"), at
+            # once with a device_id, else at the first collective; gloo takes CUDA tensors too
+            backend = "gloo"
+            if info["rank"] == 0:
+                log.warning("ubnext: several ranks share a GPU, which NCCL refuses; torch.distributed "
+                            "is initialised with gloo (the ubnext kernels still run on the GPU)")
+        else:
+            device_id = torch.device("cuda", device)
+    timeout = _group_timeout(backend)
+    store.set_timeout(timeout)
+    kwargs: dict[str, Any] = {"backend": backend, "rank": info["rank"], "world_size": info["world_size"],
+                              "timeout": timeout, "store": store}
+    if device_id is not None:
+        kwargs["device_id"] = device_id
     _ensure_atexit()
     dist.init_process_group(**kwargs)
     _our_group = weakref.ref(dist.group.WORLD)
+
+
+def _group_timeout(backend: str) -> datetime.timedelta:
+    """The process group's timeout, also the kernels' default bound (kernel_timeout_s): torch's
+    default unless UBNEXT_TIMEOUT asks for a shorter one."""
+    bound = envs.get("UBNEXT_TIMEOUT")
+    if bound:
+        return datetime.timedelta(seconds=max(60.0, 4 * bound))
+    return dist.distributed_c10d._get_default_timeout(backend)
+
+
+def _store(info: dict[str, Any], timeout: datetime.timedelta):
+    """The store init_process_group would make: torchrun's env:// rendezvous under the prefix
+    init_process_group gives it, or, under MPI, one announced over MPI."""
+    if info["launcher"] != "torchrun":
+        return _mpi_store(info["rank"], info["world_size"], timeout)
+    store, _, _ = next(dist.rendezvous("env://", info["rank"], info["world_size"], timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore("default_pg", store)
+
+
+def _gpu_identity(device: int) -> str:
+    """The physical GPU behind torch's ``device``, told apart across machines: two processes see
+    the same UUID for one GPU whatever their CUDA_VISIBLE_DEVICES."""
+    return f"{host_identity()}/{torch.cuda.get_device_properties(device).uuid}"
+
+
+def host_identity() -> str:
+    """Which machine this process runs on: hostname/boot id. The boot id (one per running
+    kernel) tells apart nodes that share a hostname; the hostname names them in the message."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _ranks_share_a_gpu(store, rank: int, world_size: int, gpu: str) -> bool:
+    """Whether any two ranks of the job run on one GPU; the same answer on every rank. Counted in
+    the store by GPU identity, not guessed from the local rank count against the device count:
+    ranks that each see one GPU (CUDA_VISIBLE_DEVICES set per rank) run on distinct GPUs."""
+    prefix = "ubnext/bootstrap"
+    if store.add(f"{prefix}/gpu/{gpu}", 1) > 1:
+        store.add(f"{prefix}/shared", 1)
+    store.set(f"{prefix}/counted/{rank}", "1")
+    store.wait([f"{prefix}/counted/{r}" for r in range(world_size)])
+    return store.add(f"{prefix}/shared", 0) > 0
 
 
 def _mpi_store(rank: int, world_size: int, timeout: datetime.timedelta):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -34,18 +33,6 @@ log = logging.getLogger("ubnext")
 LONG_TIMEOUT_S = 300.0
 
 DEFAULT_HIDDEN = 8192
-
-
-def _host_identity() -> str:
-    """Which machine this process runs on: hostname/boot id. The boot id (one per running
-    kernel) tells apart nodes that share a hostname; the hostname names them in the message."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
 
 
 _setup_serials: dict[str, itertools.count] = {}
@@ -177,7 +164,7 @@ class Preparation:
         # within one node only); the grid bound (blocks wait on the same blocks of their peers)
         # and the kernels' timeout.
         reports = self._setup_allgather({
-            "error": self._prepare_kernels(), "sm_count": self._sm_count, "host": _host_identity(),
+            "error": self._prepare_kernels(), "sm_count": self._sm_count, "host": _lifecycle.host_identity(),
             "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device),
             "selftest": envs.get("UBNEXT_SELFTEST")}, "agreeing on the kernels before creating the pool")
         self._run_self_test = all(r["selftest"] for r in reports)
@@ -248,7 +235,9 @@ class Preparation:
     def empty(self, *shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """A tensor in the symmetric pool (collective, same order on every rank), so that a
         GEMM can write its output there (``out=``) and the allreduce runs in place. Falls back
-        to an ordinary tensor, counted in ``pool_stats()['fallbacks']``, when it does not fit."""
+        to an ordinary tensor, counted in ``pool_stats()['fallbacks']``, when it does not fit.
+        Raises inside CUDA graph capture, where the ranks cannot agree on the offset: allocate
+        before capturing."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
         shape = tuple(int(s) for s in shape)
@@ -262,6 +251,12 @@ class Preparation:
         pool = self.pool
         if pool is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
+        if _cuda.capturing(self.device):
+            # asked before a block is taken: a graph-arena block is never given back
+            raise UbnextError(
+                "ubnext: comm.empty inside CUDA graph capture: the ranks agree on a pool tensor's offset "
+                "with a host round trip (all_gather_object), which a capture cannot contain. Call "
+                "comm.prepare() and allocate the pool tensors before capturing, then use them in the capture")
         tensor, offset, reason = None, None, ""
         try:
             tensor = pool.empty(shape, dtype)

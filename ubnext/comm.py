@@ -94,7 +94,7 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         self._pool: SymmetricPool | None = None
         self._pool_error: str | None = None
         self._emu = None
-        self._symm_buffers: dict[tuple, torch.Tensor] = {}
+        self._symm_buffers: dict[torch.dtype, torch.Tensor] = {}  # torch_symm's, one per dtype
         self._logged: set[tuple[str, str]] = set()
         self._broken: str | None = None
         self._closed = False

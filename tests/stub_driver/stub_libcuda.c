@@ -127,9 +127,13 @@ API CUresult cuCtxSynchronize(void) { T(); return 0; }
 API CUresult cuCtxGetId(CUcontext c, unsigned long long *id) { (void)c; T(); *id = 1; return 0; }
 API CUresult cuCtxGetApiVersion(CUcontext c, unsigned *v) { (void)c; T(); *v = 13000; return 0; }
 
+void *stub_last_load_ctx = NULL; /* the context current when a cubin was last loaded */
+#define CURRENT_CTX (ctx_depth ? ctx_stack[ctx_depth - 1] : NULL)
+
 API CUresult cuLibraryLoadData(void **lib, const void *code, void *jo, void *jov, unsigned nj,
                                void *lo, void *lov, unsigned nl) {
     (void)code; (void)jo; (void)jov; (void)nj; (void)lo; (void)lov; (void)nl; T();
+    stub_last_load_ctx = CURRENT_CTX;
     *lib = FAKE_LIB; return 0;
 }
 API CUresult cuLibraryLoadFromFile(void **lib, const char *f, void *jo, void *jov, unsigned nj,
@@ -144,9 +148,11 @@ API CUresult cuKernelGetFunction(void **f, void *k) { (void)k; T(); *f = FAKE_FU
 API CUresult cuKernelGetLibrary(void **l, void *k) { (void)k; T(); *l = FAKE_LIB; return 0; }
 API CUresult cuKernelGetAttribute(int *v, int a, void *k, CUdevice d) { (void)a; (void)k; (void)d; T(); *v = 0; return 0; }
 API CUresult cuKernelGetName(const char **n, void *k) { (void)k; T(); *n = "k"; return 0; }
-API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; T(); *m = FAKE_MOD; return 0; }
+API CUresult cuModuleLoadData(void **m, const void *img) {
+    (void)img; T(); stub_last_load_ctx = CURRENT_CTX; *m = FAKE_MOD; return 0;
+}
 API CUresult cuModuleLoadDataEx(void **m, const void *img, unsigned n, void *o, void *ov) {
-    (void)img; (void)n; (void)o; (void)ov; T(); *m = FAKE_MOD; return 0;
+    (void)img; (void)n; (void)o; (void)ov; T(); stub_last_load_ctx = CURRENT_CTX; *m = FAKE_MOD; return 0;
 }
 API CUresult cuModuleGetFunction(void **f, void *m, const char *name) { (void)m; (void)name; T(); *f = FAKE_FUNC; return 0; }
 API CUresult cuModuleUnload(void *m) { (void)m; T(); return 0; }

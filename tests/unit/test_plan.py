@@ -237,6 +237,69 @@ def test_torch_symm_takes_only_what_torchs_op_takes(monkeypatch, caplog, dtype, 
     assert refused in caplog.text, caplog.text
 
 
+def test_torch_symm_keeps_one_buffer_per_dtype(monkeypatch):
+    """Issue 23 item 1, the leak: a torch symmetric buffer per call size cost an allocation, a
+    rendezvous and a multicast object for every prefill length, forever. One buffer per dtype,
+    grown to the largest call (whole 2 MiB segments) and freed when replaced; torch's op gets a
+    view of its first elements (it finds the allocation from the storage, at the view's offset).
+    A buffer a captured call used is kept for the graph. Fakes: CPU torch has no symmetric memory."""
+    import gc
+    import weakref
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from ubnext import _allreduce
+
+    comm = _bare_communicator("gpu")
+    comm._symm_buffers, comm._logged = {}, set()
+    comm._pool = SimpleNamespace(backend=SimpleNamespace(name="torch_symm"))
+    comm.group, comm.device = SimpleNamespace(group_name="g"), torch.device("cpu")
+    made, rendezvous, reduced, fallbacks = [], [], [], []
+    comm._torch_all_reduce = lambda x, out: fallbacks.append(x.numel()) or out.copy_(2 * x)
+
+    def empty(numel, dtype, device):
+        t = torch.zeros(numel, dtype=dtype)
+        made.append(weakref.ref(t))
+        return t
+
+    def one_shot_all_reduce(buf, op, group):
+        reduced.append((buf.numel(), buf.untyped_storage().data_ptr(), buf.storage_offset()))
+        return buf * 2  # two ranks with the same input
+
+    monkeypatch.setattr(symm_mem, "empty", empty)
+    monkeypatch.setattr(symm_mem, "rendezvous", lambda t, name: rendezvous.append(t.numel()))
+    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce", one_shot_all_reduce)
+    monkeypatch.setattr(_allreduce, "_SYMM_KEPT_FOR_GRAPHS", [])
+    capture = [False]
+    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: capture[0])
+
+    def reduce(n, dtype=torch.float32):
+        x = torch.arange(n, dtype=dtype)
+        out = torch.empty_like(x)
+        comm._torch_symm_all_reduce(x, out)
+        assert torch.equal(out, 2 * x)
+
+    for n in (1000, 1002, 10, 600_000, 1002, 2 << 20, 64):  # prefill lengths, fp32
+        reduce(n)
+    reduce(512, torch.bfloat16)
+    gc.collect()
+    seg = 2 << 20
+    assert rendezvous == [seg // 4, 2 * seg // 4, 4 * seg // 4, seg // 2], rendezvous
+    assert set(comm._symm_buffers) == {torch.float32, torch.bfloat16}
+    assert sum(r() is not None for r in made) == 2, "a replaced buffer was not freed"
+    fp32 = comm._symm_buffers[torch.float32]
+    assert reduced[-2] == (64, fp32.untyped_storage().data_ptr(), 0), "torch's op did not get a view of the buffer"
+    capture[0] = True
+    reduce(100)  # fits: the captured graph now uses this buffer
+    reduce(4 << 20)  # does not fit, and cannot grow inside capture: torch.distributed
+    assert fallbacks == [4 << 20] and len(made) == 4
+    capture[0] = False
+    reduce(4 << 20)  # grows: the captured buffer is replaced, but kept for its graph
+    gc.collect()
+    assert any(kept is fp32 for kept in _allreduce._SYMM_KEPT_FOR_GRAPHS)
+    assert len(comm._symm_buffers) == 2
+
+
 def test_a_path_the_self_test_disabled_is_never_planned():
     """The self-test's verdict is agreed and part of the planner's input: a disabled path is
     skipped, with the reason, even when forced."""

@@ -79,3 +79,53 @@ def test_launch_reaches_the_driver_with_every_argument(stub_dir):
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and "stub launch ok" in result.stdout, result.stdout + result.stderr
+
+
+LOAD_SCRIPT = textwrap.dedent("""
+    import ctypes, threading
+    from ubnext import kernels
+    from ubnext._cuda import driver
+
+    stub = ctypes.CDLL("libcuda.so.1")
+    assert hasattr(stub, "stub_last_load_ctx"), "libcuda.so.1 is not the stub"
+    check = lambda result: result[0] == 0 or (_ for _ in ()).throw(RuntimeError(result))
+    drv = driver()
+    check(drv.cuInit(0))
+    kernels.compile_kernels = lambda fname, arch: (b"\\x7fELF not a cubin", [])  # NVRTC crashes on the stub
+    primary = int(drv.cuDevicePrimaryCtxRetain(drv.cuDeviceGet(0)[1])[1])
+    current = lambda: int(drv.cuCtxGetCurrent()[1])
+    loaded_in = lambda: ctypes.c_void_p.in_dll(stub, "stub_last_load_ctx").value
+
+    # the caller works in a context of its own (another device's, say)
+    check(drv.cuCtxPushCurrent(drv.CUcontext(0xD0D0D000)))
+    kernels.load_kernel("ubnext_lamport_bf16", 0)
+    assert loaded_in() == primary, "the cubin was not loaded in the device's primary context"
+    assert current() == 0xD0D0D000, f"the load left {current():#x} current, not the caller's context"
+    check(drv.cuCtxPopCurrent())
+    assert current() == 0, "the load changed the caller's context stack"
+
+    seen = {}
+
+    def fresh_thread():  # no context current there
+        kernels._loaded.clear()
+        kernels.load_kernel("ubnext_lamport_bf16", 0)
+        seen["loaded_in"], seen["after"] = loaded_in(), current()
+
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join()
+    assert seen == {"loaded_in": primary, "after": 0}, seen
+    print("stub load ok")
+""")
+
+
+def test_kernel_loading_leaves_the_callers_context(stub_dir):
+    """Issue 23 item 4, through the installed cuda.core against the stub driver: the kernels are
+    loaded with the device's primary context current, and the calling thread's own context (or
+    none) is current again afterwards. cuda.core's Device.set_current, which the loader used, does
+    not restore it: 0.3 pushes the primary context without a pop, 1.x replaces the current one."""
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{stub_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+               PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", LOAD_SCRIPT], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "stub load ok" in result.stdout, result.stdout + result.stderr

@@ -17,6 +17,8 @@ from ubnext import pool  # noqa: E402
 
 ALLOC_GRAN = 2 << 20
 MC_GRAN = 8 << 20  # deliberately larger than the allocation granularity
+PRIMARY = 0xC0000  # device d's primary context: PRIMARY + d
+CALLER_CONTEXT = 0xCA11E7
 
 
 class FakeDriver:
@@ -25,6 +27,8 @@ class FakeDriver:
         self.multicast = multicast
         self._next = 0x7F00_0000_0000
         self._handles = 100
+        self.contexts = [CALLER_CONTEXT]  # the caller's own, another device's say
+        self.context_at_create = None
 
     def __getattr__(self, name):  # structs and enums: the real ones
         return getattr(driver, name)
@@ -34,6 +38,19 @@ class FakeDriver:
 
     def cuDeviceGet(self, i):
         return (driver.CUresult.CUDA_SUCCESS, driver.CUdevice(i))
+
+    # the calling thread's context stack, as the driver keeps it (one rank per driver here)
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUcontext(PRIMARY + int(dev)))
+
+    def cuCtxPushCurrent(self, ctx):
+        self._rec("cuCtxPushCurrent", int(ctx))
+        self.contexts.append(int(ctx))
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuCtxPopCurrent(self):
+        self._rec("cuCtxPopCurrent")
+        return (driver.CUresult.CUDA_SUCCESS, driver.CUcontext(self.contexts.pop()))
 
     def cuMemGetAllocationGranularity(self, prop, flag):
         assert isinstance(prop, driver.CUmemAllocationProp)
@@ -59,6 +76,7 @@ class FakeDriver:
 
     def cuMemCreate(self, size, prop, flags):
         self._rec("cuMemCreate", size, flags)
+        self.context_at_create = self.contexts[-1]
         self._handles += 1
         return (driver.CUresult.CUDA_SUCCESS, driver.CUmemGenericAllocationHandle(self._handles))
 
@@ -109,6 +127,17 @@ class FakeDriver:
     def cuMemRelease(self, handle):
         self._rec("cuMemRelease", int(handle))
         return (driver.CUresult.CUDA_SUCCESS,)
+
+
+@pytest.fixture(autouse=True)
+def _primary_contexts_of_this_test():
+    """_cuda retains a device's primary context once per process: from this test's fake driver,
+    and none left behind for a later test's driver."""
+    import ubnext._cuda as cu
+
+    cu._primary_context.cache_clear()
+    yield
+    cu._primary_context.cache_clear()
 
 
 @pytest.fixture
@@ -164,6 +193,21 @@ def test_vmm_sizes_and_teardown(fake, multicast):
 
 
 
+def test_the_set_up_leaves_the_callers_device_and_context(fake, monkeypatch):
+    """Issue 23 item 4: the pool's memory is made in the device's primary context (torch's), and
+    the caller's own context (here another device's) and torch's current device are its own again
+    afterwards: a thread that works on another GPU must not find its later device="cuda"
+    allocations on the communicator's GPU."""
+    drv = fake(True)
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
+    backend = pool.VmmBackend(5 << 20, 0, 1, torch.device("cuda", 1), lambda obj: [obj])
+    assert set_to == [], f"the set-up changed torch's current device: set_device{tuple(set_to)}"
+    assert drv.contexts == [CALLER_CONTEXT], f"the caller's context stack is now {drv.contexts}"
+    assert drv.context_at_create == PRIMARY + 1, "the memory was not made in the device's primary context"
+    backend.close()
+
+
 @pytest.mark.parametrize("same_gpu", [True, False])
 def test_ranks_sharing_a_gpu_get_no_multicast(fake, monkeypatch, same_gpu):
     """Two ranks (the peer faked by the allgather) on one GPU: a multicast object would wait in
@@ -213,13 +257,14 @@ class FailingDriver(FakeDriver):
 
     def leaks(self):
         """What was made and not released, from the recorded calls."""
-        live = {"handles": 0, "reserved": 0, "mapped": 0, "bound": 0}
+        live = {"handles": 0, "reserved": 0, "mapped": 0, "bound": 0, "contexts pushed": 0}
         for name, _ in self.calls:
             delta = {"cuMemCreate": ("handles", 1), "cuMemImportFromShareableHandle": ("handles", 1),
                      "cuMulticastCreate": ("handles", 1), "cuMemRelease": ("handles", -1),
                      "cuMemAddressReserve": ("reserved", 1), "cuMemAddressFree": ("reserved", -1),
                      "cuMemMap": ("mapped", 1), "cuMemUnmap": ("mapped", -1),
-                     "cuMulticastBindMem": ("bound", 1), "cuMulticastUnbind": ("bound", -1)}.get(name)
+                     "cuMulticastBindMem": ("bound", 1), "cuMulticastUnbind": ("bound", -1),
+                     "cuCtxPushCurrent": ("contexts pushed", 1), "cuCtxPopCurrent": ("contexts pushed", -1)}.get(name)
             if delta:
                 live[delta[0]] += delta[1]
         return {k: v for k, v in live.items() if v}
@@ -253,6 +298,7 @@ def _set_up_two_ranks(monkeypatch, drivers, exchange_fails=None):
 
     tls = threading.local()
     monkeypatch.setattr(cu, "driver", lambda: tls.drv)
+    cu._primary_context.cache_clear()  # so that each run retains, and a failure can be injected there
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
@@ -309,7 +355,7 @@ def test_a_failure_at_any_driver_call_on_one_rank_fails_every_rank_alike(monkeyp
     injected = 0
     for victim in range(2):
         for name, count in sorted(reference[victim].seen.items()):
-            if name in TEARDOWN:
+            if name in TEARDOWN or name == "cuCtxPopCurrent":  # after the last vote: see leaks()
                 continue
             for k in range(count):
                 drivers = [FailingDriver(True, (name, k) if r == victim else None) for r in range(2)]

@@ -307,17 +307,18 @@ def load_kernel(name: str, device_index: int):
     key = (name, device_index)
     if key in _loaded:
         return _loaded[key]
-    from .._cuda import core, device_arch
+    from .._cuda import core, device_arch, primary_context
 
-    # cuda.core loads modules into the current context: make it the device's primary context,
-    # the one torch uses, so kernels and torch's tensors share an address space
-    core().Device(device_index).set_current()
     algo = name[len("ubnext_"):].rsplit("_", 1)[0]
     fname = ALGOS[algo]
     arch = device_arch(device_index)
     image, _ = compile_kernels(fname, arch)
     mod = core()
-    obj = mod.ObjectCode.from_cubin(image) if hasattr(mod.ObjectCode, "from_cubin") else mod.ObjectCode(image, "cubin")
-    kernel = obj.get_kernel(name)
+    # cuda.core loads modules into the current context: the device's primary context, the one
+    # torch uses, so kernels and torch's tensors share an address space; the caller's own context
+    # is current again afterwards
+    with primary_context(device_index):
+        obj = mod.ObjectCode.from_cubin(image) if hasattr(mod.ObjectCode, "from_cubin") else mod.ObjectCode(image, "cubin")
+        kernel = obj.get_kernel(name)
     _loaded[key] = kernel
     return kernel

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Callable
@@ -40,19 +41,24 @@ class VmmBackend(_Backend):
         self._dev = None
         self.mc_base = 0
         self.size = size
-        try:
-            self._set_up(size, rank, nranks, device, allgather)
-        except BaseException:
-            self._release_all()
-            raise
+        # the cuMem calls act in the current context, which must be the device's primary one
+        # (torch's): pushed in the first voted phase, popped after the set-up, so that the
+        # caller's current device and context stay its own
+        with contextlib.ExitStack() as context:
+            try:
+                self._set_up(size, rank, nranks, device, allgather, context)
+            except BaseException:
+                self._release_all()
+                raise
 
-    def _set_up(self, size, rank, nranks, device, allgather) -> None:
-        from .._cuda import CudaError
+    def _set_up(self, size, rank, nranks, device, allgather, context: contextlib.ExitStack) -> None:
+        from .._cuda import CudaError, primary_context
 
         drv, check = self._drv, self._check
         # -- phase 1: what this GPU offers, agreed (sizes, multicast, which GPU)
         info, error = None, None
         try:
+            context.enter_context(primary_context(device.index))
             info = self._query(size, nranks, device)
         except CudaError as exc:
             error = str(exc)
@@ -108,8 +114,6 @@ class VmmBackend(_Backend):
 
         drv, check = self._drv, self._check
         self._dev = dev = check(drv.cuDeviceGet(device.index), "cuDeviceGet")
-        torch.cuda.set_device(device)
-        torch.cuda.current_stream(device)  # makes torch's primary context current
         gran = int(check(drv.cuMemGetAllocationGranularity(
             self._alloc_prop(device), drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
             "cuMemGetAllocationGranularity"))
