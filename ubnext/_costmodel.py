@@ -105,8 +105,9 @@ class Case:
         return (self.op, self.path)
 
 
-def cases(world: int, quick: bool = False) -> list[Case]:
-    """Every (op, path, size) of the table, measured or derived."""
+def cases(world: int, quick: bool = False, only: frozenset | None = None) -> list[Case]:
+    """Every (op, path, size) of the table, measured or derived; ``only``: the (op, path) pairs to
+    keep (tests)."""
     out: list[Case] = []
     ar = ALLREDUCE_BYTES[:3] if quick else ALLREDUCE_BYTES
     for nbytes in ar:
@@ -117,7 +118,7 @@ def cases(world: int, quick: bool = False) -> list[Case]:
         out += [Case("all_gather", "allgather", nbytes), Case("reduce_scatter", "reduce_scatter", nbytes)]
     for nbytes in (QUANTIZE_BYTES[:1] if quick else QUANTIZE_BYTES):
         out += [Case("quantize", m, nbytes, nbytes // (2 * HIDDEN)) for m in QUANTIZE_MODES]
-    return out
+    return [c for c in out if only is None or c.row_key() in only]
 
 
 def grid_of(case: Case, world: int, sm_count: int) -> int:
@@ -198,7 +199,7 @@ def _run_once(comm, emu, case: Case, world: int):
     return counted, None
 
 
-def _worker(rank: int, world: int, port: int, out_path: str, quick: bool) -> int:
+def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: frozenset | None) -> int:
     import torch.distributed as dist
 
     from . import envs
@@ -211,7 +212,7 @@ def _worker(rank: int, world: int, port: int, out_path: str, quick: bool) -> int
     emu = comm._emu
     sm_count = envs.get("UBNEXT_EMU_SM_COUNT")
     rows = []
-    for case in cases(world, quick):
+    for case in cases(world, quick, only):
         if not measurable(case, world, sm_count):
             continue
         launches, error = _run_case(comm, emu, case, world)
@@ -266,9 +267,9 @@ def chosen_path(case: Case, world: int) -> str:
     return plan.exchange_path(kernel, case.nbytes, True, None, view)[0]
 
 
-def table(measured: dict, world: int, sm_count: int, quick: bool) -> list[dict]:
+def table(measured: dict, world: int, sm_count: int, quick: bool, only: frozenset | None = None) -> list[dict]:
     rows = []
-    for case in cases(world, quick):
+    for case in cases(world, quick, only):
         launches = measured.get(case)
         derived = launches is None
         if derived:
@@ -289,8 +290,10 @@ def table(measured: dict, world: int, sm_count: int, quick: bool) -> list[dict]:
     return rows
 
 
-def run(world: int, *, quick: bool = False, timeout_s: float = 840.0, env: dict | None = None) -> list[dict]:
-    """Start ``world`` emulated ranks, measure, derive; the table's rows."""
+def run(world: int, *, quick: bool = False, only: frozenset | None = None, timeout_s: float = 840.0,
+        env: dict | None = None) -> list[dict]:
+    """Start ``world`` emulated ranks, measure, derive; the table's rows. ``env``: more variables
+    for the ranks (a test's UBNEXT_EMU_BREAK)."""
     import torch.distributed as dist
 
     from . import envs
@@ -299,12 +302,13 @@ def run(world: int, *, quick: bool = False, timeout_s: float = 840.0, env: dict 
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ubnext-model-") as tmp:
         out_path = os.path.join(tmp, "rows.json")
-        child_env = dict(os.environ if env is None else env)
         # pool sized for the measured cases (16 tokens of hidden 8192), no self-test launches
-        child_env.update(UBNEXT_EMULATE="1", UBNEXT_EMU_COUNT="1", UBNEXT_MAX_BATCH="16", UBNEXT_SELFTEST="0",
-                         UBNEXT_TIMEOUT=child_env.get("UBNEXT_TIMEOUT", "120"))
+        child_env = envs.environment_with(UBNEXT_EMULATE="1", UBNEXT_EMU_COUNT="1", UBNEXT_MAX_BATCH="16",
+                                          UBNEXT_SELFTEST="0", UBNEXT_TIMEOUT=str(envs.get("UBNEXT_TIMEOUT") or 120),
+                                          **(env or {}))
+        only_arg = json.dumps(sorted(only) if only is not None else None)
         procs = [subprocess.Popen([sys.executable, "-m", "ubnext._costmodel", str(r), str(world), str(store.port),
-                                   out_path, "1" if quick else "0"], env=child_env, start_new_session=True)
+                                   out_path, "1" if quick else "0", only_arg], env=child_env, start_new_session=True)
                  for r in range(world)]
         deadline = time.monotonic() + timeout_s
         try:
@@ -328,7 +332,7 @@ def run(world: int, *, quick: bool = False, timeout_s: float = 840.0, env: dict 
         measured[case] = r["launches"]
     if errors:
         raise RuntimeError("ubnext.bench --model: measured cases failed:\n  " + "\n  ".join(errors))
-    return table(measured, world, sm_count, quick)
+    return table(measured, world, sm_count, quick, only)
 
 
 def print_table(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
@@ -354,4 +358,6 @@ def print_table(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"))
+    _only = json.loads(sys.argv[6])
+    sys.exit(_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1",
+                     None if _only is None else frozenset(tuple(pair) for pair in _only)))

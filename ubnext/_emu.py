@@ -66,6 +66,7 @@ BREAKS = {
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")
 MAX_RANKS = 16
+MAX_GRID = 256  # UBNEXT_EMU_MAX_GRID: count mode launches the GPU's grids (up to 128 blocks, and some room)
 TRAFFIC_WORDS = 4 * MAX_RANKS + 7
 COUNT_WORDS = 5
 # Bytes of stamp shadow per byte of a region in count mode (three 8-byte words per 4-byte word).

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["EnvError", "Var", "VARIABLES", "get", "check_all", "describe_table"]
+__all__ = ["EnvError", "Var", "VARIABLES", "get", "check_all", "describe_table", "environment_with"]
 
 
 class EnvError(ValueError):
@@ -230,3 +230,11 @@ def launcher_info() -> dict[str, Any] | None:
                 "master_port": None,
             }
     return None
+
+
+def environment_with(**overrides: str) -> dict[str, str]:
+    """This process's environment with ``overrides``: for processes ubnext starts itself
+    (``python -m ubnext.bench --model``'s emulated ranks)."""
+    env = dict(os.environ)
+    env.update(overrides)
+    return env

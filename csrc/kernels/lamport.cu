@@ -215,6 +215,9 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   }
   // This thread polls through unicast the slot it just wrote through multicast (ptx.cuh).
   if (mc != 0ull) fence_proxy_alias();
+#if defined(UBNEXT_BREAK_EXTRA_FENCE)
+  fence_acq_rel_sys();  // test-only: a fence nothing needs, which the critical-path count must show
+#endif
   if (aborted != 0u) adopt_abort(d, aborted);
 
   // ---- 2. re-poison the previous call's buffer (our copy only), while the peers' data is in flight

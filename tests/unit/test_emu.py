@@ -106,7 +106,7 @@ def test_trap_is_reported(emu):
 @pytest.mark.parametrize("kernel,grid,block,match", [
     ("ubnext_no_such_kernel", 1, 32, "no kernel named"),
     ("ubnext_emu_selftest_block", 0, 32, "grid 0"),
-    ("ubnext_emu_selftest_block", 129, 32, "grid 129"),
+    ("ubnext_emu_selftest_block", _emu.MAX_GRID + 1, 32, f"grid {_emu.MAX_GRID + 1}"),
     ("ubnext_emu_selftest_block", 1, 48, "block 48"),
     ("ubnext_emu_selftest_block", 1, 2048, "block 2048"),
 ])

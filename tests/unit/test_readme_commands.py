@@ -38,6 +38,7 @@ RUN_HERE = {
     "python -m ubnext.info --no-build": [sys.executable, "-m", "ubnext.info", "--no-build"],
 }
 RUN_BY = {  # command -> (file that runs it, text there that shows it does)
+    "python -m ubnext.bench --model": ("tests/mpi/test_costmodel.py", "def test_bench_model_command"),
     "scripts/test.sh": (".ci/run", "scripts/test.sh"),
     "scripts/bench.sh": ("tests/mpi/test_host_bench.py", 'run_script("scripts/bench.sh --sizes 8k")'),
     # with --calls 50: the same command, a shorter run

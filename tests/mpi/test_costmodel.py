@@ -1,0 +1,129 @@
+"""The critical-path count (issue: latency-first kernels, item 1): `python -m ubnext.bench --model`
+starts its own emulated ranks in count mode (csrc/emu/memory.cpp states the rules) and counts every
+kernel path. The counts are pinned here, per path, at 4 ranks and the smallest sizes, with and
+without multicast: a change that adds a barrier, a fence, a hop or bytes to a kernel fails this
+file, and must update the pins and say why in its commit. A test-only build that adds one fence
+to the Lamport kernel shows the count sees it; the builds without the call-header checks show the
+checks cost no hop. No mpirun: the model starts its ranks itself (they are processes, hence this
+tier)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.conftest import assert_mpi_ok, run_script
+from ubnext import _costmodel
+
+# (op, path, bytes) -> (ctas, hops, fences, max_cta_bytes), at 4 ranks, GPU geometry (256 threads,
+# grids from 132 SMs capped at 128), multicast on; steady state (the second of two calls).
+PINNED_MULTICAST = {
+    ("all_reduce", "lamport", 2048): (1, 1, 1, 22656),
+    ("all_reduce", "nvls_lamport", 2048): (1, 5, 3, 7232),
+    ("all_reduce", "nvls_oneshot", 2048): (1, 6, 4, 4160),
+    ("all_reduce", "nvls_twoshot", 2048): (1, 7, 5, 1088),
+    ("all_reduce", "twoshot", 2048): (1, 6, 4, 4160),
+    ("all_reduce", "lamport", 16384): (4, 1, 1, 45184),
+    ("all_reduce", "nvls_lamport", 16384): (1, 5, 3, 57408),
+    ("all_reduce", "nvls_oneshot", 16384): (4, 6, 4, 8256),
+    ("all_reduce", "nvls_twoshot", 16384): (1, 7, 5, 8256),
+    ("all_reduce", "twoshot", 16384): (1, 6, 4, 32832),
+    ("all_reduce", "lamport", 65536): (16, 1, 1, 45184),
+    ("all_reduce", "nvls_lamport", 65536): (4, 5, 3, 57408),
+    ("all_reduce", "nvls_oneshot", 65536): (16, 6, 4, 8256),
+    ("all_reduce", "nvls_twoshot", 65536): (4, 7, 5, 8256),
+    ("all_reduce", "twoshot", 65536): (4, 6, 4, 32832),
+    ("all_reduce_add_rmsnorm", "lamport", 16384): (1, 1, 1, 229504),
+    ("all_reduce_add_rmsnorm", "nvls_lamport", 16384): (1, 5, 3, 106560),
+    ("all_reduce_add_rmsnorm", "nvls_twoshot", 16384): (1, 7, 5, 90176),
+    ("all_reduce_add_rmsnorm", "twoshot", 16384): (1, 6, 4, 110656),
+    ("all_reduce_add_rmsnorm", "lamport", 65536): (4, 1, 1, 229504),
+    ("all_reduce_add_rmsnorm", "nvls_lamport", 65536): (4, 5, 3, 106560),
+    ("all_reduce_add_rmsnorm", "nvls_twoshot", 65536): (4, 7, 5, 90176),
+    ("all_reduce_add_rmsnorm", "twoshot", 65536): (4, 6, 4, 110656),
+    ("all_gather", "allgather", 65536): (4, 5, 5, 8256),
+    ("reduce_scatter", "reduce_scatter", 65536): (4, 6, 4, 20544),
+    ("quantize", "row", 65536): (4, 0, 0, 24576),
+    ("quantize", "tensor", 65536): (1, 0, 0, 98304),
+    ("quantize", "static", 65536): (4, 0, 0, 24576),
+}
+# the same without a multicast address (PCIe peers, ranks sharing a GPU): unicast pushes need no
+# proxy fence
+UNICAST_PATHS = frozenset({("all_reduce", "lamport"), ("all_reduce", "twoshot"), ("all_reduce_add_rmsnorm", "lamport"),
+                           ("all_reduce_add_rmsnorm", "twoshot"), ("all_gather", "allgather"),
+                           ("reduce_scatter", "reduce_scatter")})
+PINNED_UNICAST = {
+    ("all_reduce", "lamport", 2048): (1, 1, 0, 28848),
+    ("all_reduce", "twoshot", 2048): (1, 6, 2, 4192),
+    ("all_reduce", "lamport", 16384): (4, 1, 0, 57520),
+    ("all_reduce", "twoshot", 16384): (1, 6, 2, 32864),
+    ("all_reduce", "lamport", 65536): (16, 1, 0, 57520),
+    ("all_reduce", "twoshot", 65536): (4, 6, 2, 32864),
+    ("all_reduce_add_rmsnorm", "lamport", 16384): (1, 1, 0, 278704),
+    ("all_reduce_add_rmsnorm", "twoshot", 16384): (1, 6, 2, 110688),
+    ("all_reduce_add_rmsnorm", "lamport", 65536): (4, 1, 0, 278704),
+    ("all_reduce_add_rmsnorm", "twoshot", 65536): (4, 6, 2, 110688),
+    ("all_gather", "allgather", 65536): (4, 4, 2, 20576),
+    ("reduce_scatter", "reduce_scatter", 65536): (4, 6, 2, 20576),
+}
+LAMPORT = frozenset({("all_reduce", "lamport")})
+
+
+def _counts(rows, measured_only=True):
+    return {(r["op"], r["path"], r["bytes"]): (r["ctas"], r["hops"], r["fences"], r["max_cta_bytes"])
+            for r in rows if not (measured_only and r["derived"])}
+
+
+def _assert_pinned(got: dict, want: dict) -> None:
+    diff = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+    assert not diff and set(got) == set(want), (
+        "critical-path counts changed, (got, pinned) per (op, path, bytes): " + json.dumps(
+            {" ".join(map(str, k)): v for k, v in diff.items()}) + f"; unpinned: {sorted(set(got) - set(want))}")
+
+
+def test_counts_are_pinned_with_multicast():
+    _assert_pinned(_counts(_costmodel.run(4, quick=True)), PINNED_MULTICAST)
+
+
+def test_counts_are_pinned_without_multicast():
+    rows = _costmodel.run(4, quick=True, only=UNICAST_PATHS, env={"UBNEXT_EMU_MULTICAST": "0"})
+    _assert_pinned(_counts(rows), PINNED_UNICAST)
+
+
+def test_an_added_fence_raises_the_count():
+    """UBNEXT_EMU_BREAK=extra_fence adds one fence.acq_rel.sys to the Lamport kernel after its
+    pushes: one more fence and one more hop on the critical path, nothing else."""
+    plain = _counts(_costmodel.run(2, quick=True, only=LAMPORT))
+    broken = _counts(_costmodel.run(2, quick=True, only=LAMPORT, env={"UBNEXT_EMU_BREAK": "extra_fence"}))
+    assert plain.keys() == broken.keys() and plain
+    for key, (ctas, hops, fences, nbytes) in plain.items():
+        assert broken[key] == (ctas, hops + 1, fences + 1, nbytes), (key, plain[key], broken[key])
+
+
+def test_call_header_checks_add_no_hop():
+    """The call check (misuse issue, item 1): with and without it, the same hops and fences on every
+    path that carries it. The Lamport header travels beside the data (16 bytes more per peer, in
+    block 0); the barrier's header travels with its first signal."""
+    for break_name, paths in (("no_lamport_header_check", LAMPORT),
+                              ("no_header_check", frozenset({("all_reduce", "twoshot"), ("all_reduce", "nvls_twoshot")}))):
+        checked = _counts(_costmodel.run(2, quick=True, only=paths))
+        unchecked = _counts(_costmodel.run(2, quick=True, only=paths, env={"UBNEXT_EMU_BREAK": break_name}))
+        assert checked.keys() == unchecked.keys() and checked
+        for key in checked:
+            assert checked[key][:3] == unchecked[key][:3], (break_name, key, checked[key], unchecked[key])
+
+
+def test_bench_model_command():
+    """`python -m ubnext.bench --model` as README.md and docs/PERF.md write it, here at 2 ranks and
+    the smallest sizes: one JSON object per line, with the keys the issue names, and the planner's
+    choice marked once per (op, size)."""
+    proc = run_script(f"{sys.executable} -m ubnext.bench --model --world 2 --quick --json", timeout=240)
+    assert_mpi_ok(proc)
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert rows and all(set(r) == set(_costmodel.KEYS) | {"derived"} for r in rows), rows[:2]
+    chosen: dict = {}
+    for r in rows:
+        chosen.setdefault((r["op"], r["bytes"]), []).append(r["path"]) if r["chosen"] else None
+    assert chosen[("all_reduce", 16384)] == ["lamport"]
+    assert all(len(paths) == 1 for (op, _), paths in chosen.items() if op != "quantize"), chosen
+    assert all(r["model_us"] > 0 for r in rows if r["ctas"] is not None)
