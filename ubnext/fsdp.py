@@ -219,7 +219,15 @@ class FP8AllGatherWeight(torch.Tensor):
         if func not in _KEEP_SUBCLASS:
             return out
         first = found[0]
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, first._scaling, first._scale), out)
+
+        def rewrap(t: torch.Tensor) -> FP8AllGatherWeight:
+            weight = cls(t, first._scaling, first._scale)
+            # a copy (load_state_dict's copy_ / module_load, FSDP2's resharding) quantises through
+            # the communicator use_ubnext_collectives chose, not the group's default one
+            weight._comm = first._comm
+            return weight
+
+        return pytree.tree_map_only(torch.Tensor, rewrap, out)
 
     def __tensor_flatten__(self):
         names = ["_tensor"] + (["_scale"] if self._scale is not None else [])
@@ -320,5 +328,65 @@ def convert_to_fp8_all_gather(model: torch.nn.Module, *, scaling: str = "row", s
                 continue
             module.weight = torch.nn.Parameter(FP8AllGatherWeight(weight.data, scaling, scale),
                                                requires_grad=weight.requires_grad)
+            if not getattr(module, "_ubnext_fp8_state_dict_hooks", False):
+                module.register_state_dict_post_hook(_plain_state_dict)
+                module.register_load_state_dict_pre_hook(_fp8_load_state_dict)
+                module._ubnext_fp8_state_dict_hooks = True
             converted.append(name)
     return converted
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+# A converted layer's state dict holds its plain high-precision weight (a DTensor over a plain local
+# shard under FSDP2), as the unconverted layer's would: the subclass is how the weight is gathered,
+# not what it is. So a checkpoint loads with torch.load's weights_only default and DCP's reader
+# (neither accepts an unknown class), into models with or without ubnext, and DCP's planner sees
+# an ordinary DTensor (its metadata and local shard) to reshard. A pickling hook (__reduce_ex__)
+# would still leave the subclass in the state dict, where DCP's planner, get_model_state_dict's
+# full_tensor() and load-time copies meet it; rewriting the state dict keeps it out of all of them.
+# The plain tensors share the weights' memory, as state_dict's tensors do, so dcp.load into them
+# fills the model in place.
+
+
+def _fp8_local(tensor):
+    """The FP8AllGatherWeight behind ``tensor`` (itself, or a DTensor's local shard), or None."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return local if isinstance(local, FP8AllGatherWeight) else None
+
+
+def _with_local(tensor, local: torch.Tensor):
+    """``local`` in place of ``tensor``: as a DTensor with ``tensor``'s mesh, placements and
+    global shape when ``tensor`` is one."""
+    if not hasattr(tensor, "_local_tensor"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                              shape=tensor.shape, stride=tensor.stride())
+
+
+def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    for name, param in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        # keep_vars=True asks for the Parameter objects themselves (not a checkpoint): left alone
+        if value is None or value is param or (fp8 := _fp8_local(value)) is None:
+            continue
+        state_dict[prefix + name] = _with_local(value, fp8._tensor.detach())
+
+
+def _fp8_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                         error_msgs) -> None:
+    # load_state_dict copies into the FP8AllGatherWeight either way, but assign=True (and DCP's
+    # set_model_state_dict onto meta parameters) installs the given tensor as the parameter: wrap
+    # it first so that the layer keeps all-gathering in FP8
+    for name, param in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        current = None if param is None else _fp8_local(param)
+        if current is None or not isinstance(value, torch.Tensor) or _fp8_local(value) is not None:
+            continue
+        if hasattr(value, "_local_tensor") != hasattr(param, "_local_tensor"):
+            continue  # a DTensor against a plain tensor: load_state_dict's own error says so
+        local = getattr(value, "_local_tensor", value)
+        wrapped = FP8AllGatherWeight(local, current._scaling, current._scale)
+        wrapped._comm = current._comm
+        state_dict[prefix + name] = _with_local(value, wrapped)

@@ -1151,6 +1151,175 @@ def case_fsdp_fp8():
         assert ratio < 0.6, ratio
 
 
+def case_fsdp_checkpoint():
+    """Issue 25: checkpoints of an FSDP2 model whose blocks all-gather in FP8 (blocks.0 "row",
+    blocks.1 "tensor") on ubnext's collectives. Its state dict holds DTensors over plain local
+    shards; after two training steps:
+      (a) dcp.save, then dcp.load + load_state_dict into the same model: the weights are the saved
+          ones bitwise, the layers still all-gather in FP8 through the same communicator, and the
+          next step equals the uninterrupted run's bitwise;
+      (b) dcp.load into a plain FSDP2 model (no FP8, no ubnext): the saved weights bitwise, and its
+          next step equals that of a plain model that had those weights all along;
+      (c) the plain model's checkpoint dcp.loaded into a fresh converted model: its weights, still
+          FP8 all-gather, and its next step equals a converted model's from those weights;
+      (d) get_model_state_dict / set_model_state_dict, full and sharded, into converted and plain
+          models; and torch.save / torch.load (weights_only) of a rank's sharded state dict.
+    Without the fix, dcp.load (and torch.load) refuse the FP8AllGatherWeight global."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    import ubnext.fsdp as UF
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh(device().type, (n,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    fp8_layers = {"blocks.0.fc1": "row", "blocks.0.fc2": "row", "blocks.1.fc1": "tensor", "blocks.1.fc2": "tensor"}
+    full_opts = StateDictOptions(full_state_dict=True)
+
+    def build(fp8: bool, weights: dict | None = None) -> torch.nn.Module:
+        """The stack under FSDP2: converted, on ubnext's collectives, or plain (gloo, bf16);
+        ``weights`` (full tensors) copied into this rank's shards first."""
+        model = _fsdp_stack(seed=5)
+        if fp8:
+            UF.convert_to_fp8_all_gather(model, scaling="row", include="blocks.0.*")
+            UF.convert_to_fp8_all_gather(model, scaling="tensor", include="blocks.1.*")
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        if fp8:
+            UF.use_ubnext_collectives(model, COMM)
+        if weights is not None:
+            with torch.no_grad():
+                for k, p in model.named_parameters():
+                    p.to_local().copy_(weights[k].chunk(n)[rank])
+        return model
+
+    def step(model, i: int) -> float:
+        x = T.rank_input(rank, FSDP_BATCH * FSDP_HIDDEN, torch.float32, 60 + i).view(FSDP_BATCH, FSDP_HIDDEN)
+        loss = model(x.to(device())).float().square().mean()
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.05).step()  # stateless: nothing else to checkpoint
+        model.zero_grad()
+        return float(loss.detach())
+
+    def full(model) -> dict:
+        return {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+
+    def assert_same(got: dict, want: dict, what: str):
+        assert got.keys() == want.keys(), (what, sorted(got), sorted(want))
+        for k in want:
+            assert torch.equal(got[k].cpu(), want[k].cpu()), f"{what}: {k} differs"
+
+    def assert_plain(state: dict, what: str):
+        for k, v in state.items():
+            assert isinstance(v, DTensor) and type(v._local_tensor) is torch.Tensor, \
+                f"{what}: {k} is {type(v).__name__} over {type(getattr(v, '_local_tensor', v)).__name__}"
+
+    def assert_fp8(model, what: str):
+        """Every converted layer is still an FP8AllGatherWeight on COMM, and FSDP2 gathers it in FP8:
+        its unsharded weight is the e4m3 round trip of its scaling mode, bitwise, not the bf16 cast."""
+        for name, scaling in fp8_layers.items():
+            local = model.get_submodule(name).weight._local_tensor
+            assert isinstance(local, UF.FP8AllGatherWeight), f"{what}: {name} is {type(local).__name__}"
+            assert local._scaling == scaling and local._comm is COMM, (what, name, local._scaling, local._comm)
+        weights = full(model)
+        fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in fsdp_modules:
+            m.unshard()
+        for name, scaling in fp8_layers.items():
+            got = model.get_submodule(name).weight.detach()
+            master = weights[name + ".weight"]
+            assert torch.equal(got.cpu(), _fsdp_effective(name, master, scaling, None, n)), \
+                f"{what}: {name}'s gathered weight is not its FP8 round trip"
+            assert not torch.equal(got.cpu(), master.to(torch.bfloat16)), f"{what}: {name} gathered in bf16"
+        for m in fsdp_modules:
+            m.reshard()
+
+    path = gather(tempfile.mkdtemp(prefix="ubnext_fsdp_dcp_") if rank == 0 else None)[0]
+    model = build(fp8=True)
+    step(model, 0)
+    step(model, 1)
+    state = model.state_dict()
+    assert_plain(state, "state_dict")
+    shard = state["blocks.0.fc1.weight"]._local_tensor
+    assert shard.data_ptr() == model.blocks[0].fc1.weight._local_tensor._tensor.data_ptr()  # no copy
+    saved = full(model)
+    dcp.save(state, checkpoint_id=os.path.join(path, "fp8"))
+    # a rank's own shards through torch.save / torch.load's defaults (weights_only)
+    torch.save(state, os.path.join(path, f"rank{rank}.pt"))
+    mine = torch.load(os.path.join(path, f"rank{rank}.pt"))
+    assert_plain(mine, "torch.load")
+    assert_same({k: v._local_tensor for k, v in mine.items()}, {k: v._local_tensor for k, v in state.items()},
+                "torch.load")
+    uninterrupted_loss = step(model, 2)
+    uninterrupted = full(model)
+
+    # (a) into the same model
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=os.path.join(path, "fp8"))
+    model.load_state_dict(state)
+    assert_same(full(model), saved, "(a) dcp.load into the converted model")
+    assert_fp8(model, "(a)")
+    assert step(model, 2) == uninterrupted_loss
+    assert_same(full(model), uninterrupted, "(a) the step after loading")
+
+    # (b) into a plain FSDP2 model
+    plain = build(fp8=False)
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=os.path.join(path, "fp8"))
+    plain.load_state_dict(state)
+    assert_same(full(plain), saved, "(b) dcp.load into a plain model")
+    reference = build(fp8=False, weights=saved)
+    assert step(plain, 2) == step(reference, 2)
+    assert_same(full(plain), full(reference), "(b) the step after loading")
+
+    # (c) a plain checkpoint into a converted model
+    dcp.save(plain.state_dict(), checkpoint_id=os.path.join(path, "plain"))
+    plain_weights = full(plain)
+    fresh = build(fp8=True)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=os.path.join(path, "plain"))
+    fresh.load_state_dict(state)
+    assert_same(full(fresh), plain_weights, "(c) dcp.load of a plain checkpoint")
+    assert_fp8(fresh, "(c)")
+    reference = build(fp8=True, weights=plain_weights)
+    resumed_loss = step(fresh, 3)
+    assert resumed_loss == step(reference, 3)
+    resumed = full(fresh)
+    assert_same(resumed, full(reference), "(c) the step after loading")
+
+    # (d) torch.distributed.checkpoint.state_dict, full and sharded
+    weights = full(model)
+    full_state = get_model_state_dict(model, options=full_opts)
+    assert all(type(v) is torch.Tensor for v in full_state.values()), {k: type(v) for k, v in full_state.items()}
+    assert_same(full_state, weights, "get_model_state_dict(full)")
+    sharded = get_model_state_dict(model)
+    assert_plain(sharded, "get_model_state_dict")
+    for target_fp8, given, options in ((True, full_state, full_opts), (True, sharded, None),
+                                      (False, full_state, full_opts), (False, sharded, None)):
+        target = build(fp8=target_fp8)
+        set_model_state_dict(target, given, options=options or StateDictOptions())
+        what = f"set_model_state_dict({'full' if options else 'sharded'}) into a {'converted' if target_fp8 else 'plain'} model"
+        assert_same(full(target), weights, what)
+        if target_fp8:
+            assert_fp8(target, what)
+    plain_full = get_model_state_dict(plain, options=full_opts)
+    target = build(fp8=True)
+    set_model_state_dict(target, plain_full, options=full_opts)
+    assert_same(full(target), plain_weights, "set_model_state_dict of a plain model's full state dict")
+    assert_fp8(target, "plain full state dict")
+    assert step(target, 3) == resumed_loss  # (c)'s step from the same weights
+    assert_same(full(target), resumed, "the step after set_model_state_dict")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path)
+
+
 # -- layers -------------------------------------------------------------------------------------
 
 

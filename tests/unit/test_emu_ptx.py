@@ -82,14 +82,16 @@ def _compile(arch: str, want: str) -> str:
                 f"-I{include}".encode(), b"-std=c++17"]
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
-        log = b" " * size
+        # writable buffers: NVRTC writing into b" " * 1 (an empty log) overwrites CPython's shared
+        # b" " for the rest of the process (see ubnext.kernels._nvrtc_compile)
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
         assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
         if want == "cubin":
             assert nvrtc.nvrtcGetCUBINSize(prog)[1] > 0
             return ""
         size = nvrtc.nvrtcGetPTXSize(prog)[1]
-        ptx = b" " * size
+        ptx = bytearray(size)
         nvrtc.nvrtcGetPTX(prog, ptx)
         return ptx.rstrip(b"\x00 ").decode()
     finally:
@@ -107,3 +109,8 @@ def test_every_wrapper_emits_its_instruction(arch):
 def test_pre_hopper_compiles_without_multimem():
     ptx = _compile("sm_80", "ptx")
     assert "multimem" not in ptx and "trap" in ptx
+
+
+def test_compiling_leaves_the_interpreter_s_bytes_alone():
+    _compile("sm_80", "ptx")  # the probe's log is empty: one NUL byte, the size that hit b" "
+    assert bytes([0x20])[0] == 0x20, "NVRTC wrote into CPython's shared one-byte bytes object"

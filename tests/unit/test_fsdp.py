@@ -129,3 +129,63 @@ def test_missing_fsdp2_api_is_named(monkeypatch):
     monkeypatch.delattr(FSDPModule, "set_custom_all_gather")
     with pytest.raises(RuntimeError, match=r"torch >= 2.9 .*set_custom_all_gather"):
         UF.require_fsdp2()
+
+
+def _pair():
+    """A converted model (one "row", one "static" layer) and a plain one of the same shapes."""
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+
+    torch.manual_seed(0)
+    converted, plain = make(), make()
+    UF.convert_to_fp8_all_gather(converted, include="0")
+    UF.convert_to_fp8_all_gather(converted, include="2", scaling="static", scale=torch.tensor([0.5]))
+    return converted, plain
+
+
+def _assert_converted(model, comm):
+    assert model[0].weight._scaling == "row" and model[2].weight._scaling == "static"
+    assert model[2].weight._scale.tolist() == [0.5]
+    for layer in (model[0], model[2]):
+        assert isinstance(layer.weight, UF.FP8AllGatherWeight) and isinstance(layer.weight, torch.nn.Parameter)
+        assert layer.weight.requires_grad and layer.weight._comm is comm
+
+
+def _sgd_step(model, x):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).square().mean().backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_fp8_checkpoint_is_plain_and_loads_both_ways(tmp_path):
+    """A converted model's state dict holds its plain weights (sharing their memory), so torch.load's
+    defaults (weights_only) read it; it loads into a model without FP8 and back, and the converted
+    model stays converted (scaling, scale, communicator), also with assign=True."""
+    converted, plain = _pair()
+    comm = object()  # stands for use_ubnext_collectives's communicator
+    for layer in (converted[0], converted[2]):
+        layer.weight._comm = comm
+    state = converted.state_dict()
+    assert all(type(v) is torch.Tensor for v in state.values())
+    assert state["0.weight"].data_ptr() == converted[0].weight._tensor.data_ptr()
+    torch.save(state, tmp_path / "fp8.pt")
+    loaded = torch.load(tmp_path / "fp8.pt")
+    assert all(type(v) is torch.Tensor and torch.equal(v, state[k]) for k, v in loaded.items())
+    plain.load_state_dict(loaded)
+    assert all(torch.equal(v, loaded[k]) for k, v in plain.state_dict().items())
+
+    # the reverse: a plain checkpoint into the converted model, copied and assigned
+    for assign in (False, True):
+        torch.manual_seed(1 + assign)
+        other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        torch.save(other.state_dict(), tmp_path / "plain.pt")
+        converted.load_state_dict(torch.load(tmp_path / "plain.pt"), assign=assign)
+        _assert_converted(converted, comm)
+        assert all(torch.equal(v, other.state_dict()[k]) for k, v in converted.state_dict().items())
+    # and it trains as the plain model does (the layer computes with its high-precision weight)
+    x = torch.randn(3, 4)
+    assert all(torch.equal(a, b) for a, b in zip(_sgd_step(converted, x), _sgd_step(other, x)))
+    _assert_converted(converted, comm)
+    # keep_vars asks for the parameters themselves, not for a checkpoint
+    assert converted.state_dict(keep_vars=True)["0.weight"] is converted[0].weight

@@ -40,3 +40,29 @@ def test_lamport_cubin_has_no_spills(arch):
     spills = SPILL.findall(log)
     assert len(spills) == len(kernels.DTYPES), log
     assert all(s == ("0", "0") for s in spills), log
+
+
+def test_nvrtc_writes_only_into_writable_buffers(monkeypatch):
+    """NVRTC fills the buffers it is handed; an immutable bytes (b" " * 1 is CPython's shared b" ")
+    would be corrupted for the whole process. A fake NVRTC writes as the C library does, through the
+    buffer protocol, which refuses read-only memory."""
+    cuda_bindings = pytest.importorskip("cuda.bindings")
+
+    class FakeNvrtc:
+        def __getattr__(self, name):
+            outputs = {"nvrtcGetProgramLog": b"\0", "nvrtcGetPTX": b".version 8.0\0", "nvrtcGetCUBIN": b"\x7fELF"}
+            sizes = {"nvrtcGetProgramLogSize": 1, "nvrtcGetPTXSize": 13, "nvrtcGetCUBINSize": 4}
+            if name in outputs:
+                def fill(prog, buf, data=outputs[name]):
+                    memoryview(buf)[:len(data)] = data
+                    return (0,)
+                return fill
+            if name in sizes:
+                return lambda prog, size=sizes[name]: (0, size)
+            return {"nvrtcCreateProgram": lambda *a: (0, object()), "nvrtcCompileProgram": lambda *a: (0,),
+                    "nvrtcDestroyProgram": lambda prog: (0,)}[name]
+
+    monkeypatch.setattr(cuda_bindings, "nvrtc", FakeNvrtc(), raising=False)
+    assert kernels._nvrtc_compile("lamport.cu", "sm_90", "ptx") == (b".version 8.0\0", "")
+    assert kernels._nvrtc_compile("lamport.cu", "sm_90", "cubin") == (b"\x7fELF", "")
+    assert bytes([0x20])[0] == 0x20

@@ -171,21 +171,24 @@ def _nvrtc_compile(fname: str, arch: str, want: str, defines: tuple[str, ...] = 
     try:
         opts = _options(arch, defines)
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        # NVRTC writes into the buffers it is given: they must be bytearrays. b" " * n is immutable and,
+        # for n == 1 (an empty log, its NUL), CPython's one shared b" ": overwriting it makes every
+        # 0x20 byte the process reads afterwards (a pickle's BININT1 32, say) read as 0
         log_size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * log_size
+        log = bytearray(log_size)
         check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
         log_text = log.decode(errors="replace").rstrip("\x00 \n")
         if int(status) != 0:
             raise CudaError(f"NVRTC failed to compile {fname} for {arch}:\n{log_text}")
         if want == "cubin":
             size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            image = b" " * size
+            image = bytearray(size)
             check(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
         else:
             size = check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-            image = b" " * size
+            image = bytearray(size)
             check(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
-        return image, log_text
+        return bytes(image), log_text
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
