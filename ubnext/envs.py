@@ -123,7 +123,8 @@ VARIABLES: dict[str, Var] = {
         Var("UBNEXT_EMU_COUNT", _bool, False, "0|1",
             "Emulator count mode: measure every launch's critical path (CTAs, NVLink hops, fences, "
             "bytes per CTA) at a GPU's launch geometry, for `python -m ubnext.bench --model`. "
-            "Pools carry a stamp shadow: three times their memory."),
+            "Pools then map seven times their size (a stamp shadow of 6 bytes per byte, sparse: "
+            "only what the kernels touch costs memory)."),
         Var("UBNEXT_EMU_SM_COUNT", _positive_int, 132, "integer > 0",
             "SMs of the GPU that count mode's launch geometry stands for (132: H100 SXM)."),
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",

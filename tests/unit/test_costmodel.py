@@ -1,0 +1,55 @@
+"""The critical-path model's arithmetic (ubnext/_costmodel.py), without running ranks: the modeled
+time of a launch, the derivation of large sizes from a measured one, and the planner's mark. The
+counts themselves are pinned by tests/mpi/test_costmodel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ubnext import _costmodel as M
+from ubnext._executor import GPU_BLOCK, GRID_CAP, launch_geometry
+
+
+def _launch(**kw):
+    base = {"kernel": "k", "ctas": 4, "block": 256, "hops": 0, "fences": 0, "max_cta_bytes": 0,
+            "total_bytes": 0, "nvlink_bytes": 0, "multicast_bytes": 0}
+    return base | kw
+
+
+def test_model_time_is_launch_plus_hops_plus_the_slowest_bandwidth_term():
+    one_hop = _launch(hops=1)
+    assert M.model_us([one_hop]) == pytest.approx(M.LAUNCH_US.value + M.HOP_US.value, abs=0.01)
+    # 1 MB through one CTA: the per-SM term dominates HBM's and NVLink's
+    per_cta = _launch(hops=2, max_cta_bytes=1 << 20, total_bytes=1 << 20, nvlink_bytes=1 << 20)
+    want = M.LAUNCH_US.value + 2 * M.HOP_US.value + (1 << 20) / (M.SM_GBPS.value * 1e3)
+    assert M.model_us([per_cta]) == pytest.approx(want, abs=0.01)
+    # two launches run one after the other
+    assert M.model_us([one_hop, one_hop]) == pytest.approx(2 * M.model_us([one_hop]), abs=0.02)
+
+
+def test_every_constant_names_its_source():
+    for name, c in M.CONSTANTS.items():
+        assert c.value > 0 and len(c.source) > 20, name
+
+
+def test_large_sizes_are_derived_from_the_largest_measured_size_of_their_path():
+    small = M.Case("all_reduce", "twoshot", 65536)
+    smaller = M.Case("all_reduce", "twoshot", 16384)
+    grid0 = launch_geometry("twoshot", small.nbytes // 2, 2, 0, False, 8, GPU_BLOCK, GRID_CAP)[0]
+    measured = {smaller: [_launch(ctas=1, hops=6, fences=4, max_cta_bytes=100, total_bytes=100)],
+                small: [_launch(ctas=grid0, hops=6, fences=4, max_cta_bytes=1000, total_bytes=4000, nvlink_bytes=800)]}
+    big = M.Case("all_reduce", "twoshot", 64 << 20)
+    (d,) = M.derive(measured, big, 8, 132)
+    ratio = big.nbytes / small.nbytes
+    grid = launch_geometry("twoshot", big.nbytes // 2, 2, 0, False, 8, GPU_BLOCK, GRID_CAP)[0]
+    assert grid == GRID_CAP == d["ctas"]
+    assert (d["hops"], d["fences"]) == (6, 4)
+    assert d["total_bytes"] == 4000 * ratio and d["nvlink_bytes"] == 800 * ratio
+    assert d["max_cta_bytes"] == round(1000 * ratio * grid0 / grid)
+    assert M.derive(measured, M.Case("all_reduce", "lamport", 1 << 20), 8, 132) is None
+
+
+def test_the_planner_mark_follows_the_default_pool():
+    assert M.chosen_path(M.Case("all_reduce", "lamport", 16384, 1), 8) == "lamport"
+    assert M.chosen_path(M.Case("all_reduce_add_rmsnorm", "lamport", 16384, 1), 8) == "lamport"
+    assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
