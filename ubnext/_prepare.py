@@ -233,11 +233,13 @@ class Preparation:
         return None
 
     def empty(self, *shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """A tensor in the symmetric pool (collective, same order on every rank), so that a
-        GEMM can write its output there (``out=``) and the allreduce runs in place. Falls back
-        to an ordinary tensor, counted in ``pool_stats()['fallbacks']``, when it does not fit.
-        Raises inside CUDA graph capture, where the ranks cannot agree on the offset: allocate
-        before capturing."""
+        """A tensor in the symmetric pool (collective: every rank allocates the same shapes in the
+        same order), so that a GEMM can write its output there (``out=``) and the allreduce runs
+        in place. The offset is a function of that order alone (the pool's arenas), the same on
+        every rank without a word between them, whenever each rank's garbage collector frees
+        the earlier ones. Inside CUDA graph capture it comes from the graph arena, held for the
+        pool's life. Falls back to an ordinary tensor, counted in ``pool_stats()['fallbacks']``,
+        when it does not fit."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
         shape = tuple(int(s) for s in shape)
@@ -251,31 +253,11 @@ class Preparation:
         pool = self.pool
         if pool is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
-        if _cuda.capturing(self.device):
-            # asked before a block is taken: a graph-arena block is never given back
-            raise UbnextError(
-                "ubnext: comm.empty inside CUDA graph capture: the ranks agree on a pool tensor's offset "
-                "with a host round trip (all_gather_object), which a capture cannot contain. Call "
-                "comm.prepare() and allocate the pool tensors before capturing, then use them in the capture")
-        tensor, offset, reason = None, None, ""
         try:
-            tensor = pool.empty(shape, dtype)
-            offset = pool.offset_of(tensor)
+            return pool.empty(shape, dtype)
         except NoRoom as exc:
-            reason = str(exc)
-        # A tensor reduced in place must sit at the same offset on every rank, and arenas can
-        # differ (the garbage collector frees at different times on each rank): agree, and
-        # give every rank an ordinary tensor unless all got the same offset.
-        offsets = self._allgather(offset)
-        if tensor is not None and len(set(offsets)) == 1:
-            return tensor
-        if tensor is not None:
-            reason = f"the ranks' pool offsets differ ({offsets})"
-        elif any(o is not None for o in offsets):
-            reason = f"{reason} on this rank"
-        del tensor
-        self._log_once("pool", f"comm.empty{shape} {dtype} is not in the pool: {reason}; "
-                       "returning an ordinary tensor")
+            self._log_once("pool", f"comm.empty{shape} {dtype} is not in the pool: {exc}; "
+                           "returning an ordinary tensor")
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def pool_stats(self) -> dict[str, Any]:

@@ -1,16 +1,21 @@
-"""First-fit sub-allocator with coalescing, for the symmetric pool's data arena.
+"""Sub-allocators of the symmetric pool's data arenas. Neither touches memory; they hand out
+``[offset, offset + size)`` ranges.
 
-Deterministic: the same sequence of calls gives the same offsets, so ranks that allocate and
-free in the same program order (SPMD code) hold the same offsets, which the in-place kernels
-need. It never touches memory; it only hands out ``[offset, offset + size)`` ranges.
+- :class:`Allocator`: first fit with coalescing. The same sequence of allocations and frees gives
+  the same offsets. The graph arena uses it (nothing there is ever freed).
+- :class:`RingAllocator`: placement by the sequence of allocations alone, so ranks whose frees
+  come at different times (the garbage collector runs at different moments on each rank) still
+  get the same offsets, with no agreement between them. The eager arena uses it.
 """
 
 from __future__ import annotations
 
 import bisect
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
-__all__ = ["Allocator", "NoRoom"]
+__all__ = ["Allocator", "RingAllocator", "NoRoom"]
 
 
 class NoRoom(MemoryError):
@@ -105,3 +110,115 @@ class Allocator:
 
     def live(self) -> dict[int, int]:
         return dict(self._live)
+
+
+def _align_up(value: int, align: int) -> int:
+    return (value + align - 1) & ~(align - 1)
+
+
+class RingAllocator:
+    """Each allocation goes right after the previous one (back to the base when it does not fit
+    before the end), whatever was freed meanwhile: frees only mark ranges dead. So the offsets are
+    a function of the sequence of allocations, the same on every rank of SPMD code, however late
+    each rank's garbage collector returns its garbage.
+
+    Where a range still held lies in the way, ``collect`` (the pool passes ``gc.collect``) first
+    gives it the chance to die: a rank whose collector has not yet run catches up with one whose
+    collector has. Then whatever still lies in the way is skipped. After a collection, what is
+    held is what the program holds, the same on every rank of SPMD code, so the skip is too. The
+    price is a collection whenever the ring comes round to memory still held (a long-lived pool
+    tensor), once per lap.
+
+    Thread-safe: frees come from storage finalizers on whatever thread drops the last reference
+    (autograd's, the garbage collector's inside ``collect``)."""
+
+    def __init__(self, base: int, size: int, *, min_align: int = 16, collect: Callable[[], object] | None = None):
+        if size < 0 or base < 0:
+            raise ValueError(f"arena base/size must be >= 0, got base={base} size={size}")
+        if min_align <= 0 or min_align & (min_align - 1):
+            raise ValueError(f"alignment must be a power of two, got {min_align}")
+        self.base = base
+        self.size = size
+        self.min_align = min_align
+        self._collect = collect
+        self._next = base  # where the next allocation goes, if it fits
+        self._starts: list[int] = []  # starts of the held ranges, sorted (they never overlap)
+        self._live: dict[int, int] = {}  # start -> end
+        self._lock = threading.RLock()  # re-entrant: collect() runs finalizers that free
+        self.stats = _Stats()
+
+    def _in_the_way(self, lo: int, hi: int) -> int | None:
+        """The end of the last held range overlapping [lo, hi), or None."""
+        i = bisect.bisect_left(self._starts, hi)
+        if i and self._live[self._starts[i - 1]] > lo:
+            return self._live[self._starts[i - 1]]
+        return None
+
+    def _first_candidate(self, nbytes: int, align: int) -> int:
+        at = _align_up(self._next, align)
+        return at if at + nbytes <= self.base + self.size else _align_up(self.base, align)
+
+    def _place(self, nbytes: int, align: int) -> int | None:
+        """The first offset from the ring's position to the end, then from the base back to the
+        position, where nothing held lies in the way."""
+        end = self.base + self.size
+        origin = _align_up(self._next, align)
+        for at, limit in ((origin, end), (_align_up(self.base, align), origin)):
+            while at < limit and at + nbytes <= end:
+                blocker = self._in_the_way(at, at + nbytes)
+                if blocker is None:
+                    return at
+                at = _align_up(blocker, align)
+        return None
+
+    def alloc(self, nbytes: int, align: int = 16) -> int:
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"allocation size must be a positive int, got {nbytes!r}")
+        align = max(align, self.min_align)
+        if align & (align - 1):
+            raise ValueError(f"alignment must be a power of two, got {align}")
+        with self._lock:
+            at = self._first_candidate(nbytes, align)
+            if self._collect is not None and self._in_the_way(at, at + nbytes) is not None:
+                self._collect()
+            offset = self._place(nbytes, align)
+            if offset is None:
+                self.stats.failed += 1
+                raise NoRoom(
+                    f"no room for {nbytes} bytes (align {align}) in the pool arena's ring "
+                    f"({self.stats.used} of {self.size} bytes held, largest free {self.largest_free()})")
+            bisect.insort(self._starts, offset)
+            self._live[offset] = offset + nbytes
+            self._next = offset + nbytes
+            self.stats.used += nbytes
+            self.stats.peak = max(self.stats.peak, self.stats.used)
+            self.stats.allocations += 1
+            return offset
+
+    def free(self, offset: int) -> None:
+        with self._lock:
+            try:
+                end = self._live.pop(offset)
+            except KeyError:
+                raise ValueError(f"offset {offset} is not a live allocation") from None
+            del self._starts[bisect.bisect_left(self._starts, offset)]
+            self.stats.used -= end - offset
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        with self._lock:
+            out, at = [], self.base
+            for start in self._starts:
+                if start > at:
+                    out.append((at, start))
+                at = self._live[start]
+            if at < self.base + self.size:
+                out.append((at, self.base + self.size))
+            return out
+
+    def largest_free(self, align: int = 256) -> int:
+        align = max(align, self.min_align)
+        return max((max(0, e - _align_up(s, align)) for s, e in self.free_ranges()), default=0)
+
+    def live(self) -> dict[int, int]:
+        with self._lock:
+            return dict(self._live)

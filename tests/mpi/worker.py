@@ -1541,11 +1541,14 @@ def case_tp_checkpoint():
 
 
 def case_divergent():
-    """Ranks whose pool histories differ: rank 0 holds one extra pool tensor (memory its garbage
-    collector has not returned yet), then every rank reduces a fresh pool tensor in place.
-    Through comm.empty (which agrees on offsets) the result is right on every path. With raw pool
-    tensors that bypass the agreement, the kernels' call headers must turn the differing offsets
-    into the same clear error on every rank; never wrong data."""
+    """Ranks whose pool histories differ, then every rank reduces a fresh pool tensor in place.
+    Through comm.empty, every rank allocated one more tensor and dropped it, and only rank 0 still
+    holds it (garbage its collector, off there, has not returned): the offsets agree by
+    construction and the result is right on every path. With raw pool tensors, where rank 0 alone
+    allocated one more (a program that is not SPMD), the kernels' call headers must turn the
+    differing offsets into the same clear error on every rank; never wrong data."""
+    import gc
+
     if MODE == "torch":
         return
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -1556,8 +1559,17 @@ def case_divergent():
         for algo in ("twoshot", "nvls_twoshot", "nvls", "auto"):
             comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo)
             comm.pool  # collective creation before the ranks' histories diverge
-            extra = comm.pool.empty((3000,), torch.bfloat16) if rank == 0 else None
+            if agreed:
+                if rank == 0:
+                    gc.disable()
+                extra = comm.empty(3000, dtype=torch.bfloat16)
+                extra = [extra]
+                extra.append(extra)  # rank 0 keeps it until a collection
+                extra = None
+            else:
+                extra = comm.pool.empty((3000,), torch.bfloat16) if rank == 0 else None
             x = comm.empty(8192, dtype=torch.bfloat16) if agreed else comm.pool.empty((8192,), torch.bfloat16)
+            gc.enable()
             x.copy_(inputs[rank])
             try:
                 comm.all_reduce(x, out=x)
@@ -1836,9 +1848,11 @@ def case_misuse():
 
 
 def case_uneven_history():
-    """Rank 0 has filled its eager arena, the others have not: every rank still takes the same
-    path (planning and staging depend on the pool's layout, not on what a rank allocated), and
-    the sums are right."""
+    """Every rank has filled its eager arena and dropped what it filled it with, but only rank 0's
+    garbage collector has not run (it is off there, and the tensors sit in reference cycles): every
+    rank still takes the same path (planning and staging depend on the pool's layout, not on what a
+    rank holds), the sums are right, and the next comm.empty lands at the same offset on every
+    rank without asking the peers (its allocation collects rank 0's garbage first)."""
     if MODE == "torch":
         return
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -1847,19 +1861,34 @@ def case_uneven_history():
 
 
 def _uneven_history(n, rank, algo):
+    import gc
+
     comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo)
     stats = comm.pool_stats()
-    held = []
     if rank == 0:
-        # fill the eager arena with 64 KiB tensors, through the pool directly (rank-local, as
-        # memory the garbage collector has not yet returned on one rank only)
-        from ubnext.pool import NoRoom
+        gc.disable()
+    try:
+        _fill_with_garbage(comm)
+        _uneven_history_calls(comm, n, rank, algo, stats)
+    finally:
+        gc.enable()
+        comm.close()
 
-        try:
-            while True:
-                held.append(comm.pool.empty((16384,), torch.float32))
-        except NoRoom:
-            pass
+
+def _fill_with_garbage(comm) -> None:
+    """Fill the eager arena to its end with 64 KiB pool tensors (and one for the rest), each
+    dropped into a reference cycle: memory only a garbage collection returns. (Filling until an
+    allocation fails would never end: an allocation that meets garbage collects it.)"""
+    arena = comm.pool.arenas["eager"]
+    sizes = [65536] * (arena.size // 65536) + ([arena.size % 65536] if arena.size % 65536 >= 256 else [])
+    for nbytes in sizes:
+        t = comm.empty(nbytes // 4, dtype=torch.float32)
+        assert comm.pool.contains(t), "the fill found no room"
+        cycle: list = [t]
+        cycle.append(cycle)
+
+
+def _uneven_history_calls(comm, n, rank, algo, stats):
     numel = stats["staging_bytes"] // 4 // 2  # fp32, half the staging region
     inputs = [T.rank_input(r, numel, torch.float32, 13) for r in range(n)]
     out = comm.all_reduce(inputs[rank].to(device())).cpu()
@@ -1885,15 +1914,137 @@ def _uneven_history(n, rank, algo):
     # the result is the caller's: the next call (which reuses the staging region) leaves it alone
     ops.linear_all_reduce(-xs[rank], w, comm.key)
     assert torch.equal(y.double(), want) and not comm.pool.contains(y), "linear_all_reduce returned pool memory"
-    # comm.empty is agreed: rank 0's arena is full, so every rank gets an ordinary tensor, and
-    # the in-place allreduce the README shows still works
+    # rank 0's arena is still full of garbage: comm.empty collects it, and every rank gets the
+    # same offset without asking; the in-place allreduce the README shows works
     p = comm.empty(4096, dtype=torch.float32)
-    assert not comm.pool.contains(p), "a pool tensor on a rank whose peer has none"
+    offsets = gather(comm.pool.offset_of(p) if comm.pool.contains(p) else None)
+    assert offsets[0] is not None and len(set(offsets)) == 1, f"comm.empty after uneven collections: {offsets}"
     p.copy_(inputs[rank][:4096])
     comm.all_reduce(p, out=p)
     err = (p.double().cpu() - T.reference_sum([t[:4096] for t in inputs])).abs()
     assert (err <= T.allreduce_bound([t[:4096] for t in inputs], torch.float32)).all(), "comm.empty in place: wrong sum"
-    held.clear()
+
+
+# the torch.distributed calls that make the host wait for the other ranks (issue 25 item 2)
+HOST_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
+                    "monitored_barrier")
+
+
+@contextlib.contextmanager
+def counting_host_collectives():
+    """The names of the host collectives called inside the block (ubnext, torch's FSDP2 or anyone
+    through ``torch.distributed``)."""
+    called: list[str] = []
+    saved = {name: getattr(dist, name) for name in HOST_COLLECTIVES}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            called.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield called
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _skewed_collection(rank: int, step: int) -> None:
+    """Garbage collection at a different moment on each rank: never on rank 0 (off there), before
+    every step on rank 1, every third step on the others, each at its own phase."""
+    import gc
+
+    if rank == 0:
+        gc.disable()
+    elif rank == 1 or step % 3 == rank % 3:
+        gc.collect()
+
+
+def case_pool_gc_skew():
+    """Pool tensors that only a garbage collection frees (reference cycles), and ranks whose
+    collectors run at different moments: comm.empty still gives every rank the same offset, by
+    construction (the eager arena places by the sequence of allocations), without a single host
+    collective, across laps of the arena; every in-place two-shot allreduce of such a tensor is
+    right and none aborts."""
+    import gc
+
+    if MODE == "torch":
+        return
+    n, rank = dist.get_world_size(), dist.get_rank()
+    comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo="twoshot")
+    comm.prepare()
+    inputs = [T.rank_input(r, 8192, torch.bfloat16, 51) for r in range(n)]
+    want, bound = T.reference_sum(inputs), T.allreduce_bound(inputs, torch.bfloat16)
+    arena = comm.pool.arenas["eager"].size
+    seen = []
+    try:
+        with counting_host_collectives() as called:
+            allocated = 0
+            step = 0
+            while allocated < 2 * arena:  # two laps of the ring
+                _skewed_collection(rank, step)
+                garbage = comm.empty(40_000 + 9_000 * (step % 7), dtype=torch.bfloat16)
+                allocated += garbage.numel() * 2
+                cycle: list = [garbage]
+                cycle.append(cycle)
+                del garbage, cycle
+                x = comm.empty(8192, dtype=torch.bfloat16)
+                x.copy_(inputs[rank])
+                comm.all_reduce(x, out=x)
+                ok = bool(((x.double().cpu() - want).abs() <= bound).all())
+                seen.append((comm.pool.offset_of(x) if comm.pool.contains(x) else None, comm.last_path, ok))
+                step += 1
+    finally:
+        gc.enable()
+    assert called == [], f"host collectives in steady state: {called}"
+    everyone = gather(seen)
+    assert all(s == everyone[0] for s in everyone), "ranks' offsets or paths differ"
+    assert all(off is not None and path == "twoshot" and ok for off, path, ok in seen), seen
+    assert comm.pool.arenas["eager"].stats.failed == 0
+    comm.close()
+
+
+def case_fsdp_steady():
+    """FSDP2 training on ubnext's collectives, with each rank's garbage collector running at its
+    own moments: after the first step (which creates the pool and the communicator's state) no
+    step calls a host collective, the all-gathers and reduce-scatters run ubnext's kernels on pool
+    buffers, and no call aborts."""
+    import gc
+
+    import ubnext.fsdp as UF
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if MODE == "torch":
+        return
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = _fsdp_stack(seed=5)
+    mesh = init_device_mesh(device().type, (n,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096)
+    assert UF.use_ubnext_collectives(model, comm) == 3
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    per_step, paths = [], set()
+    try:
+        for step in range(4):
+            _skewed_collection(rank, step)
+            with counting_host_collectives() as called:
+                x = T.rank_input(rank, FSDP_BATCH * FSDP_HIDDEN, torch.float32, 60 + step).view(FSDP_BATCH, FSDP_HIDDEN)
+                model(x.to(device())).float().square().mean().backward()
+                paths.add(comm.last_path)
+                opt.step()
+                opt.zero_grad()
+            per_step.append(list(called))
+    finally:
+        gc.enable()
+    assert all(c == [] for c in per_step[1:]), f"host collectives per step: {per_step}"
+    assert paths <= {"allgather", "reduce_scatter"}, paths
     comm.close()
 
 

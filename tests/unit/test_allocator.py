@@ -94,3 +94,53 @@ def test_largest_free_counts_the_alignment():
     a.alloc(a.largest_free(256), 256)  # fits exactly
     with pytest.raises(NoRoom):
         a.alloc(a.largest_free(256) + 1, 256)
+
+
+# ---------------------------------------------------------------------------- the ring (eager arena)
+
+def test_ring_places_by_the_sequence_of_allocations_whatever_the_frees():
+    """Two ranks allocate the same sequence; one frees each buffer at once, the other only much
+    later (its garbage collector has not run): the offsets are the same."""
+    from ubnext.allocator import RingAllocator
+
+    prompt, late = RingAllocator(0, 1 << 16), RingAllocator(0, 1 << 16)
+    pending = []
+    sizes = [1000, 4096, 300, 8000, 64, 12000, 5000, 700] * 3
+    for nbytes in sizes:
+        a, b = prompt.alloc(nbytes, 256), late.alloc(nbytes, 256)
+        assert a == b
+        prompt.free(a)
+        pending.append(b)
+        if len(pending) == 5:  # the late rank's collector finally runs
+            for off in pending:
+                late.free(off)
+            pending.clear()
+
+
+def test_ring_collects_before_it_skips_and_skips_what_is_still_held():
+    from ubnext.allocator import RingAllocator
+
+    garbage: list[int] = []
+    ring = RingAllocator(0, 4096, collect=lambda: [ring.free(o) for o in garbage] and garbage.clear())
+    held = ring.alloc(1024)             # [0, 1024): held for good
+    assert ring.alloc(2048) == 1024      # [1024, 3072)
+    garbage.append(1024)                 # dropped, but only the collector would free it
+    calls = []
+    ring._collect = lambda: (calls.append(1), [ring.free(o) for o in garbage], garbage.clear())
+    # 2048 does not fit in [3072, 4096): back to the base, where [0, 1024) is held and [1024, 3072)
+    # is garbage: one collection, then the held range is skipped
+    assert ring.alloc(2048) == 1024 and calls == [1]
+    assert held == 0 and ring.live() == {0: 1024, 1024: 3072}
+
+
+def test_ring_without_room_raises_and_keeps_its_state():
+    from ubnext.allocator import NoRoom, RingAllocator
+
+    ring = RingAllocator(0, 4096, collect=lambda: None)
+    a = ring.alloc(3000)
+    with pytest.raises(NoRoom):
+        ring.alloc(2000)
+    assert ring.stats.failed == 1 and ring.live() == {a: a + 3000}
+    ring.free(a)
+    assert ring.alloc(2000) == 0  # past the end of the last allocation there is no room: the base
+    assert ring.largest_free() == 4096 - 2048

@@ -5,6 +5,7 @@ hand out pool tensors."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import math
 import weakref
@@ -13,7 +14,7 @@ from typing import Callable
 import torch
 
 from .. import _cuda, envs
-from ..allocator import Allocator, NoRoom
+from ..allocator import Allocator, NoRoom, RingAllocator
 from ._backend import PoolSetupError, _agree, _Backend, _Slot, release_deferred
 from .emulator import EmulatorBackend
 from .layout import ERR_WORDS, SENTINEL_WORD, SYNC_BYTES, SYNC_DEPARTED, PoolLayout, pack_desc
@@ -65,12 +66,15 @@ class SymmetricPool:
             self.backend.close()
             raise
         # [staging | eager arena | graph arena]: staging sits at the same offset on every rank and
-        # for every call, so where a call stages never depends on this rank's allocation history
+        # for every call, so where a call stages never depends on this rank's allocation history.
+        # Both arenas place a tensor by the sequence of allocations alone, so every rank of SPMD
+        # code gets the same offset without asking its peers: the eager ring whatever its garbage
+        # collector has returned yet (allocator.py), the graph arena because it never frees.
         rest = layout.data_bytes - layout.staging_bytes
         half = rest // 2 // 256 * 256
         arena_off = layout.data_off + layout.staging_bytes
         self.arenas = {
-            "eager": Allocator(arena_off, half, min_align=16),
+            "eager": RingAllocator(arena_off, half, min_align=16, collect=gc.collect),
             "graph": Allocator(arena_off + half, rest - half, min_align=16),
         }
         self._staging_bytes = _Slot(self.base + layout.data_off, layout.staging_bytes, self.device,
