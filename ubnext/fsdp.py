@@ -86,7 +86,8 @@ def _comm_of(comm: Communicator | None, group) -> Communicator:
 
 class _PoolAlloc:
     """FSDP2's ``allocate``: a pool buffer (collective: FSDP2 allocates in the same order on every
-    rank), or an ordinary tensor on every rank when it does not fit (comm.empty agrees)."""
+    rank), placed by that order with no host round trip (comm.empty), or an ordinary tensor when
+    the pool has no room."""
 
     def __init__(self, comm: Communicator | None = None):
         self.comm = comm
