@@ -25,15 +25,14 @@ def test_reduce_factor():
 
 def test_exchange_plan_is_a_function_of_the_call():
     view = plan.PoolView(None, True, 1 << 20, 4096, "emulator", False, (), "UBNEXT_MAX_BATCH=64 tokens")
-    assert plan.exchange_path("allgather", 4096, False, None, view) == ("allgather", "fits")
-    path, why = plan.exchange_path("allgather", 8192, False, None, view)
+    assert plan.exchange_path("allgather", 4096, False, view) == ("allgather", "fits")
+    path, why = plan.exchange_path("allgather", 8192, False, view)
     assert path == "torch" and "staging region (4096 bytes" in why and "comm.empty" in why
-    assert plan.exchange_path("allgather", 8192, True, None, view)[0] == "allgather"  # a pool buffer
-    assert plan.exchange_path("reduce_scatter", 64, True, "odd shard", view) == ("torch", "odd shard")
+    assert plan.exchange_path("allgather", 8192, True, view)[0] == "allgather"  # a pool buffer
     off = plan.PoolView("no symmetric pool")
-    assert plan.exchange_path("allgather", 64, True, None, off) == ("torch", "no symmetric pool")
+    assert plan.exchange_path("allgather", 64, True, off) == ("torch", "no symmetric pool")
     broken = plan.PoolView(None, False, 1 << 20, 4096, "emulator", False, (("twoshot", "wrong sums"),))
-    assert "self-test" in plan.exchange_path("reduce_scatter", 64, True, None, broken)[1]
+    assert "self-test" in plan.exchange_path("reduce_scatter", 64, True, broken)[1]
 
 
 def test_argument_checks():
