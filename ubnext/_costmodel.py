@@ -264,7 +264,7 @@ def chosen_path(case: Case, world: int) -> str:
     if case.op == "quantize":
         return case.path
     kernel = "allgather" if case.op == "all_gather" else "reduce_scatter"
-    return plan.exchange_path(kernel, case.nbytes, True, None, view)[0]
+    return plan.exchange_path(kernel, case.nbytes, True, view)[0]
 
 
 def table(measured: dict, world: int, sm_count: int, quick: bool, only: frozenset | None = None) -> list[dict]:

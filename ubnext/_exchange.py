@@ -43,10 +43,10 @@ class ExchangeOps:
         return out
 
     def _exchange_call(self, signature: tuple, algo: str, dtype: torch.dtype, n: int, nbytes: int, in_pool: bool,
-                       shape_problem: str | None, factor: float = 0.0) -> Call:
+                       factor: float = 0.0) -> Call:
         """The path and launch of an all-gather or reduce-scatter signature (plan.exchange_path),
         made once and remembered like the allreduce's."""
-        path, why = plan.exchange_path(algo, nbytes, in_pool, shape_problem, self._pool_view())
+        path, why = plan.exchange_path(algo, nbytes, in_pool, self._pool_view())
         if path == "torch":
             self._log_once(algo, f"{algo} takes torch.distributed: {why}")
         launch = self._launch_for(algo, dtype, n, 0, factor, 0) if path != "torch" else None
@@ -72,15 +72,14 @@ class ExchangeOps:
         signature = ("all_gather", nbytes, in_pool)
         call = self._calls.get(signature)
         if call is None:
-            problem = None if nbytes % 4 == 0 else f"the shard's {nbytes} bytes are not a multiple of 4"
             call = self._exchange_call(signature, "allgather", torch.uint8, nbytes, self.world_size * nbytes,
-                                       in_pool, problem)
+                                       in_pool)
         self.last_path = call.path
         if call.launch is None:
             self._torch_all_gather(x, out)
             return
-        src = x if x.data_ptr() % 4 == 0 else x.clone()  # the kernel moves 4-byte words at least
         target = out if in_pool else self._pool.staging((self.world_size * nbytes,), torch.uint8)
+        src = _on_grid_of(x, target.data_ptr() + self.rank * nbytes)
         self._run(call.launch, (self._pool.base, src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
         if target is not out:
             out.view(-1).view(torch.uint8).copy_(target)
@@ -110,16 +109,14 @@ class ExchangeOps:
         signature = ("reduce_scatter", n, x.dtype, factor, in_pool)
         call = self._calls.get(signature)
         if call is None:
-            problem = None if (n * elem) % 16 == 0 else (
-                f"a shard of {n} {x.dtype} elements is not a whole number of 16-byte vectors")
-            call = self._exchange_call(signature, "reduce_scatter", x.dtype, n, x.numel() * elem, in_pool, problem,
+            call = self._exchange_call(signature, "reduce_scatter", x.dtype, n, x.numel() * elem, in_pool,
                                        factor)
         self.last_path = call.path
         if call.launch is None:
             self._torch_reduce_scatter(x, out, factor)
             return
         src = x if in_pool else self._pool.staging((x.numel(),), x.dtype).copy_(x.view(-1))
-        target = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+        target = out if out.data_ptr() % elem == 0 else torch.empty_like(out)  # the kernel stores whole elements
         self._run(call.launch, (self._pool.base, src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
         if target is not out:
             out.copy_(target)
@@ -136,3 +133,15 @@ class ExchangeOps:
         if factor != 1.0:
             out.mul_(factor)
 
+
+
+def _on_grid_of(x: torch.Tensor, dst: int) -> torch.Tensor:
+    """``x``'s bytes at an address that lies like ``dst`` on the 16-byte grid: the all-gather kernel
+    pushes whole vectors only where its input and its slice of the output do (allgather.cu), else
+    one byte at a time. ``x`` itself when it does, as FSDP2's in-place slice always does."""
+    if (x.data_ptr() - dst) % 16 == 0:
+        return x
+    nbytes = x.numel() * x.element_size()
+    buf = torch.empty(nbytes + 16, dtype=torch.uint8, device=x.device)
+    start = (dst - buf.data_ptr()) % 16
+    return buf[start:start + nbytes].copy_(x.reshape(-1).view(torch.uint8))

@@ -241,15 +241,22 @@ class FP8AllGatherWeight(torch.Tensor):
     # -- FSDP2's hooks ------------------------------------------------------------------------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """This rank's shard as (q, scale_inv), written by one kernel (comm.quantize_fp8)."""
+        """This rank's shard as (q, scale_inv), written by one kernel (comm.quantize_fp8). Rows that
+        do not divide among the ranks: FSDP2 shards ceil(rows / N) per rank, the last ones short, and
+        the short shards are padded with zero rows that get their own scales and are cut after the
+        gather. FSDP2 then takes only inputs of the padded shard's shape from every rank, so q goes
+        alone: scales that differ per rank ("row", "shard") take their own all-gather, on the same
+        communicator and stream, and a scale every rank shares ("tensor", "static") stays here."""
         world = mesh.size()
-        if len(outer_size) != 2 or outer_size[0] % world:
-            raise ValueError(f"FP8 all-gather needs a 2-D weight whose rows divide evenly among the {world} FSDP "
-                             f"ranks, got {tuple(outer_size)}: FSDP2 pads uneven shards, and a padded shard's "
-                             "scale_inv cannot travel with it (leave this layer out of convert_to_fp8_all_gather)")
+        if len(outer_size) != 2:
+            raise ValueError(f"FP8 all-gather needs a 2-D weight, got {tuple(outer_size)}")
         group = mesh.get_group()
         comm = _comm_of(self._comm, group)
         shard = self._tensor.contiguous()
+        padded_rows = -(-outer_size[0] // world)
+        uneven = outer_size[0] % world != 0
+        if shard.shape[0] != padded_rows:
+            shard = torch.cat([shard, shard.new_zeros(padded_rows - shard.shape[0], shard.shape[1])])
         if self._scaling == "row":
             q, scale_inv = comm.quantize_fp8(shard, scaling="row")
         elif self._scaling == "shard":
@@ -262,35 +269,48 @@ class FP8AllGatherWeight(torch.Tensor):
             else:
                 scale = self._scale.to(shard.device)
             q, scale_inv = comm.quantize_fp8(shard, scaling="static", scale=scale)
-        return (q, scale_inv), (self._scaling, tuple(outer_size))
+        if not uneven:
+            return (q, scale_inv), (self._scaling, tuple(outer_size), None)
+        if self._scaling in ("row", "shard"):
+            scale_inv = comm.all_gather(scale_inv)
+        return (q,), (self._scaling, tuple(outer_size), scale_inv)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """The full weight, dequantised to ``param_dtype`` from the gathered (q, scale_inv)."""
-        q, scale_inv = all_gather_outputs
-        weight = dequantize(q, scale_inv, metadata[0], param_dtype)
+        """The full weight, dequantised to ``param_dtype`` from the gathered (q, scale_inv), the
+        padding rows of uneven shards cut off."""
+        scaling, outer_size, scale_inv = metadata
+        if scale_inv is None:
+            q, scale_inv = all_gather_outputs
+        else:
+            (q,) = all_gather_outputs
+        rows = outer_size[0]
+        q = q[:rows]
+        if scaling == "row":
+            scale_inv = scale_inv[:rows]
+        weight = dequantize(q, scale_inv, scaling, param_dtype)
         if out is not None:
             # out is FSDP2's unsharded Parameter, refilled in place (the backward's re-gather):
             # autograd saved it in the forward, and FSDP2 itself refills its gather buffers
             # without counting a version, as here, since the values are those that were saved
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                 out.copy_(weight)
-            _set_gathered(self, out, q, scale_inv, metadata[0])
+            _set_gathered(self, out, q, scale_inv, scaling)
             return None
-        _set_gathered(self, weight, q, scale_inv, metadata[0])
+        _set_gathered(self, weight, q, scale_inv, scaling)
         return weight, (weight,)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, scaling: str, dtype: torch.dtype) -> torch.Tensor:
     """``q * scale_inv`` of a gathered weight: scale_inv holds one value per row ("row"), or one
-    per rank's shard (the others; equal on every rank for "tensor" and "static")."""
+    per rank's shard of FSDP2's rows (ceil(rows / N) each, the last ones short: "shard"; equal on
+    every rank, or a single value, for "tensor" and "static")."""
     rows = q.shape[0]
-    values = q.float()
     if scaling == "row":
-        values = values * scale_inv.reshape(rows, 1)
+        row_scale = scale_inv.reshape(rows, 1)
     else:
-        world = scale_inv.numel()
-        values = (values.reshape(world, rows // world, -1) * scale_inv.reshape(world, 1, 1)).reshape(q.shape)
-    return values.to(dtype)
+        per = -(-rows // scale_inv.numel())
+        row_scale = scale_inv.repeat_interleave(per)[:rows].reshape(rows, 1)
+    return (q.float() * row_scale).to(dtype)
 
 
 # storage address of a gathered weight -> (q, scale_inv, scaling) it was dequantised from. FSDP2

@@ -146,18 +146,16 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
 EXCHANGE_KERNELS = ("allgather", "reduce_scatter")
 
 
-def exchange_path(op: str, nbytes: int, in_pool: bool, shape_problem: str | None, pool: PoolView) -> tuple[str, str]:
+def exchange_path(op: str, nbytes: int, in_pool: bool, pool: PoolView) -> tuple[str, str]:
     """(path, reason) of an all-gather or reduce-scatter: the kernel ``op`` or ``"torch"``.
     ``nbytes`` is the pool buffer it needs (the gathered output, or the reduce-scatter's input);
     ``in_pool``: the caller's buffer already lies in the pool (comm.empty, ubnext.fsdp's allocate),
-    an argument of the call that every rank passes alike, as for the in-place allreduce;
-    ``shape_problem``: why the kernel cannot take this shape, or None. Like ``choose``, a function
-    of values identical on every rank."""
+    an argument of the call that every rank passes alike, as for the in-place allreduce. The
+    kernels take any shard size (head and tail bytes or elements outside the 16-byte vectors go one
+    at a time). Like ``choose``, a function of values identical on every rank."""
     disabled = dict(pool.disabled)
     if pool.unavailable:
         why = pool.unavailable
-    elif shape_problem:
-        why = shape_problem
     elif "twoshot" in disabled:  # the same peer loads, stores and barriers
         why = f"disabled by the self-test at preparation ({disabled['twoshot']})"
     elif not in_pool and nbytes > pool.staging_bytes:

@@ -60,6 +60,28 @@ UBX_DEV uint4 ld_relaxed_sys_v4(const void* p) {
   return v;
 }
 
+// One element of a peer's pool: the reduce-scatter's head and tail, where a shard starts or ends inside a
+// 16-byte vector.
+UBX_DEV uint16_t ld_relaxed_sys_u16(const uint16_t* p) {
+  uint16_t v;
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_load(&v, p, 2, ::ubx_emu::kRelaxed);
+#else
+  asm volatile("ld.relaxed.sys.global.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+#endif
+  return v;
+}
+
+UBX_DEV uint32_t ld_relaxed_sys_u32(const uint32_t* p) {
+  uint32_t v;
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_load(&v, p, 4, ::ubx_emu::kRelaxed);
+#else
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#endif
+  return v;
+}
+
 UBX_DEV uint32_t ld_acquire_sys_u32(const uint32_t* p) {
   uint32_t v;
 #if defined(UBNEXT_EMULATOR)
@@ -120,6 +142,16 @@ UBX_DEV void st_relaxed_sys_u16(uint16_t* p, uint16_t v) {
   ::ubx_emu::mem_store(p, &v, 2, ::ubx_emu::kRelaxed);
 #else
   asm volatile("st.relaxed.sys.global.u16 [%0], %1;" : : "l"(p), "h"(v) : "memory");
+#endif
+}
+
+// One byte: the all-gather's head and tail, where a shard starts or ends inside a 16-byte vector (any
+// shard size; multimem.st has no byte form, so these go to each peer).
+UBX_DEV void st_relaxed_sys_u8(uint8_t* p, uint8_t v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::mem_store(p, &v, 1, ::ubx_emu::kRelaxed);
+#else
+  asm volatile("st.relaxed.sys.global.u8 [%0], %1;" : : "l"(p), "r"(static_cast<uint32_t>(v)) : "memory");
 #endif
 }
 

@@ -107,6 +107,40 @@ UBX_DEV void sum_over_ranks(const ubnext_comm_desc* d, uint64_t off, float (&acc
   }
 }
 
+// The same sum for the one element of T at byte `off` (a shard's head or tail, outside its whole
+// vectors): the same rank order and the same fp32 adds, so the element gets the bits it would get
+// inside a vector.
+template <typename T>
+UBX_DEV float sum_elem_over_ranks(const ubnext_comm_desc* d, uint64_t off) {
+  constexpr int kPeers = 8;
+  const uint32_t nranks = static_cast<uint32_t>(d->nranks);
+#if !defined(UBNEXT_BREAK_TWOSHOT_DROP_PEER)
+  const uint32_t summed = nranks;
+#else
+  const uint32_t summed = nranks - 1;
+#endif
+  float acc = 0.0f;
+  for (uint32_t p0 = 0; p0 < nranks; p0 += kPeers) {
+    uint32_t bits[kPeers] = {};
+#pragma unroll
+    for (int u = 0; u < kPeers; ++u) {
+      if (p0 + u >= nranks) continue;
+      const uint64_t at = static_cast<uint64_t>(d->peer_base[p0 + u]) + off;
+      if constexpr (DType<T>::kBytes == 4)
+        bits[u] = ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(at));
+      else
+        bits[u] = ld_relaxed_sys_u16(reinterpret_cast<const uint16_t*>(at));
+    }
+#pragma unroll
+    for (int u = 0; u < kPeers; ++u) {
+      if (p0 + u >= summed) continue;
+      const float f = DType<T>::to_float(bits[u]);
+      acc = p0 + u == 0 ? f : acc + f;  // rank 0's value itself first (keeps -0), as sum_over_ranks
+    }
+  }
+  return acc;
+}
+
 // Bytes each rank's slot of a Lamport buffer holds for this message.
 UBX_DEV uint64_t slice_slot_bytes(const Slices& s) { return static_cast<uint64_t>(s.nrows * s.cv) * 16u; }
 

@@ -46,7 +46,7 @@ inline Clock later(Clock a, const Clock& b) {
 // alias used (unicast copy or multicast), so that overlap checks see through multicast.
 struct PendingStore {
   uint64_t addr;   // address as issued
-  uint32_t bytes;  // 4 or 16
+  uint32_t bytes;  // 1, 2, 4 or 16
   bool mc;         // issued to a multicast address: lands in every rank's copy
   int key_region;  // -1: not in a registered region (then key_off is the raw address)
   int key_rank;    // copy the store lands in; -1 for multicast (every copy)

@@ -245,6 +245,10 @@ static void count_unicast(Block& b, const Where& w, unsigned bytes, bool store) 
 
 // ------------------------------------------------------------------------------ raw access
 static inline void words_load(void* dst, const void* src, unsigned bytes, int mo) {
+  if (bytes == 1) {
+    *static_cast<uint8_t*>(dst) = __atomic_load_n(static_cast<const uint8_t*>(src), mo);
+    return;
+  }
   if (bytes == 2) {
     const uint16_t h = __atomic_load_n(static_cast<const uint16_t*>(src), mo);
     memcpy(dst, &h, 2);
@@ -255,6 +259,10 @@ static inline void words_load(void* dst, const void* src, unsigned bytes, int mo
   for (unsigned i = 0; i < bytes / 4; ++i) d[i] = __atomic_load_n(s + i, mo);
 }
 static inline void words_store(void* dst, const void* src, unsigned bytes, int mo) {
+  if (bytes == 1) {
+    __atomic_store_n(static_cast<uint8_t*>(dst), *static_cast<const uint8_t*>(src), mo);
+    return;
+  }
   if (bytes == 2) {
     uint16_t h;
     memcpy(&h, src, 2);

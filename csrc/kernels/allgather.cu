@@ -14,10 +14,14 @@
 //   out: world_size * n bytes in this rank's pool data arena, at the same offset on every rank (the call
 //   header carries that offset, so ranks that disagree fail with a mismatch error instead of writing into
 //   each other's unrelated tensors). in: n bytes anywhere, read locally; it may be this rank's own slice of
-//   `out` (FSDP2 copies its shard there first), which is then not stored to again. n % 4 == 0 (16-byte
-//   vectors where in and the destination allow, 4-byte words otherwise and for a tail).
-// UBNEXT_BREAK_ALLGATHER_SHORT_PUSH (test-only) leaves the last 4-byte word of a shard with a partial
-// vector unpushed.
+//   `out` (FSDP2 copies its shard there first), which is then not stored to again. Any n >= 1: where `in`
+//   and its slice of `out` lie alike on the 16-byte grid (the host copies `in` when they do not; FSDP2's
+//   in-place slice always does), the bytes before the slice's first 16-byte boundary and after its last
+//   (fewer than 16 each) go one byte per peer, the vectors between them whole; where they do not, every
+//   byte goes alone (correct, slow). multimem.st has no byte form: head and tail bytes go to each peer
+//   by unicast, the vectors through multicast.
+// UBNEXT_BREAK_ALLGATHER_SHORT_PUSH (test-only) leaves the last byte of a shard that does not end on a
+// 16-byte boundary unpushed.
 // Traffic per rank: (N-1)*n bytes of peer stores (unicast), or n bytes once through multicast.
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
@@ -29,7 +33,7 @@
 namespace ubx {
 
 UBX_DEV void allgather_push(const ubnext_comm_desc* d, const void* in, void* out, int n, int flags) {
-  if (gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0 || n % 4 != 0) return;  // the host checks: nobody waits
+  if (gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0) return;  // the host checks: nobody waits
   RankBarrier br = barrier_open_checked(d, UBNEXT_OP_ALLGATHER, UBNEXT_HDR_DTYPE_BYTES, n, 0, flags, out);
 
   const uint32_t rank = static_cast<uint32_t>(d->rank);
@@ -39,23 +43,21 @@ UBX_DEV void allgather_push(const ubnext_comm_desc* d, const void* in, void* out
   const uint64_t dst_off = reinterpret_cast<uint64_t>(out) - my_base + static_cast<uint64_t>(rank) * n;
   const bool in_place = reinterpret_cast<uint64_t>(in) == my_base + dst_off;
   const bool multicast = (flags & UBNEXT_F_MULTICAST) != 0 && d->mc_base != 0;
-  const bool vectors = (dst_off % 16 == 0) && (reinterpret_cast<uint64_t>(in) % 16 == 0);
-  const int64_t nvec = vectors ? n / 16 : 0;
-  const int64_t word0 = nvec * 4;  // 4-byte words past the whole vectors
+  const bool vectors = (reinterpret_cast<uint64_t>(in) - dst_off) % 16u == 0;  // peer bases are 16-aligned
+  const int64_t to_grid = static_cast<int64_t>((16u - dst_off % 16u) % 16u);
+  const int64_t head = !vectors ? n : (to_grid < n ? to_grid : n);
+  const int64_t nvec = (n - head) / 16;
+  const int64_t tail0 = head + nvec * 16;
 #if !defined(UBNEXT_BREAK_ALLGATHER_SHORT_PUSH)
-  const int64_t nwords = n / 4;
+  const int64_t nbytes = head + (n - tail0);
 #else
-  const int64_t nwords = n / 4 - 1;  // test-only broken build: the shard's last word never leaves
+  const int64_t nbytes = head + (n - tail0) - (n > tail0 ? 1 : 0);  // test-only broken build: the last byte stays
 #endif
 
   if (!barrier_sync(br)) return;
 
   // Every rank starts with the rank after itself, so they do not all hit the same peer first.
-  auto for_each_target = [&](auto&& put) {
-    if (multicast) {
-      put(static_cast<uint64_t>(d->mc_base) + dst_off);
-      return;
-    }
+  auto for_each_peer = [&](auto&& put) {
     uint32_t p = rank;
     for (uint32_t i = 0; i < nranks; ++i) {
       p = (p + 1u == nranks) ? 0u : p + 1u;
@@ -65,24 +67,18 @@ UBX_DEV void allgather_push(const ubnext_comm_desc* d, const void* in, void* out
   };
   const int64_t t0 = global_tid(), step = global_threads();
   for (int64_t i = t0; i < nvec; i += step) {
-    const uint4 v = ld_plain_v4(static_cast<const char*>(in) + i * 16);
-    for_each_target([&](uint64_t dst) {
-      void* at = reinterpret_cast<void*>(dst + static_cast<uint64_t>(i) * 16u);
-      if (multicast)
-        multimem_st_v4(at, v);
-      else
-        st_relaxed_sys_v4(at, v);
-    });
+    const uint64_t at = static_cast<uint64_t>(head + i * 16);
+    const uint4 v = ld_plain_v4(static_cast<const char*>(in) + at);
+    if (multicast) {
+      multimem_st_v4(reinterpret_cast<void*>(static_cast<uint64_t>(d->mc_base) + dst_off + at), v);
+      continue;
+    }
+    for_each_peer([&](uint64_t dst) { st_relaxed_sys_v4(reinterpret_cast<void*>(dst + at), v); });
   }
-  for (int64_t w = word0 + t0; w < nwords; w += step) {
-    const uint32_t v = static_cast<const uint32_t*>(in)[w];
-    for_each_target([&](uint64_t dst) {
-      uint32_t* at = reinterpret_cast<uint32_t*>(dst + static_cast<uint64_t>(w) * 4u);
-      if (multicast)
-        multimem_st_relaxed_u32(at, v);
-      else
-        st_relaxed_sys_u32(at, v);
-    });
+  for (int64_t k = t0; k < nbytes; k += step) {
+    const int64_t at = k < head ? k : tail0 + (k - head);
+    const uint8_t v = static_cast<const uint8_t*>(in)[at];
+    for_each_peer([&](uint64_t dst) { st_relaxed_sys_u8(reinterpret_cast<uint8_t*>(dst + at), v); });
   }
   if (multicast) fence_proxy_alias();  // the caller reads `out` back through unicast (ptx.cuh)
   (void)barrier_sync(br);

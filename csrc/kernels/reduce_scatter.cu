@@ -15,10 +15,14 @@
 // (double rounding), and the pull by unicast loads keeps one deterministic order on every GPU.
 //
 // Contract: in: N*n elements in this rank's pool data arena, at the same offset on every rank (checked
-// through the call header); not modified. out: n elements anywhere, not overlapping in. n % V == 0
-// (whole 16-byte vectors per shard: V = 8 for bf16/fp16, 4 for fp32), so every shard starts aligned.
+// through the call header); not modified. out: n elements anywhere, not overlapping in. Any n >= 1: a
+// shard that does not start or end on a 16-byte vector (n*elem % 16 != 0 puts rank r's shard at a byte
+// offset r*n*elem from the 16-byte grid) has a head and a tail of fewer than V elements each, loaded
+// one element per peer; the vectors between them load whole. `out` takes whole-vector stores where it
+// lines up with the shard's vectors, element stores otherwise (FSDP2's output is 16-byte aligned, its
+// odd ranks' shards are not). in and out are element-aligned.
 // Result: out[i] = T(factor * sum_r in_r[rank*n + i]), the sum in fp32 in rank order: the same bits
-// whichever GPU runs it.
+// whichever GPU runs it, and whether element i is loaded in a vector or alone.
 // Traffic per rank: (N-1)*n*elem bytes of peer loads; each rank's memory serves as much to its peers.
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
@@ -30,17 +34,33 @@
 namespace ubx {
 
 template <typename T>
+UBX_DEV void store_elem(void* out, int64_t i, float f) {
+  if constexpr (DType<T>::kBytes == 4)
+    static_cast<uint32_t*>(out)[i] = DType<T>::from_float(f);
+  else
+    static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(DType<T>::from_float(f));
+}
+
+template <typename T>
 UBX_DEV void reduce_scatter_pull(const ubnext_comm_desc* d, const void* in, void* out, int n, float factor,
                                  int flags) {
   constexpr int V = DType<T>::kElems;
-  if (gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0 || n % V != 0) return;  // the host checks: nobody waits
+  constexpr int E = DType<T>::kBytes;
+  if (gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0) return;  // the host checks: nobody waits
   RankBarrier br = barrier_open_checked(d, UBNEXT_OP_REDUCE_SCATTER, DType<T>::kCode, n, 0, flags, in);
 
   const uint32_t rank = static_cast<uint32_t>(d->rank);
-  const int64_t nvec = n / V;
   // Byte offset of this rank's shard of `in` in every pool (layouts are identical on every rank).
   const uint64_t shard_off = reinterpret_cast<uint64_t>(in) - static_cast<uint64_t>(d->peer_base[rank]) +
-                             static_cast<uint64_t>(rank) * static_cast<uint64_t>(nvec) * 16u;
+                             static_cast<uint64_t>(rank) * static_cast<uint64_t>(n) * E;
+  // Elements before the shard's first 16-byte boundary, the whole vectors after it, and the tail.
+  const int64_t to_grid = static_cast<int64_t>((16u - shard_off % 16u) % 16u) / E;
+  const int64_t head = to_grid < n ? to_grid : n;
+  const int64_t nvec = (n - head) / V;
+  const int64_t tail0 = head + nvec * V;
+  const int64_t nelem = head + (n - tail0);
+  const bool out_vectors = (reinterpret_cast<uint64_t>(out) + static_cast<uint64_t>(head) * E) % 16u == 0;
+  void* out_vec = static_cast<char*>(out) + head * E;
 
   if (!barrier_sync(br)) return;
 
@@ -51,7 +71,7 @@ UBX_DEV void reduce_scatter_pull(const ubnext_comm_desc* d, const void* in, void
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int64_t i = i0 + u * step;
-      if (i < nvec) sum_over_ranks<T>(d, shard_off + static_cast<uint64_t>(i) * 16u, acc[u]);
+      if (i < nvec) sum_over_ranks<T>(d, shard_off + static_cast<uint64_t>(head * E + i * 16), acc[u]);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -59,8 +79,17 @@ UBX_DEV void reduce_scatter_pull(const ubnext_comm_desc* d, const void* in, void
       if (i >= nvec) continue;
 #pragma unroll
       for (int e = 0; e < V; ++e) acc[u][e] *= factor;
-      store_whole_vec(out, i, pack<T>(acc[u]));
+      if (out_vectors) {
+        store_whole_vec(out_vec, i, pack<T>(acc[u]));
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) store_elem<T>(out, head + i * V + e, acc[u][e]);
+      }
     }
+  }
+  for (int64_t k = t0; k < nelem; k += step) {
+    const int64_t i = k < head ? k : tail0 + (k - head);
+    store_elem<T>(out, i, factor * sum_elem_over_ranks<T>(d, shard_off + static_cast<uint64_t>(i * E)));
   }
   (void)barrier_sync(br);
 }

@@ -789,27 +789,39 @@ def case_traffic():
 
 def case_all_gather():
     """Bytes gathered in rank order, bitwise, through the pool (comm.empty) and through staging,
-    for bf16 / fp32 / uint8 shards, shard sizes that are not whole 16-byte vectors, and the
-    in-place form FSDP2 uses (the input is this rank's slice of the output); the emulator's
-    traffic counters show (N-1) shards of peer stores (unicast) or one multicast push."""
+    for bf16 / fp32 / uint8 shards, shard sizes that are not whole 16-byte vectors (issue 25 point
+    3: any byte count takes the kernel, odd ones included), inputs that lie off their slice's
+    16-byte grid, and the in-place form FSDP2 uses (the input is this rank's slice of the output);
+    the emulator's traffic counters show (N-1) shards of peer stores (unicast) or one multicast
+    push of the shard's whole vectors, its head and tail bytes going to each peer."""
     n, rank = dist.get_world_size(), dist.get_rank()
     kernel = MODE != "torch"
-    for numel, dtype, in_pool in ((4096, torch.bfloat16, True), (1000, torch.float32, False),
-                                  (4 * 37, torch.uint8, True), (12, torch.uint8, False), (6, torch.bfloat16, True)):
+    for numel, dtype, in_pool, off_grid in ((4096, torch.bfloat16, True, False), (1000, torch.float32, False, False),
+                                            (4 * 37, torch.uint8, True, False), (12, torch.uint8, False, False),
+                                            (6, torch.bfloat16, True, False), (13, torch.uint8, True, False),
+                                            (77, torch.uint8, False, True), (965, torch.bfloat16, True, True),
+                                            (3, torch.bfloat16, False, False), (1, torch.uint8, True, False)):
         shards = [T.rank_input(r, numel, torch.float32, 7).mul(40).to(dtype) for r in range(n)]
         x = shards[rank].to(device())
+        if off_grid:  # one element past an aligned address: copied onto the slice's grid first
+            x = torch.empty(numel + 1, dtype=dtype, device=device())[1:].copy_(x)
         out = COMM.empty(n * numel, dtype=dtype) if in_pool else None
         got = COMM.all_gather(x, out=out)
         expect_path(("allgather",))
         want = torch.cat(shards)
         assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), f"all_gather {numel} {dtype}: wrong bytes"
         if MODE == "emulator":
-            # the shard once per peer (or once through multicast), plus per block a 16-byte call
-            # header and two 4-byte barrier signals
+            # the shard once per peer (or its whole vectors once through multicast, its head and
+            # tail bytes to every rank), plus per block a 16-byte call header and two 4-byte
+            # barrier signals
             t, nbytes = COMM._emu.traffic(), numel * dtype.itemsize
             grid = COMM._calls[("all_gather", nbytes, COMM._in_pool_aligned(got))].launch.grid
+            dst = got.data_ptr() + rank * nbytes - COMM.pool.base
+            head = min(nbytes, -dst % 16)
+            ends = head + (nbytes - head) % 16
             if COMM.pool.has_multicast:
-                assert t.mc_store_bytes == nbytes + 24 * grid and sum(t.peer_store_bytes) == 0, t
+                assert t.mc_store_bytes == nbytes - ends + 24 * grid, (t, nbytes, ends)
+                assert sum(t.peer_store_bytes) == (n - 1) * ends, (t, nbytes, ends)
             else:
                 assert sum(t.peer_store_bytes) == (n - 1) * (nbytes + 24 * grid), t
             assert sum(t.peer_load_bytes) == 0 and t.peer_atomic_ops == 0, t
@@ -852,13 +864,30 @@ def case_reduce_scatter():
         if MODE == "emulator":
             t = COMM._emu.traffic()
             assert sum(t.peer_load_bytes) == (n - 1) * numel * dtype.itemsize, t
-    # a shard that is not whole 16-byte vectors: torch, the same contract
-    x = T.rank_input(rank, n * 5, torch.bfloat16, 12).to(device())
-    got = COMM.reduce_scatter(x)
-    assert COMM.last_path == "torch"
-    inputs = [T.rank_input(r, n * 5, torch.bfloat16, 12) for r in range(n)]
-    mine = [t[rank * 5:(rank + 1) * 5] for t in inputs]
-    assert not ((got.double().cpu() - T.reference_sum(mine)).abs() > T.allreduce_bound(mine, torch.bfloat16)).any()
+    # issue 25 point 3: shards that are not whole 16-byte vectors take the kernel too (rank r's
+    # shard starts r * numel * elem bytes into the buffer, off the 16-byte grid for odd numel),
+    # with the same contract; 3860 bf16 is the per-rank shard of Linear(192, 40) with its bias at
+    # 2 ranks. `out`: FSDP2's aligned buffer (element stores where the shard is off the grid), or
+    # one that lies like the shard (whole-vector stores after the head).
+    for numel, dtype, in_pool, out_like_shard in ((5, torch.bfloat16, True, False), (3860, torch.bfloat16, True, False),
+                                                  (7, torch.float32, False, False), (13, torch.float16, True, True),
+                                                  (3861, torch.bfloat16, False, True), (1, torch.float32, True, False)):
+        inputs = [T.rank_input(r, n * numel, dtype, 12) for r in range(n)]
+        x = inputs[rank].to(device())
+        if in_pool:
+            x = COMM.empty(n * numel, dtype=dtype).copy_(x)
+        out = None
+        if out_like_shard:
+            skew = (rank * numel * dtype.itemsize) % 16 // dtype.itemsize
+            out = torch.empty(numel + 16, dtype=dtype, device=device())[skew:skew + numel]
+        got = COMM.reduce_scatter(x, out=out)
+        expect_path(("reduce_scatter",))
+        mine = [t[rank * numel:(rank + 1) * numel] for t in inputs]
+        err = (got.double().cpu() - T.reference_sum(mine)).abs()
+        assert not (err > T.allreduce_bound(mine, dtype)).any(), f"reduce_scatter of {numel} {dtype}: over the bound"
+        if MODE == "emulator":
+            t = COMM._emu.traffic()
+            assert sum(t.peer_load_bytes) == (n - 1) * numel * dtype.itemsize, t
 
 
 def case_quantize_fp8():
@@ -913,16 +942,17 @@ def case_exchange_compile():
 FSDP_HIDDEN, FSDP_FFN, FSDP_OUT, FSDP_BATCH = 32, 64, 16, 4
 
 
-def _fsdp_stack(seed: int) -> torch.nn.Module:
-    """A small transformer-like stack: residual MLP blocks and a head, no biases (every weight's
-    rows divide evenly among 2 and 4 ranks)."""
+def _fsdp_stack(seed: int, hidden: int = FSDP_HIDDEN, ffn: int = FSDP_FFN, out: int = FSDP_OUT,
+                bias: bool = False) -> torch.nn.Module:
+    """A small transformer-like stack: residual MLP blocks and a head, no biases by default (every
+    weight's rows divide evenly among 2 and 4 ranks); _fsdp_odd_stack is the other shape."""
     import torch.nn.functional as F
 
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.fc1 = torch.nn.Linear(FSDP_HIDDEN, FSDP_FFN, bias=False)
-            self.fc2 = torch.nn.Linear(FSDP_FFN, FSDP_HIDDEN, bias=False)
+            self.fc1 = torch.nn.Linear(hidden, ffn, bias=bias)
+            self.fc2 = torch.nn.Linear(ffn, hidden, bias=bias)
 
         def forward(self, x):
             return x + self.fc2(F.silu(self.fc1(x)))
@@ -931,7 +961,7 @@ def _fsdp_stack(seed: int) -> torch.nn.Module:
         def __init__(self):
             super().__init__()
             self.blocks = torch.nn.ModuleList([Block(), Block()])
-            self.head = torch.nn.Linear(FSDP_HIDDEN, FSDP_OUT, bias=False)
+            self.head = torch.nn.Linear(hidden, out, bias=bias)
 
         def forward(self, x):
             for block in self.blocks:
@@ -942,13 +972,21 @@ def _fsdp_stack(seed: int) -> torch.nn.Module:
     return Stack().to(device())
 
 
+def _fsdp_odd_stack(seed: int) -> torch.nn.Module:
+    """Issue 25's shapes: blocks of Linear(192, 40) and Linear(40, 192) with biases, and a head of
+    10 rows. No rank's shard of a block is whole 16-byte vectors at 2, 3 or 4 ranks (7796, 5326 and
+    3898 bf16 elements), the head's shard is an odd element count (965, 772, 579), and fc1's 40
+    rows split 14 / 14 / 12 over 3 ranks."""
+    return _fsdp_stack(seed, hidden=192, ffn=40, out=10, bias=True)
+
+
 def _fsdp_effective(name: str, full: torch.Tensor, scaling: str | None, static_scale, world: int) -> torch.Tensor:
     """The weight the FSDP2 forward must compute with, from the full fp32 master: its bf16 cast,
     or for an FP8 layer the e4m3 round trip of its scaling mode (torch reference), in bf16."""
     from ubnext._checks import FP8_MAX, FP8_TINY_SCALE_INV, quantize_fp8_reference
     from ubnext.fsdp import dequantize
 
-    if scaling is None or not name.startswith("blocks."):
+    if scaling is None or not name.startswith("blocks.") or name.endswith(".bias"):
         return full.to(torch.bfloat16)
     if scaling == "row":
         q, s = quantize_fp8_reference(full, full.shape[-1], None)
@@ -963,7 +1001,7 @@ def _fsdp_effective(name: str, full: torch.Tensor, scaling: str | None, static_s
     return dequantize(q, s, scaling, torch.bfloat16)
 
 
-def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None) -> dict:
+def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsdp_stack) -> dict:
     """FSDP2 with ubnext's collectives (and FP8 all-gather of the blocks' weights when
     ``scaling``), SGD for ``steps`` steps, checked at every step against a reference computed
     from the same fp32 masters:
@@ -975,14 +1013,17 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None) -> dict:
         reduce-scatter of the same gradients is measured for comparison.
     Step 1 scales one block's master weight by 64 before its all-gather, and step 2 scales it back:
     a scale_inv that did not come with its data would saturate it, then crush it to a few codes
-    (the stale-scale check). Errors are compared relative to each gradient's largest element."""
+    (the stale-scale check). Errors are compared relative to each gradient's largest element.
+    ``stack`` builds the model (_fsdp_stack's signature); the result records each FSDP2 all-gather
+    and reduce-scatter (bytes, traffic, path, in the pool)."""
     import ubnext.fsdp as UF
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
     n, rank = dist.get_world_size(), dist.get_rank()
-    model = _fsdp_stack(seed=5)
+    model = stack(seed=5)
+    hidden = model.blocks[0].fc1.in_features
     if scaling is not None:
         converted = UF.convert_to_fp8_all_gather(model, scaling=scaling, scale=static_scale, include="blocks.*")
         assert converted == ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"], converted
@@ -992,20 +1033,30 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None) -> dict:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     assert UF.use_ubnext_collectives(model, COMM) == 3
-    traffic: list[tuple[int, object, str]] = []
+    traffic: list[tuple[int, object, str, bool]] = []
+    scatters: list[tuple[int, object, str, bool]] = []
+
+    def record(into: list, pool_tensor, input_tensor):
+        into.append((input_tensor.numel() * input_tensor.element_size(),
+                     COMM._emu.traffic() if MODE == "emulator" else None, COMM.last_path,
+                     COMM._in_pool_aligned(pool_tensor)))
 
     class Recording(UF.AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             super().__call__(output_tensor, input_tensor, group, async_op)
-            traffic.append((input_tensor.numel() * input_tensor.element_size(),
-                            COMM._emu.traffic() if MODE == "emulator" else None, COMM.last_path,
-                            COMM._in_pool_aligned(output_tensor)))
+            record(traffic, output_tensor, input_tensor)
+
+    class RecordingScatter(UF.ReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            super().__call__(output_tensor, input_tensor, group, op, async_op)
+            record(scatters, input_tensor, input_tensor)
 
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in fsdp_modules:
         m.set_custom_all_gather(Recording(COMM))
+        m.set_custom_reduce_scatter(RecordingScatter(COMM))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    reference = _fsdp_stack(seed=5)
+    reference = stack(seed=5)
     worst = {"ubnext": 0.0, "gloo_bf16": 0.0}
     for step in range(steps):
         if step in (1, 2):
@@ -1029,10 +1080,10 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None) -> dict:
         per_rank = []
         for r in range(n):
             reference.zero_grad()
-            x = T.rank_input(r, FSDP_BATCH * FSDP_HIDDEN, torch.float32, 30 + step).view(FSDP_BATCH, FSDP_HIDDEN)
+            x = T.rank_input(r, FSDP_BATCH * hidden, torch.float32, 30 + step).view(FSDP_BATCH, hidden)
             reference(x.to(device(), torch.bfloat16)).float().square().mean().backward()
             per_rank.append({k: p.grad.clone() for k, p in reference.named_parameters()})
-        x = T.rank_input(rank, FSDP_BATCH * FSDP_HIDDEN, torch.float32, 30 + step).view(FSDP_BATCH, FSDP_HIDDEN)
+        x = T.rank_input(rank, FSDP_BATCH * hidden, torch.float32, 30 + step).view(FSDP_BATCH, hidden)
         model(x.to(device())).float().square().mean().backward()
         for k, p in model.named_parameters():
             grads = [g[k].float().cpu() for g in per_rank]
@@ -1062,7 +1113,7 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None) -> dict:
                 worst["gloo_bf16"] = max(worst["gloo_bf16"], float(gloo_err) / scale)
         opt.step()
         opt.zero_grad()
-    return {"traffic": traffic, "worst": worst, "model": model}
+    return {"traffic": traffic, "scatters": scatters, "worst": worst, "model": model}
 
 
 def case_fsdp():
@@ -1142,13 +1193,59 @@ def case_fsdp_fp8():
         assert all(nb == 2 * block_elems for nb, *_ in blocks_bf16), [t[0] for t in blocks_bf16]
         for nbytes, t, path, _ in blocks_fp8:
             assert path == "allgather", path
-            moved = t.mc_store_bytes if COMM.pool.has_multicast else sum(t.peer_store_bytes) // (n - 1)
+            # each byte once through multicast, or once per peer (unicast, and a shard's head and
+            # tail bytes off the 16-byte grid: case_all_gather)
+            moved = t.mc_store_bytes + sum(t.peer_store_bytes) // (n - 1)
             grid = COMM._calls[("all_gather", nbytes, True)].launch.grid
             assert moved == nbytes + 24 * grid, (moved, nbytes, grid)
         ratio = blocks_fp8[0][0] / blocks_bf16[0][0]
         log(f"fsdp fp8 {scaling}: a block's all-gather moves {blocks_fp8[0][0]} bytes per rank "
             f"({block_elems} e4m3 + {scales[scaling]} scale_inv) against {blocks_bf16[0][0]} in bf16: {ratio:.3f}")
         assert ratio < 0.6, ratio
+
+
+def _assert_fsdp_kernels(result: dict) -> None:
+    """Every all-gather and reduce-scatter of an _fsdp_run took the ubnext kernel, in pool buffers."""
+    for records, kernel in ((result["traffic"], "allgather"), (result["scatters"], "reduce_scatter")):
+        assert records, f"no {kernel} recorded"
+        for nbytes, _, path, in_pool in records:
+            assert path == ("torch" if MODE == "torch" else kernel), (kernel, nbytes, path)
+            assert in_pool or MODE == "torch", f"FSDP2's {kernel} buffer of {nbytes} bytes is not a pool buffer"
+
+
+def case_fsdp_odd_shards():
+    """Issue 25 point 3: FSDP2 on _fsdp_odd_stack (Linear(192, 40) with its bias, as the issue
+    names it), bf16 parameters, _fsdp_run's checks: unsharded weights bitwise the bf16 cast,
+    gradient shards within one bf16 rounding of the fp64 mean. Every all-gather and reduce-scatter
+    took the kernels: the blocks' reduce-scatter shards are not whole 16-byte vectors, and at 2 and
+    4 ranks the head's all-gather shard is an odd number of bf16 (not a multiple of 4 bytes), which
+    both went to torch before."""
+    n = dist.get_world_size()
+    result = _fsdp_run(None, steps=2, stack=_fsdp_odd_stack)
+    _assert_fsdp_kernels(result)
+    assert all(nbytes // n % 16 for nbytes, *_ in result["scatters"]), [t[0] for t in result["scatters"]]
+    head_shard = -(-10 // n) * (192 + 1) * 2
+    assert head_shard in [t[0] for t in result["traffic"]], (head_shard, [t[0] for t in result["traffic"]])
+    assert head_shard % 4 or n == 3, head_shard
+
+
+def case_fsdp_fp8_uneven():
+    """Issue 25 point 4: FP8 all-gather of weights whose rows do not divide among the ranks: on
+    _fsdp_odd_stack at 3 ranks, fc1's 40 rows split 14 / 14 / 12. In "row" and "tensor" scaling,
+    _fsdp_run's checks: each unsharded weight is bitwise the e4m3 round trip of the full weight at
+    its scales (per row, or one from the whole weight's amax), the stale-scale probe included;
+    gradients within one bf16 rounding of the fp64 mean. The all-gathers took the kernel, and so
+    did the per-row scales' own all-gather (14 fp32 per rank, padding rows included). "shard" and
+    "static" scaling, one step each, take the same two routes."""
+    n = dist.get_world_size()
+    assert 40 % n, "run this case where fc1's 40 rows do not divide among the ranks"
+    padded = -(-40 // n)
+    for scaling, steps, scale in (("row", 2, None), ("tensor", 2, None), ("shard", 1, None),
+                                  ("static", 1, torch.tensor([0.02], device=device()))):
+        _assert_fsdp_kernels(_fsdp_run(scaling, steps=steps, static_scale=scale, stack=_fsdp_odd_stack))
+        scales = COMM._calls.get(("all_gather", 4 * padded, False))
+        if scaling == "row" and MODE != "torch":
+            assert scales is not None and scales.path == "allgather", scales
 
 
 def case_fsdp_checkpoint():

@@ -25,15 +25,14 @@ def test_reduce_factor():
 
 def test_exchange_plan_is_a_function_of_the_call():
     view = plan.PoolView(None, True, 1 << 20, 4096, "emulator", False, (), "UBNEXT_MAX_BATCH=64 tokens")
-    assert plan.exchange_path("allgather", 4096, False, None, view) == ("allgather", "fits")
-    path, why = plan.exchange_path("allgather", 8192, False, None, view)
+    assert plan.exchange_path("allgather", 4096, False, view) == ("allgather", "fits")
+    path, why = plan.exchange_path("allgather", 8192, False, view)
     assert path == "torch" and "staging region (4096 bytes" in why and "comm.empty" in why
-    assert plan.exchange_path("allgather", 8192, True, None, view)[0] == "allgather"  # a pool buffer
-    assert plan.exchange_path("reduce_scatter", 64, True, "odd shard", view) == ("torch", "odd shard")
+    assert plan.exchange_path("allgather", 8192, True, view)[0] == "allgather"  # a pool buffer
     off = plan.PoolView("no symmetric pool")
-    assert plan.exchange_path("allgather", 64, True, None, off) == ("torch", "no symmetric pool")
+    assert plan.exchange_path("allgather", 64, True, off) == ("torch", "no symmetric pool")
     broken = plan.PoolView(None, False, 1 << 20, 4096, "emulator", False, (("twoshot", "wrong sums"),))
-    assert "self-test" in plan.exchange_path("reduce_scatter", 64, True, None, broken)[1]
+    assert "self-test" in plan.exchange_path("reduce_scatter", 64, True, broken)[1]
 
 
 def test_argument_checks():
@@ -98,14 +97,29 @@ def test_fp8_weight_is_its_tensor_for_every_op_but_the_hooks():
         UF.FP8AllGatherWeight(w, "static", torch.tensor([1.0, 2.0]))
 
 
-def test_fp8_weight_refuses_uneven_shards():
+def test_fp8_weight_refuses_non_2d():
     class Mesh:
         def size(self):
             return 4
 
     fw = UF.FP8AllGatherWeight(torch.randn(3, 8), "row")
-    with pytest.raises(ValueError, match="divide evenly among the 4 FSDP ranks"):
-        fw.fsdp_pre_all_gather(Mesh(), torch.Size([10, 8]), (8, 1), None, None)
+    with pytest.raises(ValueError, match="needs a 2-D weight"):
+        fw.fsdp_pre_all_gather(Mesh(), torch.Size([10, 8, 2]), (16, 2, 1), None, None)
+
+
+def test_dequantize_uneven_rows():
+    """Issue 25 point 4: scales per FSDP2 shard of 40 rows over 3 ranks (14, 14, 12 rows, the
+    padding cut), per row, and one for the whole weight: each row times its scale, exactly (an
+    fp32 product of an e4m3 value (4 significant bits) and an fp32 scale (24) rounds the exact
+    product once, as does the cast of the exact fp64 product)."""
+    q = (torch.randn(40, 6) * 100).clamp(-448, 448).to(FP8)
+    shard_scales = torch.tensor([0.5, 0.25, 3.0])
+    row_scale = {"shard": shard_scales.repeat_interleave(torch.tensor([14, 14, 12])),
+                 "row": torch.rand(40) + 0.1, "tensor": torch.full((40,), 0.75)}
+    given = {"shard": shard_scales, "row": row_scale["row"], "tensor": torch.tensor([0.75])}
+    for scaling, scales in given.items():
+        want = (q.double() * row_scale[scaling].double().view(40, 1)).float()
+        assert torch.equal(UF.dequantize(q, scales, scaling, torch.float32), want), scaling
 
 
 def test_convert_by_name():
