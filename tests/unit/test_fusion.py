@@ -277,31 +277,45 @@ class _Recorder(CustomGraphPass):
 
 def test_enable_chains_the_installed_pass_and_disable_gives_it_back(group, monkeypatch):
     """A pass already in post_grad_custom_post_pass runs before ubnext's and is back alone after
-    disable(); graphs compiled after disable() keep torch's all-reduce (the FX graph cache keys the
-    rewritten graph apart by the pass's uuid, which is stable across instances)."""
+    disable(). Inductor's FX graph cache stays on and keys the graphs by the pass's uuid (stable
+    across instances): the graph compiled after disable() is not the rewritten one, and with fusion
+    on again the rewritten graph comes from the cache."""
+    import random
+
+    from torch._dynamo.utils import counters
     from torch._inductor import config
 
     recorder = _Recorder()
     monkeypatch.setattr(config, "post_grad_custom_post_pass", recorder)
     assert ubnext.fusion.FusionPass().uuid() == ubnext.fusion.FusionPass().uuid()
+    new_in_this_run = random.random()  # a graph no earlier run has cached
 
     def fn(x):
-        return funcol.all_reduce(x, "sum", dist.group.WORLD) + 1
+        return funcol.all_reduce(x, "sum", dist.group.WORLD) + new_in_this_run
 
     x = torch.ones(4, HIDDEN)
-    torch._dynamo.reset()
+
+    def compile_fn(fusion_on: bool):
+        torch._dynamo.reset()
+        if fusion_on:
+            ubnext.fusion.enable()
+        try:
+            return compiled_code(fn, x)
+        finally:
+            ubnext.fusion.disable()
+
+    counters.clear()
     ubnext.fusion.enable()
-    try:
-        ubnext.fusion.enable()  # twice: still one ubnext pass
-        passes = config.post_grad_custom_post_pass
-        assert passes[0] is recorder and len(passes) == 2 and isinstance(passes[1], ubnext.fusion.FusionPass)
-        assert ubnext.fusion.is_enabled()
-        _, code = compiled_code(fn, x)
-        assert PLAIN_CALL in code and recorder.calls == 1
-    finally:
-        ubnext.fusion.disable()
+    ubnext.fusion.enable()  # twice: still one ubnext pass
+    passes = config.post_grad_custom_post_pass
+    assert passes[0] is recorder and len(passes) == 2 and isinstance(passes[1], ubnext.fusion.FusionPass)
+    assert ubnext.fusion.is_enabled()
+    _, code = compile_fn(True)
+    assert PLAIN_CALL in code and recorder.calls == 1, code
     assert config.post_grad_custom_post_pass is recorder and not ubnext.fusion.is_enabled()
-    torch._dynamo.reset()
-    out, code = compiled_code(fn, x)
-    assert TORCH_CALL in code and "ubnext" not in code and recorder.calls == 2
-    assert torch.equal(out, x + 1)
+    out, code = compile_fn(False)
+    assert TORCH_CALL in code and "ubnext" not in code and recorder.calls == 2, code
+    assert torch.equal(out, x + new_in_this_run)
+    _, code = compile_fn(True)
+    assert PLAIN_CALL in code and recorder.calls == 2, "the rewritten graph was not served by the cache"
+    assert not counters["inductor"]["fxgraph_cache_bypass"], dict(counters["inductor"])
