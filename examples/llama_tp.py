@@ -2,6 +2,7 @@
 
     UBNEXT_EMULATE=1 mpirun -np 2 python examples/llama_tp.py     # CPU: kernels on the emulator
     mpirun -np 8 python examples/llama_tp.py                      # one GPU per rank
+    UBNEXT_EMULATE=1 mpirun -np 2 python examples/llama_tp.py --compile model   # torch's styles + fusion
 
 Every rank builds the same dense model (same seed), computes its output as the reference, then
 parallelizes a copy with ``parallelize_module`` and a plan dict: q/k/v and gate/up column-parallel,
@@ -9,6 +10,15 @@ o and down row-parallel through ubnext. Attention is sharded by heads, so the te
 must divide the query and the key/value heads (checked, naming both). With ``--fused``, each
 layer's o projection also does the residual add and the post-attention RMSNorm in one ubnext call
 (``RowwiseParallel('ubnext_add_rms')`` and the layer's forward taking that path).
+
+With ``--compile model`` the model stays as written: torch's own ``ColwiseParallel`` and
+``RowwiseParallel`` make it tensor-parallel, ``ubnext.fusion.enable()`` and ``torch.compile`` do the
+rest. The compiled graph holds each row-parallel output's all-reduce (DTensor's Partial to
+Replicate) followed by the residual add and the next RMSNorm, and the pass runs the fused op there:
+at every post-attention norm, and at every post-MLP norm (the next layer's input norm, the final
+norm after the last layer). ``--compile block`` compiles each layer on its own, as per-block
+compilation does: the post-MLP norm then lies in the next graph, so only the post-attention norms
+are fused and each MLP's all-reduce runs as a plain ``ubnext.all_reduce``.
 
 Self-contained rather than transformers' LlamaForCausalLM: the block below is the same
 computation (RMSNorm, rotary-free GQA attention, SwiGLU MLP) in 60 lines, and keeps the example
@@ -100,6 +110,20 @@ class Model(torch.nn.Module):
         return self.lm_head(self.norm(x))
 
 
+def torch_tensor_parallel(model: Model, tp: int) -> Model:
+    """The same plan with torch's own styles: the model's modules stay nn.Linear (DTensor weights)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+
+    check_attention_heads(model.heads, model.kv_heads, tp)
+    mesh = init_device_mesh(ubnext.get_communicator().device.type, (tp,))
+    plan = {f"layers.*.{name}": TorchColwise() for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj",
+                                                              "gate_proj", "up_proj")}
+    plan.update({"layers.*.attn.o_proj": TorchRowwise(), "layers.*.down_proj": TorchRowwise()})
+    parallelize_module(model, mesh, plan)
+    return model
+
+
 def tensor_parallel(model: Model, tp: int, fused: bool) -> Model:
     """The plan dict of torchtitan-style code, with ubnext's styles."""
     check_attention_heads(model.heads, model.kv_heads, tp)
@@ -124,6 +148,8 @@ def tensor_parallel(model: Model, tp: int, fused: bool) -> Model:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fused", action="store_true", help="fuse o_proj with the residual add and RMSNorm")
+    parser.add_argument("--compile", choices=("model", "block"),
+                        help="torch's own styles, ubnext.fusion and torch.compile of the whole model or of each layer")
     args = parser.parse_args()
     comm = ubnext.get_communicator()  # initialises torch.distributed from mpirun/torchrun
     rank, tp, device = dist.get_rank(), dist.get_world_size(), comm.device
@@ -136,7 +162,16 @@ def main() -> int:
     tokens = torch.randint(0, 128, (2, 12))
     reference = copy.deepcopy(dense).double()(tokens)
     dense32 = dense.to(device)(tokens.to(device)).detach().cpu().double()
-    model = tensor_parallel(copy.deepcopy(dense).to(device), tp, args.fused)
+    if args.compile:
+        model = torch_tensor_parallel(copy.deepcopy(dense).to(device), tp)
+        ubnext.fusion.enable()
+        if args.compile == "model":
+            model = torch.compile(model)
+        else:
+            for layer in model.layers:
+                layer.compile()
+    else:
+        model = tensor_parallel(copy.deepcopy(dense).to(device), tp, args.fused)
     with torch.no_grad():
         logits = model(tokens.to(device)).cpu().double()
     # Bound: fp32 against the fp64 model. The dense fp32 model's own error is the rounding of this
@@ -149,14 +184,22 @@ def main() -> int:
     dense_err = (dense32 - reference).abs().max().item()
     bound = 2 * dense_err + 8 * u * reference.abs().max().item()
     err = (logits - reference).abs().max().item()
-    paths = sorted({layer.down_proj.last_path for layer in model.layers} |
-                   {layer.attn.o_proj.last_path for layer in model.layers})
+    if args.compile:  # the layers are torch's; the communicator saw the compiled code's calls
+        paths = [comm.last_path]
+        rewritten = ubnext.fusion.stats()
+        # sites per compiled graph: with --compile block, one graph serves every layer
+        how = (f"compile={args.compile}: {rewritten['all_reduce_add_rmsnorm']} all_reduce_add_rmsnorm, "
+               f"{rewritten['all_reduce']} all_reduce in the compiled graphs")
+    else:
+        paths = sorted({layer.down_proj.last_path for layer in model.layers} |
+                       {layer.attn.o_proj.last_path for layer in model.layers})
+        o_proj = model.layers[0].attn.o_proj
+        how = f"o_proj {type(o_proj).__name__}({o_proj.symmetric_ar_type!r})"
     blobs = [None] * tp
     dist.all_gather_object(blobs, logits.numpy().tobytes())
     if rank == 0:
         print(f"tp={tp} fused={args.fused} max |logits - fp64 dense| = {err:.3e} (bound {bound:.3e}, dense fp32 "
-              f"{dense_err:.3e}); o_proj and down_proj allreduce paths {paths}; "
-              f"o_proj {type(model.layers[0].attn.o_proj).__name__}({model.layers[0].attn.o_proj.symmetric_ar_type!r})")
+              f"{dense_err:.3e}); o_proj and down_proj allreduce paths {paths}; {how}")
     ok = err <= bound and all(b == blobs[0] for b in blobs)
     if rank == 0 and not ok:
         print("FAILED: " + ("over the bound" if err > bound else "ranks' logits differ"))

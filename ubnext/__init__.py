@@ -21,6 +21,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_add_rmsnorm",
     "get_communicator",
+    "fusion",
     "__version__",
 ]
 
@@ -31,6 +32,14 @@ if not _log.handlers:
     _handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
     _log.addHandler(_handler)
 
+
+def __getattr__(name: str):
+    # ubnext.fusion imports torch._inductor (about a second): only for a program that uses it
+    if name == "fusion":
+        import importlib
+
+        return importlib.import_module(".fusion", __name__)  # `from . import` would ask __getattr__ again
+    raise AttributeError(f"module 'ubnext' has no attribute {name!r}")
 
 
 def get_communicator(group=None) -> Communicator:

@@ -11,6 +11,7 @@ LONGEST_FIRST = (
     "test_kernels_on_emulator[np4-chaos]",
     "test_kernels_on_emulator[np3-unicast-chaos]",
     "test_torch_fallback[2]",
+    "test_llama_tp_example_compiled_with_fusion[np4-model]",
     "test_wheel_installed_outside_the_checkout",
     "test_broken_protocol_is_caught[no_abort_check]",
     "test_llama_tp_example_under_torchrun",

@@ -22,6 +22,24 @@ def test_llama_tp_example(mpi, np, emulate, flags):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("np,how,sites", [
+    (4, "model", "4 all_reduce_add_rmsnorm, 0 all_reduce"),  # every norm of 2 layers, the final one too
+    (2, "block", "1 all_reduce_add_rmsnorm, 1 all_reduce"),  # one graph for both layers, cut before the MLP's norm
+], ids=["np4-model", "np2-block"])
+def test_llama_tp_example_compiled_with_fusion(mpi, np, how, sites):
+    """The plain model made tensor-parallel with torch's own styles, compiled with ubnext.fusion on:
+    the fused op runs at the norms the example names, on the emulator, within the example's bound.
+    Without the FX graph cache, whose graphs (from an earlier run) would not run the pass and go
+    uncounted; one compile thread per rank, not a worker pool on each of the np ranks."""
+    env = {"UBNEXT_EMULATE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+           "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    proc = mpi(np, EXAMPLE, "--compile", how, env=env, timeout=300)
+    assert_mpi_ok(proc)
+    assert f"tp={np} " in proc.stdout and "paths ['lamport']" in proc.stdout, proc.stdout
+    assert f"compile={how}: {sites} in the compiled graphs" in proc.stdout, proc.stdout
+
+
+@pytest.mark.mpi
 def test_llama_tp_example_under_torchrun(tmp_path):
     proc = run_torchrun(2, EXAMPLE, "--fused", env={"UBNEXT_EMULATE": "1"}, timeout=300, cwd=tmp_path)
     assert_mpi_ok(proc)

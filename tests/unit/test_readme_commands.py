@@ -55,6 +55,8 @@ RUN_BY = {  # command -> (file that runs it, text there that shows it does)
     "pip install .": ("tests/mpi/test_wheel.py", '"pip", "install"'),
     "UBNEXT_EMULATE=1 mpirun -np 4 python your_program.py": ("tests/mpi/test_examples.py",
                                                              '"UBNEXT_EMULATE": "1"'),
+    "UBNEXT_EMULATE=1 mpirun -np 4 python examples/llama_tp.py --compile model": (
+        "tests/mpi/test_examples.py", '(4, "model", '),
     "torchrun --nproc-per-node 2 examples/cuda_graph.py": ("tests/gpu/test_gpu.py", "cuda_graph.py"),
     "python scripts/readme_info_sample.py": ("tests/unit/test_info.py", "readme_info_sample.py"),
     "python -m ubnext.bench": ("tests/mpi/test_host_bench.py", "scripts/bench.sh"),
