@@ -180,6 +180,9 @@ def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]
         if kind == "ptr":
             packed.append(int(value))
         elif kind == "i32":
+            if not -(1 << 31) <= value < (1 << 31):
+                # numpy 1.x wraps np.int32 silently; a kernel must never see a wrapped count
+                raise OverflowError(f"kernel argument {name}={value} does not fit in 32 bits")
             packed.append(np.int32(value))
         elif kind == "f32":
             packed.append(np.float32(value))

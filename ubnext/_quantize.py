@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from . import kernels, ops  # noqa: F401 - ops defines the torch.ops.ubnext operators called here
+from . import kernels, ops, plan  # noqa: F401 - ops defines the torch.ops.ubnext operators called here
 from ._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
 from ._executor import Call
 
@@ -73,6 +73,7 @@ class QuantizeOps:
         if call is None:
             view = self._pool_view()
             problem = view.unavailable or (
+                plan.TOO_LARGE if n * x.element_size() > plan.KERNEL_MAX_BYTES else None) or (
                 None if whole_vectors else f"rows of {hidden} {x.dtype} elements are not whole 16-byte vectors")
             if problem:
                 self._log_once("quantize_fp8", f"quantize_fp8 runs in torch: {problem}")

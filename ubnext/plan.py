@@ -55,6 +55,8 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
     why: dict[str, str | None] = {}
     if pool.unavailable:
         no_kernels = pool.unavailable
+    elif nbytes > KERNEL_MAX_BYTES:
+        no_kernels = TOO_LARGE
     elif fused and (hidden * elem_bytes) % 16:
         # the norm kernels work on whole 16-byte vectors per row (csrc/device/norm.cuh)
         no_kernels = f"hidden size {hidden} is not a multiple of {16 // elem_bytes} elements"
@@ -146,6 +148,13 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
 EXCHANGE_KERNELS = ("allgather", "reduce_scatter")
 
 
+# The kernels take their element count (the all-gather its byte count) as a 32-bit int, as every
+# CUDA kernel ABI of ubnext does (csrc/device/desc.cuh): a message of 2 GiB or more goes to
+# torch.distributed, never to a kernel that would count it wrapped round.
+KERNEL_MAX_BYTES = (1 << 31) - 1
+TOO_LARGE = "the message is 2 GiB or more, beyond the kernels' 32-bit counts"
+
+
 def exchange_path(op: str, nbytes: int, in_pool: bool, pool: PoolView) -> tuple[str, str]:
     """(path, reason) of an all-gather or reduce-scatter: the kernel ``op`` or ``"torch"``.
     ``nbytes`` is the pool buffer it needs (the gathered output, or the reduce-scatter's input);
@@ -156,6 +165,8 @@ def exchange_path(op: str, nbytes: int, in_pool: bool, pool: PoolView) -> tuple[
     disabled = dict(pool.disabled)
     if pool.unavailable:
         why = pool.unavailable
+    elif nbytes > KERNEL_MAX_BYTES:
+        why = TOO_LARGE
     elif "twoshot" in disabled:  # the same peer loads, stores and barriers
         why = f"disabled by the self-test at preparation ({disabled['twoshot']})"
     elif not in_pool and nbytes > pool.staging_bytes:

@@ -398,3 +398,21 @@ def test_one_scale_quantize_spreads_over_the_grid():
     for n, elem in ((8 * 3, 2), (4 * 7 * 1024, 4), (16 * 5, 1), (8 * 4096 * 3, 2)):
         h = split_row(n, elem)
         assert n % h == 0 and (h * elem) % 16 == 0 and h * elem <= 16 * SPLIT_ROW_VECTORS, (n, elem, h)
+
+
+def test_messages_of_2_gib_or_more_never_reach_a_kernel():
+    """Issue 23, risk "silent int32 wraparound": the kernels count in 32 bits, and numpy 1.x wraps
+    np.int32(n) silently for n >= 2**31. Such messages take torch.distributed, on every path,
+    and packing such a count for a launch refuses."""
+    from ubnext import _cuda, kernels
+
+    view = plan.PoolView(None, True, 1 << 40, 1 << 40, "gpu")
+    for nbytes in (1 << 31, 3 << 30):
+        caps = plan.capabilities(nbytes, 2, False, 0, view, in_place_pool=True)
+        assert all(caps[p] == plan.TOO_LARGE for p in plan.KERNEL_PATHS), caps
+        assert plan.choose(nbytes, 2, False, 0, view, in_place_pool=True).path == "torch"
+        assert plan.exchange_path("allgather", nbytes, True, view) == ("torch", plan.TOO_LARGE)
+    just_below = (1 << 31) - 2
+    assert plan.choose(just_below, 2, False, 0, view, in_place_pool=True).path != "torch"
+    with pytest.raises(OverflowError, match="does not fit in 32 bits"):
+        _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-4:], (1 << 31, 0, 0.0, 0))

@@ -26,12 +26,21 @@ class TorchSymmBackend(_Backend):
         self.device = device
         self.size = size
         group_name = group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # torch < 2.8 needs it
-            # newer torch keeps it as a deprecated no-op-in-effect that warns (FutureWarning:
-            # "There is no need to call this function anymore")
+        backend = symm_mem.get_backend(device) if hasattr(symm_mem, "get_backend") else None
+        if backend not in (None, "CUDA"):
+            # TORCH_SYMMMEM=NVSHMEM or NCCL: buffer_ptrs may be null and offsets follow other rules
+            # than the CUDA backend's, which the checks below assume; ubnext's own VMM serves instead
+            raise RuntimeError(f"torch symmetric memory uses its {backend} backend; ubnext's pool needs its "
+                               "CUDA backend (TORCH_SYMMMEM=CUDA, torch's default)")
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None and not hasattr(enable, "__deprecated__"):
+            # torch < 2.8 needs it. Newer torch deprecates it ("There is no need to call this function
+            # anymore"), and it is not harmless there: it marks the group so that Inductor lowers
+            # every compiled all_reduce of the group to torch's one-shot op (comm_lowering.py), which
+            # refuses fp16 and odd 2-byte lengths. So it is called only where it is needed.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                symm_mem.enable_symm_mem_for_group(group_name)
+                enable(group_name)
         # a whole number of the caching allocator's large segments (2 MiB), so that a fresh
         # allocation starts its own block (see the offset check below)
         self._tensor, self._handle, error = None, None, None
