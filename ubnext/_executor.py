@@ -109,8 +109,9 @@ class Executor:
                 self._raise_kernel_error(pool)
 
     def _raise_kernel_error(self, pool) -> None:
-        if self.device.type == "cuda":
-            # the details are complete once the writing kernel has ended (csrc/device/barrier.cuh)
+        if self.device.type == "cuda" and not _cuda.capturing(self.device):
+            # the details are complete once the writing kernel has ended (csrc/device/barrier.cuh);
+            # inside a capture a synchronisation would break it: the code, written first, suffices
             torch.cuda.synchronize(self.device)
         error = kernel_error(pool.err_word.tolist(), pool.timeout_s, self.rank)
         self._broken = str(error)
@@ -189,7 +190,7 @@ class Executor:
         if self._capturing:  # since this op's _check_usable, as self._stream
             pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
         _cuda.launch(how.kernel, how.config, self._stream, (*pointers, *how.packed), self._device_index)
-        if self._debug:
+        if self._debug and not self._capturing:  # a synchronisation would break the capture
             torch.cuda.synchronize(self.device)
             if pool.err_view[0]:
                 self._raise_kernel_error(pool)

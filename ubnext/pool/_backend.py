@@ -51,9 +51,10 @@ class _Backend:
     size: int
 
     # Lifetime: every pool tensor is a view through a _Slot, which keeps its backend alive and is
-    # counted here; close() releases the memory at once if no view is left, else when the last
-    # one goes. So no pool tensor ever points at unmapped or reused memory, and close() never
-    # refuses (collective close on every rank, whatever each rank still holds).
+    # counted here; close() releases the memory at once if no view is left, else after the last
+    # one goes, at the next pool creation or close (release_deferred). So no pool tensor ever
+    # points at unmapped or reused memory, and close() never refuses (collective close on every
+    # rank, whatever each rank still holds).
     _views = 0
     _closing = False
     _released = False
@@ -68,10 +69,15 @@ class _Backend:
         weakref.finalize(slot, self._view_gone)
 
     def _view_gone(self) -> None:
-        # a finaliser: it may run on any thread, at any allocation
+        # A finaliser: it may run on any thread, at any allocation, also while another thread
+        # captures a CUDA graph in global mode, where releasing (a device synchronisation, an
+        # unmap) is forbidden and would break that capture; whether one is under way cannot be
+        # asked from here (only the calling thread's capture can). So the release waits for the
+        # next pool creation or close, which the program makes itself.
         with _VIEWS_LOCK:
             self._views -= 1
-        self._release_if_unused()
+            if self._closing and self._views == 0 and not self._released and self not in _RELEASE_LATER:
+                _RELEASE_LATER.append(self)
 
     def close(self) -> None:
         """Release the memory now if no view of it is alive, else when the last view goes."""
@@ -104,12 +110,13 @@ class _Backend:
 
 # reentrant: a finaliser (_view_gone) can run inside the locked region, on a garbage collection
 _VIEWS_LOCK = threading.RLock()
-_RELEASE_LATER: list[_Backend] = []  # closed, unused backends whose release met a capture
+_RELEASE_LATER: list[_Backend] = []  # closed backends whose last view went (or whose release met a capture)
 
 
 def release_deferred() -> None:
-    """Release the backends whose last view went during a CUDA graph capture (at the next pool
-    creation or close, outside capture)."""
+    """Release the closed backends whose last view went after their close (in a finaliser), or
+    whose release met a capture on this thread: at the next pool creation or close, outside
+    capture."""
     while True:
         with _VIEWS_LOCK:
             if not _RELEASE_LATER or _cuda.capturing(_RELEASE_LATER[0].device):
