@@ -45,6 +45,8 @@ class Allocator:
         self._free_starts: list[int] = [base] if size else []
         self._free_ends: list[int] = [base + size] if size else []
         self._live: dict[int, int] = {}  # offset -> end
+        # two threads may capture graphs at once; re-entrant for a finaliser run by a collection
+        self._lock = threading.RLock()
         self.stats = _Stats()
 
     def alloc(self, nbytes: int, align: int = 16) -> int:
@@ -53,6 +55,10 @@ class Allocator:
         align = max(align, self.min_align)
         if align & (align - 1):
             raise ValueError(f"alignment must be a power of two, got {align}")
+        with self._lock:
+            return self._alloc(nbytes, align)
+
+    def _alloc(self, nbytes: int, align: int) -> int:
         for i, (start, end) in enumerate(zip(self._free_starts, self._free_ends)):
             offset = (start + align - 1) & ~(align - 1)
             if offset + nbytes <= end:
@@ -80,6 +86,10 @@ class Allocator:
             self._free_ends.insert(i, lo)
 
     def free(self, offset: int) -> None:
+        with self._lock:
+            self._free(offset)
+
+    def _free(self, offset: int) -> None:
         try:
             end = self._live.pop(offset)
         except KeyError:

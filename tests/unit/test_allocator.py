@@ -144,3 +144,51 @@ def test_ring_without_room_raises_and_keeps_its_state():
     ring.free(a)
     assert ring.alloc(2000) == 0  # past the end of the last allocation there is no room: the base
     assert ring.largest_free() == 4096 - 2048
+
+
+@pytest.mark.parametrize("kind", ["ring", "first_fit"])
+def test_frees_from_other_threads_never_hand_out_overlapping_ranges(kind):
+    """Issue 23 risk "the allocator has no lock": pool tensors are freed from storage finalizers on
+    whatever thread drops the last reference (autograd's, NCCL's watchdog, a collection) while
+    another thread allocates. Four threads allocating and freeing at once: every live range stays
+    disjoint, and the books balance."""
+    import random
+    import sys
+    import threading
+
+    from ubnext.allocator import Allocator, NoRoom, RingAllocator
+
+    arena = RingAllocator(0, 1 << 20) if kind == "ring" else Allocator(0, 1 << 20)
+    errors: list = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+
+    def worker(seed):
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(3000):
+                if mine and rng.random() < 0.5:
+                    arena.free(mine.pop(rng.randrange(len(mine))))
+                else:
+                    try:
+                        mine.append(arena.alloc(rng.choice((16, 48, 256, 4096)), 16))
+                    except NoRoom:
+                        pass
+                live = sorted(arena.live().items())
+                assert all(e <= s2 for (_, e), (s2, _) in zip(live, live[1:])), "overlapping ranges"
+            for off in mine:
+                arena.free(off)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors[0]
+    assert arena.live() == {} and arena.stats.used == 0
