@@ -35,6 +35,33 @@ LONG_TIMEOUT_S = 300.0
 DEFAULT_HIDDEN = 8192
 
 
+def p2p_report(device: torch.device) -> dict | None:
+    """This rank's GPU (its UUID) and which of the GPUs it can see it can reach directly
+    (``{uuid: bool}``), for ``p2p_problem``; None without a GPU."""
+    if device.type != "cuda":
+        return None
+    me = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = lambda i: str(torch.cuda.get_device_properties(i).uuid)  # noqa: E731
+    reach = {uuid(i): bool(torch.cuda.can_device_access_peer(me, i))
+             for i in range(torch.cuda.device_count()) if i != me}
+    return {"uuid": uuid(me), "reach": reach}
+
+
+def p2p_problem(reports: list) -> str | None:
+    """Why the ranks' GPUs cannot share a pool, from every rank's ``p2p_report`` (the same answer on
+    every rank), or None. A pair of distinct GPUs that one rank sees and cannot reach (a PCIe box
+    with NVLink pairs, ACS on) would hang torch's rendezvous, or fault the first kernel that reads a
+    peer; a GPU a rank cannot see (CUDA_VISIBLE_DEVICES per rank) is left to the backends."""
+    if any(r is None for r in reports):
+        return None
+    for a, ra in enumerate(reports):
+        for b, rb in enumerate(reports):
+            if rb["uuid"] != ra["uuid"] and ra["reach"].get(rb["uuid"]) is False:
+                return (f"rank {a}'s GPU cannot access rank {b}'s GPU directly (no peer-to-peer path: "
+                        "a PCIe topology without NVLink between them, or ACS enabled)")
+    return None
+
+
 _setup_serials: dict[str, itertools.count] = {}
 
 
@@ -166,7 +193,8 @@ class Preparation:
         reports = self._setup_allgather({
             "error": self._prepare_kernels(), "sm_count": self._sm_count, "host": _lifecycle.host_identity(),
             "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device),
-            "selftest": envs.get("UBNEXT_SELFTEST")}, "agreeing on the kernels before creating the pool")
+            "selftest": envs.get("UBNEXT_SELFTEST"), "p2p": p2p_report(self.device)},
+            "agreeing on the kernels before creating the pool")
         self._run_self_test = all(r["selftest"] for r in reports)
         if self.mode == "gpu":
             self._sm_count = min(r["sm_count"] for r in reports)
@@ -186,6 +214,11 @@ class Preparation:
             names = ", ".join(sorted({h.split("/")[0] for h in hosts}))
             self._pool_error = (f"the group spans {len(hosts)} hosts ({names}); ubnext's symmetric "
                                 "pool works within one node")
+            log.warning("%s; using torch.distributed", self._pool_error)
+            return None
+        unreachable = p2p_problem([r["p2p"] for r in reports])
+        if unreachable:
+            self._pool_error = f"symmetric pool unavailable: {unreachable}"
             log.warning("%s; using torch.distributed", self._pool_error)
             return None
         layout = plan_layout(self.world_size, self._max_hidden or DEFAULT_HIDDEN)

@@ -145,3 +145,26 @@ def test_ranks_that_all_arrive_go_on_to_the_all_gather(store):
     for t in threads:
         t.join(timeout=10)
     assert sorted(gathered) == [(0, "from 0"), (1, "from 1")]
+
+
+def test_gpus_without_a_peer_path_never_reach_the_rendezvous(monkeypatch):
+    """Issue 23 risk "partial P2P topologies hang in torch's rendezvous": every rank reports which of
+    the GPUs it sees it can reach (torch.cuda.can_device_access_peer), and all decide from all the
+    reports, before any allocation: one unreachable pair sends every rank to torch.distributed,
+    naming the pair. Faked: 4 GPUs in NVLink pairs (0-1, 2-3) with no path between the pairs."""
+    from ubnext import _prepare
+
+    pairs = {(0, 1), (1, 0), (2, 3), (3, 2)}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) in pairs)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"uuid": f"GPU-{i}"})())
+    reports = [_prepare.p2p_report(torch.device("cuda", r)) for r in range(4)]
+    assert reports[0] == {"uuid": "GPU-0", "reach": {"GPU-1": True, "GPU-2": False, "GPU-3": False}}
+    why = _prepare.p2p_problem(reports)
+    assert why is not None and "rank 0's GPU cannot access rank 2's GPU" in why
+    assert _prepare.p2p_problem(reports[:2]) is None  # ranks 0 and 1 alone: one NVLink pair
+    assert _prepare.p2p_problem([reports[0], reports[0]]) is None  # two ranks on one GPU
+    # a GPU this rank cannot see (one GPU visible per rank) is not judged here
+    alone = [{"uuid": "GPU-0", "reach": {}}, {"uuid": "GPU-1", "reach": {}}]
+    assert _prepare.p2p_problem(alone) is None
+    assert _prepare.p2p_problem([None, None]) is None  # emulator or CPU
