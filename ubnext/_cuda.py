@@ -201,15 +201,32 @@ def _primary_context(device_index: int):
     return ctx, int(ctx)
 
 
-def launch(kernel, config, stream_handle: int, args: Sequence, device_index: int) -> None:
+CU_EVENT_DISABLE_TIMING = 0x2
+
+
+def create_event(device_index: int):
+    """An event of the device's primary context, without timing (the cheapest to record)."""
+    with primary_context(device_index):
+        return check(driver().cuEventCreate(CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+
+def wait_event(stream_handle: int, event) -> None:
+    """Work queued on the stream from now on waits for ``event`` (which may belong to another
+    stream); the host does not wait."""
+    drv = driver()
+    check(drv.cuStreamWaitEvent(drv.CUstream(stream_handle), event, 0), "cuStreamWaitEvent")
+
+
+def launch(kernel, config, stream_handle: int, args: Sequence, device_index: int, done=None) -> None:
     """Launch a loaded cuda.core kernel with ``config`` (``launch_config``) on the stream whose raw
     handle is ``stream_handle`` (torch's current stream, so ordering with torch work is the
     stream's), from any thread. The kernel lives in the device's primary context, and launches come
     from any thread (autograd's backward threads, a user's own), where another context, or none,
     may be current: that context is pushed for the launch and popped after it, so the thread's own
     state is left as it was (as ``primary_context`` does, inlined here: a generator-based context
-    manager costs about 0.7 us per call here, and the launch is the hot path). Host cost, against
-    a stub driver: docs/PERF.md."""
+    manager costs about 0.7 us per call here, and the launch is the hot path). ``done``: an event
+    (``create_event``) recorded right after the kernel, on the same stream. Host cost, against a
+    stub driver: docs/PERF.md."""
     drv = driver()
     want, want_address = _primary_context(device_index)
     status, current = drv.cuCtxGetCurrent()
@@ -220,6 +237,8 @@ def launch(kernel, config, stream_handle: int, args: Sequence, device_index: int
         check(drv.cuCtxPushCurrent(want), "cuCtxPushCurrent")
     try:
         core().launch(_wrap_stream(stream_handle), config, kernel, *args)
+        if done is not None:
+            check(drv.cuEventRecord(done, drv.CUstream(stream_handle)), "cuEventRecord")
     finally:
         if switch:
             check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")

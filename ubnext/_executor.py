@@ -189,7 +189,12 @@ class Executor:
             return
         if self._capturing:  # since this op's _check_usable, as self._stream
             pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
-        _cuda.launch(how.kernel, how.config, self._stream, (*pointers, *how.packed), self._device_index)
+            done = None  # a graph's kernels are ordered by whoever replays it
+        else:
+            done = self._launch_done
+            if done is None:
+                done = self._launch_done = _cuda.create_event(self._device_index)
+        _cuda.launch(how.kernel, how.config, self._stream, (*pointers, *how.packed), self._device_index, done)
         if self._debug and not self._capturing:  # a synchronisation would break the capture
             torch.cuda.synchronize(self.device)
             if pool.err_view[0]:
@@ -218,14 +223,12 @@ class Executor:
         waits for everything enqueued on the last one, so kernels stay in one order whatever stream
         issues them. _check_usable calls this only when the stream (``stream``, the current one's
         raw handle) changed, and never for captured calls: a graph's kernels run when and where its
-        owner replays it, ordered by them."""
-        current = torch.cuda.current_stream(self.device)  # the torch object of `stream`
-        last = self._last_torch_stream
-        if last is not None:
-            done = torch.cuda.Event()
-            done.record(last)
-            current.wait_event(done)
-        self._last_stream, self._last_torch_stream = stream, current
+        owner replays it, ordered by them. The new stream waits for the event recorded right after
+        the last eager launch, not for the old stream as it is now: work the caller queued there
+        since (compute meant to overlap the collective) does not hold up this stream."""
+        if self._launch_done is not None:
+            _cuda.wait_event(stream, self._launch_done)
+        self._last_stream = stream
 
     def synchronize(self) -> None:
         """Wait for this rank's queued ops and raise any error a kernel reported."""

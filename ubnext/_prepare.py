@@ -37,8 +37,8 @@ DEFAULT_HIDDEN = 8192
 
 def p2p_report(device: torch.device) -> dict | None:
     """This rank's GPU (its UUID) and which of the GPUs it can see it can reach directly
-    (``{uuid: bool}``), for ``p2p_problem``; None without a GPU."""
-    if device.type != "cuda":
+    (``{uuid: bool}``), for ``p2p_problem``; None without a GPU, or when it sees only its own."""
+    if device is None or device.type != "cuda" or torch.cuda.device_count() < 2:
         return None
     me = device.index if device.index is not None else torch.cuda.current_device()
     uuid = lambda i: str(torch.cuda.get_device_properties(i).uuid)  # noqa: E731
@@ -52,10 +52,10 @@ def p2p_problem(reports: list) -> str | None:
     every rank), or None. A pair of distinct GPUs that one rank sees and cannot reach (a PCIe box
     with NVLink pairs, ACS on) would hang torch's rendezvous, or fault the first kernel that reads a
     peer; a GPU a rank cannot see (CUDA_VISIBLE_DEVICES per rank) is left to the backends."""
-    if any(r is None for r in reports):
-        return None
     for a, ra in enumerate(reports):
         for b, rb in enumerate(reports):
+            if ra is None or rb is None:
+                continue
             if rb["uuid"] != ra["uuid"] and ra["reach"].get(rb["uuid"]) is False:
                 return (f"rank {a}'s GPU cannot access rank {b}'s GPU directly (no peer-to-peer path: "
                         "a PCIe topology without NVLink between them, or ACS enabled)")
@@ -216,7 +216,7 @@ class Preparation:
                                 "pool works within one node")
             log.warning("%s; using torch.distributed", self._pool_error)
             return None
-        unreachable = p2p_problem([r["p2p"] for r in reports])
+        unreachable = p2p_problem([r.get("p2p") for r in reports])
         if unreachable:
             self._pool_error = f"symmetric pool unavailable: {unreachable}"
             log.warning("%s; using torch.distributed", self._pool_error)

@@ -273,6 +273,8 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
         if launch == "recorder":
             patches.enter_context(mock.patch.object(kernels, "load_kernel", lambda name, index: name))
             patches.enter_context(mock.patch.object(_cuda, "launch", record_launch))
+            # the event each launch records (stream ordering): made once, by the driver in --launch driver
+            patches.enter_context(mock.patch.object(_cuda, "create_event", lambda index: None))
         patches.enter_context(torch.inference_mode())
         comm.mode = "gpu"  # the GPU branch of every decision, up to the launch
         try:

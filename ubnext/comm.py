@@ -98,9 +98,10 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         self._logged: set[tuple[str, str]] = set()
         self._broken: str | None = None
         self._closed = False
-        # the stream of the last eager call (_order_after_other_stream): raw handle and torch object
+        # the stream of the last eager call, and the event recorded after the last eager launch
+        # (_order_after_other_stream); gpu mode
         self._last_stream: int | None = None
-        self._last_torch_stream = None
+        self._launch_done = None
         self._stream = 0  # the current call's stream (gpu mode, raw handle), set by _check_usable
         self._capturing = False  # whether the current call is captured (gpu mode), set by _check_usable
         self._disabled: dict[str, str] = {}  # kernel paths the self-test turned off, on every rank

@@ -79,7 +79,7 @@ def test_a_cached_launch_packs_what_the_generic_packer_packs(monkeypatch):
     monkeypatch.setattr(_cuda, "launch", lambda *args: launched.append(args))
     comm = object.__new__(Communicator)
     comm.mode, comm.world_size, comm._sm_count, comm._device_index = "gpu", 4, 132, 1
-    comm._capturing, comm._stream, comm._debug = False, 0x5000, False
+    comm._capturing, comm._stream, comm._debug, comm._launch_done = False, 0x5000, False, "done-event"
     comm._pool = SimpleNamespace(has_multicast=True)
     pointers = tuple(0x7F0000001000 + 16 * i for i in range(8))
     for algo, hidden, flags in (("lamport", 0, 0), ("nvls_twoshot", 0, 0), ("lamport", 512, 13)):
@@ -87,7 +87,8 @@ def test_a_cached_launch_packs_what_the_generic_packer_packs(monkeypatch):
         sent_flags = flags | (kernels.F_MULTICAST if algo == "lamport" else 0)
         generic = pack_kernel_args(kernels.KERNEL_SIGNATURE, list(pointers) + [4096, hidden, 1e-6, sent_flags])
         comm._run(launch, pointers)
-        kernel, config, stream, fast, device_index = launched.pop()
+        kernel, config, stream, fast, device_index, done = launched.pop()
+        assert done == "done-event"  # recorded after the kernel, for the next stream switch
         assert [type(v) for v in fast] == [type(v) for v in generic] and list(fast) == generic
         assert kernel == ("kernel", launch.name, 1) and stream == 0x5000 and device_index == 1
         assert config is _cuda.launch_config(launch.grid, launch.block)

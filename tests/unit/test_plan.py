@@ -132,57 +132,44 @@ def test_first_use_inside_graph_capture_is_refused(monkeypatch):
         _ = comm.pool
 
 
-def test_a_second_stream_waits_for_the_first(monkeypatch):
+def test_a_second_stream_waits_for_the_last_launch_not_the_stream(monkeypatch):
     """Two streams must never run this communicator's kernels at the same time (one sync region):
-    a call from a new stream makes it wait for the last one; no event while the stream stays, and
-    none for a captured call. Each call reads only the current stream's raw handle, from
-    _cuda.current_stream_handle, with the comm's device index; the stream object is asked for
-    only when the handle changes."""
-    import torch
+    a call from a new stream makes it wait for the event recorded right after the last eager
+    launch (issue 23 risk: waiting for the old stream as it is at the switch would also wait for
+    compute queued there since, which was meant to overlap). No wait while the stream stays, none
+    for a captured call, and a captured launch records nothing. The calls go to the driver through
+    _cuda (create_event, launch with its ``done`` event, wait_event), recorded here."""
+    from types import SimpleNamespace
 
-    events, asked = [], []
-
-    class FakeEvent:
-        def record(self, stream):
-            events.append(("record", stream.name))
-            self.on = stream.name
-
-    class FakeStream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_event(self, event):
-            events.append(("wait", self.name, event.on))
-
+    calls = []
     comm = _bare_communicator("gpu")
-    comm.device, comm._device_index = torch.device("cuda", 3), 3
-    comm._broken, comm._last_stream, comm._last_torch_stream = None, None, None
-    handles = {0x10: FakeStream("main"), 0x20: FakeStream("side")}
-    current = [0x10]
-    capture = [False]
-
-    def handle_of(index):
-        assert index == 3
-        return current[0]
-
-    def stream_object(device):
-        assert device == comm.device
-        asked.append(current[0])
-        return handles[current[0]]
-
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", stream_object)
-    monkeypatch.setattr(ubnext._cuda, "current_stream_handle", handle_of)
+    comm.device, comm._device_index, comm._debug = torch.device("cuda", 3), 3, False
+    comm._broken, comm._last_stream, comm._launch_done = None, None, None
+    words = torch.zeros(8, dtype=torch.int32)
+    comm._pool = SimpleNamespace(err_view=words.numpy(), err_word=words, captured=False, timeout_s=1.0)
+    current, capture = [0x10], [False]
+    monkeypatch.setattr(ubnext._cuda, "current_stream_handle", lambda index: current[0])
     monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: capture[0])
-    for handle in (0x10, 0x10, 0x20, 0x20, 0x10):
-        current[0] = handle
+    monkeypatch.setattr(ubnext._cuda, "create_event", lambda index: calls.append(("create", index)) or "E")
+    monkeypatch.setattr(ubnext._cuda, "wait_event", lambda stream, event: calls.append(("wait", stream, event)))
+    monkeypatch.setattr(ubnext._cuda, "launch",
+                        lambda kernel, config, stream, args, index, done=None: calls.append(("launch", stream, done)))
+    how = SimpleNamespace(kernel=None, config=None, packed=())
+
+    def op(stream):
+        current[0] = stream
         comm._check_usable()
-        assert comm._stream == handle  # what the launch uses
-    assert events == [("record", "main"), ("wait", "side", "main"), ("record", "side"), ("wait", "main", "side")]
-    assert asked == [0x10, 0x20, 0x10]  # the stream object only when the stream changed
-    current[0], capture[0] = 0x20, True
-    comm._check_usable()  # captured: ordered by the graph's owner
-    assert len(events) == 4 and comm._last_stream == 0x10 and comm._stream == 0x20 and comm._capturing
+        comm._run(how, (0,) * 8)
+
+    for stream in (0x10, 0x10, 0x20, 0x20, 0x10):
+        op(stream)
+    assert calls == [("create", 3), ("launch", 0x10, "E"), ("launch", 0x10, "E"),
+                     ("wait", 0x20, "E"), ("launch", 0x20, "E"), ("launch", 0x20, "E"),
+                     ("wait", 0x10, "E"), ("launch", 0x10, "E")]
+    calls.clear()
+    capture[0] = True
+    op(0x20)  # captured: ordered by the graph's owner, and no event in the graph
+    assert calls == [("launch", 0x20, None)] and comm._last_stream == 0x10 and comm._pool.captured
 
 
 def test_torch_symm_never_allocates_inside_capture(monkeypatch):
