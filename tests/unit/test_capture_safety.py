@@ -41,6 +41,7 @@ def test_debug_mode_does_not_synchronise_a_captured_launch(gpu_comm, monkeypatch
     comm._pool.err_view[0] = 0
     monkeypatch.setattr(cu, "launch", lambda *args: None)
     comm._debug, comm._capturing, comm._stream, comm._device_index = True, capturing, 0, 0
+    comm._launch_done = "event"
     how = SimpleNamespace(kernel=None, config=None, packed=())
     comm._run(how, (0,) * 8)
     assert syncs == ([] if capturing else [comm.device])
