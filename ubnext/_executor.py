@@ -69,6 +69,9 @@ class Call(NamedTuple):
 
     path: str
     launch: Launch | None  # the kernel paths' launch; None for torch_symm and torch
+    # a fused call whose allreduce runs outside ubnext's kernels (past the pool): the add + RMSNorm
+    # (+FP8) kernel run on its result (csrc/kernels/add_rmsnorm.cu), or None (torch's ops)
+    norm: Launch | None = None
 
 
 def _ptr(t: torch.Tensor | None) -> int:

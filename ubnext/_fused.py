@@ -63,10 +63,16 @@ class FusedNormOps:
         if launch is None:
             reduced = torch.empty_like(x)
             self._all_reduce_by(call, x, reduced)
-            return self._fused_in_torch(reduced, residual, weight, eps, scale, fp8)
-        # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool and
-        # overwrite their input, so x is always staged (never the caller's x)
-        inp = x if path == "lamport" else self._pool.staging(x.shape, x.dtype).copy_(x)
+            if call.norm is None:
+                return self._fused_in_torch(reduced, residual, weight, eps, scale, fp8)
+            # past the pool: the add + RMSNorm (+FP8) kernel on torch.distributed's sum, the fused
+            # paths' row math in one kernel instead of torch's separate ops
+            self.last_path = f"{path}+norm"
+            launch, inp = call.norm, reduced
+        else:
+            # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool and
+            # overwrite their input, so x is always staged (never the caller's x)
+            inp = x if path == "lamport" else self._pool.staging(x.shape, x.dtype).copy_(x)
         residual_out = torch.empty_like(residual)
         if not fp8:
             out = torch.empty_like(x)

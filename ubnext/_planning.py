@@ -83,9 +83,16 @@ class Planner:
         (contiguity, devices). Like the plan, a function of the call's arguments and of what the
         pool offers: identical on every rank."""
         n = math.prod(shape)
-        chosen = self._plan(n * dtype.itemsize, dtype, fused=bool(hidden), hidden=hidden, in_place_pool=in_place_pool)
-        launch = self._launch_for(chosen.path, dtype, n, hidden, eps, flags) if chosen.path in KERNEL_PATHS else None
-        call = Call(chosen.path, launch)
+        nbytes = n * dtype.itemsize
+        chosen = self._plan(nbytes, dtype, fused=bool(hidden), hidden=hidden, in_place_pool=in_place_pool)
+        launch = norm = None
+        if chosen.path in KERNEL_PATHS:
+            launch = self._launch_for(chosen.path, dtype, n, hidden, eps, flags)
+        elif hidden and not self._pool_view().unavailable and (hidden * dtype.itemsize) % 16 == 0 \
+                and nbytes <= plan.KERNEL_MAX_BYTES:
+            # the message is past the pool: torch.distributed reduces it, and the fusion stays
+            norm = self._launch_for("add_rmsnorm", dtype, n, hidden, eps, flags)
+        call = Call(chosen.path, launch, norm)
         if len(self._calls) < 4096:
             self._calls[signature] = call
         return call

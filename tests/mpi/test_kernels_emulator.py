@@ -10,7 +10,7 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
         "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint", "all_gather",
         "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "mismatch_exchange", "misuse", "departed",
-        "setup_absent", "pool_gc_skew", "fsdp_steady"]
+        "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady"]

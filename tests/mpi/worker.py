@@ -170,8 +170,10 @@ def check_fused(tokens: int, hidden: int, dtype: torch.dtype, seed: int, out_dty
         place(x), place(residual), place(weight), 1e-6, out_dtype=out_dtype,
         scale=None if scale is None else scale.to(device()))
     path = COMM.last_path
-    nvls = path.startswith("nvls")
-    ref, bound = T.residual_bound(inputs, residual.reshape(-1), dtype, extra_rounding=nvls)
+    # the sum is rounded to the dtype before the residual is added: by the switch (NVLS), or by
+    # torch.distributed's result past the pool ("torch+norm")
+    two_roundings = path.startswith("nvls") or path.endswith("+norm")
+    ref, bound = T.residual_bound(inputs, residual.reshape(-1), dtype, extra_rounding=two_roundings)
     err = (residual_out.reshape(-1).double().cpu() - ref).abs()
     assert (err <= bound).all(), f"{path} residual_out {dtype} {tokens}x{hidden}: max err {err.max().item():.3e}"
     y = T.rmsnorm_reference(residual_out, weight, 1e-6)
@@ -203,6 +205,24 @@ def case_fused():
     # a row that is not whole 16-byte vectors cannot use the norm kernels: the torch fallback
     check_fused(2, 100, torch.bfloat16, seed=4)
     assert COMM.last_path not in ("lamport", "nvls_twoshot", "nvls_lamport", "twoshot"), COMM.last_path
+
+
+def case_fused_past_pool():
+    """Issue 24 item 3: a fused call larger than the pool (past the staging region and the Lamport
+    slot) keeps the fusion: torch.distributed reduces, then one ubnext kernel adds the residual and
+    normalises (and quantises), with the fused paths' row math; the path name says so. In every
+    output form, within the arithmetic's bound (two roundings of the sum: torch's result is in the
+    dtype), and the same bits on every rank."""
+    if MODE == "torch":
+        return
+    stats = COMM.pool_stats()
+    hidden = 4096
+    tokens = max(stats["staging_bytes"], COMM.pool.lamport_capacity) // (2 * hidden) + 3
+    for kwargs in ({}, {"out_dtype": FP8, "scale": torch.tensor([0.02])}):
+        check_fused(tokens, hidden, torch.bfloat16, seed=17, **kwargs)
+        assert COMM.last_path == "torch+norm", COMM.last_path
+    check_fused(3, hidden * 129 // 128, torch.float32, seed=18)  # not past the pool: a kernel path
+    assert "+" not in COMM.last_path, COMM.last_path
 
 
 def case_fused_paths():

@@ -69,6 +69,7 @@ ALGOS = {
     "allgather": "allgather.cu",
     "reduce_scatter": "reduce_scatter.cu",
     "quantize_fp8": "quantize.cu",
+    "add_rmsnorm": "add_rmsnorm.cu",
 }
 # Kernels for other element types than DTYPES: the all-gather moves bytes, whatever they hold.
 _ALGO_DTYPES = {"allgather": ("u8",)}
