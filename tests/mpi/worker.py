@@ -1491,6 +1491,75 @@ def case_fsdp_tp():
             opt.zero_grad()
 
 
+def case_fsdp_torchao():
+    """torchao's float8 training with its FP8 all-gather (convert_to_float8_training with
+    Float8LinearConfig(enable_fsdp_float8_all_gather=True): e4m3 weights with tensorwise scales,
+    whose amax torchao all-reduces over FSDP2's shard mesh with torch.distributed, and FP8 GEMMs)
+    on ubnext's all-gather and reduce-scatter, against the same model on torch.distributed's
+    collectives: loss and gradients bitwise at each of two steps. At two ranks the runs can differ
+    only in FSDP2's collectives, and these give the same bits: the all-gather moves the e4m3 bytes,
+    and the fp32 mean of two gradients is one rounding of a + b (either order) and an exact halving."""
+    import ubnext.fsdp as UF
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    assert n == 2, "the bitwise claim is that of a two-rank mean"
+    kernel = lambda path: "torch" if MODE == "torch" else path  # noqa: E731
+    mesh = init_device_mesh(device().type, (n,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def converted():
+        model = _fsdp_stack(seed=5)
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        return fully_shard(model, mesh=mesh, mp_policy=mp)
+
+    model, plain = converted(), converted()
+    assert UF.use_ubnext_collectives(model, COMM) == 3
+    if device().type == "cpu":
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+        class BytesAllGather(DefaultAllGather):
+            """FSDP2's default all-gather of the e4m3 bytes: gloo has no float8 type ("Invalid scalar type")."""
+
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                return super().__call__(output_tensor.view(torch.uint8), input_tensor.view(torch.uint8), group,
+                                        async_op)
+
+        for m in plain.modules():
+            if hasattr(m, "set_custom_all_gather"):
+                m.set_custom_all_gather(BytesAllGather())
+    gathered: list[tuple[torch.dtype, str]] = []
+
+    class Recording(UF.AllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            super().__call__(output_tensor, input_tensor, group, async_op)
+            gathered.append((input_tensor.dtype, self.comm.last_path))
+
+    for m in model.modules():
+        if hasattr(m, "set_custom_all_gather"):
+            m.set_custom_all_gather(Recording(COMM))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+    for step in range(2):
+        # 16 tokens: torch._scaled_mm wants dimensions that are multiples of 16
+        x = T.rank_input(rank, 16 * FSDP_HIDDEN, torch.float32, 70 + step).view(16, FSDP_HIDDEN).to(device())
+        losses = [m(x).float().square().mean() for m in (model, plain)]
+        assert gathered and all(g == (FP8, kernel("allgather")) for g in gathered), gathered
+        for loss in losses:
+            loss.backward()
+        assert COMM.last_path == kernel("reduce_scatter"), COMM.last_path
+        assert torch.equal(losses[0], losses[1]), f"step {step}: loss {losses[0].item()} != {losses[1].item()}"
+        for (k, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), f"step {step}: {k} differs from torch's"
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        gathered.clear()
+
+
 def case_fsdp_checkpoint():
     """Issue 25: checkpoints of an FSDP2 model whose blocks all-gather in FP8 (blocks.0 "row",
     blocks.1 "tensor") on ubnext's collectives. Its state dict holds DTensors over plain local
