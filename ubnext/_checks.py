@@ -15,6 +15,9 @@ import torch.distributed as dist
 
 DTYPE_CODES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 FP8 = torch.float8_e4m3fn
+# what comm.empty places in the pool: the kernels' dtypes, e4m3, and bytes (FSDP2 all-gathers
+# mixed dtypes as uint8)
+POOL_DTYPES = (*DTYPE_CODES, FP8, torch.uint8)
 FP8_MAX = 448.0
 # Smallest per-token scale_inv: an all-zero row gets this scale, so q = 0 and no 0/0.
 FP8_TINY_SCALE_INV = 1e-12

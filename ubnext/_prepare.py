@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import _cuda, _lifecycle, envs, kernels, plan
-from ._checks import DTYPE_CODES, FP8
+from ._checks import POOL_DTYPES
 from .errors import CLOSED, UbnextError
 from .pool import NoRoom, SymmetricPool, plan_layout
 
@@ -280,7 +280,7 @@ class Preparation:
             raise ValueError(f"negative dimension in shape {shape}")
         if math.prod(shape) == 0:
             raise ValueError(f"pool tensors must hold at least one element, got shape {shape}")
-        if dtype not in DTYPE_CODES and dtype not in (FP8, torch.uint8):
+        if dtype not in POOL_DTYPES:
             raise TypeError(f"ubnext pool tensors support bf16, fp16, fp32, e4m3 and uint8 (bytes, as FSDP2 "
                             f"all-gathers mixed dtypes), got {dtype}")
         pool = self.pool

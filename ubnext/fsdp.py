@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from . import _lifecycle
-from ._checks import FP8, FP8_MAX, FP8_TINY_SCALE_INV
+from ._checks import FP8, FP8_MAX, FP8_TINY_SCALE_INV, POOL_DTYPES
 from .comm import Communicator
 
 __all__ = ["AllGather", "ReduceScatter", "use_ubnext_collectives", "FP8AllGatherWeight", "convert_to_fp8_all_gather",
@@ -87,7 +87,8 @@ def _comm_of(comm: Communicator | None, group) -> Communicator:
 class _PoolAlloc:
     """FSDP2's ``allocate``: a pool buffer (collective: FSDP2 allocates in the same order on every
     rank), placed by that order with no host round trip (comm.empty), or an ordinary tensor when
-    the pool has no room."""
+    the pool has no room or does not hold the dtype (an fp64 ``param_dtype``: its all-gather then
+    passes through the staging region)."""
 
     def __init__(self, comm: Communicator | None = None):
         self.comm = comm
@@ -95,7 +96,7 @@ class _PoolAlloc:
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         comm = self.comm if self.comm is not None else _lifecycle.communicator_of(None)
         shape = tuple(int(s) for s in size)
-        if comm.mode == "torch" or device != comm.device or not shape or 0 in shape:
+        if comm.mode == "torch" or device != comm.device or not shape or 0 in shape or dtype not in POOL_DTYPES:
             return torch.empty(shape, dtype=dtype, device=device)
         return comm.empty(shape, dtype=dtype)
 
@@ -130,11 +131,29 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ubnext.fsdp' has no attribute {name!r}")
 
 
+def _shard_group(module) -> "dist.ProcessGroup | None":
+    """The process group over which FSDP2 all-gathers and reduce-scatters ``module``'s own
+    parameters: its param group's shard group, or None when it has none (no parameters of its own,
+    or a replicate-only mesh). Read from FSDP2's state, not from the parameters' DTensor mesh, which
+    also spans the other dimensions: HSDP's replicate dimension and tensor parallelism's."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    # torch >= 2.9; torch 2.13 keeps it for a module with one param group and raises for several (a
+    # per-parameter mesh from shard_placement_fn), where set_custom_all_gather refuses too
+    param_group = module._get_fsdp_state()._fsdp_param_group
+    if param_group is None:
+        return None
+    mesh_info = param_group.mesh_info
+    return mesh_info.shard_process_group if isinstance(mesh_info, FSDPMeshInfo) else None
+
+
 def use_ubnext_collectives(model: torch.nn.Module, comm: Communicator | None = None) -> int:
     """Install ubnext's all-gather and reduce-scatter on every FSDP2 module of ``model`` (after
-    ``fully_shard``, and after ``convert_to_fp8_all_gather`` when used). ``comm`` defaults to the
-    cached communicator of each module's FSDP2 group (``ubnext.get_communicator``); a given one
-    must span the same ranks. Returns how many modules were set."""
+    ``fully_shard``, and after ``convert_to_fp8_all_gather`` when used). Each module is served over
+    its FSDP2 shard group: the whole mesh for plain FSDP, the shard dimension for HSDP (FSDP2 keeps
+    the replicate all-reduce), the data-parallel mesh under tensor parallelism. ``comm`` defaults to
+    the cached communicator of that group (``ubnext.get_communicator``); a given one must span the
+    same ranks. Returns how many modules were set."""
     require_fsdp2()
     from torch.distributed.fsdp import FSDPModule
 
@@ -143,16 +162,10 @@ def use_ubnext_collectives(model: torch.nn.Module, comm: Communicator | None = N
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        # the module's own parameters tell its FSDP2 mesh (DTensors); allocate() is not told the group
-        params = [p for p in module.parameters(recurse=False) if hasattr(p, "device_mesh")]
-        if not params:
-            params = [p for p in module.parameters() if hasattr(p, "device_mesh")][:1]
-        if not params:
+        group = _shard_group(module)
+        if group is None:
             continue
-        mesh = params[0].device_mesh
-        if mesh.ndim != 1:
-            raise NotImplementedError(f"ubnext.fsdp serves 1-D FSDP2 meshes (one shard group), got a {mesh.ndim}-D mesh")
-        module_comm = _comm_of(comm, mesh.get_group())
+        module_comm = _comm_of(comm, group)
         module.set_custom_all_gather(all_gather(module_comm))
         module.set_custom_reduce_scatter(reduce_scatter(module_comm))
         for param in module.parameters():  # the FP8 weights quantise through the same communicator
@@ -161,7 +174,7 @@ def use_ubnext_collectives(model: torch.nn.Module, comm: Communicator | None = N
                 local._comm = module_comm
         count += 1
     if not count:
-        raise ValueError("no FSDP2 module in the model: call fully_shard on it first")
+        raise ValueError("no FSDP2 module with a shard group in the model: call fully_shard on it first")
     return count
 
 

@@ -117,3 +117,23 @@ def test_fsdp_any_shard_size(mpi, np, cases):
     10 s at np 4 on the 2-core runner."""
     env = {"UBNEXT_EMU_CHAOS": "0", "UBNEXT_EMU_MULTICAST": "1", "UBNEXT_EMULATE": "1"}
     assert_mpi_ok(mpi(np, MPI_WORKER, "emulator", *cases, env=env, timeout=300))
+
+
+@pytest.mark.mpi
+def test_fsdp_hsdp_and_tensor_parallel(mpi):
+    """Issue 25 points 5 and 6 at 4 ranks: HSDP on a (replicate, shard) mesh, ubnext serving the shard
+    groups, kernels only where a shard group lies within a node (worker case hsdp); FSDP2 x TP=2 on a
+    small Llama parallelized as torchtitan does, bitwise torch.distributed's run and within the
+    derived bound of the unsharded fp64 model (fsdp_tp). About 5 s each on the 2-core runner."""
+    env = {"UBNEXT_EMU_CHAOS": "0", "UBNEXT_EMU_MULTICAST": "1", "UBNEXT_EMULATE": "1"}
+    assert_mpi_ok(mpi(4, MPI_WORKER, "emulator", "hsdp", "fsdp_tp", env=env, timeout=300))
+
+
+@pytest.mark.mpi
+def test_fsdp_torchao_float8(mpi):
+    """torchao's float8 training, with its FP8 all-gather, on ubnext's FSDP2 collectives: loss and
+    gradients bitwise those of torch.distributed's run (worker case fsdp_torchao, 2 ranks, about 5 s).
+    torchao is in the test extra; without it the case cannot run."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed: pip install -e '.[test]'")
+    env = {"UBNEXT_EMU_CHAOS": "0", "UBNEXT_EMU_MULTICAST": "1", "UBNEXT_EMULATE": "1"}
+    assert_mpi_ok(mpi(2, MPI_WORKER, "emulator", "fsdp_torchao", env=env, timeout=300))

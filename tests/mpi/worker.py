@@ -1021,7 +1021,8 @@ def _fsdp_effective(name: str, full: torch.Tensor, scaling: str | None, static_s
     return dequantize(q, s, scaling, torch.bfloat16)
 
 
-def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsdp_stack) -> dict:
+def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsdp_stack, replicas: int = 1,
+              shard_comm=None) -> dict:
     """FSDP2 with ubnext's collectives (and FP8 all-gather of the blocks' weights when
     ``scaling``), SGD for ``steps`` steps, checked at every step against a reference computed
     from the same fp32 masters:
@@ -1031,6 +1032,10 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsd
         gradients (recomputed by the reference, bitwise those of FSDP2's forward), within one bf16
         rounding of the fp32 rank-order sum (testing.allreduce_bound / N); gloo's bf16
         reduce-scatter of the same gradients is measured for comparison.
+    ``replicas`` > 1 makes it HSDP: a (replicate, shard) mesh, ubnext serving each shard group
+    with ``shard_comm(group)`` (default: the group's cached communicator, which
+    use_ubnext_collectives picks itself), FSDP2 all-reducing the shard means over the replicas
+    with torch.distributed (two replicas: gloo's bf16 sum of two values, one more rounding).
     Step 1 scales one block's master weight by 64 before its all-gather, and step 2 scales it back:
     a scale_inv that did not come with its data would saturate it, then crush it to a few codes
     (the stale-scale check). Errors are compared relative to each gradient's largest element.
@@ -1047,19 +1052,27 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsd
     if scaling is not None:
         converted = UF.convert_to_fp8_all_gather(model, scaling=scaling, scale=static_scale, include="blocks.*")
         assert converted == ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"], converted
-    mesh = init_device_mesh(device().type, (n,))
+    if replicas == 1:
+        mesh = init_device_mesh(device().type, (n,))
+        shard_group, replicate_group, comm = dist.group.WORLD, None, COMM
+    else:
+        assert replicas == 2, "the bound below is that of gloo's sum of two replicas"
+        mesh = init_device_mesh(device().type, (replicas, n // replicas), mesh_dim_names=("replicate", "shard"))
+        shard_group, replicate_group = mesh.get_group("shard"), mesh.get_group("replicate")
+        comm = (shard_comm or ubnext.get_communicator)(shard_group)
+    shards, shard_rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    assert UF.use_ubnext_collectives(model, COMM) == 3
+    assert UF.use_ubnext_collectives(model, comm if shard_comm or replicas == 1 else None) == 3
     traffic: list[tuple[int, object, str, bool]] = []
     scatters: list[tuple[int, object, str, bool]] = []
 
     def record(into: list, pool_tensor, input_tensor):
         into.append((input_tensor.numel() * input_tensor.element_size(),
-                     COMM._emu.traffic() if MODE == "emulator" else None, COMM.last_path,
-                     COMM._in_pool_aligned(pool_tensor)))
+                     comm._emu.traffic() if MODE == "emulator" else None, comm.last_path,
+                     comm._in_pool_aligned(pool_tensor)))
 
     class Recording(UF.AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
@@ -1073,17 +1086,21 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsd
 
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in fsdp_modules:
-        m.set_custom_all_gather(Recording(COMM))
-        m.set_custom_reduce_scatter(RecordingScatter(COMM))
+        # use_ubnext_collectives chose this communicator for the module's shard group
+        param_group = m._get_fsdp_state()._fsdp_param_group
+        assert param_group._all_gather_comm.comm is comm and param_group._reduce_scatter_comm.comm is comm
+        m.set_custom_all_gather(Recording(comm))
+        m.set_custom_reduce_scatter(RecordingScatter(comm))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     reference = stack(seed=5)
     worst = {"ubnext": 0.0, "gloo_bf16": 0.0}
+    u = T.UNIT_ROUNDOFF[torch.bfloat16]  # the replicas' all-reduce rounds once more
     for step in range(steps):
         if step in (1, 2):
             with torch.no_grad():
                 model.blocks[0].fc1.weight.mul_(64.0 if step == 1 else 1 / 64.0)
         full = {k: p.full_tensor() for k, p in model.named_parameters()}
-        eff = {k: _fsdp_effective(k, w, scaling, static_scale, n) for k, w in full.items()}
+        eff = {k: _fsdp_effective(k, w, scaling, static_scale, shards) for k, w in full.items()}
         # all-gather: FSDP2's unsharded weights are the effective weights, bitwise
         for m in fsdp_modules:
             m.unshard()
@@ -1109,31 +1126,41 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsd
             grads = [g[k].float().cpu() for g in per_rank]
             got = p.grad.full_tensor().double().cpu()
             ref = T.reference_sum(grads) / n
-            # one rounding of the fp32 rank-order sum, scaled by 1/N; for N not a power of two, 1/N
-            # in fp32 and its product are two more fp32 roundings (2^-23 |mean|)
-            bound = (T.allreduce_bound([g.to(torch.bfloat16) for g in grads], torch.bfloat16) / n
-                     + 2.0 ** -23 * ref.abs())
+            # per shard group (a replica: ranks r*shards ...): one rounding of the fp32 rank-order sum,
+            # scaled by 1/shards; for a group size not a power of two, 1/shards in fp32 and its product
+            # are two more fp32 roundings (2^-23 |mean|)
+            means, bounds = [], []
+            for first in range(0, n, shards):
+                group_grads = grads[first:first + shards]
+                means.append(T.reference_sum(group_grads) / shards)
+                bounds.append(T.allreduce_bound([g.to(torch.bfloat16) for g in group_grads], torch.bfloat16) / shards
+                              + 2.0 ** -23 * means[-1].abs())
+            bound = sum(bounds) / replicas
+            if replicas > 1:  # gloo's bf16 sum of the two rounded means, rounded once, halved exactly
+                bound = bound + u * sum(m.abs() + b for m, b in zip(means, bounds)) / replicas + T.TINY[torch.bfloat16]
             err = (got - ref).abs()
             assert not (err > bound).any(), f"step {step}: {k} grad err {err.max():.3g} over its bound"
             scale = float(ref.abs().max()) or 1.0
-            # this rank's rows (FSDP2's Shard(0): chunks of ceil(rows / n), the last ones short or
-            # empty), the part each reduce-scatter computed here
+            # this rank's rows (FSDP2's Shard(0): chunks of ceil(rows / shards), the last ones short
+            # or empty), the part each reduce-scatter computed here
             rows = got.shape[0]
-            per = -(-rows // n)
-            lo, hi = min(rank * per, rows), min((rank + 1) * per, rows)
+            per = -(-rows // shards)
+            lo, hi = min(shard_rank * per, rows), min((shard_rank + 1) * per, rows)
             worst["ubnext"] = max(worst["ubnext"], float(err[lo:hi].max()) / scale if hi > lo else 0.0)
             # torch.distributed's bf16 reduce-scatter (FSDP2's default: gloo here, NCCL on GPUs) of
-            # this rank's gradient, padded as FSDP2 pads it
-            mine = torch.zeros(per * n, *got.shape[1:], dtype=torch.bfloat16, device=device())
+            # this rank's gradient, padded as FSDP2 pads it, then HSDP's all-reduce over the replicas
+            mine = torch.zeros(per * shards, *got.shape[1:], dtype=torch.bfloat16, device=device())
             mine[:rows] = per_rank[rank][k]
             rs = torch.empty(per, *got.shape[1:], dtype=torch.bfloat16, device=device())
-            dist.reduce_scatter_tensor(rs, mine, group=dist.group.WORLD)
+            dist.reduce_scatter_tensor(rs, mine, group=shard_group)
+            if replicate_group is not None:
+                dist.all_reduce(rs, group=replicate_group)
             if hi > lo:
                 gloo_err = (rs[:hi - lo].double().cpu() / n - ref[lo:hi]).abs().max()
                 worst["gloo_bf16"] = max(worst["gloo_bf16"], float(gloo_err) / scale)
         opt.step()
         opt.zero_grad()
-    return {"traffic": traffic, "scatters": scatters, "worst": worst, "model": model}
+    return {"traffic": traffic, "scatters": scatters, "worst": worst, "model": model, "comm": comm}
 
 
 def case_fsdp():
@@ -1266,6 +1293,291 @@ def case_fsdp_fp8_uneven():
         scales = COMM._calls.get(("all_gather", 4 * padded, False))
         if scaling == "row" and MODE != "torch":
             assert scales is not None and scales.path == "allgather", scales
+
+
+def case_hsdp():
+    """Issue 25 point 5: HSDP, a (replicate, shard) mesh of 2 x N/2 ranks. use_ubnext_collectives
+    finds each module's shard group in FSDP2's state and serves it with that group's cached
+    communicator; FSDP2 all-reduces the shard means over the replicas itself (torch.distributed).
+    _fsdp_run's checks, with the replicas' rounding: every gradient within two roundings of the
+    fp64 mean; bf16, and FP8 "tensor" scaling (its amax all-reduced over the shard group, which
+    holds the whole weight). Then the ranks as two emulated nodes: where each shard group lies
+    within a node the kernels serve it; where each spans both, its communicator takes
+    torch.distributed, as any group across hosts does."""
+    from ubnext import _lifecycle
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    kernel = lambda path: "torch" if MODE == "torch" else path  # noqa: E731
+    for scaling in (None, "tensor"):
+        result = _fsdp_run(scaling, steps=3 if scaling is None else 2, replicas=2)
+        comm = result["comm"]
+        assert comm.world_size == n // 2, comm
+        _assert_fsdp_kernels(result)
+        worst = result["worst"]
+        log(f"hsdp {scaling or 'bf16'}: max |grad - fp64| / max |grad| {worst['ubnext']:.3g} (ubnext shard "
+            f"reduce-scatter, then gloo's replica all-reduce); {worst['gloo_bf16']:.3g} (gloo for both)")
+        assert worst["ubnext"] <= worst["gloo_bf16"], worst
+    real_host = _lifecycle.host_identity
+    shards = n // 2
+    for node_of, wanted in ((lambda r: r // shards, {"allgather", "reduce_scatter"}), (lambda r: r % 2, {"torch"})):
+        _lifecycle.host_identity = lambda: f"node{node_of(rank)}/boot"  # noqa: B023 - called within the loop
+        try:
+            result = _fsdp_run(None, steps=1, replicas=2,
+                               shard_comm=lambda group: ubnext.Communicator(group, emulate=MODE == "emulator",
+                                                                            max_hidden=4096))
+        finally:
+            _lifecycle.host_identity = real_host
+        paths = {path for _, _, path, _ in result["traffic"] + result["scatters"]}
+        assert paths == {kernel(want) for want in wanted}, (wanted, paths)
+        result["comm"].close()
+
+
+TP_DIM, TP_HEADS, TP_FFN, TP_VOCAB, TP_SEQ, TP_BATCH = 32, 4, 64, 64, 8, 2
+
+
+def _llama_debug(seed: int) -> torch.nn.Module:
+    """A small Llama: token embedding, two pre-norm blocks (causal multi-head attention, SwiGLU
+    feed-forward, RMSNorm), a final norm and the output projection, no biases: torchtitan's Llama
+    layout (its module names), without rotary embeddings, which involve no communication."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv, self.wo = (nn.Linear(TP_DIM, TP_DIM, bias=False) for _ in range(4))
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            # -1 heads: under tensor parallelism each rank holds TP_HEADS / tp of them
+            q, k, v = (w(x).view(b, s, -1, TP_DIM // TP_HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    class FeedForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Linear(TP_DIM, TP_FFN, bias=False)
+            self.w2 = nn.Linear(TP_FFN, TP_DIM, bias=False)
+            self.w3 = nn.Linear(TP_DIM, TP_FFN, bias=False)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention_norm, self.ffn_norm = nn.RMSNorm(TP_DIM), nn.RMSNorm(TP_DIM)
+            self.attention, self.feed_forward = Attention(), FeedForward()
+
+        def forward(self, x):
+            x = x + self.attention(self.attention_norm(x))
+            return x + self.feed_forward(self.ffn_norm(x))
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(TP_VOCAB, TP_DIM)
+            self.layers = nn.ModuleList([Block(), Block()])
+            self.norm = nn.RMSNorm(TP_DIM)
+            self.output = nn.Linear(TP_DIM, TP_VOCAB, bias=False)
+
+        def forward(self, tokens):
+            x = self.tok_embeddings(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return self.output(self.norm(x))
+
+    torch.manual_seed(seed)
+    model = Llama().to(device())
+    with torch.no_grad():  # RMSNorm's weights start at one: make their gradients tell the layers apart
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _tp_fsdp(model: torch.nn.Module, mesh, mp) -> torch.nn.Module:
+    """torchtitan's Llama parallelization with torch's APIs: tensor parallelism with sequence
+    parallelism over mesh["tp"] (its plan for llama3: column-parallel wq/wk/wv/w1/w3, row-parallel
+    wo/w2 and embedding, sequence-parallel norms, a replicated output), then FSDP2 over mesh["dp"]
+    on each block and the root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    tp = mesh["tp"]
+    parallelize_module(model, tp, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for layer in model.layers:
+        parallelize_module(layer, tp, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+    return model
+
+
+def case_fsdp_tp():
+    """Issue 25 point 6: FSDP2 + tensor parallelism, TP=2 x FSDP=N/2 (torchtitan's Llama plan, built
+    with torch's APIs: _tp_fsdp). use_ubnext_collectives serves each module's FSDP2 shard group (the
+    dp dimension; the parameters' DTensor mesh is 2-D), the TP collectives stay where the plan puts
+    them (torch.distributed). Two SGD steps, each checked against:
+      - the same parallelization on torch.distributed's collectives: loss and gradients bitwise (the
+        all-gather moves bytes; the fp32 mean of two ranks is one rounding of a + b, either order, and
+        an exact halving: ubnext's rank-order sum and gloo's AVG give the same bits);
+      - the unsharded model in fp64, from the same fp32 weights, on each dp rank's batch: parameters
+        are gathered and computed in fp64 (param_dtype), gradients reduced in fp32 (reduce_dtype),
+        so the loss is fp64's, and each gradient element is within the cast of each dp rank's
+        gradient to fp32 (u |g_r|), their fp32 sum (u (1 + u) sum |g_r|), the halving exact, plus
+        2^-40 max |g| for the fp64 computation's other summation order (the row-parallel layers add
+        two partial sums: about K 2^-53 relative per reduction, K <= 64, four reductions deep)."""
+    import torch.nn.functional as F
+    import ubnext.fsdp as UF
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    assert n == 4, "TP=2 x FSDP=2: the bitwise claim and the bound below are those of a two-rank mean"
+    mesh = init_device_mesh(device().type, (n // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    mp = MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float32)
+    model = _tp_fsdp(_llama_debug(seed=11), mesh, mp)
+    assert {p.device_mesh.ndim for p in model.parameters()} == {2}  # what the old mesh check refused
+    assert UF.use_ubnext_collectives(model) == 3
+    comm = ubnext.get_communicator(mesh.get_group("dp"))
+    plain = _tp_fsdp(_llama_debug(seed=11), mesh, mp)
+    reference = _llama_debug(seed=11).double()
+    u, tiny = T.UNIT_ROUNDOFF[torch.float32], T.TINY[torch.float32]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+    for step in range(2):
+        def batch(d):
+            gen = torch.Generator().manual_seed(1000 * step + d)
+            return torch.randint(0, TP_VOCAB, (TP_BATCH, TP_SEQ + 1), generator=gen).to(device())
+
+        def loss_of(m, tokens):
+            return F.cross_entropy(m(tokens[:, :-1]).flatten(0, 1).double(), tokens[:, 1:].flatten())
+
+        tokens = batch(dp_rank)
+        loss = loss_of(model, tokens)
+        assert comm.last_path == ("torch" if MODE == "torch" else "allgather"), comm.last_path
+        loss.backward()
+        assert comm.last_path == ("torch" if MODE == "torch" else "reduce_scatter"), comm.last_path
+        plain_loss = loss_of(plain, tokens)
+        plain_loss.backward()
+        assert torch.equal(loss, plain_loss), f"step {step}: loss {loss.item()} != {plain_loss.item()} on torch's"
+        grads = {k: p.grad.full_tensor().cpu() for k, p in model.named_parameters()}
+        for k, p in plain.named_parameters():
+            assert torch.equal(grads[k], p.grad.full_tensor().cpu()), f"step {step}: {k} differs from torch's run"
+        # the unsharded model, from the sharded one's weights, on every dp rank's batch
+        masters = {k: p.full_tensor() for k, p in model.named_parameters()}
+        with torch.no_grad():
+            for k, p in reference.named_parameters():
+                p.copy_(masters[k].double())
+        per_dp = []
+        for d in range(n // 2):
+            reference.zero_grad()
+            ref_loss = loss_of(reference, batch(d))
+            ref_loss.backward()
+            if d == dp_rank:
+                assert abs(loss.item() - ref_loss.item()) <= 2.0 ** -40 * abs(ref_loss.item()), \
+                    f"step {step}: loss {loss.item()!r} against the unsharded {ref_loss.item()!r}"
+            per_dp.append({k: p.grad.detach().cpu() for k, p in reference.named_parameters()})
+        worst = 0.0
+        for k, got in grads.items():
+            g = [pd[k] for pd in per_dp]
+            mean = torch.stack(g).mean(0)
+            total = torch.stack(g).abs().sum(0)
+            bound = (u * total + u * (1 + u) * total) / len(g) + 2.0 ** -40 * float(mean.abs().max()) + tiny
+            err = (got.double() - mean).abs()
+            assert not (err > bound).any(), f"step {step}: {k} grad err {err.max():.3g} over its bound"
+            worst = max(worst, float(err.max() / mean.abs().max()))
+        if rank == 0:
+            log(f"fsdp+tp step {step}: loss {loss.item():.6f}, max |grad - unsharded fp64| / max |grad| {worst:.3g}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+def case_fsdp_torchao():
+    """torchao's float8 training with its FP8 all-gather (convert_to_float8_training with
+    Float8LinearConfig(enable_fsdp_float8_all_gather=True): e4m3 weights with tensorwise scales,
+    whose amax torchao all-reduces over FSDP2's shard mesh with torch.distributed, and FP8 GEMMs)
+    on ubnext's all-gather and reduce-scatter, against the same model on torch.distributed's
+    collectives: loss and gradients bitwise at each of two steps. At two ranks the runs can differ
+    only in FSDP2's collectives, and these give the same bits: the all-gather moves the e4m3 bytes,
+    and the fp32 mean of two gradients is one rounding of a + b (either order) and an exact halving."""
+    import ubnext.fsdp as UF
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    assert n == 2, "the bitwise claim is that of a two-rank mean"
+    kernel = lambda path: "torch" if MODE == "torch" else path  # noqa: E731
+    mesh = init_device_mesh(device().type, (n,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def converted():
+        model = _fsdp_stack(seed=5)
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        return fully_shard(model, mesh=mesh, mp_policy=mp)
+
+    model, plain = converted(), converted()
+    assert UF.use_ubnext_collectives(model, COMM) == 3
+    if device().type == "cpu":
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+        class BytesAllGather(DefaultAllGather):
+            """FSDP2's default all-gather of the e4m3 bytes: gloo has no float8 type ("Invalid scalar type")."""
+
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                return super().__call__(output_tensor.view(torch.uint8), input_tensor.view(torch.uint8), group,
+                                        async_op)
+
+        for m in plain.modules():
+            if hasattr(m, "set_custom_all_gather"):
+                m.set_custom_all_gather(BytesAllGather())
+    gathered: list[tuple[torch.dtype, str]] = []
+
+    class Recording(UF.AllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            super().__call__(output_tensor, input_tensor, group, async_op)
+            gathered.append((input_tensor.dtype, self.comm.last_path))
+
+    for m in model.modules():
+        if hasattr(m, "set_custom_all_gather"):
+            m.set_custom_all_gather(Recording(COMM))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+    for step in range(2):
+        # 16 tokens: torch._scaled_mm wants dimensions that are multiples of 16
+        x = T.rank_input(rank, 16 * FSDP_HIDDEN, torch.float32, 70 + step).view(16, FSDP_HIDDEN).to(device())
+        losses = [m(x).float().square().mean() for m in (model, plain)]
+        assert gathered and all(g == (FP8, kernel("allgather")) for g in gathered), gathered
+        for loss in losses:
+            loss.backward()
+        assert COMM.last_path == kernel("reduce_scatter"), COMM.last_path
+        assert torch.equal(losses[0], losses[1]), f"step {step}: loss {losses[0].item()} != {losses[1].item()}"
+        for (k, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), f"step {step}: {k} differs from torch's"
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        gathered.clear()
 
 
 def case_fsdp_checkpoint():
