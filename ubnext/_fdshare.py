@@ -4,12 +4,22 @@ Used for the emulator's memfd pool and for cuMem POSIX-fd handles. The ranks alr
 host-side ``allgather(obj) -> [obj of every rank]`` (torch.distributed or MPI); it carries the
 socket addresses, the fds themselves travel over the sockets.
 
-Protocol: every rank listens on a fresh abstract-namespace socket and publishes (address, pid)
-by allgather; every sending rank connects to each peer and sends one message carrying its rank
-and its fd; every rank accepts one connection per sender. Connections complete in the listen
-backlog and a Unix stream socket keeps its data after the sender closes it, so "send to all,
-then accept all" cannot deadlock. The receiver checks SO_PEERCRED against the published pid,
-so another process on the host cannot slip in a descriptor.
+Protocol: every rank listens on a fresh abstract-namespace socket and publishes (address, pid,
+namespaces) by allgather; every sending rank connects to each peer and sends one message
+carrying its rank and its fd; every rank says by a second allgather whether its sends worked, and
+only then accepts one connection per sender. Connections complete in the listen backlog and a
+Unix stream socket keeps its data after the sender closes it, so "send to all, then accept all"
+cannot deadlock, and no rank waits in accept for a message that a failed peer never sent. The
+receiver checks SO_PEERCRED against the published pid, so another process on the host cannot
+slip in a descriptor.
+
+Both need the ranks in one PID and one network namespace: SO_PEERCRED gives the sender's pid as
+seen from the receiver's PID namespace (pid_namespaces(7)), which is not the pid the sender
+published from its own, and abstract socket addresses belong to a network namespace
+(network_namespaces(7)). Containers that share GPUs but not these namespaces exist; ranks in
+different namespaces are told apart from the published namespaces before any socket is used,
+every rank raises the same error saying what to change, and the pool set-up then fails on every
+rank alike, so ubnext uses torch.distributed.
 """
 
 from __future__ import annotations
@@ -52,17 +62,26 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
     except OSError as exc:
         listen_error = exc  # still take part in the allgather below, or the peers pair it wrongly
     try:
-        peers = allgather((address, os.getpid()))
+        peers = allgather((address, *_identity()))
         if listen_error is not None:
             raise listen_error
-        deaf = [r for r, (a, _) in enumerate(peers) if a is None]
+        deaf = [r for r, (a, *_) in enumerate(peers) if a is None]
         if deaf:
             raise OSError(f"ubnext fd exchange: rank(s) {deaf} could not open a socket")
+        # every rank sees the same table, so every rank raises this alike, before any socket use
+        _check_namespaces([p[2] for p in peers])
+        send_error = None
         if rank in senders:
             result[rank] = os.dup(fd)
-            for peer in range(nranks):
-                if peer != rank:
-                    _send(peers[peer][0], rank, fd, timeout)
+            try:
+                for peer in range(nranks):
+                    if peer != rank:
+                        _send(peers[peer][0], rank, peer, fd, timeout)
+            except OSError as exc:  # voted: the peers must not wait in accept for what never comes
+                send_error = str(exc)
+        unsent = [(r, e) for r, e in enumerate(allgather(send_error)) if e]
+        if unsent:
+            raise OSError(f"ubnext fd exchange: rank {unsent[0][0]} could not send: {unsent[0][1]}")
         expected = [r for r in senders if r != rank]
         for _ in expected:
             try:
@@ -79,8 +98,12 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
                 if len(fds) != 1 or sender not in expected or result[sender] != -1 or peers[sender][1] != pid:
                     for f in fds:
                         os.close(f)
+                    published = peers[sender][1] if sender in expected else None
+                    hint = "" if published in (None, pid) else (
+                        f": rank {sender} published pid {published}; the ranks may run in different PID "
+                        f"namespaces, and {_PID_WHY}. {_PID_FIX}")
                     raise OSError(f"rank {rank}: unexpected fd message (sender {sender}, pid {pid}, "
-                                  f"{len(fds)} fds)")
+                                  f"{len(fds)} fds){hint}")
                 result[sender] = fds[0]
     except BaseException:
         for f in result:
@@ -93,8 +116,47 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
     return result
 
 
-def _send(address: str, rank: int, fd: int, timeout: float) -> None:
+# what to change, when the ranks' namespaces differ (containers that share the GPUs and no more)
+_PID_FIX = ("Run the ranks in one PID namespace (docker --pid=host or --pid=container:<first rank's>, "
+            "one Kubernetes pod with shareProcessNamespace); until then ubnext uses torch.distributed")
+_NET_FIX = ("Run the ranks in one network namespace (docker --network=host or "
+            "--network=container:<first rank's>, one Kubernetes pod); until then ubnext uses torch.distributed")
+_PID_WHY = "SO_PEERCRED reports a peer's pid as seen from the receiver's PID namespace"
+_NET_WHY = "an abstract Unix socket is reachable only from its own network namespace"
+
+
+def _identity() -> tuple[int, tuple[str | None, str | None]]:
+    """This process's pid and its (PID, network) namespaces, as /proc/self/ns names them
+    ("pid:[4026531836]": equal names, one namespace); None for one that cannot be read."""
+    names = []
+    for kind in ("pid", "net"):
+        try:
+            names.append(os.readlink(f"/proc/self/ns/{kind}"))
+        except OSError:
+            names.append(None)
+    return os.getpid(), tuple(names)
+
+
+def _check_namespaces(namespaces: list[tuple[str | None, str | None]]) -> None:
+    """Raise, saying what to change, when the ranks' PID or network namespaces differ."""
+    for i, (kind, why, fix) in enumerate((("PID", _PID_WHY, _PID_FIX), ("network", _NET_WHY, _NET_FIX))):
+        seen: dict[str, list[int]] = {}
+        for r, ns in enumerate(namespaces):
+            if ns[i] is not None:
+                seen.setdefault(ns[i], []).append(r)
+        if len(seen) > 1:
+            groups = "; ".join(f"rank(s) {ranks} in {name}" for name, ranks in seen.items())
+            raise OSError(f"ubnext fd exchange: the ranks run in different {kind} namespaces ({groups}), "
+                          f"and {why}. {fix}")
+
+
+def _send(address: str, rank: int, peer: int, fd: int, timeout: float) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
         s.settimeout(timeout)
-        s.connect(address)
+        try:
+            s.connect(address)
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            # the peer listens (it published its address), so it is out of reach, not gone
+            raise OSError(f"rank {rank} cannot reach rank {peer}'s socket ({exc}): the ranks may run in different "
+                          f"network namespaces, and {_NET_WHY}. {_NET_FIX}") from exc
         socket.send_fds(s, [_MSG.pack(rank)], [fd])

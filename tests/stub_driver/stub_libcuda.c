@@ -70,9 +70,24 @@ static void record_launch(void *f, void *stream, unsigned grid, unsigned block, 
 #define API __attribute__((visibility("default")))
 
 
-API CUresult cuInit(unsigned int f) { (void)f; T(); return 0; }
+/* What a test may change, from the environment of the process that loads the stub:
+ * STUB_INIT_ERROR=<CUresult>  what cuInit returns (100: CUDA_ERROR_NO_DEVICE, a driver without a GPU)
+ * STUB_DEVICE_COUNT=<n>       what cuDeviceGetCount reports (default 1)
+ * STUB_COMPUTE_CAPABILITY=M.m the device's compute capability (default 9.0) */
+static int env_int(const char *name, int fallback) {
+    const char *v = getenv(name);
+    return v && *v ? atoi(v) : fallback;
+}
+static CUresult init_error = 0; /* cuInit's, returned again by every call that needs it, as the driver does */
+
+API CUresult cuInit(unsigned int f) { (void)f; T(); init_error = env_int("STUB_INIT_ERROR", 0); return init_error; }
 API CUresult cuDriverGetVersion(int *v) { T(); *v = 13000; return 0; }
-API CUresult cuDeviceGetCount(int *n) { T(); *n = 1; return 0; }
+API CUresult cuDeviceGetCount(int *n) {
+    T();
+    if (init_error) return init_error;
+    *n = env_int("STUB_DEVICE_COUNT", 1);
+    return 0;
+}
 API CUresult cuDeviceGet(CUdevice *d, int ordinal) { T(); *d = ordinal; return 0; }
 API CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
     (void)d; T(); snprintf(name, len, "Stub GPU"); return 0;
@@ -80,8 +95,10 @@ API CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
 API CUresult cuDeviceGetAttribute(int *v, int attrib, CUdevice d) {
     (void)d; T();
     switch (attrib) {
-    case 75: *v = 9; break;  /* CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR */
-    case 76: *v = 0; break;  /* ..._MINOR */
+    case 75: *v = env_int("STUB_COMPUTE_CAPABILITY", 9); break;  /* CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR */
+    case 76: { const char *cc = getenv("STUB_COMPUTE_CAPABILITY"); /* ..._MINOR: after the dot */
+               *v = cc && strchr(cc, '.') ? atoi(strchr(cc, '.') + 1) : 0; break; }
+    case 91: *v = 0; break;   /* CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: no, see cuMemHostRegister */
     case 16: *v = 132; break; /* multiprocessor count */
     case 1: *v = 1024; break; /* max threads per block */
     case STUB_ATTRIBUTE_LAUNCH_COUNT: *v = (int)(stub_launch_count & 0x7fffffff); break;
@@ -185,6 +202,35 @@ API CUresult cuLaunchKernelEx(const LaunchCfg *cfg, void *f, void **params, void
     (void)extra; T();
     record_launch(f, cfg->hStream, cfg->gx, cfg->bx, params);
     return 0;
+}
+
+/* Page-locked host memory (cuMemHostAlloc, cuMemHostRegister, as torch's pin_memory uses them) and
+ * its device pointer. The stub models a device that cannot use the host pointer for registered
+ * memory (attribute 91 is 0): the device pointer is the host pointer plus HOST_DEVPTR_OFFSET, so a
+ * caller that assumes they are equal is caught. cuMemHostGetDevicePointer takes flags 0 only and
+ * refuses memory that is not page-locked (CUDA_ERROR_INVALID_VALUE), as documented. */
+#define HOST_DEVPTR_OFFSET 0x100000000000ull
+static struct { uintptr_t base; size_t size; } pinned[64];
+static int n_pinned = 0;
+API CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned flags) {
+    (void)flags; T();
+    if (n_pinned == 64) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    pinned[n_pinned].base = (uintptr_t)p;
+    pinned[n_pinned++].size = size;
+    return 0;
+}
+API CUresult cuMemHostUnregister(void *p) {
+    T();
+    for (int i = 0; i < n_pinned; i++)
+        if (pinned[i].base == (uintptr_t)p) { pinned[i] = pinned[--n_pinned]; return 0; }
+    return 713; /* CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED */
+}
+API CUresult cuMemHostGetDevicePointer_v2(unsigned long long *dptr, void *p, unsigned flags) {
+    T();
+    if (flags) return 1; /* CUDA_ERROR_INVALID_VALUE */
+    for (int i = 0; i < n_pinned; i++)
+        if ((uintptr_t)p - pinned[i].base < pinned[i].size) { *dptr = (uintptr_t)p + HOST_DEVPTR_OFFSET; return 0; }
+    return 1;
 }
 
 API CUresult cuGetErrorString(CUresult e, const char **s) { (void)e; *s = "stub error"; return 0; }

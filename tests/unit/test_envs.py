@@ -110,6 +110,29 @@ def test_kernel_timeout(monkeypatch):
     assert kernel_timeout_s(group, torch.device("cpu")) == 2.5
 
 
+def test_kernel_timeout_reads_a_real_gloo_groups_timeout():
+    """kernel_timeout_s against torch's own process group (a one-rank gloo group, in a process of
+    its own so that no default group is left behind here), not the fake above: the timeout given to
+    init_process_group is what it reads from the backend's options. NCCL's options exist only in
+    torch's CUDA build: tests/gpu runs every case under the NCCL group's timeout."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    script = ("import datetime, torch, torch.distributed as dist\n"
+              "from ubnext._lifecycle import kernel_timeout_s\n"
+              "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1,\n"
+              "                        timeout=datetime.timedelta(seconds=77))\n"
+              "print(kernel_timeout_s(dist.group.WORLD, torch.device('cpu')))\n"
+              "dist.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items() if k != "UBNEXT_TIMEOUT"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["77.0"], proc.stdout + proc.stderr[-2000:]
+
+
 def test_every_test_only_break_is_accepted_by_envs(monkeypatch):
     """UBNEXT_EMU_BREAK accepts exactly the emulator's broken builds: a name missing here makes
     the kernels unavailable, and a broken-build test would then fail for that reason, not for

@@ -64,6 +64,8 @@ RUN_BY = {  # command -> (file that runs it, text there that shows it does)
 # needs what CI lacks, so CI cannot run it; the reason is the entry
 NOT_IN_CI = {
     "scripts/gpu_check.sh": "runs the GPU tier and the benchmark on a GPU node; the GPU tier skips here",
+    "scripts/floor_check.sh": "opt-in: installs the floor versions of cuda-core, cuda-bindings and numpy into "
+                              "build/floor-venv from the package index; docs/TESTING.md gives its last result",
 }
 COMMAND = re.compile(r"`((?:[A-Z_]+=[^`\s]+ )*(?:\.venv/bin/)?(?:scripts/\w+\.sh|python -m [^`\s]+|python scripts/\w+\.py|mpirun|torchrun|cmake --|pip install)[^`]*)`")
 

@@ -129,3 +129,77 @@ def test_kernel_loading_leaves_the_callers_context(stub_dir):
     result = subprocess.run([sys.executable, "-c", LOAD_SCRIPT], env=env, cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and "stub load ok" in result.stdout, result.stdout + result.stderr
+
+
+def _run_with_stub(stub_dir, script: str, **env) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, LD_LIBRARY_PATH=f"{stub_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+                    PYTHONPATH=str(ROOT), **env)
+    return subprocess.run([sys.executable, "-c", script], env=full_env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+PROBE_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    import ubnext._cuda as cu
+
+    # torch's CPU build ends the probe before the driver ("torch is a CPU build"): stand in for a CUDA
+    # build, so that the driver part runs through cuda.bindings against the stub
+    torch.version.cuda, torch.cuda.is_available = "13.0", lambda: True
+    print(cu.gpu_available(), cu.no_gpu_reason())
+    print(cu.gpu_available())  # probed once: the driver is not asked again
+    if cu.gpu_available():
+        print("-- the probe ends here", file=sys.stderr, flush=True)  # cuda.core's Device calls cuInit itself
+        print(cu.device_arch(0))
+""")
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, ["True 1 CUDA device(s)", "True", "sm_90"]),
+    ({"STUB_DEVICE_COUNT": "4", "STUB_COMPUTE_CAPABILITY": "10.0"}, ["True 4 CUDA device(s)", "True", "sm_100"]),
+    ({"STUB_COMPUTE_CAPABILITY": "12.1"}, ["True 1 CUDA device(s)", "True", "sm_121"]),
+    ({"STUB_DEVICE_COUNT": "0"}, ["False no CUDA device", "False"]),
+    ({"STUB_INIT_ERROR": "100"}, ["False CUDA driver unusable: cuInit failed: CUDA_ERROR_NO_DEVICE (100)", "False"]),
+], ids=["sm_90", "sm_100", "sm_121", "no-device", "cuInit-fails"])
+def test_the_gpu_probe_and_the_arch_through_the_driver(stub_dir, env, expected):
+    """The GPU probe (cuInit, cuDeviceGetCount) and device_arch (cuda.core's Device.compute_capability)
+    through the installed cuda.bindings and cuda.core: their return conventions ((status, value)
+    tuples, the enum that names a failure) and the attributes cuda.core asks for (75 and 76, major
+    and minor), whatever versions are installed (scripts/floor_check.sh runs this at the floors).
+    The driver is asked once, also when it failed."""
+    result = _run_with_stub(stub_dir, PROBE_SCRIPT, STUB_TRACE="1", **env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == expected, result.stdout + result.stderr[-3000:]
+    assert result.stderr.split("-- the probe ends here")[0].count("[stub] cuInit\n") == 1, result.stderr[-3000:]
+
+
+PINNED_SCRIPT = textwrap.dedent("""
+    import torch
+    from ubnext._cuda import check, driver
+    from ubnext.pool.symmetric import _device_pointer_of_pinned
+
+    drv = driver()
+    check(drv.cuInit(0))
+    # torch's CPU build cannot pin (pin_memory needs a CUDA build): the word is page-locked through
+    # the driver as torch does with pinned_use_cuda_host_register (cudaHostRegister)
+    word = torch.zeros(4, dtype=torch.int32)
+    check(drv.cuMemHostRegister(word.data_ptr(), word.nbytes, 0))
+    offset = 0x100000000000  # the stub's device address of page-locked memory: not the host one
+    assert _device_pointer_of_pinned(word) == word.data_ptr() + offset, hex(_device_pointer_of_pinned(word))
+    assert _device_pointer_of_pinned(word[1:]) == word.data_ptr() + 4 + offset
+    check(drv.cuMemHostUnregister(word.data_ptr()))
+    # memory that is not page-locked: the driver refuses, the host (UVA) address is all that is left
+    assert _device_pointer_of_pinned(word) == word.data_ptr()
+    print("stub pinned ok")
+""")
+
+
+def test_the_error_words_device_address_is_the_drivers(stub_dir):
+    """The pinned error word's device address comes from cuMemHostGetDevicePointer through the
+    installed cuda.bindings (a host int in, flags 0, a CUdeviceptr out), not from an assumption that
+    it equals the host address: where the device cannot use host pointers for registered memory
+    (CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM 0, which the stub models), they differ. Memory that is
+    not page-locked is refused by the driver and the host address is used, with a warning."""
+    result = _run_with_stub(stub_dir, PINNED_SCRIPT)
+    assert result.returncode == 0 and "stub pinned ok" in result.stdout, result.stdout + result.stderr
+    assert "cuMemHostGetDevicePointer failed: CUDA_ERROR_INVALID_VALUE" in result.stderr, result.stderr

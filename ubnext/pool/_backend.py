@@ -129,25 +129,27 @@ class PoolSetupError(RuntimeError):
     """A step of a multi-rank pool set-up failed on some rank; raised on every rank alike."""
 
 
-def _agree(allgather: Callable[[object], list], error: str | None, step: str) -> None:
+def _agree(allgather: Callable[[object], list], error: str | None, step: str,
+           fails: type[PoolSetupError] = PoolSetupError) -> None:
     """End one phase of a multi-rank set-up: every rank says whether its part of `step` worked,
-    and if any rank's failed, every rank raises the same PoolSetupError here. No rank then goes
-    on to a collective step (an fd exchange, a multicast bind that waits for every device) that
-    its peers never reach, and every rank's caller sees the same cause."""
-    _raise_if_any(allgather(error), step)
+    and if any rank's failed, every rank raises the same `fails` (a PoolSetupError) here. No rank
+    then goes on to a collective step (an fd exchange, a multicast bind that waits for every
+    device) that its peers never reach, and every rank's caller sees the same cause."""
+    _raise_if_any(allgather(error), step, fails)
 
 
 def _share_fd(fd: int, error: str | None, rank: int, nranks: int, allgather: Callable[[object], list],
-              making: str, sharing: str, only_from: int | None = None) -> list[int]:
+              making: str, sharing: str, only_from: int | None = None,
+              making_fails: type[PoolSetupError] = PoolSetupError) -> list[int]:
     """One fd-sharing phase of a set-up: agree that every rank made its fd (`error`: why this one
-    did not), exchange the fds (_fdshare.exchange_fds), then agree that the exchange worked, since
-    it can fail on one rank only (a socket error, a timeout) and that rank must not leave its peers
-    pairing their next collective with its next one. Closes `fd` in every case; the caller owns
-    the fds returned."""
+    did not; a failure raises `making_fails` on every rank), exchange the fds
+    (_fdshare.exchange_fds), then agree that the exchange worked, since it can fail on one rank
+    only (a socket error, a timeout) and that rank must not leave its peers pairing their next
+    collective with its next one. Closes `fd` in every case; the caller owns the fds returned."""
     from .. import _fdshare
 
     try:
-        _agree(allgather, error, making)
+        _agree(allgather, error, making, making_fails)
         fds, error = [], None
         try:
             fds = _fdshare.exchange_fds(fd, rank, nranks, allgather, only_from=only_from)
@@ -166,8 +168,8 @@ def _share_fd(fd: int, error: str | None, rank: int, nranks: int, allgather: Cal
             os.close(fd)
 
 
-def _raise_if_any(errors: list, step: str) -> None:
+def _raise_if_any(errors: list, step: str, fails: type[PoolSetupError] = PoolSetupError) -> None:
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         r, e = failed[0]
-        raise PoolSetupError(f"{step} failed on rank {r}: {e}")
+        raise fails(f"{step} failed on rank {r}: {e}")

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ._backend import _agree, _Backend, _raise_if_any, _share_fd, _Slot
+from ._backend import PoolSetupError, _agree, _Backend, _raise_if_any, _share_fd, _Slot
 from .layout import _align, _lcm
 
 log = logging.getLogger("ubnext")
@@ -40,6 +40,7 @@ class VmmBackend(_Backend):
         self._local = None
         self._dev = None
         self.mc_base = 0
+        self._peer_ranges = 0  # the address ranges mapped before the multicast part's
         self.size = size
         # the cuMem calls act in the current context, which must be the device's primary one
         # (torch's): pushed in the first voted phase, popped after the set-up, so that the
@@ -159,12 +160,25 @@ class VmmBackend(_Backend):
         return va
 
     def _setup_multicast(self, rank, nranks, allgather) -> None:
-        from .._cuda import CudaError
-
-        drv, check = self._drv, self._check
+        """Phases 4 to 6. A driver call of the multicast part that fails on any rank (agreed like
+        every phase) costs the multicast only: what it made is released on every rank and the
+        pool goes on unicast, as torch's symmetric memory does, rather than leaving every call
+        to torch.distributed. NCCL's NVLS may have taken the multicast resources, for one. A
+        failed fd exchange is no multicast matter (the sockets fail) and fails the pool as ever."""
         if not self._mc_everywhere:  # agreed across ranks in phase 1
             log.info("ubnext vmm pool: no multicast on every rank; unicast paths only")
             return
+        self._peer_ranges = len(self._reserved)  # what _release_multicast keeps
+        try:
+            self._multicast_phases(rank, nranks, allgather)
+        except _MulticastFailed as exc:
+            self._release_multicast()
+            log.warning("ubnext vmm pool: %s; the pool goes on without multicast (unicast paths only)", exc)
+
+    def _multicast_phases(self, rank, nranks, allgather) -> None:
+        from .._cuda import CudaError
+
+        drv, check = self._drv, self._check
         # -- phase 4: rank 0 creates the multicast object and shares it
         fd, error = -1, None
         if rank == 0:
@@ -175,7 +189,7 @@ class VmmBackend(_Backend):
             except CudaError as exc:
                 error = str(exc)
         fds = _share_fd(fd, error, rank, nranks, allgather, "creating the multicast object",
-                        "sharing the multicast object", only_from=0)
+                        "sharing the multicast object", only_from=0, making_fails=_MulticastFailed)
         # -- phase 5: every device added (cuMulticastBindMem waits for all of them)
         error = None
         try:
@@ -189,7 +203,7 @@ class VmmBackend(_Backend):
             for f in fds:
                 if f >= 0:
                     os.close(f)
-        _agree(allgather, error, "adding every GPU to the multicast object")
+        _agree(allgather, error, "adding every GPU to the multicast object", _MulticastFailed)
         # -- phase 6: our memory bound, and the multicast range mapped here
         error = None
         try:
@@ -201,7 +215,7 @@ class VmmBackend(_Backend):
             self.mc_base = self._map(self._mc, align)
         except CudaError as exc:
             error = str(exc)
-        _agree(allgather, error, "binding and mapping the multicast object")
+        _agree(allgather, error, "binding and mapping the multicast object", _MulticastFailed)
 
     def _mc_prop(self, nranks: int, size: int):
         drv = self._drv
@@ -219,26 +233,38 @@ class VmmBackend(_Backend):
         self._local = None
 
     def _release_all(self) -> None:
-        """Release whatever exists, in the documented order: unbind the multicast object before
-        the memory is unmapped, the multicast range first; unmap, free the ranges, release."""
-        drv = self._drv
+        """Release whatever exists: the multicast part first (_release_multicast), then the
+        peers' ranges and our memory."""
         torch.cuda.synchronize(self.device)  # no kernel of ours may still use it
+        self._release(0, ([self._mc] if self._mc is not None else []) + self._handles)
+        self._handles = []
+        self._local = None
+
+    def _release_multicast(self) -> None:
+        """Release what the multicast phases made (its binding, its range, the object), and keep
+        the peers' mappings: a unicast pool."""
+        self._release(self._peer_ranges, [self._mc] if self._mc is not None else [])
+
+    def _release(self, first_range: int, handles: list) -> None:
+        """In the documented order: unbind our memory from the multicast object before it is
+        unmapped (cuMulticastUnbind), unmap the ranges from `first_range` on, last mapped first
+        (the multicast range, mapped last, before the memory bound to it), free them, release
+        `handles`."""
+        drv = self._drv
         if self._mc is not None and self._mc_bound:
             drv.cuMulticastUnbind(self._mc, self._dev, 0, self.size)
-        if self.mc_base:  # the multicast mapping goes first
-            self._mapped.sort(key=lambda m: m[0] != self.mc_base)
-        for va, size in self._mapped:
+        for va, size in reversed(self._mapped[first_range:]):
             drv.cuMemUnmap(va, size)
-        for va, size in self._reserved:
+        for va, size in reversed(self._reserved[first_range:]):
             drv.cuMemAddressFree(va, size)
-        for h in self._handles:
+        for h in handles:
             drv.cuMemRelease(h)
-        if self._mc is not None:
-            drv.cuMemRelease(self._mc)
-        self._mc = None
-        self._mc_bound = False
-        self._mapped, self._reserved, self._handles = [], [], []
-        self._local = None
+        del self._mapped[first_range:], self._reserved[first_range:]
+        self._mc, self._mc_bound, self.mc_base = None, False, 0
+
+
+class _MulticastFailed(PoolSetupError):
+    """A multicast phase failed on some rank: on every rank, the pool goes on unicast."""
 
 
 # --------------------------------------------------------------------------------------------
