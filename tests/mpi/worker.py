@@ -2672,6 +2672,76 @@ def _check_sum(comm, numel=6000, dtype=torch.bfloat16, seed=3, what=""):
     assert (err <= T.allreduce_bound(inputs, dtype)).all(), f"{what} {comm.last_path}: wrong sum"
 
 
+def case_capture_empty():
+    """Issue 23 item 3 (lifted by issue 25 item 2): comm.empty inside a capture takes the graph arena
+    with no host round trip; the captured in-place allreduce of it replays right, and the capture
+    is not broken."""
+    if MODE != "gpu":
+        return
+    n, numel = dist.get_world_size(), 8192
+    comm = ubnext.Communicator(max_hidden=1024, algo="twoshot").prepare()
+    warm = comm.empty(numel, dtype=torch.bfloat16)
+    comm.all_reduce(warm, out=warm)  # kernels loaded outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x = comm.empty(numel, dtype=torch.bfloat16)
+        comm.all_reduce(x, out=x)
+    assert comm.pool.contains(x), "comm.empty inside capture is not a pool tensor"
+    offsets = gather(comm.pool.offset_of(x))
+    assert len(set(offsets)) == 1, offsets
+    for step in range(3):
+        inputs = [T.rank_input(r, numel, torch.bfloat16, 70 + step) for r in range(n)]
+        x.copy_(inputs[dist.get_rank()])
+        graph.replay()
+        torch.cuda.synchronize()
+        err = (x.double().cpu() - T.reference_sum(inputs)).abs()
+        assert (err <= T.allreduce_bound(inputs, torch.bfloat16)).all(), f"captured comm.empty replay {step}"
+    comm.close()
+
+
+def case_other_device_thread():
+    """Issue 23 item 4: a thread whose current device is another GPU makes the communicator's first
+    op (pool creation, kernel loading, launch): its current device and context stay its own, so its
+    later device="cuda" allocations land where they did before."""
+    if MODE != "gpu" or torch.cuda.device_count() < 2:
+        return
+    import threading
+
+    mine = device().index
+    other = (mine + 1) % torch.cuda.device_count()
+    comm = ubnext.Communicator(max_hidden=1024)
+    seen = []
+
+    def work():
+        torch.cuda.set_device(other)
+        _check_sum(comm, what="first op on a thread of another device")
+        seen.append((torch.cuda.current_device(), torch.empty(1, device="cuda").device.index))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen == [(other, other)], f"the thread's current device moved: {seen} (it was {other})"
+    comm.close()
+
+
+def case_torch_symm_prefill():
+    """Issue 23 item 1: UBNEXT_ALGO=torch_symm at prefill sizes in fp16 and odd lengths: torch's op
+    takes only what it can (bf16/fp32, whole 4-byte words), the rest goes to torch.distributed, and
+    every sum is right; one symmetric buffer per dtype, not one per length."""
+    if MODE != "gpu":
+        return
+    comm = ubnext.Communicator(max_hidden=1024, algo="torch_symm")
+    for dtype, numel, want in ((torch.bfloat16, 1 << 20, "torch_symm"), (torch.float16, 1 << 20, "torch"),
+                               (torch.bfloat16, (1 << 20) + 1, "torch"), (torch.float32, 777_777, "torch_symm"),
+                               (torch.bfloat16, 3 << 19, "torch_symm")):
+        _check_sum(comm, numel=numel, dtype=dtype, seed=numel % 97, what=f"torch_symm {dtype} {numel}")
+        if comm.pool_stats()["backend"] == "torch_symm":
+            assert comm.last_path == want, (dtype, numel, comm.last_path)
+    assert len(comm._symm_buffers) <= 2, list(comm._symm_buffers)
+    comm.close()
+
+
 def case_second_comm():
     """A communicator made after other symmetric allocations (torch's pool no longer empty): its
     pool is torch_symm at offset 0 or ubnext's VMM, never a misplaced multicast address."""
