@@ -13,6 +13,10 @@ ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
   if [ "$ngpu" -ge 2 ]; then
     mpirun -np "$ngpu" python -m ubnext.bench
     mpirun -np "$ngpu" python -m ubnext.bench --fused
+    # one FSDP2 training step: NCCL's collectives, torch's symmetric-memory staging, ubnext's
+    for mode in nccl torch_symm ubnext; do
+      mpirun -np "$ngpu" python scripts/fsdp_step_bench.py --mode "$mode"
+    done
   else
     echo "bench: needs >= 2 GPUs for a collective ($ngpu found)"
   fi

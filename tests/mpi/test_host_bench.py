@@ -47,3 +47,18 @@ def test_bench_script():
 def test_host_bench_refuses_a_driver_that_is_not_the_stub(mpi):
     proc = mpi(1, "-m", "ubnext.bench", "--host", "--launch", "driver", env=ENV, timeout=120)
     assert proc.returncode != 0 and "needs the stub driver as libcuda.so.1" in proc.stderr + proc.stdout
+
+
+def test_fsdp_step_bench_runs_as_gpu_check_runs_it():
+    """`scripts/fsdp_step_bench.py` (gpu_check.sh times an FSDP2 step with NCCL, torch's
+    symmetric-memory staging and ubnext's collectives, each in its own processes): here on the
+    emulator and gloo, small, as a check that the script runs, never as timings."""
+    from tests.conftest import MPI_WORKER  # noqa: F401  (the mpi tier's conventions: mpirun on PATH)
+
+    small = "--hidden 64 --layers 2 --tokens 8 --steps 2"
+    for mode, env in (("ubnext", {"UBNEXT_EMULATE": "1"}), ("gloo", {})):
+        proc = run_script(f"mpirun -np 2 python scripts/fsdp_step_bench.py --mode {mode} {small}", env=env)
+        assert_mpi_ok(proc)
+        line = [l for l in proc.stdout.splitlines() if l.startswith("fsdp_step ")]
+        assert len(line) == 1 and f"mode={mode} ranks=2" in line[0], proc.stdout[-2000:]
+        assert ("path=reduce_scatter" in line[0] or "path=allgather" in line[0]) if mode == "ubnext" else "path=-" in line[0]

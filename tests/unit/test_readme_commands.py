@@ -38,6 +38,9 @@ RUN_HERE = {
     "python -m ubnext.info --no-build": [sys.executable, "-m", "ubnext.info", "--no-build"],
 }
 RUN_BY = {  # command -> (file that runs it, text there that shows it does)
+    # with --mode ubnext (emulator) and gloo, small: the GPU modes need NCCL
+    "python scripts/fsdp_step_bench.py --mode nccl|torch_symm|ubnext": ("tests/mpi/test_host_bench.py",
+                                                                        "def test_fsdp_step_bench_runs_as_gpu_check_runs_it"),
     "python -m ubnext.bench --model": ("tests/mpi/test_costmodel.py", "def test_bench_model_command"),
     "scripts/test.sh": (".ci/run", "scripts/test.sh"),
     "scripts/bench.sh": ("tests/mpi/test_host_bench.py", 'run_script("scripts/bench.sh --sizes 8k")'),
