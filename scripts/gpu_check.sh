@@ -13,6 +13,12 @@ ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
   if [ "$ngpu" -ge 2 ]; then
     mpirun -np "$ngpu" python -m ubnext.bench
     mpirun -np "$ngpu" python -m ubnext.bench --fused
+    # every path against NCCL and torch's symmetric-memory op at the same sizes; the ratios go to
+    # docs/PERF.md (commit them with the run's log)
+    paths="lamport nvls_lamport nvls_twoshot twoshot torch_symm"
+    mpirun -np "$ngpu" python -m ubnext.bench --algo $paths --sizes 8k 64k 512k 2m 8m 32m --ratios docs/PERF.md
+    mpirun -np "$ngpu" python -m ubnext.bench --fused --algo lamport nvls_lamport nvls_twoshot twoshot \
+      --sizes 16k 64k 512k 2m 8m --ratios docs/PERF.md
     # one FSDP2 training step: NCCL's collectives, torch's symmetric-memory staging, ubnext's
     for mode in nccl torch_symm ubnext; do
       mpirun -np "$ngpu" python scripts/fsdp_step_bench.py --mode "$mode"

@@ -96,6 +96,33 @@ def bench_mode(comm: Communicator, label: str, sizes: list[int], dtype: torch.dt
         rows.append((label, path, numel * elem, f"{calls}", us, busbw, err.max().item(), ok))
 
 
+def ratio_lines(rows: list) -> list[str]:
+    """A markdown table of each message size: the fastest ubnext kernel path, torch.distributed's
+    time (NCCL on a GPU) and torch's symmetric-memory op's (the torch_symm path, torch's one-shot
+    allreduce), and the ratios. Rows outside their error bound do not count."""
+    from .plan import KERNEL_PATHS
+
+    best: dict[int, tuple[float, str]] = {}
+    peers: dict[tuple[str, int], float] = {}
+    for label, path, nbytes, _, us, _, _, ok in rows:
+        if us is None or not ok:
+            continue
+        if path in KERNEL_PATHS and (nbytes not in best or us < best[nbytes][0]):
+            best[nbytes] = (us, path)
+        elif label == "torch.distributed" or path == "torch_symm":
+            key = ("nccl" if label == "torch.distributed" else "torch_symm", nbytes)
+            peers[key] = min(us, peers.get(key, us))
+    lines = ["| bytes | ubnext best path | ubnext us | torch.distributed us | ratio | torch_symm us | ratio |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for nbytes, (us, path) in sorted(best.items()):
+        cells = [f"{nbytes}", path, f"{us:.1f}"]
+        for peer in ("nccl", "torch_symm"):
+            other = peers.get((peer, nbytes))
+            cells += [f"{other:.1f}", f"{us / other:.2f}"] if other else ["-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _sync(device: torch.device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
@@ -370,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", choices=["gpu", "emulator", "torch"], default=None)
     parser.add_argument("--algo", nargs="+", default=None,
                         help="force a path (UBNEXT_ALGO's values) in the gpu/emulator modes; several: one pass each")
+    parser.add_argument("--ratios", metavar="FILE.md", default=None,
+                        help="append, to FILE.md (docs/PERF.md on a GPU node), each size's fastest ubnext path "
+                             "against torch.distributed and torch's symmetric-memory op (pass torch_symm in --algo), "
+                             "with the command, machine and date")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="also draw us per call and busbw against message size, one line per mode and "
                              "path (needs matplotlib: pip install 'ubnext[plot]')")
@@ -429,6 +460,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:22} {path:14} {nbytes:10d} {calls:>6} {us:10.1f} {busbw:11.3f} {err:11.3e} {str(ok):>8}")
         if not gpu:
             print("# no GPU: cpu-emulator rows time the CPU emulator running the real kernels, not a GPU")
+        if args.ratios:
+            import datetime
+
+            machine = torch.cuda.get_device_name() if gpu else "CPU emulator and gloo (no GPU: not GPU figures)"
+            section = [f"\n## {op} against torch.distributed and torch's symmetric-memory op "
+                       f"({datetime.date.today().isoformat()})", "",
+                       f"**Command:** `mpirun -np {dist.get_world_size()} python -m ubnext.bench {' '.join(argv or sys.argv[1:])}`",
+                       f"**Machine:** {dist.get_world_size()} x {machine}; {args.dtype}; us per call, the slowest rank's "
+                       "mean; ratio = ubnext / the other (below 1: ubnext faster).", "", *ratio_lines(rows), ""]
+            with open(args.ratios, "a") as f:
+                f.write("\n".join(section) + "\n")
+            print("\n".join(section))
         if args.plot:
             title = (f"ubnext.bench {op}, {args.dtype}, {dist.get_world_size()} ranks"
                      + ("" if gpu else " (no GPU: CPU emulator and gloo)"))

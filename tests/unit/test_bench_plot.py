@@ -34,3 +34,19 @@ def test_plot_without_timed_rows_says_so(tmp_path):
     pytest.importorskip("matplotlib")
     with pytest.raises(SystemExit, match="no timed rows"):
         plot_rows([("gpu", "error", 8192, "x", None, None, None, None)], str(tmp_path / "x.png"), "t")
+
+
+def test_ratio_lines_compare_the_fastest_ubnext_path_with_each_peer():
+    """`--ratios` (gpu_check.sh writes it into docs/PERF.md): per size, the fastest ubnext kernel path
+    within its bound against torch.distributed and torch's symmetric-memory op."""
+    from ubnext.bench import ratio_lines
+
+    rows = [("gpu:H100", "lamport", 8192, "200", 4.0, 1.0, 0.0, True),
+            ("gpu:H100 (forced twoshot)", "twoshot", 8192, "200", 6.0, 1.0, 0.0, True),
+            ("gpu:H100 (forced nvls_twoshot)", "nvls_twoshot", 8192, "200", 3.0, 1.0, 1.0, False),  # over its bound
+            ("gpu:H100 (forced torch_symm)", "torch_symm", 8192, "200", 5.0, 1.0, 0.0, True),
+            ("torch.distributed", "torch", 8192, "200", 16.0, 1.0, 0.0, True),
+            ("gpu:H100", "twoshot", 1 << 20, "200", 20.0, 1.0, 0.0, True)]
+    lines = ratio_lines(rows)
+    assert lines[2] == "| 8192 | lamport | 4.0 | 16.0 | 0.25 | 5.0 | 0.80 |"
+    assert lines[3] == "| 1048576 | twoshot | 20.0 | - | - | - | - |"
