@@ -141,6 +141,7 @@ class AllReduceOps:
             stage.copy_(x)
         self._launch(launch, stage, stage)
         out.copy_(stage)
+        self._pool_reads_done()
 
     def _torch_all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:
         if x.device.type == "cpu" and x.dtype != torch.float32:
@@ -210,6 +211,7 @@ class AllReduceOps:
         result = op(buf, "sum", self.group.group_name)
         # the in-place variants (trailing underscore) leave the sum in buf
         out.copy_((buf if op_name.endswith("_") else result).view_as(x))
+        self._pool_reads_done()
 
     def all_reduce_torch_symm(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
         """Allreduce by one named torch symmetric-memory op where it exists (CUDA tensors),

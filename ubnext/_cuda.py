@@ -210,11 +210,20 @@ def create_event(device_index: int):
         return check(driver().cuEventCreate(CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
 
-def wait_event(stream_handle: int, event) -> None:
-    """Work queued on the stream from now on waits for ``event`` (which may belong to another
-    stream); the host does not wait."""
+def wait_event(stream_handle: int, event, device_index: int) -> None:
+    """Work queued on the stream (of the device's primary context: handle 0 is the null stream of
+    whatever context is current) from now on waits for ``event``; the host does not wait."""
     drv = driver()
-    check(drv.cuStreamWaitEvent(drv.CUstream(stream_handle), event, 0), "cuStreamWaitEvent")
+    with primary_context(device_index):
+        check(drv.cuStreamWaitEvent(drv.CUstream(stream_handle), event, 0), "cuStreamWaitEvent")
+
+
+def record_event(event, stream_handle: int, device_index: int) -> None:
+    """Record ``event`` on the stream, in the device's primary context (as ``launch`` does after a
+    kernel)."""
+    drv = driver()
+    with primary_context(device_index):
+        check(drv.cuEventRecord(event, drv.CUstream(stream_handle)), "cuEventRecord")
 
 
 def launch(kernel, config, stream_handle: int, args: Sequence, device_index: int, done=None) -> None:

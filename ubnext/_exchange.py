@@ -83,6 +83,7 @@ class ExchangeOps:
         self._run(call.launch, (self._pool.base, src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
         if target is not out:
             out.view(-1).view(torch.uint8).copy_(target)
+            self._pool_reads_done()
 
     def _torch_all_gather(self, x: torch.Tensor, out: torch.Tensor) -> None:
         # all_gather_single is all_gather_into_tensor's newer name (torch >= 2.10 deprecates the old one)

@@ -203,6 +203,18 @@ class Executor:
             if pool.err_view[0]:
                 self._raise_kernel_error(pool)
 
+    def _pool_reads_done(self) -> None:
+        """After an op's last access to pool memory that follows its kernel (a copy out of the staging
+        region), or the whole of an op that touched pool-owned buffers without a ubnext kernel
+        (torch_symm): the ordering event moves there, so that a call from another stream waits for
+        that access too, not only for the kernel."""
+        if self.mode != "gpu" or self._capturing:
+            return
+        done = self._launch_done
+        if done is None:
+            done = self._launch_done = _cuda.create_event(self._device_index)
+        _cuda.record_event(done, self._stream, self._device_index)
+
     @staticmethod
     def _aligned_copies(inp, out, residual, residual_out, weight, copy_back):
         """Aligned stand-ins for the misaligned ones: inputs cloned, outputs written to a fresh
@@ -230,7 +242,7 @@ class Executor:
         the last eager launch, not for the old stream as it is now: work the caller queued there
         since (compute meant to overlap the collective) does not hold up this stream."""
         if self._launch_done is not None:
-            _cuda.wait_event(stream, self._launch_done)
+            _cuda.wait_event(stream, self._launch_done, self._device_index)
         self._last_stream = stream
 
     def synchronize(self) -> None:

@@ -67,7 +67,7 @@ class FusedNormOps:
                 return self._fused_in_torch(reduced, residual, weight, eps, scale, fp8)
             # past the pool: the add + RMSNorm (+FP8) kernel on torch.distributed's sum, the fused
             # paths' row math in one kernel instead of torch's separate ops
-            self.last_path = f"{path}+norm"
+            self.last_path = f"{self.last_path}+norm"  # what reduced it (torch_symm may hand over to torch)
             launch, inp = call.norm, reduced
         else:
             # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool and

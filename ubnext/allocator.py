@@ -187,6 +187,9 @@ class RingAllocator:
         align = max(align, self.min_align)
         if align & (align - 1):
             raise ValueError(f"alignment must be a power of two, got {align}")
+        if nbytes > self.size:  # never fits: no collection for it
+            self.stats.failed += 1
+            raise NoRoom(f"{nbytes} bytes exceed the pool arena's ring ({self.size} bytes)")
         with self._lock:
             at = self._first_candidate(nbytes, align)
             if self._collect is not None and self._in_the_way(at, at + nbytes) is not None:

@@ -143,8 +143,9 @@ static void write_stamps(const Region& r, int rank, uint64_t off, unsigned bytes
   const uint32_t* data = reinterpret_cast<const uint32_t*>(r.base[rank] + off / 4 * 4);
   for (uint64_t i = 0, n = words_of(off, bytes); i < n; ++i) {
     if (!join) {
-      __atomic_store_n(&p[i].prev_value, uint64_t(__atomic_load_n(data + i, __ATOMIC_SEQ_CST)), __ATOMIC_SEQ_CST);
+      // prev, then prev_value, then cur: the order count_wait_end's reader relies on
       __atomic_store_n(&p[i].prev, __atomic_load_n(&p[i].cur, __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST);
+      __atomic_store_n(&p[i].prev_value, uint64_t(__atomic_load_n(data + i, __ATOMIC_SEQ_CST)), __ATOMIC_SEQ_CST);
       __atomic_store_n(&p[i].cur, v, __ATOMIC_SEQ_CST);
       continue;
     }
@@ -209,8 +210,19 @@ void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, 
   const Region& r = g_regions[w.region];
   StampWord* s = stamp_words(r, w.rank, w.off);
   if (!s) return;
-  const bool overwritten = uint32_t(__atomic_load_n(&s->prev_value, __ATOMIC_SEQ_CST)) == target;
-  const Clock seen = decode(__atomic_load_n(overwritten ? &s->prev : &s->cur, __ATOMIC_SEQ_CST));
+  // The one writer stores prev, then prev_value, then cur (write_stamps). prev_value == target: the
+  // write of target is overwritten and prev is already its stamp. Otherwise cur is target's stamp,
+  // unless the writer moved on while we read it: prev_value changed then, and we read again.
+  Clock seen;
+  for (;;) {
+    const uint64_t before = __atomic_load_n(&s->prev_value, __ATOMIC_SEQ_CST);
+    if (uint32_t(before) == target) {
+      seen = decode(__atomic_load_n(&s->prev, __ATOMIC_SEQ_CST));
+      break;
+    }
+    seen = decode(__atomic_load_n(&s->cur, __ATOMIC_SEQ_CST));
+    if (__atomic_load_n(&s->prev_value, __ATOMIC_SEQ_CST) == before) break;
+  }
   Fiber& f = *b->cur;
   f.clock = arrival(f, w.rank == r.rank, seen);
 }

@@ -192,3 +192,48 @@ def test_frees_from_other_threads_never_hand_out_overlapping_ranges(kind):
         sys.setswitchinterval(switch)
     assert not errors, errors[0]
     assert arena.live() == {} and arena.stats.used == 0
+
+
+def test_the_pools_collection_runs_even_while_another_thread_collects():
+    """Found in review: gc.collect() returns at once, collecting nothing, while another thread's
+    collection is under way (a finaliser inside it can hand the interpreter over). The ring would
+    then skip garbage a peer rank has already collected, and the ranks' offsets would differ.
+    collect_garbage waits for the other collection, then collects: the garbage in the way is
+    freed, and the ring places as on a rank whose collector had run."""
+    import gc
+    import threading
+
+    from ubnext.allocator import RingAllocator
+    from ubnext.pool.symmetric import collect_garbage
+
+    ring = RingAllocator(0, 4096, collect=collect_garbage)
+    ring.alloc(1024)  # held
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def __del__(self):  # runs inside the other thread's collection, and waits there
+            inside.set()
+            release.wait(5)
+
+    class Holder:  # a pool tensor whose storage is in a reference cycle
+        def __init__(self, offset):
+            self.offset, self.me = offset, self
+
+        def __del__(self):
+            ring.free(self.offset)
+
+    slow = Slow()
+    slow.me = slow
+    del slow
+    gc.disable()
+    try:
+        other = threading.Thread(target=gc.collect)
+        other.start()
+        assert inside.wait(5)
+        # garbage made while the other collection runs: only a collection after it frees it
+        Holder(ring.alloc(2048))  # [1024, 3072)
+        threading.Timer(0.05, release.set).start()  # the other collection ends a little later
+        assert ring.alloc(2048) == 1024  # the garbage was collected first, not skipped
+        other.join()
+    finally:
+        gc.enable()

@@ -151,7 +151,10 @@ def test_a_second_stream_waits_for_the_last_launch_not_the_stream(monkeypatch):
     monkeypatch.setattr(ubnext._cuda, "current_stream_handle", lambda index: current[0])
     monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: capture[0])
     monkeypatch.setattr(ubnext._cuda, "create_event", lambda index: calls.append(("create", index)) or "E")
-    monkeypatch.setattr(ubnext._cuda, "wait_event", lambda stream, event: calls.append(("wait", stream, event)))
+    monkeypatch.setattr(ubnext._cuda, "wait_event",
+                        lambda stream, event, index: calls.append(("wait", stream, event, index)))
+    monkeypatch.setattr(ubnext._cuda, "record_event",
+                        lambda event, stream, index: calls.append(("record", stream, event, index)))
     monkeypatch.setattr(ubnext._cuda, "launch",
                         lambda kernel, config, stream, args, index, done=None: calls.append(("launch", stream, done)))
     how = SimpleNamespace(kernel=None, config=None, packed=())
@@ -164,12 +167,18 @@ def test_a_second_stream_waits_for_the_last_launch_not_the_stream(monkeypatch):
     for stream in (0x10, 0x10, 0x20, 0x20, 0x10):
         op(stream)
     assert calls == [("create", 3), ("launch", 0x10, "E"), ("launch", 0x10, "E"),
-                     ("wait", 0x20, "E"), ("launch", 0x20, "E"), ("launch", 0x20, "E"),
-                     ("wait", 0x10, "E"), ("launch", 0x10, "E")]
+                     ("wait", 0x20, "E", 3), ("launch", 0x20, "E"), ("launch", 0x20, "E"),
+                     ("wait", 0x10, "E", 3), ("launch", 0x10, "E")]
+    # an op that reads the staging region after its kernel (the copy out of an in-place two-shot)
+    # moves the event past that read, so the next stream waits for it too
+    calls.clear()
+    comm._pool_reads_done()
+    op(0x20)
+    assert calls == [("record", 0x10, "E", 3), ("wait", 0x20, "E", 3), ("launch", 0x20, "E")]
     calls.clear()
     capture[0] = True
-    op(0x20)  # captured: ordered by the graph's owner, and no event in the graph
-    assert calls == [("launch", 0x20, None)] and comm._last_stream == 0x10 and comm._pool.captured
+    op(0x10)  # captured, from another stream: ordered by the graph's owner, and no event in the graph
+    assert calls == [("launch", 0x10, None)] and comm._last_stream == 0x20 and comm._pool.captured
 
 
 def test_torch_symm_never_allocates_inside_capture(monkeypatch):
@@ -241,6 +250,9 @@ def test_torch_symm_keeps_one_buffer_per_dtype(monkeypatch):
     comm._symm_buffers, comm._logged = {}, set()
     comm._pool = SimpleNamespace(backend=SimpleNamespace(name="torch_symm"))
     comm.group, comm.device = SimpleNamespace(group_name="g"), torch.device("cpu")
+    comm._capturing, comm._launch_done, comm._stream, comm._device_index = False, "E", 0, 0
+    recorded = []  # the ordering event, moved after each op that used torch's symmetric buffer
+    monkeypatch.setattr(ubnext._cuda, "record_event", lambda event, stream, index: recorded.append(event))
     made, rendezvous, reduced, fallbacks = [], [], [], []
     comm._torch_all_reduce = lambda x, out: fallbacks.append(x.numel()) or out.copy_(2 * x)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import threading
+import time
 import math
 import weakref
 from typing import Callable
@@ -22,6 +24,40 @@ from .torch_symm import TorchSymmBackend
 from .vmm import VmmBackend
 
 log = logging.getLogger("ubnext")
+
+# Collections under way, by thread (gc.callbacks): see collect_garbage.
+_COLLECTING: dict[int, int] = {}
+_COLLECTING_LOCK = threading.Lock()
+
+
+def _on_collection(phase: str, info: dict) -> None:
+    me = threading.get_ident()
+    with _COLLECTING_LOCK:
+        _COLLECTING[me] = _COLLECTING.get(me, 0) + (1 if phase == "start" else -1)
+        if not _COLLECTING[me]:
+            del _COLLECTING[me]
+
+
+gc.callbacks.append(_on_collection)
+
+
+def collect_garbage(patience_s: float = 5.0) -> None:
+    """A full garbage collection that has run when this returns. gc.collect() returns at once,
+    collecting nothing, while another thread's collection is under way (a finaliser inside it may
+    hand the interpreter to this thread): the ring allocator would then decide on uncollected
+    garbage that a peer rank has already collected, and the ranks' offsets would differ. So wait
+    for the other thread's collection to end (briefly: collections take milliseconds), then run
+    one of ours."""
+    me = threading.get_ident()
+    deadline = time.monotonic() + patience_s
+    while True:
+        with _COLLECTING_LOCK:
+            others = any(t != me for t in _COLLECTING)
+        if not others or time.monotonic() > deadline:
+            break
+        time.sleep(0.0005)
+    gc.collect()
+
 
 # Pools closed after a CUDA graph captured work on them: kept until the process exits.
 _KEPT_FOR_GRAPHS: list["SymmetricPool"] = []
@@ -74,7 +110,7 @@ class SymmetricPool:
         half = rest // 2 // 256 * 256
         arena_off = layout.data_off + layout.staging_bytes
         self.arenas = {
-            "eager": RingAllocator(arena_off, half, min_align=16, collect=gc.collect),
+            "eager": RingAllocator(arena_off, half, min_align=16, collect=collect_garbage),
             "graph": Allocator(arena_off + half, rest - half, min_align=16),
         }
         self._staging_bytes = _Slot(self.base + layout.data_off, layout.staging_bytes, self.device,
