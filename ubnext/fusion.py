@@ -1,7 +1,9 @@
 """Fusion without rewriting the model: an Inductor post-grad pass that finds, in every graph
 ``torch.compile`` compiles, a sum all-reduce followed by the residual add and an RMSNorm, and runs
-``torch.ops.ubnext.all_reduce_add_rmsnorm`` there; a sum all-reduce with no norm after it runs
-``torch.ops.ubnext.all_reduce``.
+``torch.ops.ubnext.all_reduce_add_rmsnorm`` there, or its FP8 form
+``all_reduce_add_rmsnorm_fp8`` where a static or per-token FP8 quantisation written in torch ops
+follows the norm; a sum all-reduce with no norm after it runs ``torch.ops.ubnext.all_reduce``.
+The matching is in ubnext/_fusion_match.py, the rewrite here.
 
     import ubnext
     ubnext.fusion.enable()
@@ -27,6 +29,16 @@ inference graphs, training forward graphs and training backward graphs are all r
 backward graph holds the all-reduce of a column-parallel layer's input gradient, which no norm
 follows: it becomes ``ubnext.all_reduce``.
 
+FP8. Where the normed tensor's only use is an FP8 quantisation that computes exactly what the
+fused op's FP8 form computes (the forms in ubnext/_fusion_match.py: static, ``(y.float() /
+scale).clamp(-448, 448).to(torch.float8_e4m3fn)``, and per token, with the scales
+``(amax / 448).clamp(min=1e-12)``), the FP8 form replaces the norm and the quantisation: the FP8
+values, the per-token scales (as the graph's ``[..., 1]`` tensor) and the residual sum are the
+bits of the same torch code run eagerly on the fused op's normed output. A quantisation that would
+give other bits (a multiplication by the reciprocal scale, a quotient in bf16, another FP8 format,
+a scale computed in the graph from the activations, the normed tensor used unquantised too) stays
+in torch after the plain fused op, counted in ``stats()["fp8_not_fused"]`` and logged once.
+
 What it leaves alone (counted in ``stats()`` and logged once at debug level): an all-reduce with
 another reduce op, of another dtype than bf16/fp16/fp32, or of a non-contiguous tensor. A sum
 all-reduce whose norm the fused op cannot take (a mean over another dimension, a weight of another
@@ -38,9 +50,9 @@ the activations' dtype, where the composite all-reduce rounds after its sum and 
 again; the norm is computed in fp32 from the rounded residual sum and rounded once (the contract
 of ``Communicator.all_reduce_add_rmsnorm``, bounds in ``ubnext/testing.py``).
 
-The pass is a ``CustomGraphPass`` whose uuid is the hash of this file and of ``ubnext/ops.py``
-(the operators it emits), so Inductor's FX graph cache stays on and keys rewritten graphs apart
-from plain ones. ``enable()`` chains it after whatever ``post_grad_custom_post_pass`` holds;
+The pass is a ``CustomGraphPass`` whose uuid is the hash of this file, of the matching
+(``ubnext/_fusion_match.py``) and of ``ubnext/ops.py`` (the operators it emits), so Inductor's FX
+graph cache stays on and keys rewritten graphs apart from plain ones. ``enable()`` chains it after whatever ``post_grad_custom_post_pass`` holds;
 ``disable()`` gives that back. Both affect graphs compiled afterwards: code already compiled
 keeps what it was compiled with (``torch._dynamo.reset()`` drops it). A graph loaded from the FX
 graph cache does not run the pass again and is not counted in ``stats()``.
@@ -50,10 +62,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import operator
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -61,8 +71,8 @@ import torch.fx as fx
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 
-from . import ops
-from ._checks import DTYPE_CODES
+from . import _fusion_match, ops
+from ._fusion_match import Norm, Quant, left_alone_reason, match_fp8, match_norm, val
 
 __all__ = ["enable", "disable", "is_enabled", "stats"]
 
@@ -70,17 +80,16 @@ log = logging.getLogger("ubnext")
 
 aten = torch.ops.aten
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-_CAST = torch.ops.prims.convert_element_type.default
 _FUSED = torch.ops.ubnext.all_reduce_add_rmsnorm.default
+_FUSED_FP8 = torch.ops.ubnext.all_reduce_add_rmsnorm_fp8.default
 _PLAIN = torch.ops.ubnext.all_reduce.default
 
-FUSED, PLAIN = "all_reduce_add_rmsnorm", "all_reduce"
+FUSED, FUSED_FP8, PLAIN = "all_reduce_add_rmsnorm", "all_reduce_add_rmsnorm_fp8", "all_reduce"
 
 
 def _source_hash() -> str:
     digest = hashlib.sha256()
-    for path in (__file__, ops.__file__):
+    for path in (__file__, _fusion_match.__file__, ops.__file__):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()
@@ -107,6 +116,7 @@ _installed: Any = None  # what enable() put there
 _counts: Counter = Counter()
 _not_fused: Counter = Counter()
 _left_alone: Counter = Counter()
+_fp8_not_fused: Counter = Counter()
 _graphs: Counter = Counter()
 _logged: set = set()
 
@@ -143,14 +153,17 @@ def is_enabled() -> bool:
 
 def stats(reset: bool = False) -> dict:
     """Sites rewritten since the process started (or the last ``stats(reset=True)``):
-    ``{"all_reduce_add_rmsnorm": n, "all_reduce": n, "not_fused": {reason: n}, "left_alone":
-    {reason: n}, "graphs": {"inference" | "training forward" | "training backward": n}}``.
-    ``not_fused`` counts the all-reduces rewritten without a norm and why the norm was not taken;
-    ``left_alone`` the all-reduces not rewritten and why; ``graphs`` the graphs with a rewrite."""
-    out = {FUSED: _counts[FUSED], PLAIN: _counts[PLAIN], "not_fused": dict(_not_fused),
-           "left_alone": dict(_left_alone), "graphs": dict(_graphs)}
+    ``{"all_reduce_add_rmsnorm": n, "all_reduce_add_rmsnorm_fp8": n, "all_reduce": n,
+    "not_fused": {reason: n}, "left_alone": {reason: n}, "fp8_not_fused": {reason: n}, "graphs":
+    {"inference" | "training forward" | "training backward": n}}``. ``not_fused`` counts the
+    all-reduces rewritten without a norm and why the norm was not taken; ``left_alone`` the
+    all-reduces not rewritten and why; ``fp8_not_fused`` the FP8 quantisations after a fused norm
+    left in torch (the norm fused in its plain form) and why; ``graphs`` the graphs with a rewrite."""
+    out = {FUSED: _counts[FUSED], FUSED_FP8: _counts[FUSED_FP8], PLAIN: _counts[PLAIN],
+           "not_fused": dict(_not_fused), "left_alone": dict(_left_alone), "fp8_not_fused": dict(_fp8_not_fused),
+           "graphs": dict(_graphs)}
     if reset:
-        for counter in (_counts, _not_fused, _left_alone, _graphs):
+        for counter in (_counts, _not_fused, _left_alone, _fp8_not_fused, _graphs):
             counter.clear()
     return out
 
@@ -162,137 +175,11 @@ def _note(counter: Counter, reason: str, what: str) -> None:
         log.debug("ubnext.fusion: %s: %s", what, reason)
 
 
-# -- the graph walk --------------------------------------------------------------------------------
-
-
-@dataclass
-class _Norm:
-    """A matched residual add + RMSNorm after an all-reduce."""
-
-    add: fx.Node  # the residual sum
-    residual: fx.Node
-    weight: Optional[fx.Node]  # None: a norm without weight
-    eps: float
-    out: fx.Node  # the normed tensor in the activations' dtype
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _is(node, *targets) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _other(node: fx.Node, known):
-    """The other operand of a binary op one of whose first two operands is ``known``."""
-    a, b = node.args[:2]
-    return b if a is known else a if b is known else None
-
-
-def _user(node: fx.Node, match):
-    return next((u for u in node.users if match(u)), None)
-
-
-def _cast_to(node: fx.Node, dtype) -> Optional[fx.Node]:
-    """``node``'s only user when it is a cast to ``dtype``."""
-    user = next(iter(node.users)) if len(node.users) == 1 else None
-    return user if _is(user, _CAST) and user.args[1] == dtype else None
-
-
 def _graph_kind(graph: fx.Graph) -> str:
     names = [n.name for n in graph.find_nodes(op="placeholder")]
     if any(name.startswith("tangents") for name in names):
         return "training backward"
     return "training forward" if any(name.startswith("primals") for name in names) else "inference"
-
-
-def _left_alone_reason(ar: fx.Node) -> Optional[str]:
-    x, reduce_op, group = ar.args[:3]
-    if reduce_op != "sum":
-        return f"reduce op {reduce_op!r} (ubnext sums)"
-    xv = _val(x)
-    if not isinstance(xv, torch.Tensor):
-        return "no tensor metadata on the all-reduce's input"
-    if xv.dtype not in DTYPE_CODES:
-        return f"dtype {xv.dtype} (ubnext takes bfloat16, float16 and float32)"
-    if not xv.is_contiguous():
-        return "a non-contiguous input"
-    if not isinstance(group, str):
-        return "the group is not named by a string"
-    if len(ar.users) != 1 or not _is(next(iter(ar.users)), _WAIT):
-        return "the all-reduce is not waited on exactly once"
-    return None
-
-
-def _match_norm(ar: fx.Node, wait: fx.Node):
-    """The residual add + RMSNorm that the fused op can take after ``wait``, else why not (a str)."""
-    xv = _val(ar.args[0])
-    add = next(iter(wait.users)) if len(wait.users) == 1 else None
-    if not (_is(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs):
-        return ("no residual add after the all-reduce" if len(wait.users) <= 1
-                else "the reduced tensor is used by more than the residual add")
-    residual = _other(add, wait)
-    rv = _val(residual)
-    if residual is wait or not isinstance(rv, torch.Tensor) or rv.shape != xv.shape or rv.dtype != xv.dtype:
-        return "the residual is not a tensor of the reduced tensor's shape and dtype"
-    if not rv.is_contiguous():
-        return "a non-contiguous residual"
-    hidden = xv.shape[-1]
-    if not isinstance(hidden, int):
-        return "a symbolic hidden size"
-    # the norm reads the residual sum as it is, or through one cast to fp32
-    sources = [add, *(u for u in add.users if _is(u, _CAST) and u.args[1] == torch.float32)]
-    reasons = []
-    for src in sources:
-        for square in list(src.users):
-            found = _match_rmsnorm(src, square, xv, hidden)
-            if isinstance(found, _Norm):
-                found.add, found.residual = add, residual
-                return found
-            if found:
-                reasons.append(found)
-    return reasons[0] if reasons else "no RMSNorm of the residual sum"
-
-
-def _match_rmsnorm(src: fx.Node, square: fx.Node, xv, hidden: int):
-    """The RMSNorm of ``src`` that starts at ``square``; None when ``square`` starts no norm, a
-    reason (str) when it starts one the fused op cannot take."""
-    if not ((_is(square, aten.pow.Tensor_Scalar) and square.args[0] is src and square.args[1] == 2)
-            or (_is(square, aten.mul.Tensor) and square.args[0] is src and square.args[1] is src)):
-        return None
-    mean = _user(square, lambda u: _is(u, aten.mean.dim))
-    if mean is None:
-        return None
-    dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
-    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    if list(dims or ()) not in ([-1], [len(xv.shape) - 1]) or not keepdim:
-        return "an RMSNorm over another dimension than the last"
-    plus_eps = _user(mean, lambda u: _is(u, aten.add.Scalar, aten.add.Tensor))
-    eps = _other(plus_eps, mean) if plus_eps is not None else None
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps >= 0 and math.isfinite(eps)):
-        return "an eps that is not a constant number >= 0"
-    rsqrt = _user(plus_eps, lambda u: _is(u, aten.rsqrt.default))
-    normed = rsqrt and _user(rsqrt, lambda u: _is(u, aten.mul.Tensor) and _other(u, rsqrt) is src)
-    if not normed:
-        return "mean(x^2) + eps is not followed by rsqrt and a product with x"
-    # then, through an optional cast to the activations' dtype, the weight (a [hidden] vector)
-    out = _cast_to(normed, xv.dtype) or normed
-    scale = next(iter(out.users)) if len(out.users) == 1 else None
-    weight = _other(scale, out) if _is(scale, aten.mul.Tensor) else None
-    wv = _val(weight)
-    if isinstance(wv, torch.Tensor) and tuple(wv.shape) == (hidden,):
-        if wv.dtype != xv.dtype:
-            return f"a norm weight of dtype {wv.dtype} with {xv.dtype} activations"
-        if not wv.is_contiguous():
-            return "a non-contiguous norm weight"
-        out = _cast_to(scale, xv.dtype) or scale
-    else:
-        weight = None
-    ov = _val(out)
-    if not isinstance(ov, torch.Tensor) or ov.dtype != xv.dtype or ov.shape != xv.shape:
-        return "the norm's output is not of the activations' dtype and shape (promoted to fp32?)"
-    return _Norm(None, None, weight, float(eps), out)  # type: ignore[arg-type]
 
 
 # -- the rewrite -----------------------------------------------------------------------------------
@@ -302,7 +189,7 @@ def _call(graph: fx.Graph, target, args: tuple, kwargs: Optional[dict] = None, *
     """A new node with its fake value, as the nodes around it carry one (``like``: a fake tensor of
     the graph, whose mode makes the value)."""
     node = graph.call_function(target, args, kwargs or {})
-    fake = [_val(a) if isinstance(a, fx.Node) else a for a in args]
+    fake = [val(a) if isinstance(a, fx.Node) else a for a in args]
     if target is operator.getitem:
         node.meta["val"] = fake[0][fake[1]]
     else:
@@ -319,21 +206,30 @@ def _erase_unused(graph: fx.Graph, nodes, position: dict) -> None:
             graph.erase_node(node)
 
 
-def _rewrite_fused(graph: fx.Graph, ar: fx.Node, wait: fx.Node, norm: _Norm, position: dict) -> None:
+def _rewrite_fused(graph: fx.Graph, ar: fx.Node, wait: fx.Node, norm: Norm, quant: Optional[Quant],
+                   position: dict) -> None:
+    """The fused op in place of the all-reduce, the residual add and the norm, and with ``quant``
+    its FP8 form in place of the quantisation too."""
     x, _, group = ar.args[:3]
-    xv = _val(x)
+    xv = val(x)
     with graph.inserting_before(norm.add):
         weight = norm.weight
         if weight is None:  # a norm without weight: the fused op's weight of ones gives the same bits
             weight = _call(graph, aten.full.default, ([xv.shape[-1]], 1.0),
                            {"dtype": xv.dtype, "device": xv.device}, like=xv)
-        fused = _call(graph, _FUSED, (x, norm.residual, weight, norm.eps, group), like=xv)
-        out = _call(graph, operator.getitem, (fused, 0), like=xv)
-        residual_out = _call(graph, operator.getitem, (fused, 1), like=xv)
-    norm.out.replace_all_uses_with(out)
+        if quant is None:
+            fused = _call(graph, _FUSED, (x, norm.residual, weight, norm.eps, group), like=xv)
+        else:
+            fused = _call(graph, _FUSED_FP8, (x, norm.residual, weight, norm.eps, quant.scale, group), like=xv)
+        out, residual_out, *scale_inv = (_call(graph, operator.getitem, (fused, i), like=xv)
+                                         for i in range(3 if quant else 2))
+        if quant is not None and quant.scale_out is not None:  # per token: the graph's [..., 1] scales
+            quant.scale_out.replace_all_uses_with(_call(graph, aten.unsqueeze.default, (scale_inv[0], -1), like=xv))
+    replaced = norm.out if quant is None else quant.q
+    replaced.replace_all_uses_with(out)
     norm.add.replace_all_uses_with(residual_out)
-    # what lies between the residual sum and the output, if nothing else reads it
-    between, frontier = set(), [norm.out]
+    # what lies between the residual sum and the outputs, if nothing else reads it
+    between, frontier = set(), [replaced, *([quant.scale_out] if quant and quant.scale_out else [])]
     while frontier:
         node = frontier.pop()
         if node not in between:
@@ -345,7 +241,7 @@ def _rewrite_fused(graph: fx.Graph, ar: fx.Node, wait: fx.Node, norm: _Norm, pos
 def _rewrite_plain(graph: fx.Graph, ar: fx.Node, wait: fx.Node, position: dict) -> None:
     x, _, group = ar.args[:3]
     with graph.inserting_before(wait):
-        reduced = _call(graph, _PLAIN, (x, group), like=_val(x))
+        reduced = _call(graph, _PLAIN, (x, group), like=val(x))
     wait.replace_all_uses_with(reduced)
     _erase_unused(graph, [wait, ar], position)
 
@@ -360,15 +256,19 @@ def rewrite(graph: fx.Graph) -> None:
     position = {n: i for i, n in enumerate(graph.nodes)}
     rewritten = 0
     for ar in sites:
-        reason = _left_alone_reason(ar)
+        reason = left_alone_reason(ar)
         if reason:
             _note(_left_alone, reason, "all-reduce left as it is")
             continue
         wait = next(iter(ar.users))
-        norm = _match_norm(ar, wait)
-        if isinstance(norm, _Norm):
-            _rewrite_fused(graph, ar, wait, norm, position)
-            _counts[FUSED] += 1
+        norm = match_norm(ar, wait)
+        if isinstance(norm, Norm):
+            quant = match_fp8(norm, val(ar.args[0]), position)
+            if isinstance(quant, str):
+                _note(_fp8_not_fused, quant, "FP8 quantisation after a fused norm left in torch")
+                quant = None
+            _rewrite_fused(graph, ar, wait, norm, quant, position)
+            _counts[FUSED if quant is None else FUSED_FP8] += 1
         else:
             _note(_not_fused, norm, "all-reduce rewritten without a norm")
             _rewrite_plain(graph, ar, wait, position)
