@@ -30,17 +30,19 @@ class _Stats:
     failed: int = 0
 
 
+def _checked_arena(base: int, size: int, min_align: int) -> tuple[int, int, int]:
+    if size < 0 or base < 0:
+        raise ValueError(f"arena base/size must be >= 0, got base={base} size={size}")
+    if min_align <= 0 or min_align & (min_align - 1):
+        raise ValueError(f"alignment must be a power of two, got {min_align}")
+    return base, size, min_align
+
+
 class Allocator:
     """Ranges of ``[base, base + size)``; offsets returned are absolute (include ``base``)."""
 
     def __init__(self, base: int, size: int, *, min_align: int = 16):
-        if size < 0 or base < 0:
-            raise ValueError(f"arena base/size must be >= 0, got base={base} size={size}")
-        if min_align <= 0 or min_align & (min_align - 1):
-            raise ValueError(f"alignment must be a power of two, got {min_align}")
-        self.base = base
-        self.size = size
-        self.min_align = min_align
+        self.base, self.size, self.min_align = _checked_arena(base, size, min_align)
         # free ranges sorted by start: parallel lists of starts and ends
         self._free_starts: list[int] = [base] if size else []
         self._free_ends: list[int] = [base + size] if size else []
@@ -143,13 +145,7 @@ class RingAllocator:
     (autograd's, the garbage collector's inside ``collect``)."""
 
     def __init__(self, base: int, size: int, *, min_align: int = 16, collect: Callable[[], object] | None = None):
-        if size < 0 or base < 0:
-            raise ValueError(f"arena base/size must be >= 0, got base={base} size={size}")
-        if min_align <= 0 or min_align & (min_align - 1):
-            raise ValueError(f"alignment must be a power of two, got {min_align}")
-        self.base = base
-        self.size = size
-        self.min_align = min_align
+        self.base, self.size, self.min_align = _checked_arena(base, size, min_align)
         self._collect = collect
         self._next = base  # where the next allocation goes, if it fits
         self._starts: list[int] = []  # starts of the held ranges, sorted (they never overlap)
