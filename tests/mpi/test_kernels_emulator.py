@@ -10,16 +10,22 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
         "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint", "all_gather",
         "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "mismatch_exchange", "misuse", "departed",
-        "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool"]
+        "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool",
+        # issue 25 (FSDP2 for real runs): checkpoints, any shard size, torchao's float8 training (2 ranks)
+        "fsdp_checkpoint", "fsdp_odd_shards", "fsdp_torchao"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
-        "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady"]
+        "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady",
+        # issue 25: checkpoints, any shard size, HSDP and FSDP x TP=2 (these two need 4 ranks)
+        "fsdp_checkpoint", "fsdp_odd_shards", "hsdp", "fsdp_tp"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race", "all_gather",
          "reduce_scatter", "fsdp"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
 UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout", "misaligned",
            "divergent", "fp8_nan", "late_rank", "captured_sizes", "selftest", "in_place_past_staging", "all_gather",
-           "reduce_scatter", "mismatch", "mismatch_exchange", "departed"]
+           "reduce_scatter", "mismatch", "mismatch_exchange", "departed",
+           # issue 25 at 3 ranks: shards that are not whole vectors, FP8 rows that do not divide among the ranks
+           "fsdp_odd_shards", "fsdp_fp8_uneven"]
 
 
 @pytest.mark.mpi
@@ -92,48 +98,3 @@ def test_selftest_disables_a_broken_path(mpi, np):
     self-test at preparation and disabled on every rank: the calls still get right sums."""
     assert_mpi_ok(mpi(np, MPI_WORKER, "emulator", "selftest",
                       env={"UBNEXT_EMU_BREAK": "twoshot_drop_peer", "UBNEXT_EMU_MULTICAST": "0"}, timeout=600))
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("np", [2, 4])
-def test_fsdp_fp8_checkpoint(mpi, np):
-    """Issue 25: an FP8-converted FSDP2 model on ubnext's collectives checkpoints through DCP and
-    torch.save, and loads into itself, into a plain FSDP2 model and back (worker case
-    fsdp_checkpoint). Apart from the kernel runs above: about 7 s at np 2 and 13 s at np 4 on the
-    2-core runner (up to 11 and 18 s while it is busy)."""
-    env = {"UBNEXT_EMU_CHAOS": "0", "UBNEXT_EMU_MULTICAST": "1", "UBNEXT_EMULATE": "1"}
-    assert_mpi_ok(mpi(np, MPI_WORKER, "emulator", "fsdp_checkpoint", env=env, timeout=300))
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("np,cases", [(2, ["fsdp_odd_shards"]), (4, ["fsdp_odd_shards"]),
-                                      (3, ["fsdp_odd_shards", "fsdp_fp8_uneven"])], ids=["np2", "np4", "np3"])
-def test_fsdp_any_shard_size(mpi, np, cases):
-    """Issue 25 points 3 and 4 (worker cases fsdp_odd_shards, fsdp_fp8_uneven): FSDP2 on layers
-    whose shards are not whole 16-byte vectors takes ubnext's kernels for every all-gather and
-    reduce-scatter, and FP8 layers whose rows do not divide among the ranks (3 ranks) all-gather
-    in "row" and "tensor" scaling (and "shard", "static"), both against the fp64 simulation of
-    FSDP2's arithmetic. Apart from the kernel runs above: about 6 s at np 2, 10 s at np 3 and
-    10 s at np 4 on the 2-core runner."""
-    env = {"UBNEXT_EMU_CHAOS": "0", "UBNEXT_EMU_MULTICAST": "1", "UBNEXT_EMULATE": "1"}
-    assert_mpi_ok(mpi(np, MPI_WORKER, "emulator", *cases, env=env, timeout=300))
-
-
-@pytest.mark.mpi
-def test_fsdp_hsdp_and_tensor_parallel(mpi):
-    """Issue 25 points 5 and 6 at 4 ranks: HSDP on a (replicate, shard) mesh, ubnext serving the shard
-    groups, kernels only where a shard group lies within a node (worker case hsdp); FSDP2 x TP=2 on a
-    small Llama parallelized as torchtitan does, bitwise torch.distributed's run and within the
-    derived bound of the unsharded fp64 model (fsdp_tp). About 5 s each on the 2-core runner."""
-    env = {"UBNEXT_EMU_CHAOS": "0", "UBNEXT_EMU_MULTICAST": "1", "UBNEXT_EMULATE": "1"}
-    assert_mpi_ok(mpi(4, MPI_WORKER, "emulator", "hsdp", "fsdp_tp", env=env, timeout=300))
-
-
-@pytest.mark.mpi
-def test_fsdp_torchao_float8(mpi):
-    """torchao's float8 training, with its FP8 all-gather, on ubnext's FSDP2 collectives: loss and
-    gradients bitwise those of torch.distributed's run (worker case fsdp_torchao, 2 ranks, about 5 s).
-    torchao is in the test extra; without it the case cannot run."""
-    pytest.importorskip("torchao.float8", reason="torchao is not installed: pip install -e '.[test]'")
-    env = {"UBNEXT_EMU_CHAOS": "0", "UBNEXT_EMU_MULTICAST": "1", "UBNEXT_EMULATE": "1"}
-    assert_mpi_ok(mpi(2, MPI_WORKER, "emulator", "fsdp_torchao", env=env, timeout=300))

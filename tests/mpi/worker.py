@@ -213,16 +213,23 @@ def case_fused_past_pool():
     normalises (and quantises), with the fused paths' row math; the path name says so. In every
     output form, within the arithmetic's bound (two roundings of the sum: torch's result is in the
     dtype), and the same bits on every rank."""
+    global COMM
     if MODE == "torch":
         return
-    stats = COMM.pool_stats()
-    hidden = 4096
-    tokens = max(stats["staging_bytes"], COMM.pool.lamport_capacity) // (2 * hidden) + 3
-    for kwargs in ({}, {"out_dtype": FP8, "scale": torch.tensor([0.02])}):
-        check_fused(tokens, hidden, torch.bfloat16, seed=17, **kwargs)
-        assert COMM.last_path == "torch+norm", COMM.last_path
-    check_fused(3, hidden * 129 // 128, torch.float32, seed=18)  # not past the pool: a kernel path
-    assert "+" not in COMM.last_path, COMM.last_path
+    main, hidden = COMM, 1024
+    # a small pool (its layout sized for hidden 128), so that "past the pool" is a small message
+    COMM = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=128)
+    try:
+        stats = COMM.pool_stats()
+        tokens = max(stats["staging_bytes"], COMM.pool.lamport_capacity) // (2 * hidden) + 3
+        for kwargs in ({}, {"out_dtype": FP8, "scale": torch.tensor([0.02])}):
+            check_fused(tokens, hidden, torch.bfloat16, seed=17, **kwargs)
+            assert COMM.last_path == "torch+norm", COMM.last_path
+        check_fused(3, 1032, torch.float32, seed=18)  # not past the pool: a kernel path
+        assert "+" not in COMM.last_path, COMM.last_path
+    finally:
+        COMM.close()
+        COMM = main
 
 
 def case_fused_paths():
@@ -2413,9 +2420,9 @@ def case_pool_gc_skew():
         with counting_host_collectives() as called:
             allocated = 0
             step = 0
-            while allocated < 2 * arena:  # two laps of the ring
+            while allocated < 2 * arena:  # two laps of the ring, in about 16 steps
                 _skewed_collection(rank, step)
-                garbage = comm.empty(40_000 + 9_000 * (step % 7), dtype=torch.bfloat16)
+                garbage = comm.empty(arena // 18 + arena // 64 * (step % 5), dtype=torch.bfloat16)
                 allocated += garbage.numel() * 2
                 cycle: list = [garbage]
                 cycle.append(cycle)
