@@ -38,6 +38,26 @@ def _checked_arena(base: int, size: int, min_align: int) -> tuple[int, int, int]
     return base, size, min_align
 
 
+def _checked_request(nbytes: int, align: int, min_align: int) -> int:
+    """The alignment an allocation of ``nbytes`` gets (at least the arena's), or a ValueError."""
+    if not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"allocation size must be a positive int, got {nbytes!r}")
+    align = max(align, min_align)
+    if align & (align - 1):
+        raise ValueError(f"alignment must be a power of two, got {align}")
+    return align
+
+
+def _align_up(value: int, align: int) -> int:
+    return (value + align - 1) & ~(align - 1)
+
+
+def _largest_in(free: list[tuple[int, int]], align: int, min_align: int) -> int:
+    """The largest allocation aligned to ``align`` that fits in one of the ``free`` ranges."""
+    align = max(align, min_align)
+    return max((max(0, e - _align_up(s, align)) for s, e in free), default=0)
+
+
 class Allocator:
     """Ranges of ``[base, base + size)``; offsets returned are absolute (include ``base``)."""
 
@@ -52,11 +72,7 @@ class Allocator:
         self.stats = _Stats()
 
     def alloc(self, nbytes: int, align: int = 16) -> int:
-        if not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"allocation size must be a positive int, got {nbytes!r}")
-        align = max(align, self.min_align)
-        if align & (align - 1):
-            raise ValueError(f"alignment must be a power of two, got {align}")
+        align = _checked_request(nbytes, align, self.min_align)
         with self._lock:
             return self._alloc(nbytes, align)
 
@@ -113,19 +129,13 @@ class Allocator:
     def largest_free(self, align: int = 256) -> int:
         """The largest allocation that ``alloc(n, align)`` would place now (256: what
         ``SymmetricPool.empty`` asks for)."""
-        align = max(align, self.min_align)
-        return max((max(0, e - ((s + align - 1) & ~(align - 1))) for s, e in zip(self._free_starts, self._free_ends)),
-                   default=0)
+        return _largest_in(self.free_ranges(), align, self.min_align)
 
     def free_ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._free_starts, self._free_ends))
 
     def live(self) -> dict[int, int]:
         return dict(self._live)
-
-
-def _align_up(value: int, align: int) -> int:
-    return (value + align - 1) & ~(align - 1)
 
 
 class RingAllocator:
@@ -178,11 +188,7 @@ class RingAllocator:
         return None
 
     def alloc(self, nbytes: int, align: int = 16) -> int:
-        if not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"allocation size must be a positive int, got {nbytes!r}")
-        align = max(align, self.min_align)
-        if align & (align - 1):
-            raise ValueError(f"alignment must be a power of two, got {align}")
+        align = _checked_request(nbytes, align, self.min_align)
         if nbytes > self.size:  # never fits: no collection for it
             self.stats.failed += 1
             raise NoRoom(f"{nbytes} bytes exceed the pool arena's ring ({self.size} bytes)")
@@ -225,8 +231,7 @@ class RingAllocator:
             return out
 
     def largest_free(self, align: int = 256) -> int:
-        align = max(align, self.min_align)
-        return max((max(0, e - _align_up(s, align)) for s, e in self.free_ranges()), default=0)
+        return _largest_in(self.free_ranges(), align, self.min_align)
 
     def live(self) -> dict[int, int]:
         with self._lock:
