@@ -196,7 +196,7 @@ class Executor:
         else:
             done = self._launch_done
             if done is None:
-                done = self._launch_done = _cuda.create_event(self._device_index)
+                done = self._new_done_event()
         _cuda.launch(how.kernel, how.config, self._stream, (*pointers, *how.packed), self._device_index, done)
         if self._debug and not self._capturing:  # a synchronisation would break the capture
             torch.cuda.synchronize(self.device)
@@ -212,8 +212,13 @@ class Executor:
             return
         done = self._launch_done
         if done is None:
-            done = self._launch_done = _cuda.create_event(self._device_index)
+            done = self._new_done_event()
         _cuda.record_event(done, self._stream, self._device_index)
+
+    def _new_done_event(self):
+        """The ordering event, made on first use (one per communicator)."""
+        self._launch_done = _cuda.create_event(self._device_index)
+        return self._launch_done
 
     @staticmethod
     def _aligned_copies(inp, out, residual, residual_out, weight, copy_back):
