@@ -19,6 +19,7 @@ not modeled (the published figure stands for them).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -205,7 +206,7 @@ def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: 
     from . import envs
     from .comm import Communicator
 
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=__import__("datetime").timedelta(seconds=300))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     comm = Communicator(emulate=True, max_hidden=HIDDEN)
     comm.prepare()
