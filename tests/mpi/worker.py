@@ -414,6 +414,9 @@ def case_departed():
                 comm.close()
                 dist.barrier()
                 checked.append((path, what))
+                # the next communicator's set-up waits UBNEXT_TIMEOUT (5 s in the broken-build run) for
+                # every rank: it must not start while the others may still wait as long for this one
+                dist.barrier()
                 continue
             dist.barrier()  # the peer has left
             start = time.monotonic()
@@ -432,6 +435,7 @@ def case_departed():
             checked.append((path, what))
             if rank == 0 and len(checked) == 1:
                 log(f"departed: {path} raised after {took:.2f} s: {msg}")
+            dist.barrier()  # the departed rank's next set-up starts after this call (above)
     finally:
         if previous is None:
             os.environ.pop("UBNEXT_TIMEOUT", None)
