@@ -56,7 +56,7 @@ BREAKS = {
     "no_header_check": "UBNEXT_BREAK_NO_HEADER_CHECK",
     "single_header_slot": "UBNEXT_BREAK_SINGLE_HEADER_SLOT",
     "no_abort_check": "UBNEXT_BREAK_NO_ABORT_CHECK",
-    "no_proxy_fence": "UBNEXT_BREAK_NO_PROXY_FENCE",
+    "no_proxy_fence_nvls_twoshot": "UBNEXT_BREAK_NO_PROXY_FENCE_NVLS_TWOSHOT",
     "twoshot_drop_peer": "UBNEXT_BREAK_TWOSHOT_DROP_PEER",
     "allgather_short_push": "UBNEXT_BREAK_ALLGATHER_SHORT_PUSH",
     "no_lamport_header_check": "UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK",

@@ -128,11 +128,11 @@ VARIABLES: dict[str, Var] = {
         Var("UBNEXT_EMU_SM_COUNT", _positive_int, 132, "integer > 0",
             "SMs of the GPU that count mode's launch geometry stands for (132: H100 SXM)."),
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
-                                     "single_header_slot", "no_abort_check", "no_proxy_fence",
+                                     "single_header_slot", "no_abort_check", "no_proxy_fence_nvls_twoshot",
                                      "twoshot_drop_peer", "allgather_short_push", "no_lamport_header_check",
                                      "no_departure_check", "extra_fence"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
-            "no_proxy_fence|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_departure_check|extra_fence",
+            "no_proxy_fence_nvls_twoshot|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_departure_check|extra_fence",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),

@@ -367,8 +367,17 @@ UBX_DEV uint32_t barrier_signal_and_wait(RankBarrier& br, uint32_t lane) {
   if (br.signal != nullptr) {
 #if !defined(UBNEXT_BREAK_NO_RELEASE)
     if (br.d->mc_base != 0) {
+      // No fence.proxy.alias after the multicast signal (issue 24 A; it cost one MEMBAR.SC + CCTL.IVALL,
+      // about an NVLink round trip, per barrier). A proxy fence orders one thread's accesses to the SAME
+      // bytes through two virtual aliases (PTX ISA, "Proxies"); this lane never reads through unicast
+      // what it writes through multicast: it writes slot [b][rank] and our header slot, and the polls
+      // (lanes p != rank) read slots [b][p] and peer p's header slot, other bytes. Across ranks, a
+      // multicast release seen by a peer's unicast acquire is the pairing NCCL's NVLS barrier uses with
+      // no proxy fence (nccl_device lsa_barrier: multimem.red.release.sys, then ld.acquire of its own
+      // inbox). Data a block stored through multicast and reads back through unicast after a barrier
+      // carries its own fence at its store (nvls.cu's two-shot); this lane's fence was never on the
+      // path from a peer's store to our reads anyway (it came after our signal, not after their data).
       multimem_st_release_u32(br.signal, epoch);
-      fence_proxy_alias();  // our multicast release, then unicast acquire polls (ptx.cuh)
     } else {
       st_release_sys_u32(br.signal, epoch);
     }

@@ -221,11 +221,12 @@ UBX_DEV void fence_acq_rel_gpu() {
 // that maps the same memory: a multicast address and the unicast mapping of the same bytes are distinct
 // proxies in the PTX memory consistency model (PTX ISA, "Memory Consistency Model" > "Proxies";
 // CUDA Programming Guide, Virtual Memory Management > "Virtual Aliasing Support"). Needed wherever a
-// kernel reads through unicast what it (or, through a barrier, its block) wrote through multicast.
-// UBNEXT_BREAK_NO_PROXY_FENCE (test-only) drops it; the emulator's chaos mode then returns stale data.
+// kernel reads through unicast what it (or, through a barrier, its block or its peers) wrote through
+// multicast with plain loads; a poll that validates its own data does not need it (lamport.cu). Each
+// site has its own test-only break (UBNEXT_BREAK_NO_PROXY_FENCE_<SITE>), which the emulator's chaos
+// mode catches.
 UBX_DEV void fence_proxy_alias() {
-#if defined(UBNEXT_BREAK_NO_PROXY_FENCE)
-#elif defined(UBNEXT_EMULATOR)
+#if defined(UBNEXT_EMULATOR)
   ::ubx_emu::fence_proxy_alias();
 #else
   asm volatile("fence.proxy.alias;" : : : "memory");

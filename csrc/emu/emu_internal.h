@@ -56,11 +56,12 @@ struct PendingStore {
 };
 
 // A multicast store as the issuing thread's unicast loads may still see it (chaos mode's proxy model,
-// memory.cpp): the bytes every copy held before it.
+// memory.cpp): the bytes every copy held before it, for the next `stale_loads` overlapping loads.
 struct McShadow {
   int region;
   uint64_t off;
   uint32_t bytes;
+  uint32_t stale_loads;
   uint32_t old[UBNEXT_EMU_MAX_RANKS][4];
 };
 

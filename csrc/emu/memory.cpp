@@ -14,9 +14,12 @@
 //     reach the ranks' copies in a random order.
 //   - proxies: a multicast address and the unicast mapping of the same bytes are distinct proxies
 //     (PTX ISA, "Proxies"). Until the storing thread executes fence.proxy.alias, its own unicast
-//     loads of bytes it stored through multicast return what they held before the store (always,
-//     so that a missing fence is caught rather than merely possible); other threads see the store.
-//     Its own later unicast store to those bytes ends the window for them.
+//     loads of bytes it stored through multicast return what they held before the store: the first
+//     such load always (so that a missing fence before a single read is caught rather than merely
+//     possible), then each of up to kMaxStaleLoads - 1 more at random, after which the store shows
+//     (the hardware makes a store visible eventually: a poll that validates its own data, as a
+//     Lamport poll does, needs no fence, and NCCL's LL multicast path has none). Other threads see
+//     the store. Its own later unicast store to those bytes ends the window for them.
 // Traffic counters see every twin access: unicast bytes/ops per peer rank, multicast bytes/ops
 // once per access.
 //
@@ -444,6 +447,7 @@ static const Region& mc_region(const Where& w, const void* p, const char* what) 
 
 // ------------------------------------------------------------------------------ proxies
 static constexpr size_t kMaxShadows = 256;  // beyond that the oldest is forgotten (as if fenced)
+static constexpr uint32_t kMaxStaleLoads = 8;
 
 static bool shadow_overlaps(const McShadow& s, const Where& w, unsigned bytes) {
   return s.region == w.region && s.off < w.off + bytes && w.off < s.off + s.bytes;
@@ -460,6 +464,7 @@ static void shadow_mc_store(Block& b, const Where& w, const Region& r, unsigned 
   s.region = w.region;
   s.off = w.off;
   s.bytes = bytes;
+  s.stale_loads = 1 + b.rng.below(kMaxStaleLoads);
   for (int p = 0; p < r.nranks; ++p)
     words_load(s.old[p], reinterpret_cast<const void*>(r.base[p] + w.off), bytes, __ATOMIC_RELAXED);
   sh.push_back(s);
@@ -468,12 +473,19 @@ static void shadow_mc_store(Block& b, const Where& w, const Region& r, unsigned 
 // A unicast load of the running thread: bytes it stored through multicast and has not fenced read old.
 static void shadow_load(Block& b, const Where& w, void* dst, unsigned bytes) {
   if (w.region < 0 || w.rank < 0) return;
-  for (const McShadow& s : b.cur->mc_shadow) {
-    if (!shadow_overlaps(s, w, bytes)) continue;
+  std::vector<McShadow>& sh = b.cur->mc_shadow;
+  for (size_t i = 0; i < sh.size();) {
+    McShadow& s = sh[i];
+    if (!shadow_overlaps(s, w, bytes)) {
+      ++i;
+      continue;
+    }
     const uint64_t lo = s.off > w.off ? s.off : w.off;
     const uint64_t hi = (s.off + s.bytes < w.off + bytes) ? s.off + s.bytes : w.off + bytes;
     memcpy(static_cast<char*>(dst) + (lo - w.off), reinterpret_cast<const char*>(s.old[w.rank]) + (lo - s.off),
            size_t(hi - lo));
+    if (--s.stale_loads == 0) sh.erase(sh.begin() + long(i));  // the store has reached this thread's view
+    else ++i;
   }
 }
 

@@ -213,8 +213,20 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
     for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
       for (int i = threadIdx.x; i < nv_row; i += blockDim.x) push(row * nv_row + i);
   }
-  // This thread polls through unicast the slot it just wrote through multicast (ptx.cuh).
-  if (mc != 0ull) fence_proxy_alias();
+  // No fence.proxy.alias between the multicast push and the unicast poll of our own slot (issue 24 A),
+  // although this thread reads through unicast bytes it just wrote through multicast. Without the
+  // fence the PTX model leaves the load unordered with the store: it may return the bytes from before
+  // the store, and nothing else. Those bytes are the sentinel: call k - 2 re-poisoned this buffer
+  // through unicast (our own stores, ordered before this kernel by the kernel boundary), after call
+  // k - 3's poll had seen every word of that call land (lamport_rotation.cuh). A stale read is thus
+  // "not arrived yet" and the poll (volatile .sys loads: L2, never a stale L1 line) reads again until
+  // the store shows, which the hardware guarantees eventually. The value it accepts is the store itself
+  // (no other writer of these bytes in this call), so the sum is unchanged; the poll validates itself.
+  // The next re-poison of this buffer (call k + 1, unicast) cannot be overtaken by this store either:
+  // this call's poll has seen it land in our memory (L2, where both aliases meet) before the kernel
+  // ended. NCCL's LL multicast allreduce reads its own slot the same way, with no fence (nccl_device
+  // ll_a2a: bcast through the multicast pointer, recv with ld.relaxed.sys of the local buffer). The
+  // emulator's chaos mode returns the old bytes for the first loads after such a store (memory.cpp).
 #if defined(UBNEXT_BREAK_EXTRA_FENCE)
   fence_acq_rel_sys();  // test-only: a fence nothing needs, which the critical-path count must show
 #endif

@@ -184,7 +184,19 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
     }
   };
   for_my_slice<4>(sl, rank, load, store);
-  fence_proxy_alias();  // the row phase reads our slice back through unicast (ptx.cuh)
+  // The one fence.proxy.alias left on a kernel path (issue 24 A), and only where this kernel reads the
+  // broadcast back through unicast: the row phase, or the flat copy to an `out` other than `in`. Those
+  // reads are plain loads, which validate nothing and may be served from L1, of bytes that this thread,
+  // its block and block b of every peer stored through multicast. The PTX model orders two aliases'
+  // accesses only with an alias proxy fence on the causality path from the store to the load; for a
+  // peer's store that path runs through the peer's barrier signal, so the fence sits here, at the
+  // store, in every storing thread, before barrier 2 publishes it. Flat and in place, nothing of this
+  // kernel reads the result: its readers are later kernels (all-gather's argument, allgather.cu).
+  // UBNEXT_BREAK_NO_PROXY_FENCE_NVLS_TWOSHOT (test-only) drops it; chaos mode's proxy model then hands
+  // the storing thread the bytes from before its store, and the fused two-shot rows come out wrong.
+#if !defined(UBNEXT_BREAK_NO_PROXY_FENCE_NVLS_TWOSHOT)
+  if (sl.rows || out != in) fence_proxy_alias();
+#endif
   if (!barrier_sync(br)) return;
   twoshot_local_phase<T>(sl, nranks, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags,
                          s_cache, s_red);
@@ -257,7 +269,10 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
       multimem_st_v4(reinterpret_cast<void*>(mc_slot + static_cast<uint64_t>(pos) * 16u), v);
     };
     for_my_slice<4>(sl, rank, load, store);
-    fence_proxy_alias();  // the poll below reads our own slot through unicast (ptx.cuh)
+    // No fence.proxy.alias before the poll reads our own slot through unicast (issue 24 A): the poll
+    // validates itself, as lamport.cu's does (its comment there gives the argument: a stale read is
+    // the sentinel of the re-poison two calls ago, and the poll sees the store land before the next
+    // re-poison of this buffer).
 
     // ---- re-poison our copy of the previous call's buffer while the peers' data is in flight
     lamport_repoison(d, rot);

@@ -53,7 +53,9 @@ BROKEN = {
     "no_header_check": ["divergent"],  # call headers not compared: differing offsets reduce wrong memory
     "single_header_slot": ["header_race"],  # one header slot: a rank a call ahead overwrites it
     "no_abort_check": ["late_rank"],  # nobody reads the abort flag: the late rank completes or times out alone
-    "no_proxy_fence": ["paths"],  # chaos mode: a thread's unicast read misses its own multicast store
+    # the one proxy fence left (issue 24 A), one break per site: chaos mode hands the storing thread the
+    # bytes from before its multicast store, and the fused two-shot's row phase reads them
+    "no_proxy_fence_nvls_twoshot": ["fused_paths"],
     "twoshot_drop_peer": ["reduce_scatter"],  # the shared rank-order sum leaves a rank out
     "allgather_short_push": ["all_gather"],  # a shard's last word never reaches the peers
     "no_lamport_header_check": ["mismatch"],  # Lamport pushes call headers but never compares them
