@@ -124,19 +124,21 @@ def cases(world: int, quick: bool = False, only: frozenset | None = None) -> lis
 
 def grid_of(case: Case, world: int, sm_count: int) -> int:
     """The grid the GPU launch would use (the Executor's own geometry)."""
-    from ._executor import GPU_BLOCK, GRID_CAP, launch_geometry
+    from ._executor import GPU_BLOCK, GRID_CAP, gpu_max_blocks, launch_geometry
 
-    cap = min(GRID_CAP, sm_count)
+    sms = min(GRID_CAP, sm_count)
     n = case.nbytes // 2
     if case.op == "all_reduce_add_rmsnorm":
+        cap = gpu_max_blocks(case.path, sms, world, True)
         return launch_geometry(case.path, n, 2, case.tokens, True, world, GPU_BLOCK, cap)[0]
     if case.op == "quantize":
         from ._quantize import split_row
 
         rows = n // split_row(n, 2) if case.path != "row" else max(1, case.tokens)
-        return launch_geometry("quantize", n, 2, rows, True, world, GPU_BLOCK, cap)[0]
+        return launch_geometry("quantize", n, 2, rows, True, world, GPU_BLOCK, sms)[0]
     if case.op in ("all_gather", "reduce_scatter"):
         n //= world  # the kernel's vectors: one shard
+    cap = gpu_max_blocks(case.path, sms, world, False)
     return launch_geometry(case.path, n, 2, 0, False, world, GPU_BLOCK, cap)[0]
 
 

@@ -30,6 +30,26 @@ GRID_CAP = 128
 GPU_BLOCK = 256
 
 
+# Kernels whose blocks never wait on another block: the rest get at most half the SMs (gpu_max_blocks).
+LOCAL_KERNELS = frozenset({"add_rmsnorm", "quantize_fp8", "quantize"})
+
+
+def gpu_max_blocks(algo: str, sm_count: int, world_size: int, fused: bool, nvls_ctas: int = 16) -> int:
+    """The most blocks a GPU launch of ``algo`` takes, from ``sm_count`` = min(GRID_CAP, SMs), agreed
+    by the ranks (csrc/host/launch_rules.h has the same rules and their arguments):
+    - a kernel that waits on its peers' blocks gets at most half of them, so that two such kernels of
+      two communicators are always resident together, whatever order each rank started them in
+      (pair_grid_cap: no deadlock between communicators);
+    - the flat NVLS two-shot gets NCCL's multicast grid, ceil(nvls_ctas / world), nvls_ctas being 16
+      below sm_100 and 32 from it (nvls_twoshot_grid_cap)."""
+    cap = sm_count
+    if algo not in LOCAL_KERNELS:
+        cap = max(1, cap // 2)
+    if algo == "nvls_twoshot" and not fused:
+        cap = min(cap, -(-nvls_ctas // world_size))
+    return cap
+
+
 def launch_geometry(algo: str, n: int, elem: int, tokens: int, fused: bool, world_size: int,
                     block: int, max_blocks: int) -> tuple[int, int]:
     """(grid, block) of one kernel call: a block per token row for the fused norm, else enough
@@ -139,7 +159,8 @@ class Executor:
         if self.mode == "emulator" and not self._count_geometry:
             block, max_blocks = 64, 4  # emulated threads are fibers on 2 cores: keep it small
         else:
-            block, max_blocks = GPU_BLOCK, self._sm_count
+            block = GPU_BLOCK
+            max_blocks = gpu_max_blocks(algo, self._sm_count, self.world_size, fused, self._nvls_ctas)
         return launch_geometry(algo, n, elem, tokens, fused, self.world_size, block, max_blocks)
 
     def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int) -> Launch:

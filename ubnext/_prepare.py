@@ -5,7 +5,7 @@ of every kernel path, and the pool tensors handed to users (``comm.empty``).
 ``Preparation`` is one of the Communicator's parts (ubnext/comm.py). Every step here talks to
 all ranks through ``_allgather``, and every decision is taken from what all ranks reported, so
 that no rank launches a kernel its peers never join. It sets ``_pool`` or ``_pool_error``, ``_emu``,
-``_sm_count``, ``_run_self_test`` and ``_disabled``, from ``mode``, ``device``, ``rank``, ``group``
+``_sm_count``, ``_nvls_ctas``, ``_run_self_test`` and ``_disabled``, from ``mode``, ``device``, ``rank``, ``group``
 and ``_max_hidden``.
 """
 
@@ -191,13 +191,14 @@ class Preparation:
         # within one node only); the grid bound (blocks wait on the same blocks of their peers)
         # and the kernels' timeout.
         reports = self._setup_allgather({
-            "error": self._prepare_kernels(), "sm_count": self._sm_count, "host": _lifecycle.host_identity(),
+            "error": self._prepare_kernels(), "sm_count": self._sm_count, "nvls_ctas": self._nvls_ctas, "host": _lifecycle.host_identity(),
             "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device),
             "selftest": envs.get("UBNEXT_SELFTEST"), "p2p": p2p_report(self.device)},
             "agreeing on the kernels before creating the pool")
         self._run_self_test = all(r["selftest"] for r in reports)
         if self.mode == "gpu":
             self._sm_count = min(r["sm_count"] for r in reports)
+            self._nvls_ctas = min(r["nvls_ctas"] for r in reports)
         # the longest: no rank gives up on a peer that another rank is still willing to wait for
         timeout_s = max(r["timeout_s"] for r in reports)
         if timeout_s > LONG_TIMEOUT_S and self.rank == 0:

@@ -74,6 +74,7 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         self.world_size = dist.get_world_size(self.group)
         emulate = envs.get("UBNEXT_EMULATE") if emulate is None else bool(emulate)
         self._sm_count = 0  # GPUs (and count mode): the grid bound, agreed at pool creation
+        self._nvls_ctas = 16  # NCCL's NVLS grid base, 32 from sm_100 (_executor.gpu_max_blocks), agreed too
         self._device_index = 0  # GPUs only: the launch's device
         self._count_geometry = False  # the emulator launches as the GPU would (UBNEXT_EMU_COUNT)
         if emulate:
@@ -84,7 +85,9 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         elif gpu_available():
             self.mode, self.device = "gpu", torch.device("cuda", torch.cuda.current_device())
             self._device_index = self.device.index
-            self._sm_count = min(GRID_CAP, torch.cuda.get_device_properties(self.device).multi_processor_count)
+            props = torch.cuda.get_device_properties(self.device)
+            self._sm_count = min(GRID_CAP, props.multi_processor_count)
+            self._nvls_ctas = 32 if props.major >= 10 else 16
         else:
             self.mode, self.device = "torch", torch.device("cpu")
         self._max_hidden = max_hidden or 0

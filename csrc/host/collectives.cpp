@@ -270,6 +270,7 @@ ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo,
 struct Limits {
   int sms;
   int coresident;
+  int cc_major;  // NVLS two-shot grid (launch_rules.h: nvls_twoshot_grid_cap)
 };
 std::atomic<long long> g_limits[kMaxCachedDevices][kNumKernels];
 
@@ -278,13 +279,16 @@ ubnext_status_t device_limits(int device, int kernel, unsigned block, Limits* ou
   if (cacheable) {
     const long long packed = g_limits[device][kernel].load(std::memory_order_relaxed);
     if (packed > 0) {
-      *out = Limits{static_cast<int>(packed >> 32), static_cast<int>(packed & 0xffffffff)};
+      *out = Limits{static_cast<int>((packed >> 32) & 0xffffff), static_cast<int>(packed & 0xffffffff),
+                    static_cast<int>(packed >> 56)};
       return UBNEXT_STATUS_SUCCESS;
     }
   }
-  int sms = 0, per_sm = 0;
+  int sms = 0, per_sm = 0, cc_major = 0;
   UBNEXT_TRY(from_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
                        "cudaDeviceGetAttribute(MultiProcessorCount)"));
+  UBNEXT_TRY(from_cuda(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device),
+                       "cudaDeviceGetAttribute(ComputeCapabilityMajor)"));
   UBNEXT_TRY(from_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                            &per_sm, reinterpret_cast<const void*>(kKernels[kernel].stub),
                            static_cast<int>(block), 0),
@@ -293,9 +297,10 @@ ubnext_status_t device_limits(int device, int kernel, unsigned block, Limits* ou
     return fail(UBNEXT_STATUS_UNSUPPORTED, "%s cannot run with %u threads per block",
                 kKernels[kernel].name, block);
   }
-  *out = Limits{sms, sms * per_sm};
-  if (cacheable) {
-    g_limits[device][kernel].store((static_cast<long long>(sms) << 32) | out->coresident,
+  *out = Limits{sms, sms * per_sm, cc_major};
+  if (cacheable) {  // cc_major in bits 56..62, sms in 32..55, coresident in 0..31
+    g_limits[device][kernel].store((static_cast<long long>(cc_major & 0x7f) << 56) |
+                                       (static_cast<long long>(sms & 0xffffff) << 32) | out->coresident,
                                    std::memory_order_relaxed);
   }
   return UBNEXT_STATUS_SUCCESS;
@@ -317,11 +322,12 @@ struct KernelArgs {
 };
 
 // Launch kernel `kernel` (an index of kKernels) with the default grid rule of launch_rules.h
-// (default_grid: `bytes` of message, per-rank share or not, `tokens` rows) unless launch.grid
-// says otherwise. Kernels that wait on peers' blocks (`coresident`) refuse a grid larger than
-// what fits at once.
+// (default_grid: `bytes` of message, per-rank share or not, `tokens` rows, half the SMs for a kernel
+// that `waits_on_peers`, the NVLS two-shot's own cap when `nvls_twoshot`) unless launch.grid says
+// otherwise. Kernels that wait on peers' blocks (`coresident`) refuse a grid larger than what fits at once.
 ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per_rank_share, size_t bytes,
-                             size_t tokens, size_t nranks, KernelArgs a) {
+                             size_t tokens, size_t nranks, KernelArgs a, bool waits_on_peers = true,
+                             bool nvls_twoshot = false) {
   const KernelEntry& k = kKernels[kernel];
   // The device first: NO_DEVICE describes the machine, whatever this build holds.
   int device = 0;
@@ -335,7 +341,9 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
   UBNEXT_TRY(device_limits(device, kernel, block, &lim));
   unsigned grid = launch.grid;
   if (grid == 0) {
-    grid = default_grid(per_rank_share, bytes, tokens, nranks, block, lim.sms, lim.coresident);
+    const unsigned algo_cap = nvls_twoshot && tokens == 0 ? nvls_twoshot_grid_cap(nranks, lim.cc_major) : 0u;
+    grid = default_grid(per_rank_share, bytes, tokens, nranks, block, lim.sms, lim.coresident, waits_on_peers,
+                        algo_cap);
   } else if (grid > static_cast<unsigned>(lim.coresident)) {
     // Blocks wait on their peers' blocks; more than fit at once could wait forever.
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
@@ -356,7 +364,7 @@ ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
   a.flags |= (launch.flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) ? UBNEXT_F_MULTICAST : 0;
   return launch_index(launch, static_cast<int>(algo) * kNumDtypes + static_cast<int>(dtype),
                       kAlgos[algo].per_rank_share, static_cast<size_t>(a.n) * ubnext_dtype_size(dtype), tokens,
-                      static_cast<size_t>(d->nranks), a);
+                      static_cast<size_t>(d->nranks), a, true, algo == UBNEXT_ALGO_NVLS_TWOSHOT);
 }
 
 // count in 1..INT32_MAX (the kernels' n is an int32; it also keeps count * size from overflowing)
@@ -633,8 +641,8 @@ ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_f
   // the kernel runs flat and the grid is sized by its vectors (default_grid's plain rule; the bits do
   // not depend on the grid)
   if (flags == UBNEXT_F_FP8_STATIC)
-    return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, count * elem, 0, 1, a);
-  return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, 0, count / hidden, 1, a);
+    return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, count * elem, 0, 1, a, false);
+  return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, 0, count / hidden, 1, a, false);
 }
 
 ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_desc) {

@@ -44,14 +44,45 @@ constexpr AlgoTraits kAlgos[kNumAlgos] = {
     /* TWOSHOT      */ {UBNEXT_OP_TWOSHOT,      true,  true,  true,  false, false, true},
 };
 
-// The same geometry as the Python launcher (ubnext/comm.py, _geometry), so that a job gets the
-// same grid whichever front end launches: fused op (tokens > 0), one block per token row;
-// otherwise one 16-byte vector per thread of what this rank reduces (1/nranks of the message for
-// the two-shot family: nvls_twoshot, twoshot, nvls_lamport; the whole message for lamport and
-// nvls_oneshot). Capped at one block per SM and UBNEXT_MAX_BLOCKS (as Python's _sm_count), and
-// at the kernel's co-resident limit (below both on any supported GPU); at least 1.
+// No deadlock between communicators (issue 24 G). A kernel whose blocks wait on its peers' blocks
+// (every kernel here but quantize: the barrier kernels, and the Lamport kernels, whose block b polls
+// what block b of each peer pushes) makes progress only once block b is resident on every rank. Two
+// communicators with kernels in flight at once (a TP op on one stream, FSDP2's prefetched all-gather on
+// another) can each hold SMs on one rank while waiting for blocks that the other holds back on a peer,
+// if the ranks made their kernels resident in opposite orders. The rule: such a kernel's default grid
+// is at most half the SMs, min(SMs, UBNEXT_MAX_BLOCKS) / 2. Why it holds: one CTA of any ubnext kernel
+// fits an empty SM (coresident >= SMs, checked at launch: the heaviest, 256 threads at up to 168
+// registers = 43008 of 65536 registers and 33 KB of static shared memory of 228 KB, is one CTA per SM on
+// sm_90 and sm_100), so a kernel of g <= SMs / 2 CTAs touches at most SMs / 2 SMs, which leaves at least
+// SMs / 2 empty SMs for the other kernel's g' <= SMs / 2 CTAs: both are resident at once on every rank,
+// whatever order each rank's scheduler took them in, and each completes. Other work on the device
+// (GEMMs) only delays this: its blocks never wait on ours. The guarantee covers two communicators in
+// flight per device; a third needs an explicit grid (ubnext_launch_t.grid) of at most SMs / 3.
+inline int pair_grid_cap(int sms) {
+  const int base = sms > 0 && sms < UBNEXT_MAX_BLOCKS ? sms : UBNEXT_MAX_BLOCKS;
+  return base / 2 > 0 ? base / 2 : 1;
+}
+
+// The NVLS two-shot's flat grid as NCCL sizes its multicast kernels (src/sym_kernels.cc, queryModel_lsa:
+// nMaxBlocksNvls = ceil(16 / nranks) below sm_100, ceil(32 / nranks) from sm_100; 2 CTAs at 8 ranks on
+// Hopper): the switch reduces and replicates, so a few SMs saturate NVLS bandwidth, and fewer CTAs
+// mean fewer barrier slots to signal and poll.
+inline unsigned nvls_twoshot_grid_cap(size_t nranks, int cc_major) {
+  const size_t base = cc_major >= 10 ? 32 : 16;
+  const size_t n = nranks > 0 ? nranks : 1;
+  return static_cast<unsigned>((base + n - 1) / n);
+}
+
+// The same geometry as the Python launcher (ubnext/_executor.py, launch_geometry and gpu_max_blocks),
+// so that a job gets the same grid whichever front end launches: fused op (tokens > 0), one block per
+// token row; otherwise one 16-byte vector per thread of what this rank reduces (1/nranks of the message
+// for the two-shot family: nvls_twoshot, twoshot, nvls_lamport; the whole message for lamport and
+// nvls_oneshot). Capped at one block per SM and UBNEXT_MAX_BLOCKS (as Python's _sm_count), halved for
+// kernels that wait on peers (pair_grid_cap), at `algo_cap` when non-zero (nvls_twoshot_grid_cap), and
+// at the kernel's co-resident limit (below all of them on any supported GPU); at least 1.
 inline unsigned default_grid(bool per_rank_share, size_t bytes, size_t tokens, size_t nranks,
-                             unsigned block, int sms, int coresident) {
+                             unsigned block, int sms, int coresident, bool waits_on_peers = true,
+                             unsigned algo_cap = 0) {
   size_t want;
   if (tokens > 0) {
     want = tokens;
@@ -62,6 +93,8 @@ inline unsigned default_grid(bool per_rank_share, size_t bytes, size_t tokens, s
   }
   size_t cap = UBNEXT_MAX_BLOCKS;
   if (sms > 0 && static_cast<size_t>(sms) < cap) cap = static_cast<size_t>(sms);
+  if (waits_on_peers) cap = static_cast<size_t>(pair_grid_cap(sms));
+  if (algo_cap > 0 && algo_cap < cap) cap = algo_cap;
   if (coresident > 0 && static_cast<size_t>(coresident) < cap) cap = static_cast<size_t>(coresident);
   if (want > cap) want = cap;
   return want ? static_cast<unsigned>(want) : 1u;

@@ -21,18 +21,34 @@ namespace {
 using ubnext::default_grid;
 using ubnext::kAlgos;
 
-// ubnext/comm.py Communicator._geometry on a GPU (block 256, max_blocks = _sm_count =
-// min(128, SM count)), grid only.
+// ubnext/_executor.py launch_geometry with gpu_max_blocks on a GPU (block 256, sm_count =
+// min(128, SM count), nvls_ctas 16 below sm_100 and 32 from it), grid only.
 long long py_grid(const char* algo, long long n, long long elem, long long tokens, bool fused,
-                  long long world, long long sms) {
-  const long long block = 256, max_blocks = sms < 128 ? sms : 128;
+                  long long world, long long sms, int cc_major = 9) {
+  const long long block = 256;
   auto ceil_div = [](long long a, long long b) { return (a + b - 1) / b; };
   auto clamp = [](long long x, long long hi) { return x < 1 ? 1 : (x > hi ? hi : x); };
+  const std::string_view a(algo);
+  long long max_blocks = sms < 128 ? sms : 128;
+  max_blocks = max_blocks / 2 > 1 ? max_blocks / 2 : 1;  // every algorithm here waits on its peers
+  if (a == "nvls_twoshot" && !fused) {
+    const long long nvls = ceil_div(cc_major >= 10 ? 32 : 16, world);
+    if (nvls < max_blocks) max_blocks = nvls;
+  }
   if (fused) return clamp(tokens, max_blocks);
   long long vectors = ceil_div(n * elem, 16);
-  const std::string_view a(algo);
   if (a == "nvls_twoshot" || a == "twoshot" || a == "nvls_lamport") vectors = ceil_div(vectors, world);
   return clamp(ceil_div(vectors, block), max_blocks);
+}
+
+// The grid default_grid gives algorithm `a` through the C API's launch (collectives.cpp launch_kernel).
+unsigned c_grid(int a, long long bytes, long long tokens, long long world, long long sms, int cc_major,
+                int coresident = 1 << 20) {
+  const unsigned nvls = a == UBNEXT_ALGO_NVLS_TWOSHOT && tokens == 0
+                            ? ubnext::nvls_twoshot_grid_cap(static_cast<size_t>(world), cc_major)
+                            : 0u;
+  return default_grid(kAlgos[a].per_rank_share, static_cast<size_t>(bytes), static_cast<size_t>(tokens),
+                      static_cast<size_t>(world), 256, static_cast<int>(sms), coresident, true, nvls);
 }
 
 const char* const kNames[ubnext::kNumAlgos] = {"lamport", "nvls_oneshot", "nvls_twoshot",
@@ -68,49 +84,84 @@ void test_grid_matches_python() {
   const long long elems[] = {2, 4};
   const long long worlds[] = {1, 2, 4, 8};
   const long long smss[] = {8, 78, 114, 132, 148};  // H100 PCIe / SXM, B200
+  const int ccs[] = {9, 10};
   int checked = 0;
   for (int a = 0; a < ubnext::kNumAlgos; ++a)
     for (long long n : counts)
       for (long long e : elems)
         for (long long w : worlds)
-          for (long long sms : smss) {
-            const unsigned got = default_grid(kAlgos[a].per_rank_share, n * e, 0, w, 256,
-                                              static_cast<int>(sms), 1 << 20);
-            const long long want = py_grid(kNames[a], n, e, 0, false, w, sms);
-            if (got != want) {
-              std::fprintf(stderr, "%s n=%lld elem=%lld world=%lld sms=%lld: grid %u, python %lld\n",
-                           kNames[a], n, e, w, sms, got, want);
-              ++g_failures;
+          for (long long sms : smss)
+            for (int cc : ccs) {
+              const unsigned got = c_grid(a, n * e, 0, w, sms, cc);
+              const long long want = py_grid(kNames[a], n, e, 0, false, w, sms, cc);
+              if (got != want) {
+                std::fprintf(stderr, "%s n=%lld elem=%lld world=%lld sms=%lld cc=%d: grid %u, python %lld\n",
+                             kNames[a], n, e, w, sms, cc, got, want);
+                ++g_failures;
+              }
+              ++checked;
             }
-            ++checked;
-          }
-  // Fused: one block per token row, min(tokens, SMs), whatever the algorithm.
+  // Fused: one block per token row, min(tokens, SMs / 2), whatever the algorithm.
   const long long tokens[] = {1, 3, 8, 77, 128, 4096};
   for (int a = 0; a < ubnext::kNumAlgos; ++a)
     for (long long t : tokens)
       for (long long sms : smss) {
-        const unsigned got = default_grid(kAlgos[a].per_rank_share, t * 4096 * 2, t, 8, 256,
-                                          static_cast<int>(sms), 1 << 20);
-        CHECK(got == py_grid(kNames[a], t * 4096, 2, t, true, 8, sms));
+        CHECK(c_grid(a, t * 4096 * 2, t, 8, sms, 9) == py_grid(kNames[a], t * 4096, 2, t, true, 8, sms));
         ++checked;
       }
-  std::printf("default grid: %d cases match ubnext/comm.py _geometry\n", checked);
+  std::printf("default grid: %d cases match ubnext/_executor.py launch_geometry\n", checked);
 }
 
 void test_grid_caps() {
   // nvls_lamport sizes its grid by the per-rank share: 1 MiB on 8 ranks = 8192 vectors per rank.
-  CHECK(default_grid(kAlgos[UBNEXT_ALGO_NVLS_LAMPORT].per_rank_share, 1 << 20, 0, 8, 256, 132,
-                     1 << 20) == 32);
-  CHECK(default_grid(kAlgos[UBNEXT_ALGO_LAMPORT].per_rank_share, 1 << 20, 0, 8, 256, 132,
-                     1 << 20) == 128);
+  CHECK(c_grid(UBNEXT_ALGO_NVLS_LAMPORT, 1 << 20, 0, 8, 132, 9) == 32);
   // Odd byte counts round up to whole vectors; never 0 blocks.
   CHECK(default_grid(false, 2, 0, 8, 256, 132, 1 << 20) == 1);
   CHECK(default_grid(true, 2, 0, 8, 256, 132, 1 << 20) == 1);
   CHECK(default_grid(false, 256 * 16 + 2, 0, 1, 256, 132, 1 << 20) == 2);
-  // Caps: UBNEXT_MAX_BLOCKS (an SM count above it, B200's 148), and the co-resident limit.
-  CHECK(default_grid(false, 1 << 28, 0, 8, 256, 148, 1 << 20) == UBNEXT_MAX_BLOCKS);
+  // Caps: UBNEXT_MAX_BLOCKS (an SM count above it, B200's 148) for a kernel that waits on nobody
+  // (quantize), and the co-resident limit.
+  CHECK(default_grid(false, 1 << 28, 0, 8, 256, 148, 1 << 20, false) == UBNEXT_MAX_BLOCKS);
   CHECK(default_grid(false, 1 << 28, 0, 8, 256, 148, 40) == 40);
-  CHECK(default_grid(false, 0, 500, 8, 256, 148, 1 << 20) == UBNEXT_MAX_BLOCKS);
+  CHECK(default_grid(false, 0, 500, 8, 256, 148, 1 << 20, false) == UBNEXT_MAX_BLOCKS);
+}
+
+// No deadlock between communicators (launch_rules.h, pair_grid_cap): every kernel that waits on its
+// peers' blocks, flat or fused, at any size, takes at most half the SMs, so two of them (two
+// communicators) always fit the device together at one CTA per SM.
+void test_two_kernels_fit() {
+  const long long smss[] = {1, 2, 8, 78, 114, 132, 148, 160};
+  const long long worlds[] = {2, 3, 4, 8, 16};
+  for (long long sms : smss)
+    for (long long w : worlds)
+      for (int a = 0; a < ubnext::kNumAlgos; ++a)
+        for (int cc : {9, 10}) {
+          const unsigned flat = c_grid(a, 1ll << 30, 0, w, sms, cc);
+          const unsigned fused = c_grid(a, 4096ll * 8192 * 2, 4096, w, sms, cc);
+          const long long room = sms < 2 ? 1 : sms;  // one SM holds one grid of one block
+          CHECK(sms < 2 || static_cast<long long>(flat) * 2 <= room);
+          CHECK(sms < 2 || static_cast<long long>(fused) * 2 <= room);
+          CHECK(flat >= 1 && fused >= 1);
+        }
+  CHECK(ubnext::pair_grid_cap(132) == 64);  // min(132, 128) / 2: H100
+  CHECK(ubnext::pair_grid_cap(148) == 64);  // B200
+  CHECK(ubnext::pair_grid_cap(78) == 39);
+  CHECK(ubnext::pair_grid_cap(1) == 1);
+  // The local quantize keeps the whole device (default_grid without waits_on_peers).
+  CHECK(default_grid(false, 1 << 28, 0, 1, 256, 132, 1 << 20, false) == 128);
+}
+
+// The NVLS two-shot's flat grid as NCCL sizes its multicast kernels: ceil(16 / nranks) on sm_90,
+// ceil(32 / nranks) from sm_100; its fused grid stays one block per row.
+void test_nvls_twoshot_grid() {
+  CHECK(c_grid(UBNEXT_ALGO_NVLS_TWOSHOT, 1 << 28, 0, 8, 132, 9) == 2);
+  CHECK(c_grid(UBNEXT_ALGO_NVLS_TWOSHOT, 1 << 28, 0, 4, 132, 9) == 4);
+  CHECK(c_grid(UBNEXT_ALGO_NVLS_TWOSHOT, 1 << 28, 0, 2, 132, 9) == 8);
+  CHECK(c_grid(UBNEXT_ALGO_NVLS_TWOSHOT, 1 << 28, 0, 8, 148, 10) == 4);
+  CHECK(c_grid(UBNEXT_ALGO_NVLS_TWOSHOT, 1 << 28, 0, 3, 132, 9) == 6);
+  CHECK(c_grid(UBNEXT_ALGO_NVLS_TWOSHOT, 2048, 0, 8, 132, 9) == 1);  // one vector per thread suffices
+  CHECK(c_grid(UBNEXT_ALGO_NVLS_TWOSHOT, 4096ll * 16384, 4096, 8, 132, 9) == 64);
+  CHECK(c_grid(UBNEXT_ALGO_TWOSHOT, 1 << 28, 0, 8, 132, 9) == 64);  // the unicast two-shot is not NVLS
 }
 
 }  // namespace
@@ -119,6 +170,8 @@ int main() {
   test_traits();
   test_grid_matches_python();
   test_grid_caps();
+  test_two_kernels_fit();
+  test_nvls_twoshot_grid();
   if (g_failures) {
     std::fprintf(stderr, "test_launch_rules: %d check(s) failed\n", g_failures);
     return 1;
