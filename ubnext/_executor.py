@@ -106,6 +106,10 @@ def _misaligned(t: torch.Tensor | None, align: int = 16) -> bool:
 class Executor:
     """The Communicator's launches and the checks every call makes before one."""
 
+    # NCCL's NVLS grid base (gpu_max_blocks): 16 below sm_100; a GPU communicator from sm_100 sets 32,
+    # and the ranks agree on the least at pool creation
+    _nvls_ctas = 16
+
     def _log_once(self, key: str, message: str) -> None:
         if (key, message) not in self._logged:
             self._logged.add((key, message))

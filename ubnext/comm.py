@@ -74,7 +74,6 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         self.world_size = dist.get_world_size(self.group)
         emulate = envs.get("UBNEXT_EMULATE") if emulate is None else bool(emulate)
         self._sm_count = 0  # GPUs (and count mode): the grid bound, agreed at pool creation
-        self._nvls_ctas = 16  # NCCL's NVLS grid base, 32 from sm_100 (_executor.gpu_max_blocks), agreed too
         self._device_index = 0  # GPUs only: the launch's device
         self._count_geometry = False  # the emulator launches as the GPU would (UBNEXT_EMU_COUNT)
         if emulate:

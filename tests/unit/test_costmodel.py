@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ubnext import _costmodel as M
-from ubnext._executor import GPU_BLOCK, GRID_CAP, launch_geometry
+from ubnext._executor import GPU_BLOCK, GRID_CAP, gpu_max_blocks, launch_geometry
 
 
 def _launch(**kw):
@@ -41,8 +41,9 @@ def test_large_sizes_are_derived_from_the_largest_measured_size_of_their_path():
     big = M.Case("all_reduce", "twoshot", 64 << 20)
     (d,) = M.derive(measured, big, 8, 132)
     ratio = big.nbytes / small.nbytes
-    grid = launch_geometry("twoshot", big.nbytes // 2, 2, 0, False, 8, GPU_BLOCK, GRID_CAP)[0]
-    assert grid == GRID_CAP == d["ctas"]
+    cap = gpu_max_blocks("twoshot", GRID_CAP, 8, False)  # half the SMs: it waits on its peers' blocks
+    grid = launch_geometry("twoshot", big.nbytes // 2, 2, 0, False, 8, GPU_BLOCK, cap)[0]
+    assert grid == cap == GRID_CAP // 2 == d["ctas"]
     assert (d["hops"], d["fences"]) == (6, 4)
     assert d["total_bytes"] == 4000 * ratio and d["nvlink_bytes"] == 800 * ratio
     assert d["max_cta_bytes"] == round(1000 * ratio * grid0 / grid)

@@ -74,24 +74,30 @@ def test_forced_path_falls_back_down_the_chain():
 
 
 def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
-    """Blocks wait on the same block of every peer: a rank with more SMs must not launch more. And
-    no rank gives up on a peer sooner than another rank would wait: the longest timeout wins."""
+    """Blocks wait on the same block of every peer: a rank with more SMs must not launch more, nor a
+    Blackwell rank a larger NVLS grid than its Hopper peer. And no rank gives up on a peer sooner than
+    another rank would wait: the longest timeout wins."""
     import ubnext._prepare as comm_mod
 
     comm = object.__new__(Communicator)
     comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = "gpu", 2, 0, None, 1024
-    comm.device, comm._sm_count, comm._pool_error = None, 128, None
+    comm.device, comm._sm_count, comm._nvls_ctas, comm._pool_error = None, 128, 32, None
     comm._prepare_kernels = lambda: None
-    reports = [{"error": None, "sm_count": 128, "timeout_s": 30.0, "host": "node1/b", "selftest": True},
-               {"error": None, "sm_count": 114, "timeout_s": 600.0, "host": "node1/b", "selftest": True}]
+    reports = [{"error": None, "sm_count": 128, "nvls_ctas": 32, "timeout_s": 30.0, "host": "node1/b",
+                "selftest": True},
+               {"error": None, "sm_count": 114, "nvls_ctas": 16, "timeout_s": 600.0, "host": "node1/b",
+                "selftest": True}]
     gathered = iter([reports, [None, None]])  # this rank, then its peer
     comm._setup_allgather = lambda obj, step=None: next(gathered)
     created = {}
     monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: created.update(kw) or SimpleNamespace(close=lambda: None))
     assert comm._create_pool() is not None
     assert created["timeout_s"] == 600.0
-    assert comm._sm_count == 114
-    assert comm._geometry("twoshot", 1 << 24, 2, 0, False)[0] == 114
+    assert comm._sm_count == 114 and comm._nvls_ctas == 16
+    # half the SMs for a kernel that waits on its peers (no deadlock between two communicators)
+    assert comm._geometry("twoshot", 1 << 24, 2, 0, False)[0] == 57
+    assert comm._geometry("nvls_twoshot", 1 << 24, 2, 0, False)[0] == 8  # NCCL's ceil(16 / 2 ranks)
+    assert comm._geometry("quantize_fp8", 1 << 24, 2, 1 << 14, True)[0] == 114  # local: the whole device
 
 
 def _bare_communicator(mode="emulator"):
