@@ -9,6 +9,8 @@ ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
 {
   nvidia-smi -L || true
   python -m ubnext.kernels build --arch sm_90 sm_100 --fail-on-spill
+  # tests/gpu includes two communicators with kernels in flight on two streams in opposite orders
+  # (case two_comms_two_streams: the grid cap of csrc/host/launch_rules.h keeps them deadlock-free)
   python -m pytest -q -rs tests/gpu
   if [ "$ngpu" -ge 2 ]; then
     mpirun -np "$ngpu" python -m ubnext.bench

@@ -2771,6 +2771,44 @@ def case_second_comm():
     del other
 
 
+def case_two_comms_two_streams():
+    """No deadlock between communicators (issue 24 G; csrc/host/launch_rules.h, pair_grid_cap): two
+    communicators with kernels in flight at once on two streams, queued in opposite orders on
+    alternate ranks, at sizes whose grids reach the cap. Each grid is at most half the SMs, so both
+    kernels are resident together on every rank whatever order the device took them in; with grids
+    of every SM (the rule broken) a rank holding A's blocks waits for a peer holding B's, and both
+    time out. Only a GPU shows residency: elsewhere the case returns at once."""
+    if MODE != "gpu":
+        return
+    n, rank = dist.get_world_size(), dist.get_rank()
+    # 2 MB of bf16 for the two-shot (its 1/N share still fills the capped grid at 8 ranks), 512 KB for
+    # Lamport (the whole message per rank: a full grid too, and inside its slot)
+    sizes = {"twoshot": 64 * 16384, "lamport": 16 * 16384}
+    comms = [ubnext.Communicator(max_hidden=16384).prepare() for _ in range(2)]
+    streams = [torch.cuda.Stream(device()) for _ in range(2)]
+    main = torch.cuda.current_stream(device())
+    calls = []
+    for step in range(16):
+        algo = ("twoshot", "lamport")[step % 2]
+        inputs = [T.rank_input(r, sizes[algo], torch.bfloat16, step) for r in range(n)]
+        x = inputs[rank].to(device())
+        order = (0, 1) if (rank + step) % 2 == 0 else (1, 0)  # opposite orders on neighbouring ranks
+        for which in order:
+            streams[which].wait_stream(main)  # x was made on the default stream
+            with torch.cuda.stream(streams[which]):
+                comms[which]._algo = algo
+                calls.append((comms[which].all_reduce(x), inputs, f"comm {which}, {algo}"))
+                assert comms[which].last_path == algo, (algo, comms[which].last_path)
+    for s in streams:
+        main.wait_stream(s)
+    torch.cuda.synchronize()
+    for out, inputs, what in calls:
+        err = (out.double().cpu() - T.reference_sum(inputs)).abs()
+        assert (err <= T.allreduce_bound(inputs, torch.bfloat16)).all(), f"{what}: wrong sum"
+    for comm in comms:
+        comm.close()
+
+
 def case_threads():
     """Calls from another thread (as from autograd's backward threads or a user's own), end to end.
     That the launch itself makes the kernels' context current, whatever torch did on that thread,
