@@ -134,8 +134,10 @@ UBNEXT_API ubnext_status_t ubnext_device_count(int* count);
  *                picks the reduction order), hence never fused.
  *  NVLS_TWOSHOT  multicast reduce-scatter + broadcast. `in` in the arena and OVERWRITTEN with
  *                the allreduce result; `out` may equal `in`, or be any buffer not overlapping
- *                it (the result is copied there after the exchange). Needs multicast. Bitwise
- *                identical on every rank.
+ *                it (the result is copied there after the exchange). Plain allreduce with `out`
+ *                in the arena too (at the same offset on every rank, checked as the call header):
+ *                the broadcast goes straight into `out`, and `in` is left unmodified. Needs
+ *                multicast. Bitwise identical on every rank.
  *  NVLS_LAMPORT  NVLS two-shot whose broadcast lands in the Lamport buffers. `in` in the arena,
  *                not modified; `out` anywhere but never on `in`. Needs multicast, and the
  *                message (rounded up to 16 bytes) must fit the Lamport slot with the same

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _cuda, ops, plan
+from . import _cuda, kernels, ops, plan
 from ._checks import check_all_reduce_args, check_linear_args
 from ._executor import Call, Launch
 from .pool import TORCH_SYMM_SEGMENT, NoRoom
@@ -91,6 +91,17 @@ class AllReduceOps:
         else:
             self._torch_all_reduce(x, out)
 
+    def _straight_into_out(self, launch: Launch, dtype: torch.dtype) -> Launch:
+        """``launch`` (a flat nvls_twoshot) with UBNEXT_F_MULTICAST: its broadcast lands in a pool
+        ``out`` (made once per launch)."""
+        cache = self.__dict__.setdefault("_straight_launches", {})
+        key = (launch.name, launch.scalars)
+        made = cache.get(key)
+        if made is None:
+            n, hidden, eps, flags = launch.scalars
+            made = cache[key] = self._launch_for(launch.algo, dtype, n, hidden, eps, flags | kernels.F_MULTICAST)
+        return made
+
     def _linear_all_reduce(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` summed over the ranks (torch.ops.ubnext.linear_all_reduce, the row-parallel
         ubnext.nn.Linear). A path that reduces through the pool's staging region finds the GEMM's
@@ -135,6 +146,12 @@ class AllReduceOps:
     def _in_place(self, launch: Launch, x: torch.Tensor, out: torch.Tensor) -> None:
         if out is x and self._in_pool_aligned(x):
             self._launch(launch, x, x)
+            return
+        if launch.algo == "nvls_twoshot" and self._in_pool_aligned(x) and self._in_pool_aligned(out) and (
+                out.data_ptr() >= x.data_ptr() + x.nbytes or x.data_ptr() >= out.data_ptr() + out.nbytes):
+            # both in the pool: the broadcast goes straight into out (csrc/kernels/nvls.cu), no staging
+            # copy in and no copy out; x is left as it was
+            self._launch(self._straight_into_out(launch, x.dtype), x, out)
             return
         stage = self._pool.staging(x.shape, x.dtype)
         if stage.data_ptr() != x.data_ptr():  # x may already be the staging region

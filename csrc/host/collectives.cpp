@@ -430,8 +430,18 @@ ubnext_status_t ubnext_allreduce(const ubnext_launch_t* user_launch, ubnext_algo
   const ubnext_comm_desc* d = nullptr;
   UBNEXT_TRY(check_common(user_launch, algo, dtype, &launch, &d));
   UBNEXT_TRY(check_message(d, algo, dtype, in, out, count, ubnext_dtype_size(dtype)));
+  int32_t flags = 0;
+  if (algo == UBNEXT_ALGO_NVLS_TWOSHOT) {
+    // UBNEXT_F_MULTICAST means "broadcast straight into out" to this kernel (nvls.cu): only for an out in
+    // the arena (at the same offset on every rank, which the call header checks), never from the
+    // Lamport launch flag.
+    launch.flags &= ~static_cast<unsigned>(UBNEXT_LAUNCH_LAMPORT_MULTICAST);
+    const size_t padded = round_up16(count * ubnext_dtype_size(dtype));
+    if (out != in && check_in_arena(d, algo, out, padded, "out") == UBNEXT_STATUS_SUCCESS) flags = UBNEXT_F_MULTICAST;
+    clear_error();  // an out outside the arena is allowed: the kernel copies into it
+  }
   KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr,
-               static_cast<int32_t>(count), 0, 0.0f, 0};
+               static_cast<int32_t>(count), 0, 0.0f, flags};
   return launch_kernel(launch, algo, dtype, d, 0, a);
 }
 

@@ -26,7 +26,9 @@
 //   N-fold duplicated row math, which is local memory traffic (HBM/L2, ~7x NVLink bandwidth).
 //   Contract:
 //     in == out (plain; in place), or out any buffer not overlapping in (copied after the exchange; in
-//       then also holds the result).
+//       then also holds the result), or (flat, UBNEXT_F_MULTICAST) out in the pool at the same offset on
+//       every rank, not overlapping in: the broadcast goes straight into out, and in is left unmodified.
+//     Grid (flat): NCCL's multicast grid, ceil(16 / nranks) CTAs below sm_100 (launch_rules.h).
 //     Row mode: `in` is clobbered (it ends holding the allreduce result in T). out == in is allowed for
 //       dtype output; FP8 output needs out (n bytes) not overlapping in. residual / residual_out / weight /
 //       scale / scale_inv anywhere (device memory), not overlapping in or out; residual_out may alias
@@ -165,21 +167,32 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
-  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_TWOSHOT, DType<T>::kCode, n, hidden, flags, in);  // early: its loads overlap the setup below
+  // Straight into `out` (flat, out != in, UBNEXT_F_MULTICAST): the host found `out` in the pool, at the same
+  // offset on every rank, so the broadcast lands in every rank's `out` and no portion is copied afterwards
+  // (nor `in` staged by a host that has both in the pool). The call header carries out's offset in the
+  // word that flat calls leave unused (hidden), so ranks that disagree on `out` fail with a mismatch at
+  // the first barrier, before anything is stored.
+  const bool direct = !uses_rows(flags) && out != in && (flags & UBNEXT_F_MULTICAST) != 0;
+  const uint64_t out_off = reinterpret_cast<uint64_t>(out) - static_cast<uint64_t>(d->peer_base[d->rank]);
+  const int header_hidden = direct ? static_cast<int>(static_cast<uint32_t>(out_off >> 4)) : hidden;
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_TWOSHOT, DType<T>::kCode, n, header_hidden, flags,
+                                        in);  // early: its loads overlap the setup below
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
   const Slices sl = message_slices<T>(n, hidden, flags, nranks);
   const uint64_t mc_in = mc_addr(d, in);
+  const void* dst = direct ? out : in;  // where the reduced portions land, on every rank
+  const uint64_t mc_dst = mc_addr(d, dst);
 
   if (!barrier_sync(br)) return;
   auto load = [&](int64_t gi) -> uint4 { return McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u); };
   const int64_t partial = (n % V != 0) ? static_cast<int64_t>(n) / V : -1;  // index of a partial last vector
   auto store = [&](int64_t gi, int64_t, const uint4& v) {
     if (gi != partial) {
-      multimem_st_v4(reinterpret_cast<void*>(mc_in + static_cast<uint64_t>(gi) * 16u), v);
+      multimem_st_v4(reinterpret_cast<void*>(mc_dst + static_cast<uint64_t>(gi) * 16u), v);
     } else {  // slices.cuh: never store past n
       for (uint32_t p = 0; p < nranks; ++p)
-        store_partial_sys<T>(reinterpret_cast<void*>(peer_addr(d, in, p) + static_cast<uint64_t>(gi) * 16u), v,
+        store_partial_sys<T>(reinterpret_cast<void*>(peer_addr(d, dst, p) + static_cast<uint64_t>(gi) * 16u), v,
                              static_cast<int64_t>(n) - gi * V);
     }
   };
@@ -191,13 +204,16 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   // accesses only with an alias proxy fence on the causality path from the store to the load; for a
   // peer's store that path runs through the peer's barrier signal, so the fence sits here, at the
   // store, in every storing thread, before barrier 2 publishes it. Flat and in place, nothing of this
-  // kernel reads the result: its readers are later kernels (all-gather's argument, allgather.cu).
+  // kernel reads the result, nor when it went straight into `out`: its readers are later kernels
+  // (all-gather's argument, allgather.cu).
   // UBNEXT_BREAK_NO_PROXY_FENCE_NVLS_TWOSHOT (test-only) drops it; chaos mode's proxy model then hands
   // the storing thread the bytes from before its store, and the fused two-shot rows come out wrong.
 #if !defined(UBNEXT_BREAK_NO_PROXY_FENCE_NVLS_TWOSHOT)
-  if (sl.rows || out != in) fence_proxy_alias();
+  if (sl.rows || (out != in && !direct)) fence_proxy_alias();
 #endif
-  if (!barrier_sync(br)) return;
+  // Barrier 2 also when nothing follows it here: it tells this rank that every peer's stores into its
+  // copy have landed, and every peer that nobody reads its `in` any more, before the next kernel.
+  if (!barrier_sync(br) || direct) return;
   twoshot_local_phase<T>(sl, nranks, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags,
                          s_cache, s_red);
 }

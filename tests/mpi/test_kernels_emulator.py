@@ -12,14 +12,16 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "mismatch_exchange", "misuse", "departed",
         "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool",
         # issue 25 (FSDP2 for real runs): checkpoints, any shard size, torchao's float8 training (2 ranks)
-        "fsdp_checkpoint", "fsdp_odd_shards", "fsdp_torchao"]
+        "fsdp_checkpoint", "fsdp_odd_shards", "fsdp_torchao",
+        # issue 24 E: nvls_twoshot straight into a pool `out`
+        "nvls_twoshot_into_out"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady",
         # issue 25: checkpoints, any shard size, HSDP and FSDP x TP=2 (these two need 4 ranks)
         "fsdp_checkpoint", "fsdp_odd_shards", "hsdp", "fsdp_tp"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race", "all_gather",
-         "reduce_scatter", "fsdp"]
+         "reduce_scatter", "fsdp", "nvls_twoshot_into_out"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
 UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout", "misaligned",
            "divergent", "fp8_nan", "late_rank", "captured_sizes", "selftest", "in_place_past_staging", "all_gather",

@@ -346,6 +346,41 @@ def case_pool():
         assert key in stats
 
 
+def case_nvls_twoshot_into_out():
+    """Issue 24 E: with `x` and `out` both in the pool, nvls_twoshot multicasts the reduced portions
+    straight into `out`: one kernel on x and out themselves (no staging copy in, no copy of the
+    portions out), x left as it was, out the sum, bitwise the same on every rank, and nothing stored
+    past the last element (a partial last vector)."""
+    if MODE == "torch" or not COMM.pool.has_multicast:
+        return
+    n, rank = dist.get_world_size(), dist.get_rank()
+    runs = []
+    real_run = COMM._run
+    COMM._run = lambda how, pointers: runs.append((how, pointers)) or real_run(how, pointers)
+    try:
+        for numel in (6000, 4099):
+            inputs = [T.rank_input(r, numel, torch.bfloat16, 7) for r in range(n)]
+            x = COMM.empty(numel, dtype=torch.bfloat16)
+            x.copy_(inputs[rank])
+            whole = COMM.empty(numel + 8, dtype=torch.bfloat16)
+            whole.fill_(-3.0)
+            out = whole[:numel]
+            runs.clear()
+            COMM._algo = "nvls_twoshot"
+            COMM.all_reduce(x, out=out)
+            assert COMM.last_path == "nvls_twoshot", COMM.last_path
+            assert [(how.algo, p[1], p[2]) for how, p in runs] == [("nvls_twoshot", x.data_ptr(), out.data_ptr())], runs
+            assert torch.equal(x, inputs[rank]), "x was modified"
+            assert torch.all(whole[numel:] == -3.0), "stored past the last element"
+            err = (out.double() - T.reference_sum(inputs)).abs()
+            assert (err <= T.allreduce_bound(inputs, torch.bfloat16)).all(), f"{numel}: wrong sum"
+            digest = hash(out.view(torch.int16).numpy().tobytes())
+            assert len(set(gather(digest))) == 1, f"{numel}: ranks differ"
+    finally:
+        COMM._run = real_run
+        COMM._algo = None
+
+
 def case_in_place_past_staging():
     """A pool tensor reduced in place needs no staging: a message larger than the staging region
     that fits its own place takes a two-shot kernel (reduced where it lies), on every rank,
