@@ -112,13 +112,17 @@ def test_counts_are_pinned_without_multicast():
 
 def test_an_added_fence_raises_the_count(plain_at_2):
     """UBNEXT_EMU_BREAK=extra_fence adds one fence.acq_rel.sys to the Lamport kernel after its
-    pushes: one more fence and one more hop on the critical path, nothing else (from none at all with
-    multicast since the proxy fence went, issue 24 A)."""
+    pushes: one more fence on the critical path, nothing else moves but the hops, by at most one.
+    Since the proxy fence went (issue 24 A) the chain has no fence before the poll, and the added one
+    (its stores landing: one hop) overlaps the peers' pushes crossing towards us (one hop too), so the
+    hops stay at 1; with the proxy fence before it, it made them 2."""
     plain = {k: v for k, v in plain_at_2.items() if k[1] == "lamport"}
     broken = _counts(_costmodel.run(2, quick=True, only=LAMPORT, env={"UBNEXT_EMU_BREAK": "extra_fence"}))
     assert plain.keys() == broken.keys() and plain
     for key, (ctas, hops, fences, nbytes) in plain.items():
-        assert broken[key] == (ctas, hops + 1, fences + 1, nbytes), (key, plain[key], broken[key])
+        b_ctas, b_hops, b_fences, b_bytes = broken[key]
+        assert (b_ctas, b_fences, b_bytes) == (ctas, fences + 1, nbytes), (key, plain[key], broken[key])
+        assert hops <= b_hops <= hops + 1, (key, plain[key], broken[key])
 
 
 def test_call_header_checks_add_no_hop(plain_at_2):
