@@ -115,7 +115,9 @@ extern "C" __global__ void ubnext_emu_selftest_multicast(EMU_ST_PARAMS) {
 
 // Proxy model (chaos mode): thread t multicast-stores vector t, then reads it back through this rank's
 // unicast copy, with fence.proxy.alias between the two when flags & 1. out (uint4 [n]): what it read.
-// Vectors start zeroed; the stored value is (t + 1, 0xabcd, rank, 7).
+// Vectors start zeroed; the stored value is (t + 1, 0xabcd, rank, 7). flags & 2: a poll instead, reading
+// again (at most 64 times) while it reads zeros, as a Lamport poll retries its sentinel; out[t] is the
+// last read, and residual_out (uint32 [n]) the number of reads.
 extern "C" __global__ void ubnext_emu_selftest_proxy(EMU_ST_PARAMS) {
   const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
   uint4* o = static_cast<uint4*>(out);
@@ -123,7 +125,14 @@ extern "C" __global__ void ubnext_emu_selftest_proxy(EMU_ST_PARAMS) {
     ubx::multimem_st_v4(reinterpret_cast<void*>(d->mc_base + uint64_t(t) * 16),
                         make_uint4(uint32_t(t + 1), 0xabcdu, uint32_t(d->rank), 7u));
     if (flags & 1) ubx::fence_proxy_alias();
-    o[t] = ubx::ld_plain_v4(reinterpret_cast<const void*>(d->peer_base[d->rank] + uint64_t(t) * 16));
+    const void* mine = reinterpret_cast<const void*>(d->peer_base[d->rank] + uint64_t(t) * 16);
+    uint32_t reads = 1;
+    o[t] = ubx::ld_plain_v4(mine);
+    while ((flags & 2) && o[t].x == 0u && reads < 64u) {
+      o[t] = ubx::ld_plain_v4(mine);
+      ++reads;
+    }
+    if (flags & 2) static_cast<uint32_t*>(residual_out)[t] = reads;
   }
 }
 

@@ -218,6 +218,27 @@ def test_proxy_model(emu, chaos, fence):
         fake.close()
 
 
+def test_proxy_model_store_shows_eventually(emu, chaos):
+    """Without the fence, a thread that polls its own multicast store through unicast reads the old
+    bytes first (chaos mode) and then, within a few reads, the store: a poll that retries what it
+    cannot accept (a Lamport poll and its sentinel) needs no fence (issue 24 A, csrc/kernels/lamport.cu)."""
+    n = 96
+    fake = FakeRanks(emu, 2, n * 16)
+    try:
+        desc = pack_desc(rank=0, nranks=2, peer_bases=fake.bases, mc_base=fake.mc)
+        out = np.zeros((n, 4), np.uint32)
+        reads = np.zeros(n, np.uint32)
+        emu.launch("ubnext_emu_selftest_proxy", 2, 32, kargs(desc=desc, out=out, residual_out=reads, n=n, flags=2))
+        stored = np.stack([np.arange(1, n + 1), np.full(n, 0xABCD), np.zeros(n), np.full(n, 7)], 1).astype(np.uint32)
+        np.testing.assert_array_equal(out, stored)
+        if chaos:
+            assert (reads >= 2).all() and (reads <= 8 + 1).all(), reads  # memory.cpp: kMaxStaleLoads = 8
+        else:
+            assert (reads == 1).all(), reads
+    finally:
+        fake.close()
+
+
 def test_traffic_resets_per_launch(emu):
     fake = FakeRanks(emu, 2, 4096)
     try:
