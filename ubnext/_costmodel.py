@@ -70,6 +70,9 @@ HIDDEN = 8192
 # Sizes the emulated ranks run; larger ones are derived. A launch of more blocks than this
 # costs the emulator too much memory and time on two cores (a fiber per thread).
 MEASURE_MAX_CTAS = 16
+# and of at most this many rows of HIDDEN bf16: the measuring pool holds that many (UBNEXT_MAX_BATCH
+# below), so a small grid alone (the NVLS two-shot's NCCL grid is 2 CTAs at any size) is not enough
+MEASURE_MAX_TOKENS = 16
 ALLREDUCE_BYTES = (2048, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 FUSED_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 EXCHANGE_BYTES = (65536, 2 << 20, 32 << 20)
@@ -143,7 +146,7 @@ def grid_of(case: Case, world: int, sm_count: int) -> int:
 
 
 def measurable(case: Case, world: int, sm_count: int) -> bool:
-    return grid_of(case, world, sm_count) <= MEASURE_MAX_CTAS
+    return grid_of(case, world, sm_count) <= MEASURE_MAX_CTAS and case.nbytes <= MEASURE_MAX_TOKENS * HIDDEN * 2
 
 
 # ------------------------------------------------------------------ one emulated rank
@@ -320,7 +323,7 @@ def run(world: int, *, quick: bool = False, only: frozenset | None = None, timeo
     with tempfile.TemporaryDirectory(prefix="ubnext-model-") as tmp:
         out_path = os.path.join(tmp, "rows.json")
         # pool sized for the measured cases (16 tokens of hidden 8192), no self-test launches
-        child_env = envs.environment_with(UBNEXT_EMULATE="1", UBNEXT_EMU_COUNT="1", UBNEXT_MAX_BATCH="16",
+        child_env = envs.environment_with(UBNEXT_EMULATE="1", UBNEXT_EMU_COUNT="1", UBNEXT_MAX_BATCH=str(MEASURE_MAX_TOKENS),
                                           UBNEXT_SELFTEST="0", UBNEXT_TIMEOUT=str(envs.get("UBNEXT_TIMEOUT") or 120),
                                           **(env or {}))
         only_arg = json.dumps(sorted(only) if only is not None else None)
