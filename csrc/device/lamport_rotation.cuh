@@ -37,6 +37,10 @@
 //     they sit in our L2 -- the point where peers' NVLink stores to our memory are serialised -- before
 //     the call ends, and the peers' next stores into that buffer are causally after our next call's
 //     pushes (kernel boundaries on both sides order the rest).
+//   - Multicast pushes (our own included) cannot land after that re-poison: call k - 1's poll accepted
+//     every word of them from our memory (L2, where the multicast and unicast aliases meet), so they
+//     had landed before the kernel that re-poisons began. Hence no fence.proxy.alias between a multicast
+//     push and the unicast poll and re-poison (lamport.cu gives the whole argument).
 //   - Rotation: every thread reads sync[LAMPORT_CALL] and sync[LAMPORT_BYTES + (k+2)%3] at kernel start,
 //     before its block's __syncthreads + done increment (release); the last block's increment acquires
 //     all of them, so its advance cannot be seen by any thread of this launch, and the next launch sees
