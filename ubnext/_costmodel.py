@@ -230,14 +230,17 @@ def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: 
 
 
 def derive(measured: dict, case: Case, world: int, sm_count: int) -> list[dict] | None:
-    """Counts of an unmeasured (larger) case from the largest measured case of its path: the
-    same launches with the same hops and fences (the chain's shape does not depend on how many
-    vectors each thread handles), the GPU geometry's grid, and bytes scaled with the message:
-    total bytes in proportion to the size, one CTA's bytes in proportion to its share."""
+    """Counts of an unmeasured case from the largest measured case of its path no larger than it
+    (the smallest one for a case below them all): the same launches with the same hops and fences
+    (the chain's shape does not depend on how many vectors each thread handles), the GPU
+    geometry's grid, and bytes scaled with the message: total bytes in proportion to the size,
+    one CTA's bytes in proportion to its share."""
     same = [(c, ls) for c, ls in measured.items() if c.row_key() == case.row_key() and ls]
     if not same:
         return None
-    base, launches = max(same, key=lambda item: item[0].nbytes)
+    below = [item for item in same if item[0].nbytes <= case.nbytes]
+    base, launches = (max(below, key=lambda item: item[0].nbytes) if below
+                      else min(same, key=lambda item: item[0].nbytes))
     ratio = case.nbytes / base.nbytes
     grid0, grid1 = grid_of(base, world, sm_count), grid_of(case, world, sm_count)
     out = []
@@ -309,11 +312,19 @@ def run(world: int, *, quick: bool = False, only: frozenset | None = None, timeo
         env: dict | None = None) -> list[dict]:
     """Start ``world`` emulated ranks, measure, derive; the table's rows. ``env``: more variables
     for the ranks (a test's UBNEXT_EMU_BREAK)."""
+    from . import envs
+
+    measured = measure(world, quick=quick, only=only, timeout_s=timeout_s, env=env)
+    return table(measured, world, envs.get("UBNEXT_EMU_SM_COUNT"), quick, only)
+
+
+def measure(world: int, *, quick: bool = False, only: frozenset | None = None, timeout_s: float = 840.0,
+            env: dict | None = None) -> dict:
+    """Start ``world`` emulated ranks and count every measurable case: {Case: its launches}."""
     import torch.distributed as dist
 
     from . import envs
 
-    sm_count = envs.get("UBNEXT_EMU_SM_COUNT")
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ubnext-model-") as tmp:
         out_path = os.path.join(tmp, "rows.json")
@@ -347,7 +358,7 @@ def run(world: int, *, quick: bool = False, only: frozenset | None = None, timeo
         measured[case] = r["launches"]
     if errors:
         raise RuntimeError("ubnext.bench --model: measured cases failed:\n  " + "\n  ".join(errors))
-    return table(measured, world, sm_count, quick, only)
+    return measured
 
 
 def print_table(rows: list[dict], as_json: bool, out=sys.stdout) -> None:

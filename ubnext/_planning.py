@@ -27,11 +27,12 @@ class Planner:
     def _pool_view(self) -> plan.PoolView:
         pool = self.pool if self.mode != "torch" else None
         if pool is None:
-            return plan.PoolView(self._pool_error or "no symmetric pool", mode=self.mode)
+            return plan.PoolView(self._pool_error or "no symmetric pool", mode=self.mode, world_size=self.world_size)
         symm_op = hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
         # sizes of the layout only, never what this rank has allocated: ranks plan identically
         return plan.PoolView(None, pool.has_multicast, pool.lamport_capacity, pool.layout.staging_bytes,
-                             self.mode, symm_op, tuple(sorted(self._disabled.items())), pool.layout.sized_by)
+                             self.mode, symm_op, tuple(sorted(self._disabled.items())), pool.layout.sized_by,
+                             self.world_size)
 
     def _capabilities(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> dict[str, str | None]:
         """For each path: None if it can run this call, else why not."""

@@ -18,9 +18,10 @@ KERNEL_PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twos
 # the kernels that reduce a pool tensor where it lies (out is in); the others read `in` while
 # writing `out`, so an in-place call of theirs is staged
 IN_PLACE_PATHS = ("nvls_twoshot", "twoshot")
-# Messages up to this size prefer Lamport one-shot: its N-1 pushes per element cost less
-# than two-shot's two barriers up to about a megabyte (DESIGN §3).
-LAMPORT_MAX_BYTES = 1 << 20
+# The automatic order of the paths for a message, fastest first, comes from the critical-path model
+# per operation, world size and multicast (ubnext/_thresholds.py, generated; ubnext/_crossovers.py
+# says how). Tests that plan without a world size get this one's table.
+DEFAULT_WORLD = 8
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class PoolView:
     torch_symm_op: bool = False  # torch has a symmetric-memory allreduce op
     disabled: tuple[tuple[str, str], ...] = ()  # (path, why): turned off by the agreed self-test
     sized_by: str = ""  # what fixed the pool's sizes (PoolLayout.sized_by)
+    world_size: int = DEFAULT_WORLD  # the group's size: which table of path orders applies
 
 
 @dataclass
@@ -99,24 +101,25 @@ def _sizing(pool: PoolView) -> str:
             "which ubnext.nn.Linear does when built) before the first op")
 
 
-def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondeterministic: bool) -> list[str]:
-    """Paths to try, best first, for a message of ``nbytes``. ``torch_symm`` is not among them: what
-    reaches the end of the chain is a message past the staging region, which NCCL (torch.distributed)
-    serves at least as fast as torch's one-shot op (slower than NCCL from 32 MiB), and that op refuses
-    fp16 and 2-byte tensors of odd length and needs torch's own symmetric pool; it runs only when
-    asked for (UBNEXT_ALGO=torch_symm, or a layer's symmetric_ar_type naming a torch op)."""
-    small = nbytes <= LAMPORT_MAX_BYTES
-    order: list[str] = []
-    if small:
-        order.append("lamport")
-    if has_multicast:
-        if not fused and small and allow_nondeterministic:
-            order.append("nvls_oneshot")
-        order.append("nvls_twoshot")
-    order.append("twoshot")
-    if not small:
-        order.append("lamport")
-    return order + ["torch"]
+def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondeterministic: bool,
+               world_size: int = DEFAULT_WORLD) -> list[str]:
+    """Paths to try, best first, for a message of ``nbytes``: the order the critical-path model gives
+    at this world size (the largest tabled world's above it), among ubnext's kernels and, by its
+    published figures, torch.distributed (NCCL), which then ends the chain (ubnext/_crossovers.py).
+    ``nvls_oneshot`` only for a plain allreduce that may differ in the last bit across ranks.
+    ``torch_symm`` is not among them (issue 23): where the chain reaches torch.distributed, NCCL
+    serves the message at least as fast as torch's one-shot op (slower than NCCL from 32 MiB), and
+    that op refuses fp16 and 2-byte tensors of odd length and needs torch's own symmetric pool; it
+    runs only when asked for (UBNEXT_ALGO=torch_symm, or a layer's symmetric_ar_type naming a torch
+    op)."""
+    from . import _thresholds
+
+    op = "all_reduce_add_rmsnorm" if fused else "all_reduce"
+    world = min(max(world_size, _thresholds.MEASURED_WORLDS[0]), _thresholds.MEASURED_WORLDS[-1])
+    segments = _thresholds.ORDERS[(op, world, has_multicast)]
+    paths = next(order for up_to, order in segments if up_to is None or nbytes <= up_to)
+    order = [p for p in paths if p != "nvls_oneshot" or (not fused and allow_nondeterministic)]
+    return order[:order.index("torch") + 1]
 
 
 def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView, *, forced: str = "auto",
@@ -124,12 +127,15 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
     """The path for one call. ``forced`` is UBNEXT_ALGO (or the communicator's ``algo``): a
     forced path that cannot run falls back down the automatic order."""
     caps = capabilities(nbytes, elem_bytes, fused, hidden, pool, in_place_pool)
-    order = auto_order(nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic)
+    order = auto_order(nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic,
+                       pool.world_size)
     skipped: list[tuple[str, str]] = []
     if forced != "auto":
-        wanted = ["nvls_lamport", "nvls_twoshot"] if forced == "nvls" else [forced]
-        if forced == "nvls" and nbytes > LAMPORT_MAX_BYTES:
-            wanted.reverse()
+        if forced == "nvls":  # the two deterministic multicast kernels, in the model's order for this size
+            model = auto_order(nbytes, fused, True, False, pool.world_size)
+            wanted = sorted(["nvls_lamport", "nvls_twoshot"], key=lambda p: model.index(p) if p in model else len(model))
+        else:
+            wanted = [forced]
         for path in wanted:
             if caps[path] is None:
                 return Plan(path, f"UBNEXT_ALGO={forced}", skipped)
@@ -137,8 +143,8 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
         order = [p for p in order if p not in wanted]
     for path in order:
         if caps[path] is None:
-            reason = "auto: " + ("fits a Lamport slot, lowest latency" if path == "lamport" else
-                                 "best available path for this size")
+            reason = (f"auto: the fastest path that can run, by the cost model at {pool.world_size} ranks "
+                      "(ubnext/_thresholds.py)")
             return Plan(path, reason, skipped)
         skipped.append((path, caps[path]))
     raise AssertionError("torch.distributed is always available")  # pragma: no cover

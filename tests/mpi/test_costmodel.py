@@ -73,6 +73,17 @@ TWOSHOTS = frozenset({("all_reduce", "twoshot"), ("all_reduce", "nvls_twoshot")}
 
 
 @pytest.fixture(scope="module")
+def multicast_at_4():
+    """The counts at 4 ranks with multicast: one run that the pins and the planner's table share."""
+    return _costmodel.run(4, quick=True)
+
+
+@pytest.fixture(scope="module")
+def unicast_at_4():
+    return _costmodel.run(4, quick=True, only=UNICAST_PATHS, env={"UBNEXT_EMU_MULTICAST": "0"})
+
+
+@pytest.fixture(scope="module")
 def plain_at_2():
     """The correct build's counts at 2 ranks for the paths the broken builds below change: one run
     that both comparisons share."""
@@ -91,13 +102,38 @@ def _assert_pinned(got: dict, want: dict) -> None:
             {" ".join(map(str, k)): v for k, v in diff.items()}) + f"; unpinned: {sorted(set(got) - set(want))}")
 
 
-def test_counts_are_pinned_with_multicast():
-    _assert_pinned(_counts(_costmodel.run(4, quick=True)), PINNED_MULTICAST)
+def test_counts_are_pinned_with_multicast(multicast_at_4):
+    _assert_pinned(_counts(multicast_at_4), PINNED_MULTICAST)
 
 
-def test_counts_are_pinned_without_multicast():
-    rows = _costmodel.run(4, quick=True, only=UNICAST_PATHS, env={"UBNEXT_EMU_MULTICAST": "0"})
-    _assert_pinned(_counts(rows), PINNED_UNICAST)
+def test_counts_are_pinned_without_multicast(unicast_at_4):
+    _assert_pinned(_counts(unicast_at_4), PINNED_UNICAST)
+
+
+def test_the_planners_table_holds_todays_counts(multicast_at_4, unicast_at_4):
+    """ubnext/_thresholds.py keeps the counts its path orders were derived from: at 4 ranks they
+    must be what the kernels count today, in every case both measure, else the orders are stale."""
+    from ubnext import _crossovers, _thresholds
+
+    model = _crossovers.model_of(_thresholds.COUNTS, _thresholds.SM_COUNT)
+    stale, compared = [], 0
+    for multicast, rows in ((True, multicast_at_4), (False, unicast_at_4)):
+        for r in rows:
+            measured = model.counts.get((r["op"], 4, multicast, r["path"]), {})
+            case = _costmodel.Case(r["op"], r["path"], r["bytes"], r["tokens"])
+            if r["derived"] or case not in measured:
+                continue
+            compared += 1
+            launches = measured[case]
+            table = (max(c["ctas"] for c in launches), sum(c["hops"] for c in launches),
+                     sum(c["fences"] for c in launches), max(c["max_cta_bytes"] for c in launches),
+                     _costmodel.model_us(launches))
+            if table != (r["ctas"], r["hops"], r["fences"], r["max_cta_bytes"], r["model_us"]):
+                stale.append(f"{r['op']} {r['path']} {r['bytes']} multicast {multicast}: table {table}, "
+                             f"measured {(r['ctas'], r['hops'], r['fences'], r['max_cta_bytes'], r['model_us'])}")
+    assert compared >= 20, compared
+    assert not stale, (f"ubnext/_thresholds.py is stale (kernel counts changed): regenerate it with "
+                       f"`{_crossovers.COMMAND}`.\n  " + "\n  ".join(stale))
 
 
 def test_an_added_fence_raises_the_count(plain_at_2):
