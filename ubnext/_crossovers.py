@@ -15,6 +15,9 @@ How an order is made:
   bytes as its share of the launch's, and the grid is the GPU geometry's at that world.
 - **Time**: ``_costmodel.model_us`` of those counts. torch.distributed (NCCL on GPUs) cannot be
   counted: it gets the published figures of shared/DESIGN.md section 9 (``torch_us``).
+- **Dtype** matters to the fused op only, through its row's bytes: its orders are made for rows of
+  hidden 8192 in 2-byte and in 4-byte elements (``VARIANTS``), the 4-byte counts derived from the
+  measured 2-byte ones as for a message of the same bytes with half the tokens.
 - **Order**: at each sampled size (``SAMPLES_PER_OCTAVE`` per octave; whole tokens for the fused
   op) the paths are sorted by modeled time, and an order is kept for the next size as long as
   each of its paths models within ``TOLERANCE`` of the fastest path after it. Whatever paths a call
@@ -41,6 +44,9 @@ MEASURED_WORLDS = (2, 4, 8)
 TOLERANCE = 0.05
 SAMPLES_PER_OCTAVE = 16
 OPS = {"all_reduce": M.ALLREDUCE_PATHS, "all_reduce_add_rmsnorm": M.FUSED_PATHS}
+# Where the dtype matters: the allreduce kernels move 16-byte vectors whatever the dtype (elem None),
+# the fused op works a row per token, and a row of hidden 8192 is 16 KB in bf16/fp16, 32 KB in fp32.
+VARIANTS = (("all_reduce", None), ("all_reduce_add_rmsnorm", 2), ("all_reduce_add_rmsnorm", 4))
 UNICAST_PATHS = ("lamport", "twoshot")  # the kernel paths a pool without a multicast address runs
 LAUNCH_FIELDS = ("ctas", "hops", "fences", "max_cta_bytes", "total_bytes", "nvlink_bytes", "multicast_bytes")
 # ties (equal modeled times) go to the earlier path: the one-shot Lamport first, torch.distributed last
@@ -83,8 +89,10 @@ def paths_of(op: str, multicast: bool) -> tuple[str, ...]:
     return tuple(p for p in OPS[op] if multicast or p in UNICAST_PATHS)
 
 
-def case_of(op: str, path: str, nbytes: int) -> M.Case:
-    return M.Case(op, path, nbytes, nbytes // (2 * M.HIDDEN))
+def case_of(op: str, path: str, nbytes: int, elem: int | None = None) -> M.Case:
+    """The model's case of a message; the fused op's tokens are rows of hidden 8192 of ``elem``
+    bytes (a 4-byte row is derived from the measured 2-byte ones: twice the bytes per token)."""
+    return M.Case(op, path, nbytes, nbytes // ((elem or 2) * M.HIDDEN))
 
 
 # Paths on which every rank moves the whole message to or from every peer: their bytes grow as
@@ -129,20 +137,22 @@ class Model:
     def measured_worlds(self, op: str, multicast: bool) -> list[int]:
         return sorted({w for (o, w, mc, _) in self.counts if (o, mc) == (op, multicast)})
 
-    def launches(self, op: str, world: int, multicast: bool, path: str, nbytes: int) -> list[dict]:
-        case = case_of(op, path, nbytes)
+    def launches(self, op: str, world: int, multicast: bool, path: str, nbytes: int,
+                 elem: int | None = None) -> list[dict]:
+        case = case_of(op, path, nbytes, elem)
         measured = self.counts.get((op, world, multicast, path))
         if measured is not None:
             return measured.get(case) or M.derive(measured, case, world, self.sm_count)
         worlds = self.measured_worlds(op, multicast)
         w0 = max(w for w in worlds if w < world)
         w1 = min(w for w in worlds if w > world)
-        return interpolate_world(self.launches(op, w0, multicast, path, nbytes),
-                                 self.launches(op, w1, multicast, path, nbytes), w0, w1, world, case, self.sm_count)
+        return interpolate_world(self.launches(op, w0, multicast, path, nbytes, elem),
+                                 self.launches(op, w1, multicast, path, nbytes, elem), w0, w1, world, case,
+                                 self.sm_count)
 
-    def times(self, op: str, world: int, multicast: bool, nbytes: int) -> dict[str, float]:
+    def times(self, op: str, world: int, multicast: bool, nbytes: int, elem: int | None = None) -> dict[str, float]:
         """Modeled microseconds of every path for this call, torch.distributed's from its figures."""
-        out = {p: M.model_us(self.launches(op, world, multicast, p, nbytes)) for p in paths_of(op, multicast)}
+        out = {p: M.model_us(self.launches(op, world, multicast, p, nbytes, elem)) for p in paths_of(op, multicast)}
         out["torch"] = torch_us(op, nbytes, world, multicast)
         return out
 
@@ -151,10 +161,10 @@ class Model:
         return range(measured[0], measured[-1] + 1)
 
 
-def samples(op: str) -> list[int]:
+def samples(op: str, elem: int | None = None) -> list[int]:
     """The message sizes at which orders are compared: SAMPLES_PER_OCTAVE per octave in whole
-    16-byte vectors (whole rows of hidden 8192 bf16 for the fused op), up to MAX_BYTES."""
-    unit = 2 * M.HIDDEN if op == "all_reduce_add_rmsnorm" else 16
+    16-byte vectors (whole rows of hidden 8192 of ``elem`` bytes for the fused op), up to MAX_BYTES."""
+    unit = elem * M.HIDDEN if elem else 16
     out, k = [], 0
     while True:
         n = max(1, round(2 ** (k / SAMPLES_PER_OCTAVE))) * unit
@@ -181,23 +191,23 @@ def ranked(times: dict[str, float]) -> tuple[str, ...]:
 
 
 def orders(model: Model) -> dict:
-    """(op, world, multicast) -> ((largest message in bytes or None for the rest, paths fastest
-    first), ...)."""
+    """(op, elem, world, multicast) -> ((largest message in bytes or None for the rest, paths
+    fastest first), ...)."""
     out = {}
-    for op in OPS:
-        sizes = samples(op)
+    for op, elem in VARIANTS:
+        sizes = samples(op, elem)
         for world in model.worlds():
             for multicast in (True, False):
                 segments, order, last = [], None, 0
                 for n in sizes:
-                    times = model.times(op, world, multicast, n)
+                    times = model.times(op, world, multicast, n, elem)
                     if order is None or not acceptable(order, times):
                         if order is not None:
                             segments.append((last, order))
                         order = ranked(times)
                     last = n
                 segments.append((None, order))
-                out[(op, world, multicast)] = tuple(segments)
+                out[(op, elem, world, multicast)] = tuple(segments)
     return out
 
 
@@ -264,8 +274,8 @@ def render(tcounts: dict, torders: dict, worlds: tuple[int, ...], sm_count: int)
         lines += [f"        {case!r}," for case in cases]
         lines.append("    ),")
     lines += ["}", "",
-              "# (op, world, multicast) -> ((largest message in bytes, or None for every larger one, paths to try,",
-              "# fastest first by the model), ...)",
+              "# (op, element bytes of the fused op's rows or None, world, multicast) -> ((largest message in bytes,",
+              "# or None for every larger one, paths to try, fastest first by the model), ...)",
               "ORDERS = {"]
     for key, segments in torders.items():
         lines.append(f"    {key!r}: (")
@@ -305,12 +315,13 @@ def stale(table) -> str | None:
 def format_orders(torders: dict) -> list[str]:
     """One line per (op, world, multicast): each segment's upper bound and its first paths."""
     out = []
-    for (op, world, multicast), segments in torders.items():
+    for (op, elem, world, multicast), segments in torders.items():
         parts = []
         for up_to, order in segments:
             bound = "rest" if up_to is None else f"<={_size(up_to)}"
             parts.append(f"{bound}: {'>'.join(order[:3])}")
-        out.append(f"{op} world {world} multicast {'on' if multicast else 'off'}: " + " | ".join(parts))
+        what = op + (f" {elem}-byte" if elem else "")
+        out.append(f"{what} world {world} multicast {'on' if multicast else 'off'}: " + " | ".join(parts))
     return out
 
 

@@ -218,19 +218,19 @@ COUNTS = {
     ),
 }
 
-# (op, world, multicast) -> ((largest message in bytes, or None for every larger one, paths to try,
-# fastest first by the model), ...)
+# (op, element bytes of the fused op's rows or None, world, multicast) -> ((largest message in bytes,
+# or None for every larger one, paths to try, fastest first by the model), ...)
 ORDERS = {
-    ('all_reduce', 2, True): (
+    ('all_reduce', None, 2, True): (
         (1004112, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'twoshot', 'nvls_twoshot', 'torch')),
         (43514720, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'nvls_twoshot', 'twoshot', 'torch')),
         (None, ('nvls_lamport', 'nvls_oneshot', 'nvls_twoshot', 'lamport', 'torch', 'twoshot')),
     ),
-    ('all_reduce', 2, False): (
+    ('all_reduce', None, 2, False): (
         (363530208, ('lamport', 'twoshot', 'torch')),
         (None, ('torch', 'lamport', 'twoshot')),
     ),
-    ('all_reduce', 3, True): (
+    ('all_reduce', None, 3, True): (
         (339952, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'twoshot', 'nvls_twoshot', 'torch')),
         (1482912, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'nvls_twoshot', 'twoshot', 'torch')),
         (1923104, ('lamport', 'nvls_lamport', 'nvls_twoshot', 'nvls_oneshot', 'twoshot', 'torch')),
@@ -239,13 +239,13 @@ ORDERS = {
         (30769552, ('nvls_lamport', 'nvls_twoshot', 'nvls_oneshot', 'lamport', 'twoshot', 'torch')),
         (None, ('nvls_lamport', 'nvls_twoshot', 'nvls_oneshot', 'lamport', 'torch', 'twoshot')),
     ),
-    ('all_reduce', 3, False): (
+    ('all_reduce', None, 3, False): (
         (1841568, ('lamport', 'twoshot', 'torch')),
         (15384768, ('twoshot', 'lamport', 'torch')),
         (257054672, ('twoshot', 'torch', 'lamport')),
         (None, ('torch', 'twoshot', 'lamport')),
     ),
-    ('all_reduce', 4, True): (
+    ('all_reduce', None, 4, True): (
         (262144, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'twoshot', 'nvls_twoshot', 'torch')),
         (961552, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'nvls_twoshot', 'twoshot', 'torch')),
         (1194112, ('lamport', 'nvls_lamport', 'nvls_twoshot', 'nvls_oneshot', 'twoshot', 'torch')),
@@ -254,13 +254,13 @@ ORDERS = {
         (27019552, ('nvls_lamport', 'nvls_twoshot', 'nvls_oneshot', 'lamport', 'twoshot', 'torch')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'nvls_oneshot', 'lamport', 'torch', 'twoshot')),
     ),
-    ('all_reduce', 4, False): (
+    ('all_reduce', None, 4, False): (
         (774288, ('lamport', 'twoshot', 'torch')),
         (6754880, ('twoshot', 'lamport', 'torch')),
         (225726416, ('twoshot', 'torch', 'lamport')),
         (None, ('torch', 'twoshot', 'lamport')),
     ),
-    ('all_reduce', 5, True): (
+    ('all_reduce', None, 5, True): (
         (230192, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'twoshot', 'nvls_twoshot', 'torch')),
         (774288, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'nvls_twoshot', 'twoshot', 'torch')),
         (920784, ('lamport', 'nvls_lamport', 'nvls_twoshot', 'nvls_oneshot', 'twoshot', 'torch')),
@@ -271,13 +271,13 @@ ORDERS = {
         (83339664, ('nvls_twoshot', 'nvls_lamport', 'nvls_oneshot', 'lamport', 'torch', 'twoshot')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'nvls_oneshot', 'torch', 'lamport', 'twoshot')),
     ),
-    ('all_reduce', 5, False): (
+    ('all_reduce', None, 5, False): (
         (480768, ('lamport', 'twoshot', 'torch')),
         (4194304, ('twoshot', 'lamport', 'torch')),
         (206992032, ('twoshot', 'torch', 'lamport')),
         (None, ('torch', 'twoshot', 'lamport')),
     ),
-    ('all_reduce', 6, True): (
+    ('all_reduce', None, 6, True): (
         (20352, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'twoshot', 'nvls_twoshot', 'torch')),
         (211088, ('lamport', 'nvls_oneshot', 'nvls_lamport', 'twoshot', 'nvls_twoshot', 'torch')),
         (404288, ('lamport', 'nvls_oneshot', 'nvls_lamport', 'nvls_twoshot', 'twoshot', 'torch')),
@@ -290,13 +290,13 @@ ORDERS = {
         (38211408, ('nvls_twoshot', 'nvls_lamport', 'nvls_oneshot', 'lamport', 'torch', 'twoshot')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'nvls_oneshot', 'torch', 'lamport', 'twoshot')),
     ),
-    ('all_reduce', 6, False): (
+    ('all_reduce', None, 6, False): (
         (339952, ('lamport', 'twoshot', 'torch')),
         (2965824, ('twoshot', 'lamport', 'torch')),
         (198216256, ('twoshot', 'torch', 'lamport')),
         (None, ('torch', 'twoshot', 'lamport')),
     ),
-    ('all_reduce', 7, True): (
+    ('all_reduce', None, 7, True): (
         (20352, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'twoshot', 'nvls_twoshot', 'torch')),
         (202144, ('lamport', 'nvls_oneshot', 'nvls_lamport', 'twoshot', 'nvls_twoshot', 'torch')),
         (502064, ('lamport', 'nvls_oneshot', 'nvls_lamport', 'nvls_twoshot', 'twoshot', 'torch')),
@@ -306,13 +306,13 @@ ORDERS = {
         (22720640, ('nvls_twoshot', 'nvls_lamport', 'nvls_oneshot', 'lamport', 'twoshot', 'torch')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'nvls_oneshot', 'torch', 'lamport', 'twoshot')),
     ),
-    ('all_reduce', 7, False): (
+    ('all_reduce', None, 7, False): (
         (262144, ('lamport', 'twoshot', 'torch')),
         (2286960, ('twoshot', 'lamport', 'torch')),
         (189812528, ('twoshot', 'torch', 'lamport')),
         (None, ('torch', 'twoshot', 'lamport')),
     ),
-    ('all_reduce', 8, True): (
+    ('all_reduce', None, 8, True): (
         (20352, ('lamport', 'nvls_lamport', 'nvls_oneshot', 'twoshot', 'nvls_twoshot', 'torch')),
         (193568, ('lamport', 'nvls_oneshot', 'nvls_lamport', 'twoshot', 'nvls_twoshot', 'torch')),
         (597056, ('lamport', 'nvls_oneshot', 'nvls_twoshot', 'nvls_lamport', 'twoshot', 'torch')),
@@ -324,48 +324,48 @@ ORDERS = {
         (21757360, ('nvls_twoshot', 'nvls_lamport', 'nvls_oneshot', 'twoshot', 'torch', 'lamport')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'nvls_oneshot', 'torch', 'twoshot', 'lamport')),
     ),
-    ('all_reduce', 8, False): (
+    ('all_reduce', None, 8, False): (
         (211088, ('lamport', 'twoshot', 'torch')),
         (1688720, ('twoshot', 'lamport', 'torch')),
         (181765104, ('twoshot', 'torch', 'lamport')),
         (None, ('torch', 'twoshot', 'lamport')),
     ),
-    ('all_reduce_add_rmsnorm', 2, True): (
+    ('all_reduce_add_rmsnorm', 2, 2, True): (
         (999424, ('lamport', 'nvls_lamport', 'twoshot', 'nvls_twoshot', 'torch')),
         (3227648, ('lamport', 'nvls_lamport', 'nvls_twoshot', 'twoshot', 'torch')),
         (4014080, ('nvls_lamport', 'lamport', 'nvls_twoshot', 'twoshot', 'torch')),
         (29458432, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'lamport', 'twoshot', 'torch')),
     ),
-    ('all_reduce_add_rmsnorm', 2, False): (
+    ('all_reduce_add_rmsnorm', 2, 2, False): (
         (14106624, ('lamport', 'twoshot', 'torch')),
         (None, ('twoshot', 'lamport', 'torch')),
     ),
-    ('all_reduce_add_rmsnorm', 3, True): (
+    ('all_reduce_add_rmsnorm', 2, 3, True): (
         (589824, ('lamport', 'nvls_lamport', 'twoshot', 'nvls_twoshot', 'torch')),
         (1687552, ('lamport', 'nvls_lamport', 'nvls_twoshot', 'twoshot', 'torch')),
         (2097152, ('nvls_lamport', 'lamport', 'nvls_twoshot', 'twoshot', 'torch')),
         (6750208, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'lamport', 'twoshot', 'torch')),
     ),
-    ('all_reduce_add_rmsnorm', 3, False): (
+    ('all_reduce_add_rmsnorm', 2, 3, False): (
         (1835008, ('lamport', 'twoshot', 'torch')),
         (41664512, ('twoshot', 'lamport', 'torch')),
         (None, ('twoshot', 'torch', 'lamport')),
     ),
-    ('all_reduce_add_rmsnorm', 4, True): (
+    ('all_reduce_add_rmsnorm', 2, 4, True): (
         (507904, ('lamport', 'nvls_lamport', 'twoshot', 'nvls_twoshot', 'torch')),
         (1196032, ('lamport', 'nvls_lamport', 'nvls_twoshot', 'twoshot', 'torch')),
         (1556480, ('nvls_lamport', 'lamport', 'nvls_twoshot', 'twoshot', 'torch')),
         (6750208, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'lamport', 'twoshot', 'torch')),
     ),
-    ('all_reduce_add_rmsnorm', 4, False): (
+    ('all_reduce_add_rmsnorm', 2, 4, False): (
         (770048, ('lamport', 'twoshot', 'torch')),
         (9977856, ('twoshot', 'lamport', 'torch')),
         (None, ('twoshot', 'torch', 'lamport')),
     ),
-    ('all_reduce_add_rmsnorm', 5, True): (
+    ('all_reduce_add_rmsnorm', 2, 5, True): (
         (475136, ('lamport', 'nvls_lamport', 'twoshot', 'nvls_twoshot', 'torch')),
         (917504, ('lamport', 'nvls_lamport', 'nvls_twoshot', 'twoshot', 'torch')),
         (1245184, ('nvls_lamport', 'lamport', 'nvls_twoshot', 'twoshot', 'torch')),
@@ -373,40 +373,111 @@ ORDERS = {
         (1454112768, ('nvls_twoshot', 'nvls_lamport', 'lamport', 'twoshot', 'torch')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'torch', 'twoshot', 'lamport')),
     ),
-    ('all_reduce_add_rmsnorm', 5, False): (
+    ('all_reduce_add_rmsnorm', 2, 5, False): (
         (5439488, ('twoshot', 'lamport', 'torch')),
         (None, ('twoshot', 'torch', 'lamport')),
     ),
-    ('all_reduce_add_rmsnorm', 6, True): (
+    ('all_reduce_add_rmsnorm', 2, 6, True): (
         (442368, ('nvls_lamport', 'lamport', 'twoshot', 'nvls_twoshot', 'torch')),
         (1048576, ('nvls_lamport', 'lamport', 'nvls_twoshot', 'twoshot', 'torch')),
         (6750208, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
         (70074368, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'lamport', 'torch')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'torch', 'lamport')),
     ),
-    ('all_reduce_add_rmsnorm', 6, False): (
+    ('all_reduce_add_rmsnorm', 2, 6, False): (
         (3522560, ('twoshot', 'lamport', 'torch')),
         (None, ('twoshot', 'torch', 'lamport')),
     ),
-    ('all_reduce_add_rmsnorm', 7, True): (
+    ('all_reduce_add_rmsnorm', 2, 7, True): (
         (409600, ('nvls_lamport', 'twoshot', 'lamport', 'nvls_twoshot', 'torch')),
         (884736, ('nvls_lamport', 'lamport', 'nvls_twoshot', 'twoshot', 'torch')),
         (4374528, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
         (33554432, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'lamport', 'torch')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'torch', 'lamport')),
     ),
-    ('all_reduce_add_rmsnorm', 7, False): (
+    ('all_reduce_add_rmsnorm', 2, 7, False): (
         (2719744, ('twoshot', 'lamport', 'torch')),
         (None, ('twoshot', 'torch', 'lamport')),
     ),
-    ('all_reduce_add_rmsnorm', 8, True): (
+    ('all_reduce_add_rmsnorm', 2, 8, True): (
         (425984, ('nvls_lamport', 'twoshot', 'nvls_twoshot', 'lamport', 'torch')),
         (2605056, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
         (6750208, ('nvls_lamport', 'nvls_twoshot', 'twoshot', 'lamport', 'torch')),
         (21757952, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'lamport', 'torch')),
         (None, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'torch', 'lamport')),
     ),
-    ('all_reduce_add_rmsnorm', 8, False): (
+    ('all_reduce_add_rmsnorm', 2, 8, False): (
+        (2097152, ('twoshot', 'lamport', 'torch')),
+        (None, ('twoshot', 'torch', 'lamport')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 2, True): (
+        (1310720, ('lamport', 'nvls_lamport', 'twoshot', 'nvls_twoshot', 'torch')),
+        (3244032, ('lamport', 'nvls_lamport', 'nvls_twoshot', 'twoshot', 'torch')),
+        (4030464, ('nvls_lamport', 'lamport', 'nvls_twoshot', 'twoshot', 'torch')),
+        (29458432, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
+        (None, ('nvls_twoshot', 'nvls_lamport', 'lamport', 'twoshot', 'torch')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 2, False): (
+        (14123008, ('lamport', 'twoshot', 'torch')),
+        (None, ('twoshot', 'lamport', 'torch')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 3, True): (
+        (917504, ('nvls_lamport', 'lamport', 'twoshot', 'nvls_twoshot', 'torch')),
+        (2097152, ('nvls_lamport', 'lamport', 'nvls_twoshot', 'twoshot', 'torch')),
+        (6750208, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
+        (None, ('nvls_twoshot', 'nvls_lamport', 'lamport', 'twoshot', 'torch')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 3, False): (
+        (1015808, ('twoshot', 'lamport', 'torch')),
+        (1835008, ('lamport', 'twoshot', 'torch')),
+        (41680896, ('twoshot', 'lamport', 'torch')),
+        (None, ('twoshot', 'torch', 'lamport')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 4, True): (
+        (819200, ('nvls_lamport', 'twoshot', 'nvls_twoshot', 'lamport', 'torch')),
+        (6750208, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
+        (None, ('nvls_twoshot', 'nvls_lamport', 'lamport', 'twoshot', 'torch')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 4, False): (
+        (9961472, ('twoshot', 'lamport', 'torch')),
+        (None, ('twoshot', 'torch', 'lamport')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 5, True): (
+        (1048576, ('nvls_lamport', 'nvls_twoshot', 'twoshot', 'lamport', 'torch')),
+        (6750208, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
+        (1454112768, ('nvls_twoshot', 'nvls_lamport', 'lamport', 'twoshot', 'torch')),
+        (None, ('nvls_twoshot', 'nvls_lamport', 'torch', 'twoshot', 'lamport')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 5, False): (
+        (5439488, ('twoshot', 'lamport', 'torch')),
+        (None, ('twoshot', 'torch', 'lamport')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 6, True): (
+        (1179648, ('nvls_lamport', 'nvls_twoshot', 'twoshot', 'lamport', 'torch')),
+        (6750208, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
+        (70090752, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'lamport', 'torch')),
+        (None, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'torch', 'lamport')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 6, False): (
+        (3670016, ('twoshot', 'lamport', 'torch')),
+        (None, ('twoshot', 'torch', 'lamport')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 7, True): (
+        (1343488, ('nvls_lamport', 'nvls_twoshot', 'twoshot', 'lamport', 'torch')),
+        (4390912, ('nvls_lamport', 'nvls_twoshot', 'lamport', 'twoshot', 'torch')),
+        (33554432, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'lamport', 'torch')),
+        (None, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'torch', 'lamport')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 7, False): (
+        (2719744, ('twoshot', 'lamport', 'torch')),
+        (None, ('twoshot', 'torch', 'lamport')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 8, True): (
+        (6750208, ('nvls_lamport', 'nvls_twoshot', 'twoshot', 'lamport', 'torch')),
+        (21757952, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'lamport', 'torch')),
+        (None, ('nvls_twoshot', 'nvls_lamport', 'twoshot', 'torch', 'lamport')),
+    ),
+    ('all_reduce_add_rmsnorm', 4, 8, False): (
         (2097152, ('twoshot', 'lamport', 'torch')),
         (None, ('twoshot', 'torch', 'lamport')),
     ),

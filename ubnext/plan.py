@@ -102,7 +102,7 @@ def _sizing(pool: PoolView) -> str:
 
 
 def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondeterministic: bool,
-               world_size: int = DEFAULT_WORLD) -> list[str]:
+               world_size: int = DEFAULT_WORLD, elem_bytes: int = 2) -> list[str]:
     """Paths to try, best first, for a message of ``nbytes``: the order the critical-path model gives
     at this world size (the largest tabled world's above it), among ubnext's kernels and, by its
     published figures, torch.distributed (NCCL), which then ends the chain (ubnext/_crossovers.py).
@@ -114,9 +114,10 @@ def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondetermini
     op)."""
     from . import _thresholds
 
-    op = "all_reduce_add_rmsnorm" if fused else "all_reduce"
+    # the fused op's rows: fp32 ones carry twice the bytes per token of 2-byte ones
+    key = ("all_reduce_add_rmsnorm", 4 if elem_bytes >= 4 else 2) if fused else ("all_reduce", None)
     world = min(max(world_size, _thresholds.MEASURED_WORLDS[0]), _thresholds.MEASURED_WORLDS[-1])
-    segments = _thresholds.ORDERS[(op, world, has_multicast)]
+    segments = _thresholds.ORDERS[(*key, world, has_multicast)]
     paths = next(order for up_to, order in segments if up_to is None or nbytes <= up_to)
     order = [p for p in paths if p != "nvls_oneshot" or (not fused and allow_nondeterministic)]
     return order[:order.index("torch") + 1]
@@ -128,11 +129,11 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
     forced path that cannot run falls back down the automatic order."""
     caps = capabilities(nbytes, elem_bytes, fused, hidden, pool, in_place_pool)
     order = auto_order(nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic,
-                       pool.world_size)
+                       pool.world_size, elem_bytes)
     skipped: list[tuple[str, str]] = []
     if forced != "auto":
         if forced == "nvls":  # the two deterministic multicast kernels, in the model's order for this size
-            model = auto_order(nbytes, fused, True, False, pool.world_size)
+            model = auto_order(nbytes, fused, True, False, pool.world_size, elem_bytes)
             wanted = sorted(["nvls_lamport", "nvls_twoshot"], key=lambda p: model.index(p) if p in model else len(model))
         else:
             wanted = [forced]
