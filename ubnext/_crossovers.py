@@ -293,7 +293,8 @@ def write(worlds=MEASURED_WORLDS, path: str = TABLE_PATH, log=print) -> dict:
     torders = orders(model_of(tcounts, sm_count))
     with open(path, "w") as f:
         f.write(render(tcounts, torders, tuple(worlds), sm_count))
-    log(f"# wrote {path}")
+    log(f"# wrote {path}; README's ubnext.info sample and docs/PERF.md's model table show these choices: "
+        "python scripts/readme_info_sample.py, python -m ubnext.bench --model --world 8")
     return torders
 
 
@@ -301,7 +302,7 @@ def stale(table) -> str | None:
     """Why a table module no longer matches the model (its orders recomputed from its own counts by
     today's model and geometry), or None."""
     if table.SM_COUNT is None:
-        return "it holds no counts"
+        return f"ubnext/_thresholds.py holds no counts: generate it with `{COMMAND}`"
     fresh = orders(model_of(table.COUNTS, table.SM_COUNT))
     if fresh == table.ORDERS:
         return None

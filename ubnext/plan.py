@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import _thresholds
+
 PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot", "torch_symm", "torch")
 KERNEL_PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot")
 # the kernels that reduce a pool tensor where it lies (out is in); the others read `in` while
@@ -112,8 +114,6 @@ def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondetermini
     that op refuses fp16 and 2-byte tensors of odd length and needs torch's own symmetric pool; it
     runs only when asked for (UBNEXT_ALGO=torch_symm, or a layer's symmetric_ar_type naming a torch
     op)."""
-    from . import _thresholds
-
     # the fused op's rows: fp32 ones carry twice the bytes per token of 2-byte ones
     key = ("all_reduce_add_rmsnorm", 4 if elem_bytes >= 4 else 2) if fused else ("all_reduce", None)
     world = min(max(world_size, _thresholds.MEASURED_WORLDS[0]), _thresholds.MEASURED_WORLDS[-1])

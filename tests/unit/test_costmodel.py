@@ -60,3 +60,4 @@ def test_the_planner_mark_follows_the_default_pool():
             assert M.chosen_path(M.Case(op, "lamport", 16384, 1), world) == plan.auto_order(
                 16384, fused, True, False, world)[0], (world, fused)
     assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
+    assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
