@@ -114,13 +114,18 @@ def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondetermini
     that op refuses fp16 and 2-byte tensors of odd length and needs torch's own symmetric pool; it
     runs only when asked for (UBNEXT_ALGO=torch_symm, or a layer's symmetric_ar_type naming a torch
     op)."""
+    order = [p for p in model_order(nbytes, fused, has_multicast, world_size, elem_bytes)
+             if p != "nvls_oneshot" or (not fused and allow_nondeterministic)]
+    return order[:order.index("torch") + 1]
+
+
+def model_order(nbytes: int, fused: bool, has_multicast: bool, world_size: int, elem_bytes: int) -> tuple[str, ...]:
+    """Every path of the table (ubnext/_thresholds.py) for this call, fastest first by the model."""
     # the fused op's rows: fp32 ones carry twice the bytes per token of 2-byte ones
     key = ("all_reduce_add_rmsnorm", 4 if elem_bytes >= 4 else 2) if fused else ("all_reduce", None)
     world = min(max(world_size, _thresholds.MEASURED_WORLDS[0]), _thresholds.MEASURED_WORLDS[-1])
     segments = _thresholds.ORDERS[(*key, world, has_multicast)]
-    paths = next(order for up_to, order in segments if up_to is None or nbytes <= up_to)
-    order = [p for p in paths if p != "nvls_oneshot" or (not fused and allow_nondeterministic)]
-    return order[:order.index("torch") + 1]
+    return next(order for up_to, order in segments if up_to is None or nbytes <= up_to)
 
 
 def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView, *, forced: str = "auto",
@@ -133,8 +138,8 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
     skipped: list[tuple[str, str]] = []
     if forced != "auto":
         if forced == "nvls":  # the two deterministic multicast kernels, in the model's order for this size
-            model = auto_order(nbytes, fused, True, False, pool.world_size, elem_bytes)
-            wanted = sorted(["nvls_lamport", "nvls_twoshot"], key=lambda p: model.index(p) if p in model else len(model))
+            wanted = [p for p in model_order(nbytes, fused, True, pool.world_size, elem_bytes)
+                      if p in ("nvls_lamport", "nvls_twoshot")]
         else:
             wanted = [forced]
         for path in wanted:
