@@ -174,7 +174,8 @@ class AllReduceOps:
         shards[:n].copy_(flat)
         mine = self._rank_order_shard(shards).to(dtype)
         gathered = torch.empty(world * m, dtype=dtype, device=flat.device)
-        dist.all_gather_into_tensor(gathered.view(torch.uint8), mine.view(torch.uint8), group=self.group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as _exchange.py
+        gather(gathered.view(torch.uint8), mine.view(torch.uint8), group=self.group)
         return gathered[:n]
 
     def _rank_order_shard(self, shards: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
