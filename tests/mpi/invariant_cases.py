@@ -186,6 +186,10 @@ class FusedRows:
             idx[p] = k
         got = self.call(idx, fp8)
         path = self.comm.last_path
+        bits = b"".join(t.cpu().contiguous().view(torch.uint8).numpy().tobytes() for t in got)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, bits)
+        assert all(b == everyone[0] for b in everyone), f"fused {path} {count} tokens: the ranks' outputs differ"
         for p, k in zip(where.tolist(), self.probes):
             for i, (g, a) in enumerate(zip(got, self.alone[(k, fp8)])):
                 assert_same_bits(g[p], a[0], f"{what} ({path}) {self.dtype} fp8={fp8} {count} tokens: token {k} "
@@ -260,6 +264,10 @@ def case_batch_invariant(mode: str) -> None:
         check_refusals(mode, comm)
         check_all_reduce(comm)
         check_reduce_scatter(comm)
+        if comm.pool is None:
+            # torch mode (no GPU, no emulator): the ordered fallback serves every size, and the
+            # fused op's norm is torch's own (README: what the mode does not cover)
+            return
         check_fused(comm, ("lamport", "torch"))
         check_compiled(comm)
     finally:
