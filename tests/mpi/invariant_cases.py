@@ -121,6 +121,15 @@ def check_all_reduce(comm) -> None:
                 assert_same_bits(out, rank_order(inputs, dtype), f"all_reduce {path}->{comm.last_path} {dtype} n={numel}")
                 _expect_path(comm, path, numel * e, dtype, fused=False)
     comm._algo = None
+    if comm.pool is not None:
+        # a pool tensor reduced in place past the staging region: the two-shot kernel where it lies
+        numel = staging // 4 + 8 * n + 3
+        inputs = [spread_input(r, numel, torch.float32, 3) for r in range(n)]
+        x = comm.empty(numel, dtype=torch.float32)
+        x.copy_(inputs[rank])
+        assert comm.all_reduce(x, out=x) is x
+        assert_same_bits(x, rank_order(inputs, torch.float32), f"all_reduce in place in the pool ({comm.last_path})")
+        assert comm.last_path == "twoshot", comm.last_path
 
 
 def check_reduce_scatter(comm) -> None:
