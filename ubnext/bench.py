@@ -437,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         from . import _costmodel
 
-        _costmodel.print_table(_costmodel.run(args.world, quick=args.quick), args.json)
+        rows = _costmodel.run(args.world, quick=args.quick)
+        _costmodel.print_table(rows, args.json)
+        _costmodel.print_invariant(_costmodel.invariant_rows(rows), args.json)
         return 0
 
     gpu = gpu_available()

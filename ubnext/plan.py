@@ -24,6 +24,12 @@ IN_PLACE_PATHS = ("nvls_twoshot", "twoshot")
 # per operation, world size and multicast (ubnext/_thresholds.py, generated; ubnext/_crossovers.py
 # says how). Tests that plan without a world size get this one's table.
 DEFAULT_WORLD = 8
+# The paths that reduce through the switch (multimem.ld_reduce), whose summation order is not promised:
+# the batch-invariant mode never reduces with them (its multicast stores may still broadcast, as Lamport's
+# push does)
+LD_REDUCE_PATHS = ("nvls_oneshot", "nvls_twoshot", "nvls_lamport")
+NOT_RANK_ORDER = ("multimem.ld_reduce sums in the switch's order, not in rank order, which the "
+                  "batch-invariant mode needs")
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class Plan:
 
 
 def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView,
-                 in_place_pool: bool = False) -> dict[str, str | None]:
+                 in_place_pool: bool = False, batch_invariant: bool = False) -> dict[str, str | None]:
     """For each path: None if it can run this call, else why not. ``in_place_pool``: the call
     reduces a pool tensor in place. That is an argument of the call, like its shape: every rank
     must pass the same kind of tensor (UBNEXT_DEBUG compares it). Ranks that differ get a clear
@@ -72,6 +78,8 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             why[path] = no_kernels
         elif path in disabled:
             why[path] = f"disabled by the self-test at preparation ({disabled[path]})"
+        elif batch_invariant and path in LD_REDUCE_PATHS:
+            why[path] = NOT_RANK_ORDER
         elif path.startswith("nvls") and not pool.has_multicast:
             why[path] = "the pool has no multicast address"
         elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:
@@ -85,7 +93,9 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             why[path] = "nvls_oneshot does not promise identical bits, which the fused norm needs"
         else:
             why[path] = None
-    if pool.mode != "gpu":
+    if batch_invariant:
+        why["torch_symm"] = "torch's symmetric-memory op promises no summation order"
+    elif pool.mode != "gpu":
         why["torch_symm"] = "torch symmetric-memory ops need CUDA tensors"
     elif fused or not pool.torch_symm_op:
         why["torch_symm"] = "torch has no symmetric-memory allreduce op for this call"
@@ -128,11 +138,24 @@ def model_order(nbytes: int, fused: bool, has_multicast: bool, world_size: int, 
     return next(order for up_to, order in segments if up_to is None or nbytes <= up_to)
 
 
+def refuse_in_batch_invariant_mode(forced: str) -> None:
+    """A forced path that can never keep the batch-invariant mode's rank order is an error, not a
+    fallback: the caller asked for two things that contradict each other."""
+    if forced in LD_REDUCE_PATHS + ("nvls", "torch_symm"):
+        why = "torch's symmetric-memory op promises no summation order" if forced == "torch_symm" else NOT_RANK_ORDER
+        raise ValueError(f"algo {forced!r} cannot run in the batch-invariant mode: {why}; force lamport or "
+                         "twoshot, or leave the choice to auto")
+
+
 def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView, *, forced: str = "auto",
-           allow_nondeterministic: bool = False, in_place_pool: bool = False) -> Plan:
+           allow_nondeterministic: bool = False, in_place_pool: bool = False, batch_invariant: bool = False) -> Plan:
     """The path for one call. ``forced`` is UBNEXT_ALGO (or the communicator's ``algo``): a
-    forced path that cannot run falls back down the automatic order."""
-    caps = capabilities(nbytes, elem_bytes, fused, hidden, pool, in_place_pool)
+    forced path that cannot run falls back down the automatic order. ``batch_invariant``: only the
+    paths that sum in rank order (never multimem.ld_reduce), and a forced one that does not is
+    refused; "torch" is then the Communicator's rank-ordered fallback."""
+    if batch_invariant:
+        refuse_in_batch_invariant_mode(forced)
+    caps = capabilities(nbytes, elem_bytes, fused, hidden, pool, in_place_pool, batch_invariant)
     order = auto_order(nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic,
                        pool.world_size, elem_bytes)
     skipped: list[tuple[str, str]] = []

@@ -187,8 +187,14 @@ def test_bench_model_command():
     choice marked once per (op, size)."""
     proc = run_script(f"{sys.executable} -m ubnext.bench --model --world 2 --quick --json", timeout=240)
     assert_mpi_ok(proc)
-    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    rows = [r for r in lines if "table" not in r]
     assert rows and all(set(r) == set(_costmodel.KEYS) | {"derived"} for r in rows), rows[:2]
+    # issue 26: the batch-invariant mode beside the default, per reducing op and size, never on a
+    # path that reduces through the switch
+    invariant = {(r["op"], r["bytes"]): r for r in lines if r.get("table") == "batch_invariant"}
+    assert invariant and all(r["mode_path"] in ("lamport", "twoshot", "torch") for r in invariant.values()), invariant
+    assert invariant[("all_reduce", 16384)]["ratio"] == 1.0, invariant[("all_reduce", 16384)]
     chosen: dict = {}
     for r in rows:
         chosen.setdefault((r["op"], r["bytes"]), []).append(r["path"]) if r["chosen"] else None

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import ubnext  # noqa: E402
 from ubnext import testing as T  # noqa: E402
 from ubnext._checks import FP8  # noqa: E402
+from tests.mpi import invariant_cases  # noqa: E402 - issue 26's batch-invariant mode
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MODE = "torch"
@@ -2926,6 +2927,18 @@ def case_isolated():
     _check_sum(comm, what="isolated GPUs")
     log("isolated GPUs:", stats["backend"] or stats["reason"])
     comm.close()
+
+
+def case_batch_invariant():
+    invariant_cases.case_batch_invariant(MODE)
+
+
+def case_batch_invariant_fused():
+    invariant_cases.case_batch_invariant_fused(MODE)
+
+
+def case_batch_invariant_graph():
+    invariant_cases.case_batch_invariant_graph(MODE)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -67,6 +67,25 @@ def test_torch_symm_runs_only_when_asked_for():
     assert plan.choose(big, 2, False, 8192, no_op, forced="torch_symm").path == "torch"
 
 
+@pytest.mark.parametrize("nbytes", [16, 1 << 20, (1 << 20) + 16, 4 << 20, 64 << 20])
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_batch_invariant_mode_never_plans_a_switch_reduction(nbytes, fused):
+    """Issue 26: the mode's choice is the default's without the multimem.ld_reduce paths (and
+    without torch's symmetric op); one of them forced is an error naming the mode, not a fallback."""
+    layout = plan_layout(8, 8192)
+    view = plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True)
+    default = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True)
+    mode = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True, batch_invariant=True)
+    assert mode.path in ("lamport", "twoshot", "torch"), mode
+    if default.path not in plan.LD_REDUCE_PATHS:
+        assert mode.path == default.path
+    else:
+        assert (default.path, plan.NOT_RANK_ORDER) in mode.skipped
+    for forced in plan.LD_REDUCE_PATHS + ("nvls", "torch_symm"):
+        with pytest.raises(ValueError, match=f"algo '{forced}' cannot run in the batch-invariant mode"):
+            plan.choose(nbytes, 2, fused, 8192, view, forced=forced, batch_invariant=True)
+
+
 def test_forced_path_falls_back_down_the_chain():
     view = plan.PoolView(None, False, 1 << 20, 1 << 22, "emulator")
     chosen = plan.choose(1 << 10, 2, False, 0, view, forced="nvls_twoshot")
