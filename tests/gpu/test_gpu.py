@@ -25,7 +25,9 @@ CASES = ["allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "pool"
          "second_comm", "threads", "streams", "capture_first_use", "close_live", "device_mix",
          "capture_empty", "other_device_thread", "torch_symm_prefill", "pool_gc_skew", "fsdp_steady", "fused_past_pool",
          # two communicators' kernels in flight at once, opposite orders: the grid cap's residency rule
-         "two_comms_two_streams"]
+         "two_comms_two_streams",
+         # issue 26: the batch-invariant mode, and its CUDA-graph replays
+         "batch_invariant", "batch_invariant_graph"]
 
 
 def test_every_kernel_loads_on_this_gpu():

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import ubnext  # noqa: E402
 from ubnext import testing as T  # noqa: E402
 from ubnext._checks import FP8  # noqa: E402
+from tests.mpi import invariant_cases  # noqa: E402 - issue 26's batch-invariant mode
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MODE = "torch"
@@ -137,11 +138,21 @@ def case_auto():
     mc = COMM.pool.has_multicast
     check_allreduce(1000, torch.bfloat16, seed=1)
     assert COMM.last_path == "lamport"
-    big = (1 << 20) // 4 + 1024  # fp32 elements: just over the Lamport size threshold
+    # past the smallest sizes the model's order for this world decides (ubnext/_thresholds.py): the
+    # first path of it that this pool can run; a path the pool cannot run is skipped
+    from ubnext import plan
+
+    big = (1 << 20) // 4 + 1024  # fp32 elements
     check_allreduce(big, torch.float32, seed=2)
-    assert COMM.last_path == ("nvls_twoshot" if mc else "twoshot"), COMM.last_path
+    view = COMM._pool_view()
+    caps = plan.capabilities(big * 4, 4, False, 0, view)
+    order = plan.auto_order(big * 4, False, mc, COMM._allow_nondeterministic, COMM.world_size, 4)
+    assert COMM.last_path == next(p for p in order if caps[p] is None), (COMM.last_path, order, caps)
     text = COMM.explain(torch.empty(big, device=device()))
     assert text.splitlines()[0].startswith(COMM.last_path + ":"), text
+    past_lamport = COMM.pool.lamport_capacity // 4 + 1024  # fp32 elements: past the Lamport slot
+    check_allreduce(past_lamport, torch.float32, seed=3)
+    assert COMM.last_path == ("nvls_twoshot" if mc else "twoshot"), COMM.last_path
     # nvls_oneshot never serves the fused norm (ranks could normalise different bits)
     COMM._algo = "nvls_oneshot"
     check_fused(2, 256, torch.bfloat16, seed=3)
@@ -400,8 +411,12 @@ def case_in_place_past_staging():
     t.copy_(inputs[rank].view(rows, 1024))
     assert "twoshot" in comm.explain(t, in_place=True).split(":")[0], comm.explain(t, in_place=True)
     comm.all_reduce(t, out=t)
-    two_shot = "nvls_twoshot" if comm.pool.has_multicast else "twoshot"
-    assert comm.last_path == two_shot, comm.last_path
+    from ubnext import plan
+
+    # the two-shot kernel the model's order puts first (at 2 ranks the unicast one models faster)
+    order = plan.auto_order(t.numel() * 4, False, comm.pool.has_multicast, False, n, 4)
+    two_shot = next(p for p in order if p in plan.IN_PLACE_PATHS)
+    assert comm.last_path == two_shot, (comm.last_path, order)
     err = (t.double().cpu().reshape(-1) - T.reference_sum(inputs)).abs()
     assert (err <= T.allreduce_bound(inputs, torch.float32)).all(), f"max err {err.max().item():.3e}"
     assert_identical_across_ranks(t, "in-place two-shot past the staging region")
@@ -650,7 +665,12 @@ def case_captured_sizes():
         cu.capturing = real
     everyone = gather(paths)
     assert all(p == paths for p in everyone), "ranks took different paths for the same captured call"
-    two_shot = "nvls_twoshot" if comm.pool.has_multicast else "twoshot"
+    from ubnext import plan
+
+    # past the Lamport slot, the two-shot kernel the model's order puts first (at 2 ranks with
+    # multicast the unicast one models faster)
+    big = comm.pool.lamport_capacity + 16
+    two_shot = next(p for p in plan.auto_order(big, False, comm.pool.has_multicast, False, n) if p in plan.IN_PLACE_PATHS)
     assert set(paths) == {"lamport", two_shot, "torch"}, sorted(set(paths))
     after = comm.pool_stats()
     assert (after["used"], after["allocations"]) == (before["used"], before["allocations"]), (before, after)
@@ -2981,6 +3001,18 @@ def case_isolated():
     _check_sum(comm, what="isolated GPUs")
     log("isolated GPUs:", stats["backend"] or stats["reason"])
     comm.close()
+
+
+def case_batch_invariant():
+    invariant_cases.case_batch_invariant(MODE)
+
+
+def case_batch_invariant_fused():
+    invariant_cases.case_batch_invariant_fused(MODE)
+
+
+def case_batch_invariant_graph():
+    invariant_cases.case_batch_invariant_graph(MODE)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -51,6 +51,14 @@ def test_large_sizes_are_derived_from_the_largest_measured_size_of_their_path():
 
 
 def test_the_planner_mark_follows_the_default_pool():
-    assert M.chosen_path(M.Case("all_reduce", "lamport", 16384, 1), 8) == "lamport"
-    assert M.chosen_path(M.Case("all_reduce_add_rmsnorm", "lamport", 16384, 1), 8) == "lamport"
+    """The mark is the planner's rule: the first path of the model's order at that world
+    (ubnext/_thresholds.py) that the default pool can run, torch.distributed past the staging region."""
+    from ubnext import plan
+
+    for world in (2, 8):
+        for fused in (False, True):
+            op = "all_reduce_add_rmsnorm" if fused else "all_reduce"
+            assert M.chosen_path(M.Case(op, "lamport", 16384, 1), world) == plan.auto_order(
+                16384, fused, True, False, world)[0], (world, fused)
+    assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
     assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
