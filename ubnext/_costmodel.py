@@ -385,7 +385,8 @@ def measure(world: int, *, quick: bool = False, only: frozenset | None = None, t
     with tempfile.TemporaryDirectory(prefix="ubnext-model-") as tmp:
         out_path = os.path.join(tmp, "rows.json")
         # pool sized for the measured cases (16 tokens of hidden 8192), no self-test launches
-        child_env = envs.environment_with(UBNEXT_EMULATE="1", UBNEXT_EMU_COUNT="1", UBNEXT_MAX_BATCH=str(MEASURE_MAX_TOKENS),
+        child_env = envs.environment_with(UBNEXT_EMULATE="1", UBNEXT_EMU_COUNT="1",
+                                          UBNEXT_MAX_BATCH=str(MEASURE_MAX_TOKENS),
                                           UBNEXT_SELFTEST="0", UBNEXT_TIMEOUT=str(envs.get("UBNEXT_TIMEOUT") or 120),
                                           **(env or {}))
         only_arg = json.dumps(sorted(only) if only is not None else None)
