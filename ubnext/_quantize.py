@@ -13,7 +13,7 @@ import torch
 
 from . import kernels, ops, plan  # noqa: F401 - ops defines the torch.ops.ubnext operators called here
 from ._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
-from ._executor import Call
+from ._executor import GPU_BLOCK, Call
 
 # Above this many bytes, one scale over the whole tensor is not left to one CTA (the kernel's row is
 # one block's work): the amax comes first, from torch's own reduction over every SM, and the kernel
@@ -22,6 +22,35 @@ from ._executor import Call
 ONE_CTA_BYTES = 64 << 10
 # rows of at most this many vectors when a one-scale tensor is split over the grid for the launch
 SPLIT_ROW_VECTORS = 1024
+
+
+# 16-byte loads each thread of the quantisation kernels keeps in flight (csrc/kernels/quantize.cu kInFlight)
+IN_FLIGHT = 4
+# The grid of a local kernel (no peer, no barrier between blocks) is not bounded by residency: blocks
+# that do not fit wait for a free SM. Only the hardware's gridDim.x limit bounds it.
+LOCAL_GRID_MAX = 2**31 - 1
+
+
+def row_group_threads(row_vectors: int, block: int) -> int:
+    """Threads per row of the per-row kernel (quantize.cu row_group_threads): the largest power of two
+    G with G * IN_FLIGHT <= row_vectors, at most ``block``, at least 1."""
+    g = 1
+    while 2 * g * IN_FLIGHT <= row_vectors and 2 * g <= block:
+        g *= 2
+    return g
+
+
+def quantize_geometry(n: int, elem: int, hidden: int, static: bool, block: int, max_blocks: int) -> tuple[int, int]:
+    """(grid, block) of ubnext_quantize_fp8: static, one trip of IN_FLIGHT vectors per thread; per
+    row, one group of row_group_threads per row, block // G rows per block. At most ``max_blocks``
+    (LOCAL_GRID_MAX on a GPU); the kernel strides over whatever the grid leaves."""
+    vectors = n * elem // 16
+    if static:
+        want = -(-vectors // (block * IN_FLIGHT))
+    else:
+        per_block = block // row_group_threads(hidden * elem // 16, block)
+        want = -(-(n // hidden) // per_block)
+    return max(1, min(want, max_blocks)), block
 
 
 def split_row(n: int, elem: int) -> int:
@@ -51,6 +80,13 @@ class QuantizeOps:
         hidden = x.shape[-1] if scaling == "row" and x.dim() else x.numel()
         return torch.ops.ubnext.quantize_fp8(x, hidden, scale, self.key)
 
+    def _local_geometry(self, n: int, elem: int, hidden: int, static: bool) -> tuple[int, int]:
+        if self.mode == "emulator" and not self._count_geometry:
+            block, max_blocks = 64, 4  # as Executor._geometry: emulated threads are fibers on 2 cores
+        else:
+            block, max_blocks = GPU_BLOCK, LOCAL_GRID_MAX
+        return quantize_geometry(n, elem, hidden, static, block, max_blocks)
+
     def _quantize_fp8(self, x: torch.Tensor, hidden: int, scale: torch.Tensor | None):
         """torch.ops.ubnext.quantize_fp8's implementation: the kernel where ubnext kernels run,
         else quantize_fp8_reference, the same contract (bitwise: true division, saturation)."""
@@ -77,7 +113,9 @@ class QuantizeOps:
                 None if whole_vectors else f"rows of {hidden} {x.dtype} elements are not whole 16-byte vectors")
             if problem:
                 self._log_once("quantize_fp8", f"quantize_fp8 runs in torch: {problem}")
-            launch = None if problem else self._launch_for("quantize_fp8", x.dtype, n, hidden, 0.0, flags)
+            launch = None if problem else self._launch_for(
+                "quantize_fp8", x.dtype, n, hidden, 0.0, flags,
+                self._local_geometry(n, x.element_size(), hidden, scale is not None))
             call = Call("torch" if problem else "quantize_fp8", launch)
             if len(self._calls) < 4096:
                 self._calls[signature] = call

@@ -929,8 +929,10 @@ def case_quantize_fp8():
     from ubnext._checks import quantize_fp8_reference
     from ubnext._quantize import ONE_CTA_BYTES, split_row
 
-    for rows, cols, dtype in ((8, 64, torch.bfloat16), (3, 4096 * 5, torch.bfloat16), (5, 32, torch.float32),
-                              (4, 48, torch.float16)):
+    # rows of 8 vectors (2 threads each), 2560 (a block, read twice), 512 (a block, held in registers),
+    # 8 fp32 and 6 fp16 vectors: every shape of the per-row kernel's thread groups
+    for rows, cols, dtype in ((8, 64, torch.bfloat16), (3, 4096 * 5, torch.bfloat16), (2, 4096, torch.bfloat16),
+                              (5, 32, torch.float32), (4, 48, torch.float16)):
         x = T.rank_input(dist.get_rank(), rows * cols, torch.float32, 13).mul(30).to(dtype).view(rows, cols)
         x[1].zero_()
         for scaling in ("row", "tensor", "static"):
