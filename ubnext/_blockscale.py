@@ -16,7 +16,9 @@ The reference computes, in fp32 with true divisions, exactly what the kernels co
   step low for fp32 values just above a power of two; this one is exact.
 - ``fp8_group128`` (block 128): the per-token FP8 rule over each group,
   ``scale = max(amax / 448, 1e-12)``, ``q = e4m3(clamp(x / scale, +-448))``
-  (``quantize_fp8_reference`` with rows of 128); ``ue8m0`` rounds each scale up to a power of
+  (``quantize_fp8_reference`` with rows of 128), every NaN written as 0x7F (a group holding an
+  inf has an inf scale and inf / inf = NaN there) and a NaN group's scale the canonical NaN
+  0x7FFFFFFF; ``ue8m0`` rounds each scale up to a power of
   two, exactly.
 
 fp16 inputs are quantised as their (exact) fp32 values.
@@ -39,6 +41,7 @@ _E2M1_MAX = 6.0
 _E4M3_SCALE_FLOOR = 2.0**-6
 _E2M1_NAN_CODE = 0x4
 _E4M3_NAN_CODE = 0x7F
+_CANONICAL_NAN = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)  # a NaN group's fp32 scale
 
 
 def check_quantize_block_args(x: torch.Tensor, fmt: str, global_scale, swizzled: bool, ue8m0: bool) -> None:
@@ -172,7 +175,12 @@ def quantize_reference(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | N
         s = fp8_scale_inv(amax)
         if ue8m0:
             s = _pow2_ceil(s)
-        q = (xb / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(q_shape)
+        s = torch.where(torch.isnan(s), _CANONICAL_NAN.to(s.device), s)
+        ratio = xb / s.unsqueeze(-1)
+        codes = ratio.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+        # any NaN (a NaN group, or inf / inf in a group holding an inf) is the canonical 0x7F, as the
+        # kernels' cvt.rn.satfinite gives it; torch keeps the NaN's sign, which differs by platform
+        q = torch.where(torch.isnan(ratio), _E4M3_NAN_CODE, codes).view(FP8).reshape(q_shape)
         scales = s
     if swizzled:
         scales = to_blocked(scales.view(torch.uint8)).view(scales.dtype)

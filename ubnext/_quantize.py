@@ -12,6 +12,7 @@ import math
 import torch
 
 from . import kernels, ops, plan  # noqa: F401 - ops defines the torch.ops.ubnext operators called here
+from ._blockscale import F_SWIZZLED, F_UE8M0, check_quantize_block_args, output_specs, quantize_reference
 from ._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
 from ._executor import GPU_BLOCK, Call
 
@@ -129,4 +130,56 @@ class QuantizeOps:
                                 0 if scale is None else scale.data_ptr(), scale_inv.data_ptr()))
         return q, scale_inv
 
+    def quantize(self, x: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None,
+                 swizzled: bool = False, ue8m0: bool = False):
+        """``(q, scales)``: ``x`` (bf16, fp16 or fp32, rows of its last dimension K) in a block-scaled
+        format for the next GEMM, written by one kernel; local, no peer. ``fmt``:
+
+        - ``"nvfp4"``: ``q`` uint8 ``[..., K/2]`` (two e2m1 per byte, the even element low), ``scales``
+          e4m3 ``[..., K/16]``; ``global_scale`` (one-element fp32) for the two-level form;
+        - ``"mxfp8"``: ``q`` e4m3 ``[..., K]``, ``scales`` e8m0 ``[..., K/32]``;
+        - ``"fp8_group128"``: ``q`` e4m3 ``[..., K]``, ``scales`` fp32 ``[..., K/128]``
+          (``max(amax / 448, 1e-12)``; ``ue8m0=True``: rounded up to powers of two).
+
+        ``swizzled=True`` (nvfp4, mxfp8) gives the scales 1-D in torchao's ``to_blocked`` layout,
+        padding included. Bitwise torchao's ``nvfp4_quantize`` / ``to_mx(..., RCEIL)`` (docs/QUANTIZE.md);
+        ``ubnext._blockscale.quantize_reference`` is the same arithmetic in torch."""
+        return torch.ops.ubnext.quantize(x, fmt, global_scale, bool(swizzled), bool(ue8m0), self.key)
+
+    def _quantize_blocks(self, x: torch.Tensor, fmt: str, global_scale, swizzled: bool, ue8m0: bool):
+        """torch.ops.ubnext.quantize's implementation: the kernel (csrc/kernels/blockscale.cu) where
+        ubnext kernels run, else quantize_reference, the same arithmetic."""
+        check_quantize_block_args(x, fmt, global_scale, swizzled, ue8m0)
+        if x.device != self.device:
+            self._check_device("x", x)
+        self._check_usable()
+        n, k = x.numel(), x.shape[-1]
+        flags = (F_SWIZZLED if swizzled else 0) | (F_UE8M0 if ue8m0 else 0)
+        signature = ("quantize_" + fmt, n, x.dtype, k, flags)
+        call = self._calls.get(signature)
+        if call is None:
+            view = self._pool_view()
+            problem = view.unavailable or (
+                plan.TOO_LARGE if n * x.element_size() > plan.KERNEL_MAX_BYTES else None)
+            if problem:
+                self._log_once("quantize", f"quantize({fmt}) runs in torch: {problem}")
+                launch = None
+            else:
+                vectors = n * x.element_size() // 16
+                block, max_blocks = (64, 4) if self.mode == "emulator" and not self._count_geometry else (
+                    GPU_BLOCK, LOCAL_GRID_MAX)
+                grid = max(1, min(-(-vectors // (block * IN_FLIGHT)), max_blocks))
+                launch = self._launch_for("quantize_" + fmt, x.dtype, n, k, 0.0, flags, (grid, block))
+            call = Call("torch" if problem else "quantize_" + fmt, launch)
+            if len(self._calls) < 4096:
+                self._calls[signature] = call
+        if call.launch is None:
+            return quantize_reference(x, fmt, global_scale, swizzled, ue8m0)
+        (q_shape, q_dtype), (s_shape, s_dtype) = output_specs(x, fmt, swizzled)
+        src = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.contiguous().clone()
+        q = torch.empty(q_shape, dtype=q_dtype, device=x.device)
+        scales = torch.empty(s_shape, dtype=s_dtype, device=x.device)
+        self._run(call.launch, (self._pool.base, src.data_ptr(), q.data_ptr(), 0, 0, 0,
+                                0 if global_scale is None else global_scale.data_ptr(), scales.data_ptr()))
+        return q, scales
 

@@ -170,10 +170,13 @@ UBX_DEV void mxfp8_codes(const float (&y)[V], const Mxfp8Scale& s, uint8_t (&q)[
 
 // ---------------------------------------------------------------- per-token-group FP8
 // The per-token FP8 rule (norm.cuh per_token_scale_inv: max(amax / 448, 1e-12)) over a group; with
-// ue8m0, rounded up to a power of two, exactly (a NaN stays NaN). The data: norm.cuh's quantize_fp8.
+// ue8m0, rounded up to a power of two, exactly. A NaN group's scale is the canonical NaN 0x7FFFFFFF
+// (a NaN's payload would otherwise be the input's on one platform and the GPU's on another). The data:
+// norm.cuh's quantize_fp8 (any NaN -> 0x7F, the conversion's canonical NaN).
 UBX_DEV float group_scale(float amax, bool ue8m0) {
   const float s = per_token_scale_inv(amax);
-  if (!ue8m0 || s != s) return s;
+  if (s != s) return u32_as_f32(0x7FFFFFFFu);
+  if (!ue8m0) return s;
   const uint32_t bits = f32_as_u32(s);  // positive and normal (>= 1e-12)
   return (bits & 0x7FFFFFu) ? u32_as_f32(((bits >> 23) + 1u) << 23) : s;
 }
