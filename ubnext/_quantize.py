@@ -34,9 +34,9 @@ LOCAL_GRID_MAX = 2**31 - 1
 
 def row_group_threads(row_vectors: int, block: int) -> int:
     """Threads per row of the per-row kernel (quantize.cu row_group_threads): the largest power of two
-    G with G * IN_FLIGHT <= row_vectors, at most ``block``, at least 1."""
+    G with G * IN_FLIGHT <= row_vectors that divides ``block``, at least 1."""
     g = 1
-    while 2 * g * IN_FLIGHT <= row_vectors and 2 * g <= block:
+    while 2 * g * IN_FLIGHT <= row_vectors and block % (2 * g) == 0:
         g *= 2
     return g
 

@@ -75,13 +75,13 @@ namespace ubnext {
 // local (no peer, no barrier between blocks), so residency does not bound it: blocks that do not fit
 // wait for a free SM. static: one trip of kInFlight 16-byte vectors per thread; per row: a group of G
 // threads per row (quantize.cu row_group_threads: the largest power of two with G * kInFlight <= the
-// row's vectors, at most `block`), block / G rows per block. At least 1, at most gridDim.x's limit.
+// row's vectors that divides `block`), block / G rows per block. At least 1, at most gridDim.x's limit.
 constexpr unsigned kQuantizeInFlight = 4;
 constexpr size_t kMaxGridX = 2147483647u;
 
 inline unsigned quantize_row_group(size_t row_vectors, unsigned block) {
   unsigned g = 1;
-  while (2 * g * kQuantizeInFlight <= row_vectors && 2 * g <= block) g *= 2;
+  while (2 * g * kQuantizeInFlight <= row_vectors && block % (2 * g) == 0) g *= 2;
   return g;
 }
 

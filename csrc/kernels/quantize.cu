@@ -70,12 +70,13 @@ UBX_DEV void quantize_static_flat(const void* in, void* out, const float* scale,
 // per-token mode: the max of a set does not depend on the order it is taken in.
 constexpr int kHeld = 2 * kInFlight;
 
-// G for rows of nv vectors: the largest power of two with G * kInFlight <= nv, at most blockDim (at
-// least 1). The host sizes the grid with the same rule (ubnext/_quantize.py, csrc/host/launch_rules.h);
-// any grid is correct, since blocks stride over the row groups.
+// G for rows of nv vectors: the largest power of two with G * kInFlight <= nv that divides blockDim (at
+// least 1), so a block holds whole groups. The host sizes the grid with the same rule
+// (ubnext/_quantize.py, csrc/host/launch_rules.h); any grid is correct, since blocks stride over the
+// row groups.
 UBX_DEV int row_group_threads(int nv) {
   int g = 1;
-  while (2 * g * kInFlight <= nv && 2 * g <= static_cast<int>(blockDim.x)) g *= 2;
+  while (2 * g * kInFlight <= nv && blockDim.x % (2 * g) == 0) g *= 2;
   return g;
 }
 

@@ -123,6 +123,7 @@ void test_quantize_grid() {
   CHECK(quantize_grid(true, 16, 16, 256) == 1);
   CHECK(ubnext::quantize_row_group(16, 256) == 4 && ubnext::quantize_row_group(4096, 256) == 256);
   CHECK(ubnext::quantize_row_group(3, 256) == 1 && ubnext::quantize_row_group(24, 256) == 4);
+  CHECK(ubnext::quantize_row_group(4096, 96) == 32);  // groups divide the block
 }
 
 }  // namespace

@@ -398,6 +398,7 @@ def test_one_scale_quantize_spreads_over_the_grid():
     assert quantize_geometry(8, 2, 8, False, 256, LOCAL_GRID_MAX) == (1, 256)
     assert (row_group_threads(16, 256), row_group_threads(4096, 256)) == (4, 256)
     assert (row_group_threads(3, 256), row_group_threads(24, 256)) == (1, 4)
+    assert row_group_threads(4096, 96) == 32  # groups divide the block: 3 rows of a 96-thread block
     for n, elem in ((8 * 3, 2), (4 * 7 * 1024, 4), (16 * 5, 1), (8 * 4096 * 3, 2)):
         h = split_row(n, elem)
         assert n % h == 0 and (h * elem) % 16 == 0 and h * elem <= 16 * SPLIT_ROW_VECTORS, (n, elem, h)
