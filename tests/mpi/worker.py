@@ -989,8 +989,8 @@ def case_quantize_fp8():
 
 
 def case_exchange_compile():
-    """all_gather, reduce_scatter and quantize_fp8 under torch.compile(fullgraph=True), default
-    backend: no graph break, and the same bits as eager."""
+    """all_gather, reduce_scatter, quantize_fp8 and quantize (NVFP4, swizzled) under
+    torch.compile(fullgraph=True), default backend: no graph break, and the same bits as eager."""
     n, rank = dist.get_world_size(), dist.get_rank()
     x = T.rank_input(rank, 8 * 64, torch.bfloat16, 50).view(8, 64).to(device())
     big = T.rank_input(rank, n * 8 * 64, torch.float32, 51).view(n * 8, 64).to(device())
@@ -999,7 +999,8 @@ def case_exchange_compile():
         gathered = COMM.all_gather(x)
         reduced = COMM.reduce_scatter(big, op="avg")
         q, scale_inv = COMM.quantize_fp8(gathered, scaling="row")
-        return gathered, reduced, q.view(torch.uint8), scale_inv
+        q4, scales4 = COMM.quantize(gathered, "nvfp4", swizzled=True)
+        return gathered, reduced, q.view(torch.uint8), scale_inv, q4, scales4.view(torch.uint8)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
