@@ -25,6 +25,7 @@
 #include "../device/reduce.cuh"
 #include "../device/norm.cuh"
 #include "../device/slices.cuh"
+#include "../device/blockscale.cuh"
 
 namespace ubx {
 
@@ -84,10 +85,7 @@ UBX_DEV int row_group_threads(int nv) {
 // thread of the group getting it. Collective over the block (uniform control flow): groups wider than
 // a warp meet in `scratch` (UBX_RED_SCRATCH floats) between two barriers.
 UBX_DEV float group_max(float v, int g, float* scratch) {
-  if (g <= 32) {
-    for (int m = g >> 1; m > 0; m >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, m));
-    return v;
-  }
+  if (g <= 32) return lanes_max(v, g);
   v = warp_max(v);
   const int warp = threadIdx.x >> 5, per = g >> 5, first = (warp / per) * per;
   if ((threadIdx.x & 31) == 0) scratch[warp] = v;
@@ -100,12 +98,9 @@ UBX_DEV float group_max(float v, int g, float* scratch) {
 
 template <typename T>
 UBX_DEV float vec_abs_max(const uint4& v, float amax) {
-  constexpr int V = DType<T>::kElems;
-  float y[V];
+  float y[DType<T>::kElems];
   unpack<T>(v, y);
-#pragma unroll
-  for (int j = 0; j < V; ++j) amax = nan_max(amax, fabsf(y[j]));
-  return amax;
+  return nan_max(amax, vec_amax(y));
 }
 
 template <typename T>
