@@ -200,4 +200,16 @@ UBX_DEV int64_t swizzled_scale_count(int64_t rows, int64_t ncols) {
   return ((rows + 127) >> 7) * 128 * (((ncols + 3) >> 2) * 4);
 }
 
+// The zeros of the swizzled layout's padding (the rows past `rows`, the columns past `ncols` of the
+// real rows), entries first, first + step, ...: a caller spreads them over its threads once per call.
+UBX_DEV void zero_swizzle_padding(uint8_t* scales, int64_t rows, int64_t ncols, int64_t first, int64_t step) {
+  const int64_t pcols = ((ncols + 3) >> 2) * 4;
+  const int64_t tail_rows = (((rows + 127) >> 7) * 128 - rows) * pcols, tail_cols = rows * (pcols - ncols);
+  for (int64_t k = first; k < tail_rows + tail_cols; k += step) {
+    const int64_t row = k < tail_rows ? rows + k / pcols : (k - tail_rows) / (pcols - ncols);
+    const int64_t col = k < tail_rows ? k % pcols : ncols + (k - tail_rows) % (pcols - ncols);
+    scales[scale_index(row, col, ncols, true)] = 0;
+  }
+}
+
 }  // namespace ubx

@@ -121,15 +121,8 @@ UBX_DEV void quantize_blocks(const void* in, void* out, const float* gs, void* s
       quantize_block_vec<T, F>(v[u], gi < nv, gi, out, scales, gs, hidden, flags);
     }
   }
-  if (F == BlockFormat::kGroup128 || !(flags & UBX_BQ_SWIZZLED)) return;
-  // to_blocked's padding: the rows past nrows, and the columns past ncols of the real rows
-  const int64_t ncols = hidden / B, pcols = ((ncols + 3) >> 2) * 4;
-  const int64_t tail_rows = (((nrows + 127) >> 7) * 128 - nrows) * pcols, tail_cols = nrows * (pcols - ncols);
-  for (int64_t k = global_tid(); k < tail_rows + tail_cols; k += stride) {
-    const int64_t row = k < tail_rows ? nrows + k / pcols : (k - tail_rows) / (pcols - ncols);
-    const int64_t col = k < tail_rows ? k % pcols : ncols + (k - tail_rows) % (pcols - ncols);
-    reinterpret_cast<uint8_t*>(scales)[scale_index(row, col, ncols, true)] = 0;
-  }
+  if (F != BlockFormat::kGroup128 && (flags & UBX_BQ_SWIZZLED))
+    zero_swizzle_padding(reinterpret_cast<uint8_t*>(scales), nrows, hidden / B, global_tid(), stride);
 }
 
 }  // namespace ubx
