@@ -1,5 +1,7 @@
-"""FP8 (e4m3) quantisation of a local tensor with its scale_inv (FSDP2's FP8 all-gather weights):
-one kernel where ubnext's kernels run, else quantize_fp8_reference, the same contract.
+"""Quantisation of a local tensor, one kernel where ubnext's kernels run, else the torch reference of
+the same contract: FP8 (e4m3) with its scale_inv (``quantize_fp8``, FSDP2's FP8 all-gather weights;
+quantize_fp8_reference), and the block-scaled formats of the GEMMs after a norm (``quantize``:
+NVFP4, MXFP8, per-token-group FP8; ubnext/_blockscale.py, docs/QUANTIZE.md).
 
 ``QuantizeOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
 (Planner), ``_pool`` and ``key``.
@@ -64,7 +66,7 @@ def split_row(n: int, elem: int) -> int:
 
 
 class QuantizeOps:
-    """The Communicator's FP8 quantisation."""
+    """The Communicator's quantisation."""
 
     def quantize_fp8(self, x: torch.Tensor, *, scaling: str = "row", scale: torch.Tensor | None = None):
         """``(q, scale_inv)``: ``x`` as e4m3 and its dequantisation scales, written by one kernel, so
@@ -164,12 +166,9 @@ class QuantizeOps:
             if problem:
                 self._log_once("quantize", f"quantize({fmt}) runs in torch: {problem}")
                 launch = None
-            else:
-                vectors = n * x.element_size() // 16
-                block, max_blocks = (64, 4) if self.mode == "emulator" and not self._count_geometry else (
-                    GPU_BLOCK, LOCAL_GRID_MAX)
-                grid = max(1, min(-(-vectors // (block * IN_FLIGHT)), max_blocks))
-                launch = self._launch_for("quantize_" + fmt, x.dtype, n, k, 0.0, flags, (grid, block))
+            else:  # flat over the grid, one trip of IN_FLIGHT vectors per thread, as the static FP8 mode
+                launch = self._launch_for("quantize_" + fmt, x.dtype, n, k, 0.0, flags,
+                                          self._local_geometry(n, x.element_size(), k, True))
             call = Call("torch" if problem else "quantize_" + fmt, launch)
             if len(self._calls) < 4096:
                 self._calls[signature] = call
