@@ -135,10 +135,13 @@ def grid_of(case: Case, world: int, sm_count: int) -> int:
         cap = gpu_max_blocks(case.path, sms, world, True)
         return launch_geometry(case.path, n, 2, case.tokens, True, world, GPU_BLOCK, cap)[0]
     if case.op == "quantize":
-        from ._quantize import split_row
+        from ._quantize import LOCAL_GRID_MAX, ONE_CTA_BYTES, quantize_geometry
 
-        rows = n // split_row(n, 2) if case.path != "row" else max(1, case.tokens)
-        return launch_geometry("quantize", n, 2, rows, True, world, GPU_BLOCK, sms)[0]
+        # the Executor's rule for a local kernel (QuantizeOps._local_geometry): no residency cap; one
+        # scale past ONE_CTA_BYTES runs as the static mode after its amax
+        static = case.path == "static" or (case.path == "tensor" and case.nbytes > ONE_CTA_BYTES)
+        hidden = HIDDEN if case.path == "row" else n
+        return quantize_geometry(n, 2, hidden, static, GPU_BLOCK, LOCAL_GRID_MAX)[0]
     if case.op in ("all_gather", "reduce_scatter"):
         n //= world  # the kernel's vectors: one shard
     cap = gpu_max_blocks(case.path, sms, world, False)

@@ -63,6 +63,9 @@ BREAKS = {
     "no_departure_check": "UBNEXT_BREAK_NO_DEPARTURE_CHECK",
     "extra_fence": "UBNEXT_BREAK_EXTRA_FENCE",
     "twoshot_reverse_order": "UBNEXT_BREAK_TWOSHOT_REVERSE_ORDER",
+    # not protocols but layouts: comm.quantize's NVFP4 nibble order and to_blocked swizzle (blockscale.cuh)
+    "nvfp4_nibble_order": "UBNEXT_BREAK_NVFP4_NIBBLE_ORDER",
+    "swizzle": "UBNEXT_BREAK_SWIZZLE",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")

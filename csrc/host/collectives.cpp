@@ -323,10 +323,11 @@ struct KernelArgs {
 
 // Launch kernel `kernel` (an index of kKernels) with the default grid rule of launch_rules.h
 // (default_grid: `bytes` of message, per-rank share or not, `tokens` rows, half the SMs for a kernel
-// that `waits_on_peers`, the NVLS two-shot's own cap when `nvls_twoshot`) unless launch.grid says
-// otherwise. Kernels that wait on peers' blocks (`coresident`) refuse a grid larger than what fits at once.
+// that waits on its peers, the NVLS two-shot's own cap when `nvls_twoshot`) unless launch.grid says
+// otherwise. Kernels that wait on peers' blocks (`coresident`) refuse a grid larger than what fits at
+// once; a local kernel (`local`: no peer, no barrier) takes any grid.
 ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per_rank_share, size_t bytes,
-                             size_t tokens, size_t nranks, KernelArgs a, bool waits_on_peers = true,
+                             size_t tokens, size_t nranks, KernelArgs a, bool local = false,
                              bool nvls_twoshot = false) {
   const KernelEntry& k = kKernels[kernel];
   // The device first: NO_DEVICE describes the machine, whatever this build holds.
@@ -342,9 +343,8 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
   unsigned grid = launch.grid;
   if (grid == 0) {
     const unsigned algo_cap = nvls_twoshot && tokens == 0 ? nvls_twoshot_grid_cap(nranks, lim.cc_major) : 0u;
-    grid = default_grid(per_rank_share, bytes, tokens, nranks, block, lim.sms, lim.coresident, waits_on_peers,
-                        algo_cap);
-  } else if (grid > static_cast<unsigned>(lim.coresident)) {
+    grid = default_grid(per_rank_share, bytes, tokens, nranks, block, lim.sms, lim.coresident, !local, algo_cap);
+  } else if (!local && grid > static_cast<unsigned>(lim.coresident)) {
     // Blocks wait on their peers' blocks; more than fit at once could wait forever.
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
                 "grid %u exceeds the co-resident limit of %d blocks for %s with %u threads",
@@ -364,7 +364,7 @@ ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
   a.flags |= (launch.flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) ? UBNEXT_F_MULTICAST : 0;
   return launch_index(launch, static_cast<int>(algo) * kNumDtypes + static_cast<int>(dtype),
                       kAlgos[algo].per_rank_share, static_cast<size_t>(a.n) * ubnext_dtype_size(dtype), tokens,
-                      static_cast<size_t>(d->nranks), a, true, algo == UBNEXT_ALGO_NVLS_TWOSHOT);
+                      static_cast<size_t>(d->nranks), a, false, algo == UBNEXT_ALGO_NVLS_TWOSHOT);
 }
 
 // count in 1..INT32_MAX (the kernels' n is an int32; it also keeps count * size from overflowing)
@@ -647,12 +647,10 @@ ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_f
   launch.stream = stream;
   KernelArgs a{nullptr, in, out, nullptr, nullptr, nullptr, scale, scale_inv, static_cast<int32_t>(count),
                static_cast<int32_t>(hidden), 0.0f, flags};
-  // per token: one block per row (the row's amax is a block reduction); static: every element alone, so
-  // the kernel runs flat and the grid is sized by its vectors (default_grid's plain rule; the bits do
-  // not depend on the grid)
-  if (flags == UBNEXT_F_FP8_STATIC)
-    return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, count * elem, 0, 1, a, false);
-  return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, 0, count / hidden, 1, a, false);
+  // a local kernel: its grid comes from the work alone (launch_rules.h quantize_grid; the bits do not
+  // depend on it)
+  launch.grid = quantize_grid(flags == UBNEXT_F_FP8_PER_TOKEN, count * elem, hidden * elem, kDefaultBlock);
+  return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, 0, 0, 1, a, true);
 }
 
 ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_desc) {

@@ -147,7 +147,7 @@ void test_two_kernels_fit() {
   CHECK(ubnext::pair_grid_cap(148) == 64);  // B200
   CHECK(ubnext::pair_grid_cap(78) == 39);
   CHECK(ubnext::pair_grid_cap(1) == 1);
-  // The local quantize keeps the whole device (default_grid without waits_on_peers).
+  // A kernel that waits on nobody keeps the whole device (default_grid without waits_on_peers).
   CHECK(default_grid(false, 1 << 28, 0, 1, 256, 132, 1 << 20, false) == 128);
 }
 
@@ -164,9 +164,23 @@ void test_nvls_twoshot_grid() {
   CHECK(c_grid(UBNEXT_ALGO_TWOSHOT, 1 << 28, 0, 8, 132, 9) == 64);  // the unicast two-shot is not NVLS
 }
 
+// ubnext_quantize_fp8's grid: the work alone, no residency cap (the kernel is local). The same numbers
+// are pinned for ubnext/_quantize.py quantize_geometry in tests/unit/test_plan.py.
+void test_quantize_grid() {
+  using ubnext::quantize_grid;
+  CHECK(quantize_grid(false, 64u << 20, 0, 256) == 4096);       // 64 MB static: 4 vectors per thread
+  CHECK(quantize_grid(true, 64u << 20, 8192 * 2, 256) == 4096);  // rows of 1024 vectors: 256 threads each
+  CHECK(quantize_grid(true, 1000 * 128 * 2, 128 * 2, 256) == 16);  // rows of 16 vectors: 4 threads, 64 a block
+  CHECK(quantize_grid(true, 16, 16, 256) == 1);
+  CHECK(ubnext::quantize_row_group(16, 256) == 4 && ubnext::quantize_row_group(4096, 256) == 256);
+  CHECK(ubnext::quantize_row_group(3, 256) == 1 && ubnext::quantize_row_group(24, 256) == 4);
+  CHECK(ubnext::quantize_row_group(4096, 96) == 32);  // groups divide the block
+}
+
 }  // namespace
 
 int main() {
+  test_quantize_grid();
   test_traits();
   test_grid_matches_python();
   test_grid_caps();

@@ -977,6 +977,44 @@ def case_reduce_scatter():
             assert sum(t.peer_load_bytes) == (n - 1) * numel * dtype.itemsize, t
 
 
+def case_quantize_blocks():
+    """comm.quantize's kernels (csrc/kernels/blockscale.cu) against ubnext's torch reference, bitwise
+    (tests/unit/test_blockscale.py ties that reference to torchao): every format and dtype, M of 1, 7,
+    129 and 200, swizzled scales with padding rows (M 7, 129, 200) and columns (K 1040: 65 NVFP4
+    scales a row), NaN, inf and zero blocks."""
+    from ubnext._blockscale import quantize_reference
+    from ubnext._checks import FP8_MAX
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for m, k, dtype, fmt, two_level, swizzled, ue8m0 in (
+            (1, 8192, torch.bfloat16, "nvfp4", True, True, False),
+            (129, 1040, torch.float16, "nvfp4", False, True, False),
+            (7, 1024, torch.float32, "nvfp4", False, False, False),
+            (200, 1024, torch.bfloat16, "mxfp8", False, True, False),
+            (7, 2048, torch.float32, "mxfp8", False, False, False),
+            (129, 1024, torch.bfloat16, "fp8_group128", False, False, True),
+            (7, 1024, torch.float16, "fp8_group128", False, False, False)):
+        scale = torch.exp2(torch.randint(-10, 10, (m, 1), generator=g).float())
+        x = (torch.randn(m, k, generator=g) * scale).to(dtype)
+        x[0, 32:160].zero_()  # a zero block in every format
+        if m > 1:
+            x[1, 3] = float("nan")
+            x[m - 1, 130] = float("inf")
+        gs = torch.tensor([float(x.float().abs().nan_to_num(0, 0, 0).amax()) / (FP8_MAX * 6)]) if two_level else None
+        q, scales = COMM.quantize(x.to(device()), fmt, global_scale=None if gs is None else gs.to(device()),
+                                  swizzled=swizzled, ue8m0=ue8m0)
+        q_ref, s_ref = quantize_reference(x, fmt, gs, swizzled, ue8m0)
+        what = f"{fmt} {m}x{k} {dtype} swizzled={swizzled}"
+        assert q.shape == q_ref.shape and q.dtype == q_ref.dtype, (what, q.shape, q.dtype)
+        assert scales.shape == s_ref.shape and scales.dtype == s_ref.dtype, (what, scales.shape, scales.dtype)
+        bad = (q.cpu().view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+        assert not len(bad), f"{what}: q differs at {bad[:5].tolist()}: {q.cpu().view(torch.uint8)[tuple(bad[0])]} vs {q_ref.view(torch.uint8)[tuple(bad[0])]} x {x[tuple(bad[0])]}"
+        assert torch.equal(scales.cpu().view(torch.uint8), s_ref.view(torch.uint8)), f"{what}: scales differ"
+        path = "torch" if MODE == "torch" else "quantize_" + fmt
+        assert COMM._calls[("quantize_" + fmt, m * k, dtype, k, (1 << 16 if swizzled else 0) | (
+            1 << 17 if ue8m0 else 0))].path == path, what
+
+
 def case_quantize_fp8():
     """The quantisation kernel against quantize_fp8_reference, bitwise (true division, saturation,
     the 1e-12 floor of an all-zero row), per row, per tensor and static, including rows longer than
@@ -985,8 +1023,10 @@ def case_quantize_fp8():
     from ubnext._checks import quantize_fp8_reference
     from ubnext._quantize import ONE_CTA_BYTES, split_row
 
-    for rows, cols, dtype in ((8, 64, torch.bfloat16), (3, 4096 * 5, torch.bfloat16), (5, 32, torch.float32),
-                              (4, 48, torch.float16)):
+    # rows of 8 vectors (2 threads each), 2560 (a block, read twice), 512 (a block, held in registers),
+    # 8 fp32 and 6 fp16 vectors: every shape of the per-row kernel's thread groups
+    for rows, cols, dtype in ((8, 64, torch.bfloat16), (3, 4096 * 5, torch.bfloat16), (2, 4096, torch.bfloat16),
+                              (5, 32, torch.float32), (4, 48, torch.float16)):
         x = T.rank_input(dist.get_rank(), rows * cols, torch.float32, 13).mul(30).to(dtype).view(rows, cols)
         x[1].zero_()
         for scaling in ("row", "tensor", "static"):
@@ -1005,8 +1045,8 @@ def case_quantize_fp8():
 
 
 def case_exchange_compile():
-    """all_gather, reduce_scatter and quantize_fp8 under torch.compile(fullgraph=True), default
-    backend: no graph break, and the same bits as eager."""
+    """all_gather, reduce_scatter, quantize_fp8 and quantize (NVFP4, swizzled) under
+    torch.compile(fullgraph=True), default backend: no graph break, and the same bits as eager."""
     n, rank = dist.get_world_size(), dist.get_rank()
     x = T.rank_input(rank, 8 * 64, torch.bfloat16, 50).view(8, 64).to(device())
     big = T.rank_input(rank, n * 8 * 64, torch.float32, 51).view(n * 8, 64).to(device())
@@ -1015,7 +1055,8 @@ def case_exchange_compile():
         gathered = COMM.all_gather(x)
         reduced = COMM.reduce_scatter(big, op="avg")
         q, scale_inv = COMM.quantize_fp8(gathered, scaling="row")
-        return gathered, reduced, q.view(torch.uint8), scale_inv
+        q4, scales4 = COMM.quantize(gathered, "nvfp4", swizzled=True)
+        return gathered, reduced, q.view(torch.uint8), scale_inv, q4, scales4.view(torch.uint8)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)

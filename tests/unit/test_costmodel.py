@@ -62,3 +62,14 @@ def test_the_planner_mark_follows_the_default_pool():
                 16384, fused, True, False, world)[0], (world, fused)
     assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
     assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
+
+
+def test_quantize_at_64_mb_takes_the_grid_its_work_needs():
+    """Issue 24 item F: one scale over 64 MB (bf16) runs at least 64 CTAs; so do rows. The model's
+    grid is the Executor's rule for this local kernel (no residency cap): 4096 CTAs each, as many as
+    a 64 KB measurement derives from (each CTA then moves what one measured CTA moved)."""
+    for mode in M.QUANTIZE_MODES:
+        case = M.Case("quantize", mode, 64 << 20, (64 << 20) // (2 * M.HIDDEN))
+        assert M.grid_of(case, 8, 132) == 4096, mode
+    # below ONE_CTA_BYTES one scale is one row: one CTA, its amax a block reduction
+    assert M.grid_of(M.Case("quantize", "tensor", 65536, 4), 8, 132) == 1

@@ -406,19 +406,24 @@ def test_attention_heads_must_be_whole_on_every_rank():
 
 def test_one_scale_quantize_spreads_over_the_grid():
     """Issue 24 item F's count: FP8 quantisation with one scale over 64 MB (bf16) used to be one row,
-    so one CTA; split into rows of at most 1024 vectors it takes the whole grid (128 CTAs on a GPU
-    with 132 SMs, at least the 64 the issue asks), and every split divides the tensor into whole
-    vectors."""
-    from ubnext._quantize import SPLIT_ROW_VECTORS, split_row
+    so one CTA. Past ONE_CTA_BYTES its amax comes first and the static mode runs, whose grid comes
+    from the work alone (the kernel is local: no residency cap): one trip of IN_FLIGHT vectors per
+    thread, 4096 CTAs for 64 MB (the issue asks at least 64). Rows take a group of threads each,
+    sized so each thread holds IN_FLIGHT vectors. The same numbers are pinned for the C API's rule
+    (tests/c/test_launch_rules.cpp test_quantize_grid)."""
+    from ubnext._quantize import LOCAL_GRID_MAX, SPLIT_ROW_VECTORS, quantize_geometry, row_group_threads, split_row
 
     comm = _bare_communicator("gpu")
     comm._sm_count = 128
     n = 32 << 20  # 64 MB of bf16
-    hidden = split_row(n, 2)
-    assert hidden == 8 * SPLIT_ROW_VECTORS and n % hidden == 0
-    grid, block = comm._geometry("quantize_fp8", n, 2, n // hidden, True)
-    assert (grid, block) == (128, 256)
-    assert comm._geometry("quantize_fp8", n, 2, 1, True)[0] == 1  # one row: the old count
+    assert quantize_geometry(n, 2, split_row(n, 2), True, 256, LOCAL_GRID_MAX) == (4096, 256)
+    assert comm._local_geometry(n, 2, split_row(n, 2), True) == (4096, 256)
+    assert quantize_geometry(n, 2, 8192, False, 256, LOCAL_GRID_MAX) == (4096, 256)
+    assert quantize_geometry(1000 * 128, 2, 128, False, 256, LOCAL_GRID_MAX) == (16, 256)
+    assert quantize_geometry(8, 2, 8, False, 256, LOCAL_GRID_MAX) == (1, 256)
+    assert (row_group_threads(16, 256), row_group_threads(4096, 256)) == (4, 256)
+    assert (row_group_threads(3, 256), row_group_threads(24, 256)) == (1, 4)
+    assert row_group_threads(4096, 96) == 32  # groups divide the block: 3 rows of a 96-thread block
     for n, elem in ((8 * 3, 2), (4 * 7 * 1024, 4), (16 * 5, 1), (8 * 4096 * 3, 2)):
         h = split_row(n, elem)
         assert n % h == 0 and (h * elem) % 16 == 0 and h * elem <= 16 * SPLIT_ROW_VECTORS, (n, elem, h)
