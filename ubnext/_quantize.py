@@ -87,7 +87,7 @@ class QuantizeOps:
         src = x if x.data_ptr() % 16 == 0 else x.clone()
         q = torch.empty(x.shape, dtype=FP8, device=x.device)
         scale_inv = torch.empty(1 if scale is not None else n // hidden, dtype=torch.float32, device=x.device)
-        self._run(call.launch, (self._pool.base, src.data_ptr(), q.data_ptr(), 0, 0, 0,
+        self._run(call.launch, (src.data_ptr(), q.data_ptr(), 0, 0, 0,
                                 0 if scale is None else scale.data_ptr(), scale_inv.data_ptr()))
         return q, scale_inv
 

@@ -25,6 +25,7 @@
 // Traffic per rank: (N-1)*n bytes of peer stores (unicast), or n bytes once through multicast.
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
+#include "../device/entry.cuh"
 #include "../device/ptx.cuh"
 #include "../device/barrier.cuh"
 #include "../device/vec.cuh"
@@ -80,16 +81,15 @@ UBX_DEV void allgather_push(const ubnext_comm_desc* d, const void* in, void* out
     const uint8_t v = static_cast<const uint8_t*>(in)[at];
     for_each_peer([&](uint64_t dst) { st_relaxed_sys_u8(reinterpret_cast<uint8_t*>(dst + at), v); });
   }
+  griddep_launch_dependents();  // `in` is read (ptx.cuh)
   if (multicast) fence_proxy_alias();  // the caller reads `out` back through unicast (ptx.cuh)
   (void)barrier_sync(br);
 }
 
 }  // namespace ubx
 
-extern "C" __global__ void ubnext_allgather_u8(const ubnext_comm_desc* desc, const void* in, void* out,
-                                               const void* residual, void* residual_out, const void* weight,
-                                               const float* scale, float* scale_inv, int n, int hidden,
-                                               float eps, int flags) {
+UBX_KERNEL(ubnext_allgather_u8) {
   (void)residual, (void)residual_out, (void)weight, (void)scale, (void)scale_inv, (void)hidden, (void)eps;
-  ::ubx::allgather_push(desc, in, out, n, flags);
+  ::ubx::kernel_begin();
+  ::ubx::allgather_push(&desc, in, out, n, flags);
 }

@@ -37,6 +37,7 @@
 // (The rotation's ordering: lamport_rotation.cuh.)
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
+#include "../device/entry.cuh"
 #include "../device/ptx.cuh"
 #include "../device/barrier.cuh"
 #include "../device/vec.cuh"
@@ -213,6 +214,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
     for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
       for (int i = threadIdx.x; i < nv_row; i += blockDim.x) push(row * nv_row + i);
   }
+  griddep_launch_dependents();  // `in` is read (ptx.cuh)
   // This thread polls through unicast the slot it just wrote through multicast (ptx.cuh).
   if (mc != 0ull) fence_proxy_alias();
 #if defined(UBNEXT_BREAK_EXTRA_FENCE)
@@ -248,13 +250,11 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 
 }  // namespace ubx
 
-#define UBX_LAMPORT_ENTRY(NAME, T)                                                                           \
-  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,                  \
-                                  const void* residual, void* residual_out, const void* weight,             \
-                                  const float* scale, float* scale_inv, int n, int hidden, float eps,       \
-                                  int flags) {                                                               \
-    ::ubx::lamport_allreduce<T>(desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, \
-                                eps, flags);                                                                 \
+#define UBX_LAMPORT_ENTRY(NAME, T)                                                                      \
+  UBX_KERNEL(NAME) {                                                                                    \
+    ::ubx::kernel_begin();                                                                              \
+    ::ubx::lamport_allreduce<T>(&desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, \
+                                eps, flags);                                                            \
   }
 
 UBX_LAMPORT_ENTRY(ubnext_lamport_bf16, __nv_bfloat16)
