@@ -8,7 +8,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <strings.h>
 
 #include "device/desc.cuh"
 #include "launch_rules.h"
@@ -301,8 +304,10 @@ ubnext_status_t device_limits(int device, int kernel, unsigned block, Limits* ou
   return UBNEXT_STATUS_SUCCESS;
 }
 
+// The kernel ABI (docs/ARCHITECTURE.md): the descriptor by value (the caller's host copy, which must
+// equal the device one: csrc/device/entry.cuh says why kernels take it so), then pointers and scalars.
 struct KernelArgs {
-  const void* desc;
+  ubnext_comm_desc desc;
   const void* in;
   void* out;
   const void* residual;
@@ -315,6 +320,34 @@ struct KernelArgs {
   float eps;
   int32_t flags;
 };
+
+// Whether launches on `device` carry the programmatic-stream-serialization attribute (PDL): on sm_90 and
+// later, unless the environment says UBNEXT_PDL=0 (or false, no, off, empty), as for Python
+// (ubnext/envs.py). Both read once per process and device: the launch path stays free of getenv.
+ubnext_status_t pdl_enabled(int device, bool* on) {
+  static const int env = [] {  // 1 on, 0 off, -1 a value neither
+    const char* v = getenv("UBNEXT_PDL");
+    if (v == nullptr) return 1;
+    for (const char* no : {"0", "false", "no", "off", ""})
+      if (strcasecmp(v, no) == 0) return 0;
+    for (const char* yes : {"1", "true", "yes", "on"})
+      if (strcasecmp(v, yes) == 0) return 1;
+    return -1;
+  }();
+  if (env < 0) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "UBNEXT_PDL=%s: expected 0|1 (or true/false, yes/no, on/off)",
+                getenv("UBNEXT_PDL"));
+  }
+  static std::atomic<int> major[kMaxCachedDevices];  // 0: not asked yet
+  int m = device < kMaxCachedDevices ? major[device].load(std::memory_order_relaxed) : 0;
+  if (m == 0) {
+    UBNEXT_TRY(from_cuda(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device),
+                         "cudaDeviceGetAttribute(ComputeCapabilityMajor)"));
+    if (device < kMaxCachedDevices) major[device].store(m, std::memory_order_relaxed);
+  }
+  *on = env == 1 && m >= 9;
+  return UBNEXT_STATUS_SUCCESS;
+}
 
 // Launch kernel `kernel` (an index of kKernels) with the default grid rule of launch_rules.h
 // (default_grid: `bytes` of message, per-rank share or not, `tokens` rows) unless launch.grid
@@ -342,11 +375,24 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
                 "grid %u exceeds the co-resident limit of %d blocks for %s with %u threads",
                 grid, lim.coresident, k.name, block);
   }
+  bool pdl = false;
+  UBNEXT_TRY(pdl_enabled(device, &pdl));
   void* params[] = {&a.desc,     &a.in,    &a.out,       &a.residual,
                     &a.residual_out, &a.weight, &a.scale, &a.scale_inv,
                     &a.n,        &a.hidden, &a.eps,      &a.flags};
-  const cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(k.stub), dim3(grid), dim3(block), params, 0,
-                       static_cast<cudaStream_t>(launch.stream));
+  // With the attribute the kernel may start before the previous kernel on the stream has ended; it
+  // waits for it in griddepcontrol.wait before touching memory (csrc/device/ptx.cuh).
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block);
+  config.dynamicSmemBytes = 0;
+  config.stream = static_cast<cudaStream_t>(launch.stream);
+  config.attrs = pdl ? &attribute : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(k.stub), params);
   return from_cuda(err, k.name);
 }
 
@@ -422,7 +468,7 @@ ubnext_status_t ubnext_allreduce(const ubnext_launch_t* user_launch, ubnext_algo
   const ubnext_comm_desc* d = nullptr;
   UBNEXT_TRY(check_common(user_launch, algo, dtype, &launch, &d));
   UBNEXT_TRY(check_message(d, algo, dtype, in, out, count, ubnext_dtype_size(dtype)));
-  KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr,
+  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr,
                static_cast<int32_t>(count), 0, 0.0f, 0};
   return launch_kernel(launch, algo, dtype, d, 0, a);
 }
@@ -534,7 +580,7 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
       }
     }
   }
-  KernelArgs a{launch.desc,  args.in,     args.out,
+  KernelArgs a{*d,  args.in,     args.out,
                args.residual, args.residual_out, args.weight,
                args.scale,   args.scale_inv, static_cast<int32_t>(args.count),
                static_cast<int32_t>(args.hidden), args.eps, flags};
@@ -561,7 +607,7 @@ ubnext_status_t ubnext_allgather(const ubnext_launch_t* user_launch, const void*
   if (in != own && overlaps(in, bytes, out, total)) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "in overlaps out without being this rank's slice of it");
   }
-  KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(bytes), 0, 0.0f,
+  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(bytes), 0, 0.0f,
                d->mc_base != 0 ? UBNEXT_F_MULTICAST : 0};
   return launch_index(launch, kAllgatherKernel, false, bytes, 0, static_cast<size_t>(d->nranks), a);
 }
@@ -588,7 +634,7 @@ ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* user_launch, ubnext
   const size_t total = bytes * static_cast<size_t>(d->nranks);
   UBNEXT_TRY(check_in_arena_named(d, "reduce_scatter", in, total, "in"));
   if (overlaps(in, total, out, bytes)) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "out overlaps in");
-  KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(count), 0,
+  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(count), 0,
                factor, 0};
   return launch_index(launch, kReduceScatterKernel + static_cast<int>(dtype), false, bytes, 0,
                       static_cast<size_t>(d->nranks), a);
@@ -627,7 +673,7 @@ ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_f
   }
   ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
   launch.stream = stream;
-  KernelArgs a{nullptr, in, out, nullptr, nullptr, nullptr, scale, scale_inv, static_cast<int32_t>(count),
+  KernelArgs a{ubnext_comm_desc{}, in, out, nullptr, nullptr, nullptr, scale, scale_inv, static_cast<int32_t>(count),
                static_cast<int32_t>(hidden), 0.0f, flags};
   // per token: one block per row (the row's amax is a block reduction); static: every element alone, so
   // the kernel runs flat and the grid is sized by its vectors (default_grid's plain rule; the bits do
