@@ -197,16 +197,6 @@ def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]
     return packed
 
 
-# Byte offsets of the kernel ABI's parameters in KernelParams' buffer (kernels.KERNEL_SIGNATURE):
-# the 256-byte descriptor, seven 8-byte pointers, four 4-byte scalars: 328 bytes, each naturally aligned.
-_DESC_BYTES = 256
-_POINTERS_AT = _DESC_BYTES
-_SCALARS_AT = _POINTERS_AT + 7 * 8
-_PARAM_BYTES = _SCALARS_AT + 4 * 4
-_PARAM_OFFSETS = np.array([0] + [_POINTERS_AT + 8 * i for i in range(7)] + [_SCALARS_AT + 4 * i for i in range(4)],
-                          dtype=np.uint64)
-
-
 class KernelParams:
     """One call signature's kernel parameters as cuLaunchKernelEx takes them (``kernelParams``: the
     address of an array of pointers, one to each parameter's value): the descriptor and the scalars
@@ -216,12 +206,16 @@ class KernelParams:
     calls from other threads (autograd's) never share one."""
 
     def __init__(self, desc: bytes, packed_scalars: Sequence[Any]):
-        """``desc``: the descriptor's 256 bytes; ``packed_scalars``: n, hidden, eps, flags as
-        ``pack_kernel_args`` types them."""
-        if len(desc) != _DESC_BYTES:
-            raise ValueError(f"the descriptor is {_DESC_BYTES} bytes, got {len(desc)}")
+        """``desc``: the descriptor's bytes (a multiple of 8, as its u64 fields); ``packed_scalars``:
+        n, hidden, eps, flags as ``pack_kernel_args`` types them. The buffer holds the descriptor, the
+        seven 8-byte pointers, then the four 4-byte scalars, each at its natural alignment."""
+        if len(desc) % 8:
+            raise ValueError(f"the descriptor's {len(desc)} bytes are not whole u64 fields")
+        self._pointers_at = len(desc)
+        scalars_at = self._pointers_at + 7 * 8
         self._template = bytes(desc) + bytes(7 * 8) + b"".join(v.tobytes() for v in packed_scalars)
-        assert len(self._template) == _PARAM_BYTES
+        self._offsets = np.array([0] + [self._pointers_at + 8 * i for i in range(7)] +
+                                 [scalars_at + 4 * i for i in range(len(packed_scalars))], dtype=np.uint64)
         self._local = threading.local()
 
     def address(self, pointers: Sequence[int]) -> int:
@@ -231,10 +225,9 @@ class KernelParams:
         buffers = getattr(local, "buffers", None)
         if buffers is None:
             values = np.frombuffer(bytearray(self._template), dtype=np.uint8)
-            base = values.__array_interface__["data"][0]
-            addresses = _PARAM_OFFSETS + np.uint64(base)
-            buffers = local.buffers = (values, values[_POINTERS_AT:_SCALARS_AT].view(np.uint64), addresses,
-                                       addresses.__array_interface__["data"][0])
+            addresses = self._offsets + np.uint64(values.__array_interface__["data"][0])
+            slots = values[self._pointers_at:self._pointers_at + 7 * 8].view(np.uint64)
+            buffers = local.buffers = (values, slots, addresses, addresses.__array_interface__["data"][0])
         buffers[1][:] = pointers
         return buffers[3]
 

@@ -216,7 +216,7 @@ class Traffic:
 
 
 _ARG_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
-DESC_BYTES = 256  # sizeof(ubnext_comm_desc), passed by value (csrc/device/entry.cuh)
+DESC_BYTES = 8 * (16 + 16)  # sizeof(ubnext_comm_desc): 16 u64 fields, then 16 peer bases (desc.cuh)
 LAUNCH_PDL = 1  # UBNEXT_EMU_LAUNCH_PDL (emu_api.h)
 GRIDDEP_WORDS = 3
 
