@@ -8,10 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <initializer_list>
-#include <strings.h>
 
 #include "device/desc.cuh"
 #include "launch_rules.h"
@@ -49,7 +46,7 @@ constexpr int kNumDtypes = 3;  // inputs: bf16, fp16, fp32 (ubnext_dtype_t order
 constexpr unsigned kDefaultBlock = 256;
 constexpr unsigned kMaxBlock = 1024;
 constexpr int kMaxCachedDevices = 64;
-constexpr uint32_t kKnownLaunchFlags = UBNEXT_LAUNCH_LAMPORT_MULTICAST;
+constexpr uint32_t kKnownLaunchFlags = UBNEXT_LAUNCH_LAMPORT_MULTICAST | UBNEXT_LAUNCH_NO_PDL;
 
 struct KernelEntry {
   const char* name;
@@ -322,22 +319,9 @@ struct KernelArgs {
 };
 
 // Whether launches on `device` carry the programmatic-stream-serialization attribute (PDL): on sm_90 and
-// later, unless the environment says UBNEXT_PDL=0 (or false, no, off, empty), as for Python
-// (ubnext/envs.py). Both read once per process and device: the launch path stays free of getenv.
-ubnext_status_t pdl_enabled(int device, bool* on) {
-  static const int env = [] {  // 1 on, 0 off, -1 a value neither
-    const char* v = getenv("UBNEXT_PDL");
-    if (v == nullptr) return 1;
-    for (const char* no : {"0", "false", "no", "off", ""})
-      if (strcasecmp(v, no) == 0) return 0;
-    for (const char* yes : {"1", "true", "yes", "on"})
-      if (strcasecmp(v, yes) == 0) return 1;
-    return -1;
-  }();
-  if (env < 0) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "UBNEXT_PDL=%s: expected 0|1 (or true/false, yes/no, on/off)",
-                getenv("UBNEXT_PDL"));
-  }
+// later (griddepcontrol needs them), unless the caller's launch flags say UBNEXT_LAUNCH_NO_PDL. The
+// compute capability is asked once per device.
+ubnext_status_t pdl_enabled(int device, uint32_t launch_flags, bool* on) {
   static std::atomic<int> major[kMaxCachedDevices];  // 0: not asked yet
   int m = device < kMaxCachedDevices ? major[device].load(std::memory_order_relaxed) : 0;
   if (m == 0) {
@@ -345,7 +329,7 @@ ubnext_status_t pdl_enabled(int device, bool* on) {
                          "cudaDeviceGetAttribute(ComputeCapabilityMajor)"));
     if (device < kMaxCachedDevices) major[device].store(m, std::memory_order_relaxed);
   }
-  *on = env == 1 && m >= 9;
+  *on = !(launch_flags & UBNEXT_LAUNCH_NO_PDL) && m >= 9;
   return UBNEXT_STATUS_SUCCESS;
 }
 
@@ -376,7 +360,7 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
                 grid, lim.coresident, k.name, block);
   }
   bool pdl = false;
-  UBNEXT_TRY(pdl_enabled(device, &pdl));
+  UBNEXT_TRY(pdl_enabled(device, launch.flags, &pdl));
   void* params[] = {&a.desc,     &a.in,    &a.out,       &a.residual,
                     &a.residual_out, &a.weight, &a.scale, &a.scale_inv,
                     &a.n,        &a.hidden, &a.eps,      &a.flags};
@@ -591,9 +575,10 @@ ubnext_status_t ubnext_allgather(const ubnext_launch_t* user_launch, const void*
   clear_error();
   ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
   UBNEXT_TRY(read_versioned(user_launch, &launch, "ubnext_launch_t"));
-  if (launch.flags != 0) {
+  if (launch.flags & ~UBNEXT_LAUNCH_NO_PDL) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "ubnext_allgather takes no launch flags (it pushes through multicast when the descriptor has it)");
+                "ubnext_allgather takes no launch flag but UBNEXT_LAUNCH_NO_PDL (it pushes through multicast when the "
+                "descriptor has it)");
   }
   const ubnext_comm_desc* d = nullptr;
   UBNEXT_TRY(check_launch(&launch, false, "allgather", &d));
@@ -617,7 +602,9 @@ ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* user_launch, ubnext
   clear_error();
   ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
   UBNEXT_TRY(read_versioned(user_launch, &launch, "ubnext_launch_t"));
-  if (launch.flags != 0) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "ubnext_reduce_scatter takes no launch flags");
+  if (launch.flags & ~UBNEXT_LAUNCH_NO_PDL) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "ubnext_reduce_scatter takes no launch flag but UBNEXT_LAUNCH_NO_PDL");
+  }
   UBNEXT_TRY(check_input_dtype(dtype));
   const ubnext_comm_desc* d = nullptr;
   UBNEXT_TRY(check_launch(&launch, false, "reduce_scatter", &d));
@@ -673,6 +660,7 @@ ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_f
   }
   ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
   launch.stream = stream;
+  launch.flags = UBNEXT_LAUNCH_NO_PDL;  // no launch struct to say otherwise: plain stream order, as before
   KernelArgs a{ubnext_comm_desc{}, in, out, nullptr, nullptr, nullptr, scale, scale_inv, static_cast<int32_t>(count),
                static_cast<int32_t>(hidden), 0.0f, flags};
   // per token: one block per row (the row's amax is a block reduction); static: every element alone, so
