@@ -142,7 +142,8 @@ VARIABLES: dict[str, Var] = {
             "Programmatic dependent launch: on sm_90 and later, launch every kernel with the "
             "programmatic-stream-serialization attribute, so that its launch and prologue overlap the "
             "end of the kernel before it on the stream (each kernel waits with griddepcontrol.wait before "
-            "it touches memory). 0 launches in plain stream order. Read by the C API too."),
+            "it touches memory). 0 launches in plain stream order (the C API's equivalent is the launch "
+            "flag UBNEXT_LAUNCH_NO_PDL)."),
         Var("UBNEXT_DEBUG", _bool, False, "0|1",
             "Check shapes across ranks and synchronise after every call to surface kernel "
             "errors at the call that caused them."),
