@@ -9,6 +9,7 @@ ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
 {
   nvidia-smi -L || true
   python -m ubnext.kernels build --arch sm_90 sm_100 --fail-on-spill
+  # tests/gpu/test_gpu_pdl.py: programmatic dependent launch, its overlap and a kernel without its wait
   python -m pytest -q -rs tests/gpu
   if [ "$ngpu" -ge 2 ]; then
     mpirun -np "$ngpu" python -m ubnext.bench
