@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import struct
 import threading
 from typing import Any, Sequence
 
@@ -197,6 +198,9 @@ def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]
     return packed
 
 
+_PACK_POINTERS = struct.Struct("<7Q").pack_into
+
+
 class KernelParams:
     """One call signature's kernel parameters as cuLaunchKernelEx takes them (``kernelParams``: the
     address of an array of pointers, one to each parameter's value): the descriptor and the scalars
@@ -221,14 +225,13 @@ class KernelParams:
     def address(self, pointers: Sequence[int]) -> int:
         """The kernelParams address with these seven pointers (in, out, residual, residual_out, weight,
         scale, scale_inv) in place; valid until this thread's next call."""
-        local = self._local
-        buffers = getattr(local, "buffers", None)
+        buffers = getattr(self._local, "buffers", None)
         if buffers is None:
-            values = np.frombuffer(bytearray(self._template), dtype=np.uint8)
-            addresses = self._offsets + np.uint64(values.__array_interface__["data"][0])
-            slots = values[self._pointers_at:self._pointers_at + 7 * 8].view(np.uint64)
-            buffers = local.buffers = (values, slots, addresses, addresses.__array_interface__["data"][0])
-        buffers[1][:] = pointers
+            values = bytearray(self._template)
+            view = np.frombuffer(values, dtype=np.uint8)  # its address; the export also pins the bytearray
+            addresses = self._offsets + np.uint64(view.__array_interface__["data"][0])
+            buffers = self._local.buffers = (values, view, addresses, addresses.__array_interface__["data"][0])
+        _PACK_POINTERS(buffers[0], self._pointers_at, *pointers)  # struct: a tenth of numpy's cost here
         return buffers[3]
 
 
@@ -243,11 +246,13 @@ def _compute_major(device_index: int) -> int:
     return core().Device(device_index).compute_capability[0]
 
 
-def kernel_handle(kernel) -> int:
-    """The driver handle (a CUkernel or CUfunction, which cuLaunchKernelEx both take) of a cuda.core
-    kernel: ``handle`` since cuda.core 0.4, ``_handle`` before."""
+def kernel_handle(kernel):
+    """A cuda.core kernel's driver handle (``handle`` since cuda.core 0.4, ``_handle`` before; a
+    CUkernel from cuLibraryLoadData) as the CUfunction that cuLaunchKernelEx takes (the driver accepts a
+    CUkernel in its place): made once, since the binding converts an object of the declared type faster
+    than an int."""
     handle = getattr(kernel, "handle", None)
-    return int(handle if handle is not None else kernel._handle)
+    return driver().CUfunction(int(handle if handle is not None else kernel._handle))
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,7 +290,7 @@ def record_event(event, stream_handle: int, device_index: int) -> None:
         check(drv.cuEventRecord(event, drv.CUstream(stream_handle)), "cuEventRecord")
 
 
-def launch(kernel: int, config, params: int, device_index: int, done=None) -> None:
+def launch(kernel, config, params: int, device_index: int, done=None) -> None:
     """Launch a kernel (``kernel_handle``) with ``config`` (``launch_config``: geometry, stream and
     attributes) and ``params`` (a ``KernelParams.address``) through cuda.bindings' cuLaunchKernelEx,
     from any thread. The kernel lives in the device's primary context, and launches come from any

@@ -62,7 +62,7 @@ class Launch(NamedTuple):
     desc: bytes  # the pool's descriptor, passed by value (csrc/device/entry.cuh)
     pdl: bool  # launched with the programmatic-stream-serialization attribute (_cuda.pdl_enabled)
     params: Any = None  # gpu mode: _cuda.KernelParams of desc and scalars
-    kernel: int = 0  # gpu mode: the loaded kernel's driver handle (kernels.load_kernel), looked up once
+    kernel: Any = None  # gpu mode: the loaded kernel's driver handle (_cuda.kernel_handle), looked up once
 
 
 class Call(NamedTuple):

@@ -41,7 +41,7 @@ def one_rank_pool():
     return memory, err, desc
 
 
-def _kernel(broken: bool) -> int:
+def _kernel(broken: bool):
     name = "ubnext_lamport_fp32"
     if not broken:
         return _cuda.kernel_handle(kernels.load_kernel(name, 0))
@@ -50,7 +50,7 @@ def _kernel(broken: bool) -> int:
         return _cuda.kernel_handle(_cuda.core().ObjectCode.from_cubin(image).get_kernel(name))
 
 
-def _chain(kernel: int, desc: bytes, pdl: bool) -> tuple[torch.Tensor, float]:
+def _chain(kernel, desc: bytes, pdl: bool) -> tuple[torch.Tensor, float]:
     """CHAIN launches, launch k reducing buffer k into buffer k + 1 (NaN until written); returns the
     buffers and the seconds the chain took."""
     buffers = torch.full((CHAIN + 1, N), float("nan"), device="cuda:0")

@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent("""
     assert seen["after"] == 0, "the launch left a context current on a thread that had none"
     assert recorded("stub_push_count", ctypes.c_ulonglong) == 1
     assert recorded("stub_launch_count", ctypes.c_ulonglong) == 1
-    assert recorded("stub_last_func") == kernel
+    assert recorded("stub_last_func") == int(kernel)
     assert recorded("stub_last_stream") == 0x5A00
     assert recorded("stub_last_grid", ctypes.c_uint) == 3 and recorded("stub_last_block", ctypes.c_uint) == 256
     primary_context = driver().cuDevicePrimaryCtxRetain(driver().cuDeviceGet(0)[1])[1]
