@@ -577,7 +577,7 @@ ubnext_status_t ubnext_allgather(const ubnext_launch_t* user_launch, const void*
   UBNEXT_TRY(read_versioned(user_launch, &launch, "ubnext_launch_t"));
   if (launch.flags & ~UBNEXT_LAUNCH_NO_PDL) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "ubnext_allgather takes no launch flag but UBNEXT_LAUNCH_NO_PDL (it pushes through multicast when the "
+                "ubnext_allgather takes no launch flags but UBNEXT_LAUNCH_NO_PDL (it pushes through multicast when the "
                 "descriptor has it)");
   }
   const ubnext_comm_desc* d = nullptr;
@@ -603,7 +603,7 @@ ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* user_launch, ubnext
   ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
   UBNEXT_TRY(read_versioned(user_launch, &launch, "ubnext_launch_t"));
   if (launch.flags & ~UBNEXT_LAUNCH_NO_PDL) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "ubnext_reduce_scatter takes no launch flag but UBNEXT_LAUNCH_NO_PDL");
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "ubnext_reduce_scatter takes no launch flags but UBNEXT_LAUNCH_NO_PDL");
   }
   UBNEXT_TRY(check_input_dtype(dtype));
   const ubnext_comm_desc* d = nullptr;
