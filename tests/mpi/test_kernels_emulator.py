@@ -12,7 +12,9 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "mismatch_exchange", "misuse", "departed",
         "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool",
         # issue 25 (FSDP2 for real runs): checkpoints, any shard size, torchao's float8 training (2 ranks)
-        "fsdp_checkpoint", "fsdp_odd_shards", "fsdp_torchao"]
+        "fsdp_checkpoint", "fsdp_odd_shards", "fsdp_torchao",
+        # issue 24 item C: griddepcontrol placed in every kernel (the emulator checks the wait)
+        "pdl"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady",
@@ -25,7 +27,7 @@ UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "
            "divergent", "fp8_nan", "late_rank", "captured_sizes", "selftest", "in_place_past_staging", "all_gather",
            "reduce_scatter", "mismatch", "mismatch_exchange", "departed",
            # issue 25 at 3 ranks: shards that are not whole vectors, FP8 rows that do not divide among the ranks
-           "fsdp_odd_shards", "fsdp_fp8_uneven"]
+           "fsdp_odd_shards", "fsdp_fp8_uneven", "pdl"]
 
 
 @pytest.mark.mpi
