@@ -26,9 +26,10 @@ namespace ubx {
 
 // The first statement of every kernel, before any memory access: the previous kernel on the stream may
 // still be running under programmatic dependent launch (ptx.cuh, griddep_wait), and what it wrote (our
-// inputs, the pool's sync words and buffers) is ours to read only after this. Everything before it is
-// arithmetic on parameters. UBNEXT_BREAK_NO_PDL_WAIT (test-only) leaves it out; the emulator then fails
-// the launch at the kernel's first memory access.
+// inputs, the pool's sync words and buffers) is ours to read only after this. The compiler may still
+// schedule the prologue's arithmetic on parameters around it (in SASS the wait, ACQBULK, comes after a
+// few constant-bank loads and before any global one). UBNEXT_BREAK_NO_PDL_WAIT (test-only) leaves it
+// out; the emulator then fails the launch at the kernel's first memory access.
 UBX_DEV void kernel_begin() {
 #if !defined(UBNEXT_BREAK_NO_PDL_WAIT)
   griddep_wait();
