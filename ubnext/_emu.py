@@ -63,6 +63,10 @@ BREAKS = {
     "no_lamport_header_check": "UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK",
     "no_departure_check": "UBNEXT_BREAK_NO_DEPARTURE_CHECK",
     "extra_fence": "UBNEXT_BREAK_EXTRA_FENCE",
+    "twoshot_reverse_order": "UBNEXT_BREAK_TWOSHOT_REVERSE_ORDER",
+    # not protocols but layouts: comm.quantize's NVFP4 nibble order and to_blocked swizzle (blockscale.cuh)
+    "nvfp4_nibble_order": "UBNEXT_BREAK_NVFP4_NIBBLE_ORDER",
+    "swizzle": "UBNEXT_BREAK_SWIZZLE",
     "no_pdl_wait": "UBNEXT_BREAK_NO_PDL_WAIT",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",

@@ -2,7 +2,7 @@
 they cannot run it, as the chosen allreduce followed by the same arithmetic in torch.
 
 ``FusedNormOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
-(Planner), ``_pool``, ``_algo``, ``_debug`` and ``key``, and sets ``last_path``.
+(Planner), ``_pool``, ``_algo``, ``_debug``, ``batch_invariant`` and ``key``, and sets ``last_path``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,17 @@ class FusedNormOps:
             call = self._call_for(signature, x.shape, x.dtype, hidden=x.shape[-1], eps=eps, flags=flags)
         path = self.last_path = call.path
         launch = call.launch
-        if launch is None:
+        if launch is None and self.batch_invariant:
+            # the rank-order fp32 sum (_allreduce.py) and the residual added to it before the one
+            # rounding, as the kernel paths do; the norm kernel then reads that residual_out as
+            # stored (its own add of a -0 residual is exact for every value, -0 included)
+            summed = self._rank_order_sum(x.reshape(-1), torch.float32).view(x.shape)
+            if call.norm is None:
+                return self._fused_in_torch(summed, residual, weight, eps, scale, fp8)
+            self.last_path = f"{self.last_path}+norm"
+            launch, inp = call.norm, (summed + residual.float()).to(x.dtype)
+            residual = torch.full_like(inp, -0.0)
+        elif launch is None:
             reduced = torch.empty_like(x)
             self._all_reduce_by(call, x, reduced)
             if call.norm is None:
