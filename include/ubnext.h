@@ -162,6 +162,12 @@ UBNEXT_API const char* ubnext_algo_string(ubnext_algo_t algo);
 /* ubnext_launch_t.flags */
 /* LAMPORT only: push once through the multicast address instead of once per peer. */
 #define UBNEXT_LAUNCH_LAMPORT_MULTICAST 1u
+/* Launch in plain stream order. Without it, on sm_90 and later, kernels are launched with the
+ * programmatic-stream-serialization attribute (programmatic dependent launch): a kernel may start
+ * while the kernel before it on the stream is ending, and waits for it (griddepcontrol.wait)
+ * before it touches memory, so stream order still holds for every buffer. What Python's
+ * UBNEXT_PDL=0 does (the C library reads no environment variable). Any collective. */
+#define UBNEXT_LAUNCH_NO_PDL 2u
 
 /* The communicator descriptor; layout in <ubnext/desc.cuh>. Left incomplete here so that
  * this header stays free of it; include desc.cuh to fill one. */
@@ -176,10 +182,11 @@ struct ubnext_comm_desc;
 typedef struct ubnext_launch {
   /* sizeof(ubnext_launch_t) as the caller compiled it (versioning). */
   size_t struct_size;
-  /* This rank's descriptor in DEVICE memory (the pool base); read by the kernel. */
+  /* This rank's descriptor in DEVICE memory (the pool base). */
   const struct ubnext_comm_desc* desc;
   /* A HOST copy of the same descriptor, read during the call to validate the request
-   * (rank, multicast, buffer capacity, arena bounds). Must match `desc`. */
+   * (rank, multicast, buffer capacity, arena bounds) and passed to the kernel by value (its
+   * fields then sit in the kernel's constant bank). Must match `desc`. */
   const struct ubnext_comm_desc* host_desc;
   /* A cudaStream_t; NULL is the legacy default stream. */
   void* stream;
@@ -298,7 +305,7 @@ UBNEXT_API ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* l
  * (bytes, 4-byte aligned) lies anywhere and may be this rank's own slice of `out` (it is then not
  * copied again), but may not overlap `out` otherwise. bytes % 4 == 0 and 1 <= bytes <= INT32_MAX.
  * The kernel pushes through the multicast address when the descriptor has one, else once per peer.
- * launch->flags must be 0. Collective (bytes equal on every rank), stream-ordered, capturable,
+ * launch->flags: 0 or UBNEXT_LAUNCH_NO_PDL. Collective (bytes equal on every rank), stream-ordered, capturable,
  * with the error rules of ubnext_allreduce. */
 UBNEXT_API ubnext_status_t ubnext_allgather(const ubnext_launch_t* launch, const void* in, void* out,
                                             size_t bytes);
@@ -308,7 +315,7 @@ UBNEXT_API ubnext_status_t ubnext_allgather(const ubnext_launch_t* launch, const
  * traffic and gain fp32 accumulation). `in` (nranks * count elements) lies in the data arena at
  * the same offset on every rank and is not modified; `out` (count elements, 16-byte aligned) lies
  * anywhere, not overlapping `in`. count * dtype size must be a multiple of 16 bytes; factor finite
- * (1 for a sum, 1/nranks for an average). launch->flags must be 0. Collective (dtype, count and
+ * (1 for a sum, 1/nranks for an average). launch->flags: 0 or UBNEXT_LAUNCH_NO_PDL. Collective (dtype, count and
  * factor equal on every rank), stream-ordered, capturable, with the error rules of
  * ubnext_allreduce. */
 UBNEXT_API ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* launch, ubnext_dtype_t dtype,
@@ -321,7 +328,7 @@ UBNEXT_API ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* launch, 
  * *scale_inv = *scale (scale: 1 float in device memory). hidden must divide count, and
  * hidden * dtype size be a multiple of 16 bytes. `in` 16-byte aligned; in, out and scale_inv do
  * not overlap. Local (no descriptor, no peer), enqueued on `stream` (a cudaStream_t, NULL: the
- * legacy default stream), capturable. */
+ * legacy default stream) in plain stream order (no programmatic dependent launch), capturable. */
 UBNEXT_API ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_fp8_scaling_t scaling,
                                                const void* in, void* out, size_t count, size_t hidden,
                                                const float* scale, float* scale_inv);

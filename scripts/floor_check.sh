@@ -2,8 +2,9 @@
 # Opt-in (neither scripts/test.sh nor CI runs it): the tests that run cuda.core's and cuda.bindings'
 # own code against the stub driver (tests/stub_driver), with the oldest releases pyproject.toml
 # allows of cuda-core, cuda-bindings and numpy, installed in a scratch venv (build/floor-venv).
-# cuda-core 0.3 builds LaunchConfig, wraps streams and loads cubins differently from 1.x, and the
-# main venv only ever has the newest: this is where the floors are checked, not only claimed.
+# cuda-core 0.3 names a kernel's handle and loads cubins differently from 1.x, cuda-bindings 12.9 builds
+# CUlaunchConfig's attributes as 13.x does or not, and the main venv only ever has the newest: this is
+# where the floors are checked, not only claimed.
 # Installs nothing multi-GB: the CPU torch (scripts/_torch.sh) and wheels of a few MB.
 # Output also goes to build/floor_check.log. Extra arguments go to pytest.
 set -euo pipefail
@@ -52,9 +53,8 @@ for line in open("build/floor-constraints.txt"):
 print("[floor] installed versions are the floors")
 PYEOF
   export UBNEXT_CACHE_DIR="${UBNEXT_CACHE_DIR:-$ROOT/build/floor-cache}"
-  # The stub driver for the whole run, not only for the tests that start a process with it:
-  # cuda-core 0.3 asks the driver for its version when a LaunchConfig is built (1.x does not), so
-  # at the floor even the in-process tests that build one need a libcuda. A GPU node has one.
+  # The stub driver for the whole run, not only for the tests that start a process with it: at the
+  # floor, in-process tests that reach cuda-core or cuda.bindings may need a libcuda. A GPU node has one.
   stub="$(python -m tests.stub_driver build/stub_driver)"
   export LD_LIBRARY_PATH="$stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   python -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}" "$@"

@@ -11,6 +11,7 @@ ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
   python -m ubnext.kernels build --arch sm_90 sm_100 --fail-on-spill
   # tests/gpu includes two communicators with kernels in flight on two streams in opposite orders
   # (case two_comms_two_streams: the grid cap of csrc/host/launch_rules.h keeps them deadlock-free)
+  # tests/gpu/test_gpu_pdl.py: programmatic dependent launch, its overlap and a kernel without its wait
   python -m pytest -q -rs tests/gpu
   if [ "$ngpu" -ge 2 ]; then
     mpirun -np "$ngpu" python -m ubnext.bench

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import struct
+import threading
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from . import envs
 
 __all__ = [
     "CudaError",
@@ -28,6 +32,8 @@ __all__ = [
     "driver_version",
     "launch",
     "pack_kernel_args",
+    "KernelParams",
+    "pdl_enabled",
 ]
 
 
@@ -171,8 +177,9 @@ def device_arch(device_index: int) -> str:
 
 
 def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]) -> list:
-    """Kernel arguments typed for cuda.core: pointers as Python ints (cuda.core passes a
-    Python int as a pointer-sized value), int32 and float32 as numpy scalars."""
+    """Kernel scalar arguments typed as numpy scalars (int32, float32; pointers as Python ints):
+    what ``KernelParams`` lays out, and what cuda.core's argument handler would pack the same way
+    (tests/unit/test_launch_args.py)."""
     if len(signature) != len(values):
         raise TypeError(f"kernel takes {len(signature)} arguments, got {len(values)}")
     packed = []
@@ -189,6 +196,63 @@ def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]
         else:  # pragma: no cover - registry bug
             raise TypeError(f"unknown kernel argument kind {kind!r} for {name}")
     return packed
+
+
+_PACK_POINTERS = struct.Struct("<7Q").pack_into
+
+
+class KernelParams:
+    """One call signature's kernel parameters as cuLaunchKernelEx takes them (``kernelParams``: the
+    address of an array of pointers, one to each parameter's value): the descriptor and the scalars
+    written once, the seven pointers per call (``address``). cuda.core's ``launch`` cannot pass the
+    descriptor, a struct by value, so ubnext builds the array itself. One buffer per thread: the driver
+    copies the values during the launch call, so a buffer is free again when the call returns, and
+    calls from other threads (autograd's) never share one."""
+
+    def __init__(self, desc: bytes, packed_scalars: Sequence[Any]):
+        """``desc``: the descriptor's bytes (a multiple of 8, as its u64 fields); ``packed_scalars``:
+        n, hidden, eps, flags as ``pack_kernel_args`` types them. The buffer holds the descriptor, the
+        seven 8-byte pointers, then the four 4-byte scalars, each at its natural alignment."""
+        if len(desc) % 8:
+            raise ValueError(f"the descriptor's {len(desc)} bytes are not whole u64 fields")
+        self._pointers_at = len(desc)
+        scalars_at = self._pointers_at + 7 * 8
+        self._template = bytes(desc) + bytes(7 * 8) + b"".join(v.tobytes() for v in packed_scalars)
+        self._offsets = np.array([0] + [self._pointers_at + 8 * i for i in range(7)] +
+                                 [scalars_at + 4 * i for i in range(len(packed_scalars))], dtype=np.uint64)
+        self._local = threading.local()
+
+    def address(self, pointers: Sequence[int]) -> int:
+        """The kernelParams address with these seven pointers (in, out, residual, residual_out, weight,
+        scale, scale_inv) in place; valid until this thread's next call."""
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            values = bytearray(self._template)
+            view = np.frombuffer(values, dtype=np.uint8)  # its address; the export also pins the bytearray
+            addresses = self._offsets + np.uint64(view.__array_interface__["data"][0])
+            buffers = self._local.buffers = (values, view, addresses, addresses.__array_interface__["data"][0])
+        _PACK_POINTERS(buffers[0], self._pointers_at, *pointers)  # struct: a tenth of numpy's cost here
+        return buffers[3]
+
+
+def pdl_enabled(device_index: int) -> bool:
+    """Whether launches on this GPU carry the programmatic-stream-serialization attribute: sm_90 and
+    later (griddepcontrol needs them), unless UBNEXT_PDL=0."""
+    return envs.get("UBNEXT_PDL") and _compute_major(device_index) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_major(device_index: int) -> int:
+    return core().Device(device_index).compute_capability[0]
+
+
+def kernel_handle(kernel):
+    """A cuda.core kernel's driver handle (``handle`` since cuda.core 0.4, ``_handle`` before; a
+    CUkernel from cuLibraryLoadData) as the CUfunction that cuLaunchKernelEx takes (the driver accepts a
+    CUkernel in its place): made once, since the binding converts an object of the declared type faster
+    than an int."""
+    handle = getattr(kernel, "handle", None)
+    return driver().CUfunction(int(handle if handle is not None else kernel._handle))
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,16 +290,16 @@ def record_event(event, stream_handle: int, device_index: int) -> None:
         check(drv.cuEventRecord(event, drv.CUstream(stream_handle)), "cuEventRecord")
 
 
-def launch(kernel, config, stream_handle: int, args: Sequence, device_index: int, done=None) -> None:
-    """Launch a loaded cuda.core kernel with ``config`` (``launch_config``) on the stream whose raw
-    handle is ``stream_handle`` (torch's current stream, so ordering with torch work is the
-    stream's), from any thread. The kernel lives in the device's primary context, and launches come
-    from any thread (autograd's backward threads, a user's own), where another context, or none,
-    may be current: that context is pushed for the launch and popped after it, so the thread's own
-    state is left as it was (as ``primary_context`` does, inlined here: a generator-based context
-    manager costs about 0.7 us per call here, and the launch is the hot path). ``done``: an event
-    (``create_event``) recorded right after the kernel, on the same stream. Host cost, against a
-    stub driver: docs/PERF.md."""
+def launch(kernel, config, params: int, device_index: int, done=None) -> None:
+    """Launch a kernel (``kernel_handle``) with ``config`` (``launch_config``: geometry, stream and
+    attributes) and ``params`` (a ``KernelParams.address``) through cuda.bindings' cuLaunchKernelEx,
+    from any thread. The kernel lives in the device's primary context, and launches come from any
+    thread (autograd's backward threads, a user's own), where another context, or none, may be
+    current: that context is pushed for the launch and popped after it, so the thread's own state is
+    left as it was (as ``primary_context`` does, inlined here: a generator-based context manager costs
+    about 0.7 us per call here, and the launch is the hot path). ``done``: an event (``create_event``)
+    recorded right after the kernel, on the same stream. Host cost, against a stub driver:
+    docs/PERF.md."""
     drv = driver()
     want, want_address = _primary_context(device_index)
     status, current = drv.cuCtxGetCurrent()
@@ -245,9 +309,11 @@ def launch(kernel, config, stream_handle: int, args: Sequence, device_index: int
     if switch:
         check(drv.cuCtxPushCurrent(want), "cuCtxPushCurrent")
     try:
-        core().launch(_wrap_stream(stream_handle), config, kernel, *args)
+        status = drv.cuLaunchKernelEx(config, kernel, params, 0)[0]
+        if status:
+            check(status, "cuLaunchKernelEx")
         if done is not None:
-            check(drv.cuEventRecord(done, drv.CUstream(stream_handle)), "cuEventRecord")
+            check(drv.cuEventRecord(done, config.hStream), "cuEventRecord")
     finally:
         if switch:
             check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
@@ -281,25 +347,23 @@ def store_words(device_index: int, addresses: Sequence[int], value: int) -> None
 
 
 @functools.lru_cache(maxsize=256)
-def launch_config(grid: int, block: int):
-    """cuda.core's LaunchConfig for a 1-D grid and block: made once per geometry, since building one
-    costs ~0.7 us (docs/PERF.md); a communicator keeps it with each call signature's launch."""
-    return core().LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1))
-
-
-@functools.lru_cache(maxsize=64)
-def _wrap_stream(handle: int):
-    mod = core()
-    stream_cls = mod.Stream
-    if hasattr(stream_cls, "from_handle"):
-        return stream_cls.from_handle(handle)
-    # cuda.core < 0.3 wraps foreign streams through the __cuda_stream__ protocol
-    return mod.Device().create_stream(_ForeignStream(handle))
-
-
-class _ForeignStream:
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
+def launch_config(grid: int, block: int, stream_handle: int, pdl: bool):
+    """cuLaunchKernelEx's CUlaunchConfig for a 1-D grid and block on a stream (its raw handle), with
+    the programmatic-stream-serialization attribute when ``pdl`` (``pdl_enabled``): the kernel may then
+    start before the previous kernel on the stream has ended, and waits for it in griddepcontrol.wait
+    (csrc/device/ptx.cuh). Made once per geometry and stream: building one costs microseconds."""
+    drv = driver()
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes = 0
+    config.hStream = drv.CUstream(stream_handle)
+    if pdl:
+        attribute = drv.CUlaunchAttribute()
+        attribute.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [attribute]
+        config.numAttrs = 1
+    else:
+        config.numAttrs = 0
+    return config

@@ -10,7 +10,8 @@ API::
 
     path = build(break_name="")        # compile (or reuse the cached) library, return its path
     emu = load(break_name="")          # build + dlopen once per process and break name
-    emu.launch(kernel, grid, block, [("ptr", p), ("i32", n), ("f32", eps), ...])
+    emu.launch(kernel, grid, block, [("desc", d), ("ptr", p), ("i32", n), ("f32", eps), ...], pdl=True)
+    emu.griddep()                      # GridDep of the last launch
     handle = emu.register(rank, nranks, peer_bases, nbytes, mc_base)
     emu.unregister(handle)
     mc = emu.reserve(nbytes); emu.release(mc, nbytes)
@@ -45,7 +46,7 @@ from . import envs
 from ._filelock import exclusive
 from ._sources import CSRC
 
-__all__ = ["BREAKS", "EmulatorError", "Traffic", "LaunchCount", "Emulator", "build", "load"]
+__all__ = ["BREAKS", "EmulatorError", "Traffic", "LaunchCount", "GridDep", "Emulator", "build", "load"]
 
 # Test-only protocol breaks: name -> macro. "" is the correct build.
 BREAKS = {
@@ -66,6 +67,7 @@ BREAKS = {
     # not protocols but layouts: comm.quantize's NVFP4 nibble order and to_blocked swizzle (blockscale.cuh)
     "nvfp4_nibble_order": "UBNEXT_BREAK_NVFP4_NIBBLE_ORDER",
     "swizzle": "UBNEXT_BREAK_SWIZZLE",
+    "no_pdl_wait": "UBNEXT_BREAK_NO_PDL_WAIT",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")
@@ -218,6 +220,27 @@ class Traffic:
 
 
 _ARG_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+DESC_BYTES = 8 * (16 + 16)  # sizeof(ubnext_comm_desc): 16 u64 fields, then 16 peer bases (desc.cuh)
+LAUNCH_PDL = 1  # UBNEXT_EMU_LAUNCH_PDL (emu_api.h)
+GRIDDEP_WORDS = 3
+
+
+class GridDep(NamedTuple):
+    """griddepcontrol in the last launch that succeeded: its threads, and how many of them executed
+    the wait and launch_dependents (csrc/device/ptx.cuh)."""
+
+    threads: int
+    waited: int
+    launched: int
+
+
+def _desc_arg(kernel: str, value) -> ctypes.Array:
+    """The descriptor's bytes (bytes, or a uint64 numpy array as the tests pack it; 0 or None: all
+    zero) as the buffer that parameter 0 points to."""
+    raw = bytes(DESC_BYTES) if value is None or (isinstance(value, int) and value == 0) else bytes(value)
+    if len(raw) != DESC_BYTES:
+        raise EmulatorError(f"{kernel}: the descriptor is {DESC_BYTES} bytes, got {len(raw)}")
+    return ctypes.create_string_buffer(raw, DESC_BYTES)
 
 
 class LaunchCount(NamedTuple):
@@ -245,7 +268,7 @@ class Emulator:
         self.path = Path(path)
         lib = ctypes.CDLL(str(path))
         u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
-        lib.ubnext_emu_launch.argtypes = [ctypes.c_char_p, i32, i32, ctypes.POINTER(ctypes.c_void_p),
+        lib.ubnext_emu_launch.argtypes = [ctypes.c_char_p, i32, i32, ctypes.POINTER(ctypes.c_void_p), i32,
                                           ctypes.c_char_p, i32]
         lib.ubnext_emu_launch.restype = i32
         lib.ubnext_emu_register.argtypes = [i32, i32, ctypes.POINTER(u64), u64, u64]
@@ -268,13 +291,15 @@ class Emulator:
         lib.ubnext_emu_set_counting.restype = None
         lib.ubnext_emu_counts.argtypes = [ctypes.POINTER(u64), i32]
         lib.ubnext_emu_counts.restype = i32
+        lib.ubnext_emu_griddep.argtypes = [ctypes.POINTER(u64), i32]
+        lib.ubnext_emu_griddep.restype = i32
         self._lib = lib
         self._watchdog_s: float | None = None
         self._counting = False
         self._recorded: list[LaunchCount] | None = None
 
     def launch(self, kernel: str, grid: int, block: int, args: Sequence[tuple[str, object]],
-               *, timeout_s: float | None = None) -> None:
+               *, timeout_s: float | None = None, pdl: bool = False) -> None:
         """Run ``kernel`` (extern "C" in the library) on ``grid`` x ``block`` emulated threads,
         synchronously. ``args`` is the kernel's parameter list as (type, value) pairs, type in
         "ptr" (int address or 0/None), "i32", "f32". Raises EmulatorError on failure. A launch
@@ -285,6 +310,9 @@ class Emulator:
             raise EmulatorError(f"{kernel}: the kernel ABI has 12 parameters, got {len(args)}")
         values = []
         for i, (kind, value) in enumerate(args):
+            if kind == "desc":
+                values.append(_desc_arg(kernel, value))
+                continue
             if kind not in _ARG_TYPES:
                 raise EmulatorError(f"{kernel}: parameter {i} has unknown type {kind!r}")
             # numpy scalars and None are accepted: convert to the Python type ctypes wants
@@ -293,7 +321,8 @@ class Emulator:
         watchdog = self._watchdog_s or 3.0 * (timeout_s or envs.get("UBNEXT_TIMEOUT") or 1800.0)
         self._lib.ubnext_emu_set_watchdog_ns(int(watchdog * 1e9))
         err = ctypes.create_string_buffer(_ERRLEN)
-        rc = self._lib.ubnext_emu_launch(kernel.encode(), int(grid), int(block), ptrs, err, _ERRLEN)
+        rc = self._lib.ubnext_emu_launch(kernel.encode(), int(grid), int(block), ptrs, LAUNCH_PDL if pdl else 0,
+                                         err, _ERRLEN)
         if rc != 0:
             raise EmulatorError(f"emulator launch of {kernel} (grid {grid}, block {block}) failed: "
                                 f"{err.value.decode(errors='replace')}")
@@ -306,6 +335,12 @@ class Emulator:
                 kernel, ctas, int(block), hops, fences, most, total,
                 sum(t.peer_store_bytes) + sum(t.peer_load_bytes),
                 t.mc_store_bytes + t.mc_ld_reduce_bytes + t.mc_red_bytes))
+
+    def griddep(self) -> GridDep:
+        """griddepcontrol of the last launch that succeeded (GridDep)."""
+        words = (ctypes.c_uint64 * GRIDDEP_WORDS)()
+        self._lib.ubnext_emu_griddep(words, GRIDDEP_WORDS)
+        return GridDep(*words)
 
     def set_watchdog(self, seconds: float | None) -> None:
         """Override the watchdog bound of later launches (None: from the kernels' timeout)."""

@@ -80,7 +80,7 @@ class ExchangeOps:
             return
         target = out if in_pool else self._pool.staging((self.world_size * nbytes,), torch.uint8)
         src = _on_grid_of(x, target.data_ptr() + self.rank * nbytes)
-        self._run(call.launch, (self._pool.base, src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
+        self._run(call.launch, (src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
         if target is not out:
             out.view(-1).view(torch.uint8).copy_(target)
             self._pool_reads_done()
@@ -118,7 +118,7 @@ class ExchangeOps:
             return
         src = x if in_pool else self._pool.staging((x.numel(),), x.dtype).copy_(x.view(-1))
         target = out if out.data_ptr() % elem == 0 else torch.empty_like(out)  # the kernel stores whole elements
-        self._run(call.launch, (self._pool.base, src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
+        self._run(call.launch, (src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
         if target is not out:
             out.copy_(target)
 

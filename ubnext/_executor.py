@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _cuda, kernels
+from . import _cuda, envs, kernels
 from ._checks import DTYPE_CODES, FP8
 from .errors import CLOSED, UbnextError, kernel_error
 
@@ -69,9 +69,9 @@ def _kernel_name(algo: str, dtype: torch.dtype) -> str:
 
 
 class Launch(NamedTuple):
-    """One call signature's kernel launch, made once (Executor._launch_for): which kernel,
-    its grid, and its scalar arguments, raw for the emulator and packed for cuda.core, so that
-    a call only adds its eight pointers."""
+    """One call signature's kernel launch, made once (Executor._launch_for): which kernel, its
+    grid, its descriptor and scalar arguments, raw for the emulator and laid out for the driver, so
+    that a call only adds its seven pointers."""
 
     algo: str
     name: str
@@ -79,9 +79,10 @@ class Launch(NamedTuple):
     block: int
     out_align: int  # the kernel writes `out` in vectors: 8 bytes for FP8, else 16
     scalars: tuple  # (n, hidden, eps, flags)
-    packed: tuple  # the same, packed by _cuda.pack_kernel_args
-    kernel: Any = None  # gpu mode: the loaded kernel (kernels.load_kernel), looked up once
-    config: Any = None  # gpu mode: cuda.core's LaunchConfig of grid and block (_cuda.launch_config)
+    desc: bytes  # the pool's descriptor, passed by value (csrc/device/entry.cuh)
+    pdl: bool  # launched with the programmatic-stream-serialization attribute (_cuda.pdl_enabled)
+    params: Any = None  # gpu mode: _cuda.KernelParams of desc and scalars
+    kernel: Any = None  # gpu mode: the loaded kernel's driver handle (_cuda.kernel_handle), looked up once
 
 
 class Call(NamedTuple):
@@ -177,10 +178,13 @@ class Executor:
         packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(scalars):], scalars)
         fp8_out = flags & (kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN)
         name = _kernel_name(algo, dtype)
-        kernel = config = None
+        desc = self._pool.desc
         if self.mode == "gpu":
-            kernel, config = kernels.load_kernel(name, self._device_index), _cuda.launch_config(grid, block)
-        return Launch(algo, name, grid, block, 8 if fp8_out else 16, scalars, tuple(packed), kernel, config)
+            return Launch(algo, name, grid, block, 8 if fp8_out else 16, scalars, desc,
+                          _cuda.pdl_enabled(self._device_index), _cuda.KernelParams(desc, packed),
+                          _cuda.kernel_handle(kernels.load_kernel(name, self._device_index)))
+        # the emulator stands for sm_90 and later: it checks what the attribute asks of a kernel
+        return Launch(algo, name, grid, block, 8 if fp8_out else 16, scalars, desc, envs.get("UBNEXT_PDL"))
 
     def _launch(self, how: Launch, inp: torch.Tensor, out: torch.Tensor, residual=None, residual_out=None,
                 weight=None, scale=None, scale_inv=None) -> None:
@@ -201,19 +205,21 @@ class Executor:
                 raise AssertionError(f"{how.algo}: pool input at {p_in:#x} is not 16-byte aligned")
             staged = self._aligned_copies(inp, out, residual, residual_out, weight, copy_back)
             p_in, p_out, p_res, p_res_out, p_w = (_ptr(t) for t in staged)  # `staged` is held: the kernel reads the copies
-        self._run(how, (self._pool.base, p_in, p_out, p_res, p_res_out, p_w,
+        self._run(how, (p_in, p_out, p_res, p_res_out, p_w,
                         0 if scale is None else scale.data_ptr(), 0 if scale_inv is None else scale_inv.data_ptr()))
         if copy_back:
             for target, staged_out in copy_back:
                 target.copy_(staged_out)  # stream-ordered after the kernel
 
     def _run(self, how: Launch, pointers: tuple) -> None:
-        """Launch one kernel with its eight pointers (kernels.KERNEL_SIGNATURE's order), on the
-        emulator or the GPU; the emulator's launch is synchronous, so its error word is read here."""
+        """Launch one kernel with its seven pointers (kernels.KERNEL_SIGNATURE's order, after the
+        descriptor), on the emulator or the GPU; the emulator's launch is synchronous, so its error
+        word is read here."""
         pool = self._pool
         if self.mode == "emulator":
-            self._emu.launch(how.name, how.grid, how.block, list(zip(_SIGNATURE_KINDS, (*pointers, *how.scalars))),
-                             timeout_s=pool.timeout_s)
+            self._emu.launch(how.name, how.grid, how.block,
+                             list(zip(_SIGNATURE_KINDS, (how.desc, *pointers, *how.scalars))),
+                             timeout_s=pool.timeout_s, pdl=how.pdl)
             if pool.err_view[0]:
                 self._raise_kernel_error(pool)
             return
@@ -224,7 +230,8 @@ class Executor:
             done = self._launch_done
             if done is None:
                 done = self._new_done_event()
-        _cuda.launch(how.kernel, how.config, self._stream, (*pointers, *how.packed), self._device_index, done)
+        _cuda.launch(how.kernel, _cuda.launch_config(how.grid, how.block, self._stream, how.pdl),
+                     how.params.address(pointers), self._device_index, done)
         if self._debug and not self._capturing:  # a synchronisation would break the capture
             torch.cuda.synchronize(self.device)
             if pool.err_view[0]:

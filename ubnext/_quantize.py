@@ -128,7 +128,7 @@ class QuantizeOps:
         src = x if x.data_ptr() % 16 == 0 else x.clone()
         q = torch.empty(x.shape, dtype=FP8, device=x.device)
         scale_inv = torch.empty(1 if scale is not None else n // hidden, dtype=torch.float32, device=x.device)
-        self._run(call.launch, (self._pool.base, src.data_ptr(), q.data_ptr(), 0, 0, 0,
+        self._run(call.launch, (src.data_ptr(), q.data_ptr(), 0, 0, 0,
                                 0 if scale is None else scale.data_ptr(), scale_inv.data_ptr()))
         return q, scale_inv
 
@@ -178,7 +178,7 @@ class QuantizeOps:
         src = x if x.data_ptr() % 16 == 0 else x.clone()  # contiguous (checked); the kernel loads 16 bytes
         q = torch.empty(q_shape, dtype=q_dtype, device=x.device)
         scales = torch.empty(s_shape, dtype=s_dtype, device=x.device)
-        self._run(call.launch, (self._pool.base, src.data_ptr(), q.data_ptr(), 0, 0, 0,
+        self._run(call.launch, (src.data_ptr(), q.data_ptr(), 0, 0, 0,
                                 0 if global_scale is None else global_scale.data_ptr(), scales.data_ptr()))
         return q, scales
 

@@ -227,8 +227,8 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
     """Host time per call of the GPU code path, on a machine without one: the communicator runs
     in gpu mode over an emulator pool with a fake current stream. ``launch="recorder"``: a
     recorder replaces the kernel launch, so the same Python runs up to the launch call.
-    ``launch="driver"``: the launch itself runs too (kernels.load_kernel, _cuda.launch, cuda.core,
-    cuda.bindings), into the stub driver of tests/stub_driver, which must be libcuda.so.1 (on
+    ``launch="driver"``: the launch itself runs too (kernels.load_kernel through cuda.core,
+    _cuda.launch through cuda.bindings' cuLaunchKernelEx), into the stub driver of tests/stub_driver, which must be libcuda.so.1 (on
     LD_LIBRARY_PATH); only the real driver's own work is then missing. Returns rows of (what,
     median us, median us above the floor, min and max of that over the rounds). The floor is a
     no-op operator registered with Library define + impl, timed in every round next to each row;
@@ -333,7 +333,7 @@ def host_main(args) -> int:
             print("# gpu-mode code path with a fake stream and a recorder in place of the kernel launch:")
             print("# the launch itself (cuda.core, the driver) is not timed here.")
         else:
-            print("# gpu-mode code path with a fake stream, launching through cuda.core into the stub driver:")
+            print("# gpu-mode code path with a fake stream, launching through cuLaunchKernelEx into the stub driver:")
             print("# everything up to the driver's cuLaunchKernelEx is timed, not the real driver's own work.")
         print("# 'above floor' is per round, against the floor timed in the same round; its min..max over")
         print("# the rounds is the spread")

@@ -130,14 +130,21 @@ VARIABLES: dict[str, Var] = {
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
                                      "single_header_slot", "no_abort_check", "no_proxy_fence_nvls_twoshot",
                                      "twoshot_drop_peer", "allgather_short_push", "no_lamport_header_check",
-                                     "no_departure_check", "extra_fence", "twoshot_reverse_order", "nvfp4_nibble_order", "swizzle"), "",
+                                     "no_departure_check", "extra_fence", "twoshot_reverse_order", "nvfp4_nibble_order", "swizzle",
+                                     "no_pdl_wait"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
             "no_proxy_fence_nvls_twoshot|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_departure_check|extra_fence|"
-            "twoshot_reverse_order|nvfp4_nibble_order|swizzle",
+            "twoshot_reverse_order|nvfp4_nibble_order|swizzle|no_pdl_wait",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),
             "directory path", "Where compiled cubins and the emulator library are cached."),
+        Var("UBNEXT_PDL", _bool, True, "0|1",
+            "Programmatic dependent launch: on sm_90 and later, launch every kernel with the "
+            "programmatic-stream-serialization attribute, so that its launch and prologue overlap the "
+            "end of the kernel before it on the stream (each kernel waits with griddepcontrol.wait before "
+            "it touches memory). 0 launches in plain stream order (the C API's equivalent is the launch "
+            "flag UBNEXT_LAUNCH_NO_PDL)."),
         Var("UBNEXT_DEBUG", _bool, False, "0|1",
             "Check shapes across ranks and synchronise after every call to surface kernel "
             "errors at the call that caused them."),

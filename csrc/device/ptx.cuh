@@ -233,6 +233,34 @@ UBX_DEV void fence_proxy_alias() {
 #endif
 }
 
+// ---------------------------------------------------------------- programmatic dependent launch
+// A kernel launched with the programmatic-stream-serialization attribute (sm_90+; ubnext/_cuda.py,
+// csrc/host/collectives.cpp) may start while the kernel before it on the stream is still running.
+// griddepcontrol.wait blocks until every grid this one depends on has completed and its memory
+// operations are visible: a kernel calls it before its first access to memory a previous kernel may
+// have written (its inputs, the pool). Without the attribute it returns at once. Below sm_90 the
+// attribute is never set, and both are no-ops. The emulator serialises launches, so its twin only
+// records that the wait came before the thread's first memory access (memory.cpp), which it checks.
+UBX_DEV void griddep_wait() {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::griddep_wait();
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;" : : : "memory");
+#endif
+}
+
+// Lets the next kernel on the stream (if launched with the attribute) start its blocks once every block
+// of this grid has called this or exited. Memory needs no care here: the dependent's own griddep_wait
+// still waits for this whole grid to complete. Called once the inputs are read, so that the dependent's
+// launch and prologue overlap this kernel's tail.
+UBX_DEV void griddep_launch_dependents() {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::griddep_launch_dependents();
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
+#endif
+}
+
 // ---------------------------------------------------------------- multicast (NVLS, sm_90+)
 // `p` is a multicast address. Below sm_90 these trap: the host never picks an NVLS kernel there.
 #if !defined(UBNEXT_EMULATOR) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)

@@ -21,11 +21,19 @@ extern "C" {
 
 /* Launch kernel `kernel` (an extern "C" kernel of this library with the collective ABI of
  * docs/ARCHITECTURE.md) with `grid` blocks of `block` threads; args[i] points to parameter i,
- * as cuLaunchKernel's kernelParams. Synchronous. Returns 0, or nonzero with a message in err:
- * 1 bad arguments, 2 unknown kernel, 3 the kernel failed (deadlock inside a block, __trap, stack
- * overflow). A launch that runs past the watchdog prints a report and aborts the process. */
-UBNEXT_EMU_API int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args, char* err,
-                      int errlen);
+ * as cuLaunchKernel's kernelParams (args[0] to the 256-byte descriptor). Synchronous. `flags`:
+ * UBNEXT_EMU_LAUNCH_PDL, as a GPU launch with the programmatic-stream-serialization attribute: a
+ * memory access of a thread before its griddepcontrol.wait fails the launch. Returns 0, or nonzero
+ * with a message in err: 1 bad arguments, 2 unknown kernel, 3 the kernel failed (deadlock inside a
+ * block, __trap, stack overflow, an access before the wait). A launch that runs past the watchdog
+ * prints a report and aborts the process. */
+#define UBNEXT_EMU_LAUNCH_PDL 1
+UBNEXT_EMU_API int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args, int flags,
+                      char* err, int errlen);
+/* Words of ubnext_emu_griddep, for the last launch that succeeded: [threads, threads that executed
+ * griddepcontrol.wait, threads that executed griddepcontrol.launch_dependents]. */
+#define UBNEXT_EMU_GRIDDEP_WORDS 3
+UBNEXT_EMU_API int ubnext_emu_griddep(uint64_t* out, int nwords);
 
 /* Register a symmetric region: peer_bases[r] is rank r's copy as mapped in this process (own rank
  * included), all `bytes` long; mc_base is this region's multicast range (from ubnext_emu_reserve)

@@ -100,6 +100,8 @@ struct Fiber {
   Clock data;
   Clock ready() const { return clock < data ? data : clock; }
   unsigned waiting = 0;              // count mode: inside a wait (count_wait_begin): loads are polls
+  bool griddep_waited = false;       // it executed griddepcontrol.wait in this launch
+  bool griddep_launched = false;     // it executed griddepcontrol.launch_dependents
   std::unordered_set<uint64_t> loaded;  // count mode: 16-byte granules it loaded (a poll counts once)
 };
 
@@ -135,6 +137,8 @@ struct Block {
   Traffic traffic{};
   uint64_t bytes_moved = 0;  // count mode: bytes its threads loaded (once per granule) and stored
   Clock end_clock;           // count mode: the longest chain of its threads that ended
+  bool pdl = false;          // launched with the PDL attribute: no memory access before griddepcontrol.wait
+  uint32_t griddep_waited = 0, griddep_launched = 0;  // its ended threads that executed each
   std::string error;
 };
 
@@ -143,6 +147,9 @@ extern thread_local Block* tl_block;
 
 // Scheduler hooks used by the memory model.
 void yield_fiber(bool work);
+// A memory access of the current thread, which has not executed griddepcontrol.wait, in a launch made
+// with the PDL attribute: fails the launch naming the access and the thread; does not return.
+[[noreturn]] void griddep_violation(const void* p, const char* access);
 
 // Memory-model hooks used by the scheduler.
 void drain_all(Block& b, std::vector<PendingStore>& buf);

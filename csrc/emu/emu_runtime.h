@@ -41,6 +41,13 @@ void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, 
 uint64_t globaltimer_ns();
 void spin_pause();
 
+// griddepcontrol (ptx.cuh). Launches are serialised, so the wait has nothing to wait for: it marks the
+// thread as having waited, and in a launch made with the PDL attribute (ubnext_emu_launch's flags) any
+// memory access of a thread that has not waited fails the launch, as it could read what the previous
+// kernel is still writing on a GPU. launch_dependents is counted (ubnext_emu_griddep).
+void griddep_wait();
+void griddep_launch_dependents();
+
 // Execution model (emu_prelude.h wraps these in the CUDA names).
 struct Idx3 {
   unsigned int x, y, z;

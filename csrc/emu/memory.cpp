@@ -504,12 +504,28 @@ void fence_proxy_alias() {
   }
 }
 
+// PDL (ptx.cuh griddep_wait): in a launch with the attribute, a thread touches memory only after its
+// griddepcontrol.wait. Plain scalar accesses of kernel code are not seen (only the twins and vector
+// accesses are), so a scalar read before the wait would go unnoticed; every kernel waits at its entry.
+static void griddep_check(Block& b, const void* p, const char* access) {
+  if (b.pdl && !b.cur->griddep_waited) griddep_violation(p, access);
+}
+
+void griddep_wait() {
+  if (Block* b = enter(true)) b->cur->griddep_waited = true;
+}
+
+void griddep_launch_dependents() {
+  if (Block* b = enter(true)) b->cur->griddep_launched = true;
+}
+
 // ------------------------------------------------------------------------------ twins
 void mem_load(void* dst, const void* src, unsigned bytes, int order) {
   if (bytes >= 8) check_aligned(src, bytes, "vector load");
   Block* b = enter(false);
   Where w{-1, -1, 0};
   if (b) {
+    griddep_check(*b, src, "load");
     w = locate(reinterpret_cast<uint64_t>(src));
     drain_overlapping(*b, w, bytes);
     count_unicast(*b, w, bytes, false);
@@ -526,6 +542,7 @@ void mem_store(void* dst, const void* src, unsigned bytes, int order) {
   if (bytes >= 8) check_aligned(dst, bytes, "vector store");
   Block* b = enter(true);
   if (b) {
+    griddep_check(*b, dst, "store");
     const Where w = locate(reinterpret_cast<uint64_t>(dst));
     count_unicast(*b, w, bytes, true);
     if (!b->cur->mc_shadow.empty()) shadow_forget(*b, w, bytes);
@@ -550,6 +567,7 @@ void mem_store(void* dst, const void* src, unsigned bytes, int order) {
 }
 
 static Where before_atomic(Block& b, const void* p, int order) {
+  griddep_check(b, p, "atomic");
   const Where w = locate(reinterpret_cast<uint64_t>(p));
   count_unicast(b, w, 4, true);
   if (w.region >= 0 && w.rank >= 0 && w.rank != g_regions[w.region].rank) b.traffic.peer_atomic_ops += 1;
@@ -657,6 +675,7 @@ void mc_ld_reduce(void* dst16, const void* mc, int mc_type) {
   const Where w = locate(reinterpret_cast<uint64_t>(mc));
   const Region& r = mc_region(w, mc, "multimem.ld_reduce");
   if (b) {
+    griddep_check(*b, mc, "multimem.ld_reduce");
     drain_overlapping(*b, w, 16);
     b->traffic.mc_ld_bytes += 16;
     b->traffic.mc_ld_ops += 1;
@@ -696,6 +715,7 @@ void mc_store(void* mc, const void* src, unsigned bytes, int order) {
   const Where w = locate(reinterpret_cast<uint64_t>(mc));
   mc_region(w, mc, "multimem.st");
   if (b) {
+    griddep_check(*b, mc, "multimem.st");
     b->traffic.mc_store_bytes += bytes;
     b->traffic.mc_store_ops += 1;
     if (b->chaos) {
@@ -721,6 +741,7 @@ void mc_red_add_u32(uint32_t* mc, uint32_t v, int order) {
   const Where w = locate(reinterpret_cast<uint64_t>(mc));
   const Region& r = mc_region(w, mc, "multimem.red");
   if (b) {
+    griddep_check(*b, mc, "multimem.red");
     b->traffic.mc_red_bytes += 4;
     b->traffic.mc_red_ops += 1;
     if (order == kRelease || order == kAcqRel) drain_for_release(*b);
@@ -741,6 +762,7 @@ void mc_red_add_u32(uint32_t* mc, uint32_t v, int order) {
 void vector_access(const void* p, unsigned bytes, const char* access, bool is_load) {
   check_aligned(p, bytes, access);
   Block* b = tl_block;
+  if (b && b->cur) griddep_check(*b, p, access);
   if (!b || !b->cur || !counting()) return;
   if (!is_load) b->bytes_moved += bytes;
   else if (!b->cur->waiting && b->cur->loaded.insert(reinterpret_cast<uint64_t>(p) / 16).second) b->bytes_moved += bytes;

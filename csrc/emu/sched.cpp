@@ -24,6 +24,7 @@
 #include <unordered_map>
 
 #include "emu_internal.h"
+#include "../device/desc.cuh"
 
 #if !defined(__x86_64__) && !defined(UBX_EMU_UCONTEXT)
 #define UBX_EMU_UCONTEXT 1
@@ -119,13 +120,14 @@ static inline void ctx_switch(void** save, void* load) {
 #endif
 
 // ------------------------------------------------------------------------------ launches
-using KernelFn = void (*)(void*, void*, void*, void*, void*, void*, void*, void*, int, int, float,
-                          int);
+// The kernel ABI (docs/ARCHITECTURE.md): the descriptor by value, seven pointers, four scalars.
+using KernelFn = void (*)(ubnext_comm_desc, void*, void*, void*, void*, void*, void*, void*, int, int, float, int);
 
 struct Launch {
   std::string name;
   KernelFn fn = nullptr;
-  void* ptr[8] = {};
+  ubnext_comm_desc desc{};
+  void* ptr[7] = {};
   int n = 0, hidden = 0, flags = 0;
   float eps = 0.f;
   Idx3 grid{1, 1, 1}, block{32, 1, 1};
@@ -134,7 +136,8 @@ struct Launch {
   std::condition_variable cv;
   int done = 0;
   std::atomic<bool> failed{false};
-  void invoke() { fn(ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], ptr[5], ptr[6], ptr[7], n, hidden, eps, flags); }
+  bool pdl = false;  // launched with the PDL attribute (UBNEXT_EMU_LAUNCH_PDL)
+  void invoke() { fn(desc, ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], ptr[5], ptr[6], n, hidden, eps, flags); }
 };
 
 static constexpr size_t kStackBytes = 128 * 1024;
@@ -284,6 +287,15 @@ void trap() {
   abandon_fiber(*b, *b->cur);
 }
 
+void griddep_violation(const void* p, const char* access) {
+  Block& b = *tl_block;  // memory.cpp calls it from inside a launch only
+  char msg[200];
+  snprintf(msg, sizeof msg, "%s at %p before griddepcontrol.wait (launched with the PDL attribute: the previous "
+           "kernel may still be writing it)", access, p);
+  fail_block(b, std::string(msg) + " in " + where(b, b.cur));
+  abandon_fiber(b, *b.cur);
+}
+
 void check_aligned(const void* p, unsigned bytes, const char* access) {
   if (reinterpret_cast<uintptr_t>(p) % bytes == 0) return;
   char msg[200];
@@ -300,6 +312,8 @@ void check_aligned(const void* p, unsigned bytes, const char* access) {
 static void fiber_exit(Block& b, Fiber& f) {
   drain_all(b, f.sbuf);  // kernel end makes every store visible
   b.end_clock.join(f.ready());
+  b.griddep_waited += f.griddep_waited;
+  b.griddep_launched += f.griddep_launched;
   if (*reinterpret_cast<uint64_t*>(f.stack_lo) != kCanary)
     fail_block(b, "fiber stack overflow (" + std::to_string(kStackBytes) + " bytes) in " + where(b, &f));
   f.state = kDone;
@@ -350,6 +364,7 @@ static void run_block(Block& b, char* arena) {
     f.clock = f.data = Clock{};
     f.waiting = 0;
     f.loaded.clear();
+    f.griddep_waited = f.griddep_launched = false;
     f.stack_lo = arena + size_t(i) * kStackBytes;
     *reinterpret_cast<uint64_t*>(f.stack_lo) = kCanary;
     ctx_init(f, f.stack_lo + kStackBytes);
@@ -440,6 +455,7 @@ static std::mutex g_launch_mutex;  // one launch at a time per process
 // Count mode: the last launch's critical-path count (ubnext_emu_counts).
 static std::mutex g_counts_mutex;
 static uint64_t g_counts[UBNEXT_EMU_COUNT_WORDS] = {};
+static uint64_t g_griddep[UBNEXT_EMU_GRIDDEP_WORDS] = {};  // of the last launch (ubnext_emu_griddep)
 static std::vector<Worker*>* g_workers = new std::vector<Worker*>();
 
 static void ensure_workers(size_t n) {
@@ -481,7 +497,7 @@ static int set_err(char* err, int errlen, int code, const std::string& msg) {
   return code;
 }
 
-extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args,
+extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args, int flags,
                                  char* err, int errlen) {
   if (err && errlen > 0) err[0] = 0;
   if (!kernel || !args) return set_err(err, errlen, 1, "null kernel name or args");
@@ -499,11 +515,13 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
   Launch L;
   L.name = kernel;
   L.fn = reinterpret_cast<KernelFn>(sym);
-  for (int i = 0; i < 8; ++i) L.ptr[i] = *static_cast<void* const*>(args[i]);
+  memcpy(&L.desc, args[0], sizeof L.desc);
+  for (int i = 0; i < 7; ++i) L.ptr[i] = *static_cast<void* const*>(args[1 + i]);
   L.n = *static_cast<const int*>(args[8]);
   L.hidden = *static_cast<const int*>(args[9]);
   L.eps = *static_cast<const float*>(args[10]);
   L.flags = *static_cast<const int*>(args[11]);
+  L.pdl = (flags & UBNEXT_EMU_LAUNCH_PDL) != 0;
   L.grid = Idx3{unsigned(grid), 1, 1};
   L.block = Idx3{unsigned(block), 1, 1};
   L.blocks.resize(size_t(grid));
@@ -514,6 +532,7 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
     b.launch = &L;
     b.bidx = Idx3{unsigned(i), 0, 0};
     b.chaos = chaos;
+    b.pdl = L.pdl;
     b.rng.seed(seed + uint64_t(i) * 0xbf58476d1ce4e5b9ull);
     b.live = unsigned(block);  // until the worker starts it, for the watchdog report
   }
@@ -535,6 +554,15 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
   // Each worker clears its job before reporting done, so L may now go away.
   for (const Block& b : L.blocks)
     if (!b.error.empty()) return set_err(err, errlen, 3, std::string(kernel) + ": " + b.error);
+  {
+    uint64_t griddep[UBNEXT_EMU_GRIDDEP_WORDS] = {uint64_t(grid) * uint64_t(block), 0, 0};
+    for (const Block& b : L.blocks) {
+      griddep[1] += b.griddep_waited;
+      griddep[2] += b.griddep_launched;
+    }
+    std::lock_guard<std::mutex> lk(g_counts_mutex);
+    memcpy(g_griddep, griddep, sizeof griddep);
+  }
   if (counting()) {
     Clock longest;
     uint64_t most = 0, total = 0;
@@ -548,6 +576,14 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
     memcpy(g_counts, counts, sizeof counts);
   }
   return 0;
+}
+
+extern "C" int ubnext_emu_griddep(uint64_t* out, int nwords) {
+  if (!out || nwords < 0) return 0;
+  std::lock_guard<std::mutex> lk(g_counts_mutex);
+  const int n = nwords < UBNEXT_EMU_GRIDDEP_WORDS ? nwords : UBNEXT_EMU_GRIDDEP_WORDS;
+  memcpy(out, g_griddep, size_t(n) * 8);
+  return n;
 }
 
 extern "C" int ubnext_emu_counts(uint64_t* out, int nwords) {

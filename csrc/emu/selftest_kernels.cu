@@ -6,10 +6,10 @@
 #include "../device/platform.cuh"
 #include "../device/ptx.cuh"
 
-#define EMU_ST_PARAMS                                                                        \
-  const void *desc, const void *in, void *out, const void *residual, void *residual_out,     \
-      const void *weight, const float *scale, float *scale_inv, int n, int hidden, float eps, \
-      int flags
+#include "../device/entry.cuh"
+
+// The descriptor comes by value, as to every kernel; all zero (magic 0) when the test gives none.
+#define EMU_ST_PARAMS UBX_KERNEL_PARAMS
 
 namespace {
 
@@ -94,7 +94,7 @@ extern "C" __global__ void ubnext_emu_selftest_gridsync(EMU_ST_PARAMS) {
 //   (thread 0 only); every thread stores 16 B to the next peer's scratch at 4n*16 + t*16 and
 //   loads 4 B from every rank's (including its own) bf16 section.
 extern "C" __global__ void ubnext_emu_selftest_multicast(EMU_ST_PARAMS) {
-  const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
+  const ubnext_comm_desc* d = &desc;
   const uint64_t mc = d->mc_base, rank = d->rank, nranks = d->nranks;
   uint4* o = static_cast<uint4*>(out);
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
@@ -119,7 +119,7 @@ extern "C" __global__ void ubnext_emu_selftest_multicast(EMU_ST_PARAMS) {
 // again (at most 64 times) while it reads zeros, as a Lamport poll retries its sentinel; out[t] is the
 // last read, and residual_out (uint32 [n]) the number of reads.
 extern "C" __global__ void ubnext_emu_selftest_proxy(EMU_ST_PARAMS) {
-  const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
+  const ubnext_comm_desc* d = &desc;
   uint4* o = static_cast<uint4*>(out);
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
     ubx::multimem_st_v4(reinterpret_cast<void*>(d->mc_base + uint64_t(t) * 16),
@@ -138,9 +138,9 @@ extern "C" __global__ void ubnext_emu_selftest_proxy(EMU_ST_PARAMS) {
 
 // Message-passing litmus test: writers push data then a flag, readers wait for the flag and check
 // the data. Pairs by threadIdx, `n` messages each; all words zeroed beforehand.
-//   desc == 0 (one process): block 0 threads write, block 1 threads read (grid 2); the words are
+//   no desc (one process): block 0 threads write, block 1 threads read (grid 2); the words are
 //     in residual_out (uint32): data[t] at [t], flag[t] at [B + t], ack[t] at [2B + t], B = blockDim.
-//   desc != 0 (ranks): rank 0 writes, rank 1 reads, other ranks return (grid 1). data and flag are
+//   a desc (ranks): rank 0 writes, rank 1 reads, other ranks return (grid 1). data and flag are
 //     in rank 1's pool at data_off, ack in rank 0's pool at data_off + 2B words.
 // Writer: wait ack == i, data := i+1 (relaxed), [flags & 1: fence], flag := i+1 (relaxed).
 // Reader: wait flag == i+1, read data, count data != i+1, ack := i+1 (release).
@@ -149,8 +149,8 @@ extern "C" __global__ void ubnext_emu_selftest_litmus(EMU_ST_PARAMS) {
   const uint32_t B = blockDim.x, t = threadIdx.x;
   uint32_t *data, *flag, *ack;
   bool writer;
-  if (desc) {
-    const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
+  if (desc.magic != 0) {
+    const ubnext_comm_desc* d = &desc;
     if (d->rank > 1) return;
     writer = d->rank == 0;
     uint32_t* rd = reinterpret_cast<uint32_t*>(d->peer_base[1] + d->data_off);
@@ -196,7 +196,7 @@ extern "C" __global__ void ubnext_emu_selftest_litmus(EMU_ST_PARAMS) {
 // [BARRIER_FLAG + block * MAX_RANKS + peer], which only rank `peer` (= hidden) writes, is nonzero. On timeout it records {1, OP = n, rank, peer} in err_ptr (first writer wins).
 // flags & 1: ignore the timeout (spin forever: for the watchdog test).
 extern "C" __global__ void ubnext_emu_selftest_wait(EMU_ST_PARAMS) {
-  const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
+  const ubnext_comm_desc* d = &desc;
   if (threadIdx.x != 0) return;
   const uint32_t peer = uint32_t(hidden);
   const uint32_t* word = reinterpret_cast<const uint32_t*>(d->peer_base[d->rank] + d->sync_off) +
@@ -245,9 +245,9 @@ extern "C" __global__ void ubnext_emu_selftest_warp(EMU_ST_PARAMS) {
 // How thread 0 parks: flags 0: __syncthreads; 1: __syncwarp (threads 1..31 of its warp poll,
 // then __syncwarp; the other warps exit); 2: spin_pause on a __shared__ word that thread 1 sets
 // after the peer's flag; 3: the same with __nanosleep.
-//   desc == 0 (one process, grid 2): block b is "rank" b; words in residual_out (uint32, zeroed):
+//   no desc (one process, grid 2): block b is "rank" b; words in residual_out (uint32, zeroed):
 //     rank r's inbox at [r * 16]: data [0..8), flag [8].
-//   desc != 0 (ranks, grid 1): rank r pushes into the inbox at data_off of rank (r+1) % nranks.
+//   a desc (ranks, grid 1): rank r pushes into the inbox at data_off of rank (r+1) % nranks.
 // n: the flag value, nonzero and different in consecutive launches (it also tags the __shared__
 // word of modes 2/3, which survives launches). out (uint32 [grid][2], zeroed) per block: [0] 1 =
 // saw the peer's flag, 0xffffffff = timed out (5 s); [1] data words found stale after the flag
@@ -255,8 +255,8 @@ extern "C" __global__ void ubnext_emu_selftest_warp(EMU_ST_PARAMS) {
 extern "C" __global__ void ubnext_emu_selftest_parked(EMU_ST_PARAMS) {
   const uint32_t t = threadIdx.x, mode = uint32_t(flags) & 3;
   uint32_t *inbox, *outbox;
-  if (desc) {
-    const ubnext_comm_desc* d = static_cast<const ubnext_comm_desc*>(desc);
+  if (desc.magic != 0) {
+    const ubnext_comm_desc* d = &desc;
     inbox = reinterpret_cast<uint32_t*>(d->peer_base[d->rank] + d->data_off);
     outbox = reinterpret_cast<uint32_t*>(d->peer_base[(d->rank + 1) % d->nranks] + d->data_off);
   } else {

@@ -46,7 +46,7 @@ constexpr int kNumDtypes = 3;  // inputs: bf16, fp16, fp32 (ubnext_dtype_t order
 constexpr unsigned kDefaultBlock = 256;
 constexpr unsigned kMaxBlock = 1024;
 constexpr int kMaxCachedDevices = 64;
-constexpr uint32_t kKnownLaunchFlags = UBNEXT_LAUNCH_LAMPORT_MULTICAST;
+constexpr uint32_t kKnownLaunchFlags = UBNEXT_LAUNCH_LAMPORT_MULTICAST | UBNEXT_LAUNCH_NO_PDL;
 
 struct KernelEntry {
   const char* name;
@@ -306,8 +306,10 @@ ubnext_status_t device_limits(int device, int kernel, unsigned block, Limits* ou
   return UBNEXT_STATUS_SUCCESS;
 }
 
+// The kernel ABI (docs/ARCHITECTURE.md): the descriptor by value (the caller's host copy, which must
+// equal the device one: csrc/device/entry.cuh says why kernels take it so), then pointers and scalars.
 struct KernelArgs {
-  const void* desc;
+  ubnext_comm_desc desc;
   const void* in;
   void* out;
   const void* residual;
@@ -320,6 +322,21 @@ struct KernelArgs {
   float eps;
   int32_t flags;
 };
+
+// Whether launches on `device` carry the programmatic-stream-serialization attribute (PDL): on sm_90 and
+// later (griddepcontrol needs them), unless the caller's launch flags say UBNEXT_LAUNCH_NO_PDL. The
+// compute capability is asked once per device.
+ubnext_status_t pdl_enabled(int device, uint32_t launch_flags, bool* on) {
+  static std::atomic<int> major[kMaxCachedDevices];  // 0: not asked yet
+  int m = device < kMaxCachedDevices ? major[device].load(std::memory_order_relaxed) : 0;
+  if (m == 0) {
+    UBNEXT_TRY(from_cuda(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device),
+                         "cudaDeviceGetAttribute(ComputeCapabilityMajor)"));
+    if (device < kMaxCachedDevices) major[device].store(m, std::memory_order_relaxed);
+  }
+  *on = !(launch_flags & UBNEXT_LAUNCH_NO_PDL) && m >= 9;
+  return UBNEXT_STATUS_SUCCESS;
+}
 
 // Launch kernel `kernel` (an index of kKernels) with the default grid rule of launch_rules.h
 // (default_grid: `bytes` of message, per-rank share or not, `tokens` rows, half the SMs for a kernel
@@ -350,11 +367,24 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
                 "grid %u exceeds the co-resident limit of %d blocks for %s with %u threads",
                 grid, lim.coresident, k.name, block);
   }
+  bool pdl = false;
+  UBNEXT_TRY(pdl_enabled(device, launch.flags, &pdl));
   void* params[] = {&a.desc,     &a.in,    &a.out,       &a.residual,
                     &a.residual_out, &a.weight, &a.scale, &a.scale_inv,
                     &a.n,        &a.hidden, &a.eps,      &a.flags};
-  const cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(k.stub), dim3(grid), dim3(block), params, 0,
-                       static_cast<cudaStream_t>(launch.stream));
+  // With the attribute the kernel may start before the previous kernel on the stream has ended; it
+  // waits for it in griddepcontrol.wait before touching memory (csrc/device/ptx.cuh).
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block);
+  config.dynamicSmemBytes = 0;
+  config.stream = static_cast<cudaStream_t>(launch.stream);
+  config.attrs = pdl ? &attribute : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(k.stub), params);
   return from_cuda(err, k.name);
 }
 
@@ -440,7 +470,7 @@ ubnext_status_t ubnext_allreduce(const ubnext_launch_t* user_launch, ubnext_algo
     if (out != in && check_in_arena(d, algo, out, padded, "out") == UBNEXT_STATUS_SUCCESS) flags = UBNEXT_F_MULTICAST;
     clear_error();  // an out outside the arena is allowed: the kernel copies into it
   }
-  KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr,
+  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr,
                static_cast<int32_t>(count), 0, 0.0f, flags};
   return launch_kernel(launch, algo, dtype, d, 0, a);
 }
@@ -552,7 +582,7 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
       }
     }
   }
-  KernelArgs a{launch.desc,  args.in,     args.out,
+  KernelArgs a{*d,  args.in,     args.out,
                args.residual, args.residual_out, args.weight,
                args.scale,   args.scale_inv, static_cast<int32_t>(args.count),
                static_cast<int32_t>(args.hidden), args.eps, flags};
@@ -563,9 +593,10 @@ ubnext_status_t ubnext_allgather(const ubnext_launch_t* user_launch, const void*
   clear_error();
   ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
   UBNEXT_TRY(read_versioned(user_launch, &launch, "ubnext_launch_t"));
-  if (launch.flags != 0) {
+  if (launch.flags & ~UBNEXT_LAUNCH_NO_PDL) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "ubnext_allgather takes no launch flags (it pushes through multicast when the descriptor has it)");
+                "ubnext_allgather takes no launch flags but UBNEXT_LAUNCH_NO_PDL (it pushes through multicast when the "
+                "descriptor has it)");
   }
   const ubnext_comm_desc* d = nullptr;
   UBNEXT_TRY(check_launch(&launch, false, "allgather", &d));
@@ -579,7 +610,7 @@ ubnext_status_t ubnext_allgather(const ubnext_launch_t* user_launch, const void*
   if (in != own && overlaps(in, bytes, out, total)) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "in overlaps out without being this rank's slice of it");
   }
-  KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(bytes), 0, 0.0f,
+  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(bytes), 0, 0.0f,
                d->mc_base != 0 ? UBNEXT_F_MULTICAST : 0};
   return launch_index(launch, kAllgatherKernel, false, bytes, 0, static_cast<size_t>(d->nranks), a);
 }
@@ -589,7 +620,9 @@ ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* user_launch, ubnext
   clear_error();
   ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
   UBNEXT_TRY(read_versioned(user_launch, &launch, "ubnext_launch_t"));
-  if (launch.flags != 0) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "ubnext_reduce_scatter takes no launch flags");
+  if (launch.flags & ~UBNEXT_LAUNCH_NO_PDL) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "ubnext_reduce_scatter takes no launch flags but UBNEXT_LAUNCH_NO_PDL");
+  }
   UBNEXT_TRY(check_input_dtype(dtype));
   const ubnext_comm_desc* d = nullptr;
   UBNEXT_TRY(check_launch(&launch, false, "reduce_scatter", &d));
@@ -606,7 +639,7 @@ ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* user_launch, ubnext
   const size_t total = bytes * static_cast<size_t>(d->nranks);
   UBNEXT_TRY(check_in_arena_named(d, "reduce_scatter", in, total, "in"));
   if (overlaps(in, total, out, bytes)) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "out overlaps in");
-  KernelArgs a{launch.desc, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(count), 0,
+  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(count), 0,
                factor, 0};
   return launch_index(launch, kReduceScatterKernel + static_cast<int>(dtype), false, bytes, 0,
                       static_cast<size_t>(d->nranks), a);
@@ -645,7 +678,8 @@ ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_f
   }
   ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
   launch.stream = stream;
-  KernelArgs a{nullptr, in, out, nullptr, nullptr, nullptr, scale, scale_inv, static_cast<int32_t>(count),
+  launch.flags = UBNEXT_LAUNCH_NO_PDL;  // no launch struct to say otherwise: plain stream order, as before
+  KernelArgs a{ubnext_comm_desc{}, in, out, nullptr, nullptr, nullptr, scale, scale_inv, static_cast<int32_t>(count),
                static_cast<int32_t>(hidden), 0.0f, flags};
   // a local kernel: its grid comes from the work alone (launch_rules.h quantize_grid; the bits do not
   // depend on it)

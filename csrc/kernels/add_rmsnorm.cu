@@ -10,6 +10,7 @@
 // One block per token row, as the fused paths' row phase.
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
+#include "../device/entry.cuh"
 #include "../device/vec.cuh"
 #include "../device/reduce.cuh"
 #include "../device/norm.cuh"
@@ -31,11 +32,9 @@ UBX_DEV void add_rmsnorm_rows(const void* in, void* out, const void* residual, v
 }  // namespace ubx
 
 #define UBX_ADD_RMSNORM_ENTRY(NAME, T)                                                                     \
-  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,                 \
-                                  const void* residual, void* residual_out, const void* weight,            \
-                                  const float* scale, float* scale_inv, int n, int hidden, float eps,      \
-                                  int flags) {                                                              \
+  UBX_KERNEL(NAME) {                                                                                        \
     (void)desc;                                                                                             \
+    ::ubx::kernel_begin();                                                                                  \
     ::ubx::add_rmsnorm_rows<T>(in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps,  \
                                flags);                                                                      \
   }

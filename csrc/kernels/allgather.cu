@@ -25,6 +25,7 @@
 // Traffic per rank: (N-1)*n bytes of peer stores (unicast), or n bytes once through multicast.
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
+#include "../device/entry.cuh"
 #include "../device/ptx.cuh"
 #include "../device/barrier.cuh"
 #include "../device/vec.cuh"
@@ -80,6 +81,7 @@ UBX_DEV void allgather_push(const ubnext_comm_desc* d, const void* in, void* out
     const uint8_t v = static_cast<const uint8_t*>(in)[at];
     for_each_peer([&](uint64_t dst) { st_relaxed_sys_u8(reinterpret_cast<uint8_t*>(dst + at), v); });
   }
+  griddep_launch_dependents();  // `in` is read (ptx.cuh)
   // No fence.proxy.alias after the multicast push (issue 24 A): no thread of this kernel reads `out`
   // after storing to it (the byte stores go to other bytes, by unicast); its readers are later kernels,
   // after barrier 2 (every rank's stores released before its signal) and the kernel boundary (a grid's
@@ -91,10 +93,8 @@ UBX_DEV void allgather_push(const ubnext_comm_desc* d, const void* in, void* out
 
 }  // namespace ubx
 
-extern "C" __global__ void ubnext_allgather_u8(const ubnext_comm_desc* desc, const void* in, void* out,
-                                               const void* residual, void* residual_out, const void* weight,
-                                               const float* scale, float* scale_inv, int n, int hidden,
-                                               float eps, int flags) {
+UBX_KERNEL(ubnext_allgather_u8) {
   (void)residual, (void)residual_out, (void)weight, (void)scale, (void)scale_inv, (void)hidden, (void)eps;
-  ::ubx::allgather_push(desc, in, out, n, flags);
+  ::ubx::kernel_begin();
+  ::ubx::allgather_push(&desc, in, out, n, flags);
 }

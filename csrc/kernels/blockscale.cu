@@ -19,6 +19,7 @@
 // its per-vector store (V bytes, or V / 2 for nvfp4); scale_inv 4-byte aligned.
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
+#include "../device/entry.cuh"
 #include "../device/vec.cuh"
 #include "../device/reduce.cuh"
 #include "../device/norm.cuh"
@@ -128,11 +129,9 @@ UBX_DEV void quantize_blocks(const void* in, void* out, const float* gs, void* s
 }  // namespace ubx
 
 #define UBX_BLOCKSCALE_ENTRY(NAME, T, F)                                                                      \
-  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,                  \
-                                  const void* residual, void* residual_out, const void* weight,             \
-                                  const float* scale, float* scale_inv, int n, int hidden, float eps,       \
-                                  int flags) {                                                               \
+  UBX_KERNEL(NAME) {                                                                                         \
     (void)desc, (void)residual, (void)residual_out, (void)weight, (void)eps;                                \
+    ::ubx::kernel_begin();                                                                                   \
     ::ubx::quantize_blocks<T, F>(in, out, scale, scale_inv, n, hidden, flags);                              \
   }
 

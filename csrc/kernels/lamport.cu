@@ -37,6 +37,7 @@
 // (The rotation's ordering: lamport_rotation.cuh.)
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
+#include "../device/entry.cuh"
 #include "../device/ptx.cuh"
 #include "../device/barrier.cuh"
 #include "../device/vec.cuh"
@@ -213,6 +214,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
     for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
       for (int i = threadIdx.x; i < nv_row; i += blockDim.x) push(row * nv_row + i);
   }
+  griddep_launch_dependents();  // `in` is read (ptx.cuh)
   // No fence.proxy.alias between the multicast push and the unicast poll of our own slot (issue 24 A),
   // although this thread reads through unicast bytes it just wrote through multicast. Without the
   // fence the PTX model leaves the load unordered with the store: it may return the bytes from before
@@ -260,13 +262,11 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 
 }  // namespace ubx
 
-#define UBX_LAMPORT_ENTRY(NAME, T)                                                                           \
-  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,                  \
-                                  const void* residual, void* residual_out, const void* weight,             \
-                                  const float* scale, float* scale_inv, int n, int hidden, float eps,       \
-                                  int flags) {                                                               \
-    ::ubx::lamport_allreduce<T>(desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, \
-                                eps, flags);                                                                 \
+#define UBX_LAMPORT_ENTRY(NAME, T)                                                                      \
+  UBX_KERNEL(NAME) {                                                                                    \
+    ::ubx::kernel_begin();                                                                              \
+    ::ubx::lamport_allreduce<T>(&desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, \
+                                eps, flags);                                                            \
   }
 
 UBX_LAMPORT_ENTRY(ubnext_lamport_bf16, __nv_bfloat16)

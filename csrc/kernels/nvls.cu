@@ -84,6 +84,7 @@
 // (barrier.cuh: sticky abort); it must then be re-created.
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
+#include "../device/entry.cuh"
 #include "../device/ptx.cuh"
 #include "../device/barrier.cuh"
 #include "../device/vec.cuh"
@@ -213,7 +214,9 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
 #endif
   // Barrier 2 also when nothing follows it here: it tells this rank that every peer's stores into its
   // copy have landed, and every peer that nobody reads its `in` any more, before the next kernel.
-  if (!barrier_sync(br) || direct) return;
+  if (!barrier_sync(br)) return;
+  griddep_launch_dependents();  // every rank has reduced its slice of `in` (ptx.cuh)
+  if (direct) return;
   twoshot_local_phase<T>(sl, nranks, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags,
                          s_cache, s_red);
 }
@@ -250,6 +253,7 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
     rows_phase<T>(src, nvec / (hidden / V), residual, residual_out, weight, scale, scale_inv, out, n, hidden,
                   eps, flags, s_cache, s_red);
   }
+  griddep_launch_dependents();  // `in` is read (ptx.cuh)
   // Trailing barrier: peers may still be reading our `in` (see the header).
   (void)barrier_sync(br);
 }
@@ -292,6 +296,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
 
     // ---- re-poison our copy of the previous call's buffer while the peers' data is in flight
     lamport_repoison(d, rot);
+    griddep_launch_dependents();  // `in` is read (ptx.cuh)
 
     // ---- poll our copy of buffer b, write out (or the row math)
     if (!sl.rows) {
@@ -338,11 +343,9 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
 }  // namespace ubx
 
 #define UBX_NVLS_ENTRY(ALGO, NAME, T)                                                                   \
-  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,             \
-                                  const void* residual, void* residual_out, const void* weight,        \
-                                  const float* scale, float* scale_inv, int n, int hidden, float eps,  \
-                                  int flags) {                                                          \
-    ::ubx::ALGO<T>(desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags); \
+  UBX_KERNEL(NAME) {                                                                                    \
+    ::ubx::kernel_begin();                                                                              \
+    ::ubx::ALGO<T>(&desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags); \
   }
 
 UBX_NVLS_ENTRY(nvls_twoshot, ubnext_nvls_twoshot_bf16, __nv_bfloat16)

@@ -21,6 +21,7 @@
 // 8-byte aligned; scale_inv holds n / hidden floats (per row) or 1 (static).
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
+#include "../device/entry.cuh"
 #include "../device/vec.cuh"
 #include "../device/reduce.cuh"
 #include "../device/norm.cuh"
@@ -182,11 +183,9 @@ UBX_DEV void quantize_rows(const void* in, void* out, const float* scale, float*
 }  // namespace ubx
 
 #define UBX_QUANTIZE_ENTRY(NAME, T)                                                                          \
-  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,                 \
-                                  const void* residual, void* residual_out, const void* weight,            \
-                                  const float* scale, float* scale_inv, int n, int hidden, float eps,      \
-                                  int flags) {                                                              \
+  UBX_KERNEL(NAME) {                                                                                        \
     (void)desc, (void)residual, (void)residual_out, (void)weight, (void)eps;                               \
+    ::ubx::kernel_begin();                                                                                  \
     ::ubx::quantize_rows<T>(in, out, scale, scale_inv, n, hidden, flags);                                  \
   }
 

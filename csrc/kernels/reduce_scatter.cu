@@ -26,6 +26,7 @@
 // Traffic per rank: (N-1)*n*elem bytes of peer loads; each rank's memory serves as much to its peers.
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
+#include "../device/entry.cuh"
 #include "../device/ptx.cuh"
 #include "../device/barrier.cuh"
 #include "../device/vec.cuh"
@@ -91,18 +92,17 @@ UBX_DEV void reduce_scatter_pull(const ubnext_comm_desc* d, const void* in, void
     const int64_t i = k < head ? k : tail0 + (k - head);
     store_elem<T>(out, i, factor * sum_elem_over_ranks<T>(d, shard_off + static_cast<uint64_t>(i * E)));
   }
+  griddep_launch_dependents();  // `in` is read (ptx.cuh)
   (void)barrier_sync(br);
 }
 
 }  // namespace ubx
 
 #define UBX_REDUCE_SCATTER_ENTRY(NAME, T)                                                                   \
-  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,                 \
-                                  const void* residual, void* residual_out, const void* weight,            \
-                                  const float* scale, float* scale_inv, int n, int hidden, float eps,      \
-                                  int flags) {                                                              \
+  UBX_KERNEL(NAME) {                                                                                        \
     (void)residual, (void)residual_out, (void)weight, (void)scale, (void)scale_inv, (void)hidden;          \
-    ::ubx::reduce_scatter_pull<T>(desc, in, out, n, eps, flags);                                           \
+    ::ubx::kernel_begin();                                                                                  \
+    ::ubx::reduce_scatter_pull<T>(&desc, in, out, n, eps, flags);                                           \
   }
 
 UBX_REDUCE_SCATTER_ENTRY(ubnext_reduce_scatter_bf16, __nv_bfloat16)

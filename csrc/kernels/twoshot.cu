@@ -39,6 +39,7 @@
 // per block when the pool has multicast anyway: barrier.cuh says why every kernel signals the same way).
 #include "../device/platform.cuh"
 #include "../device/desc.cuh"
+#include "../device/entry.cuh"
 #include "../device/ptx.cuh"
 #include "../device/barrier.cuh"
 #include "../device/vec.cuh"
@@ -88,6 +89,7 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
   };
   for_my_slice<2>(sl, rank, load, store);
   if (!barrier_sync(br)) return;
+  griddep_launch_dependents();  // every rank has reduced its slice of `in` (ptx.cuh)
   twoshot_local_phase<T>(sl, nranks, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags,
                          s_cache, s_red);
 }
@@ -95,11 +97,9 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
 }  // namespace ubx
 
 #define UBX_TWOSHOT_ENTRY(NAME, T)                                                                          \
-  extern "C" __global__ void NAME(const ubnext_comm_desc* desc, const void* in, void* out,                 \
-                                  const void* residual, void* residual_out, const void* weight,            \
-                                  const float* scale, float* scale_inv, int n, int hidden, float eps,      \
-                                  int flags) {                                                              \
-    ::ubx::twoshot_unicast<T>(desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden,  \
+  UBX_KERNEL(NAME) {                                                                                        \
+    ::ubx::kernel_begin();                                                                                  \
+    ::ubx::twoshot_unicast<T>(&desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden,  \
                               eps, flags);                                                                  \
   }
 

@@ -652,7 +652,17 @@ static void test_fsdp_entries(int gpu) {
          "scaling");
   EXPECT(ubnext_quantize_fp8(NULL, UBNEXT_DTYPE_FP32, UBNEXT_FP8_PER_TOKEN, elsewhere, elsewhere + 8, 64, 64,
                              NULL, s), INV, "overlap");
+  /* plain stream order instead of programmatic dependent launch: the one flag these two take */
+  g_launch.flags = UBNEXT_LAUNCH_NO_PDL | UBNEXT_LAUNCH_LAMPORT_MULTICAST;
+  EXPECT(ubnext_allgather(&g_launch, elsewhere, a, 256), INV, "UBNEXT_LAUNCH_NO_PDL");
+  EXPECT(ubnext_reduce_scatter(&g_launch, UBNEXT_DTYPE_BF16, a, elsewhere, 64, 0.5f), INV, "UBNEXT_LAUNCH_NO_PDL");
+  g_launch.flags = 0;
   if (gpu) return; /* tests/gpu launches for real */
+  g_launch.flags = UBNEXT_LAUNCH_NO_PDL;
+  EXPECT(ubnext_allgather(&g_launch, elsewhere, a, 256), UBNEXT_STATUS_NO_DEVICE, NULL);
+  EXPECT(ubnext_reduce_scatter(&g_launch, UBNEXT_DTYPE_BF16, a, elsewhere, 64, 0.5f), UBNEXT_STATUS_NO_DEVICE, NULL);
+  EXPECT(allreduce(UBNEXT_ALGO_LAMPORT, UBNEXT_DTYPE_BF16, a, elsewhere, 4096), UBNEXT_STATUS_NO_DEVICE, NULL);
+  g_launch.flags = 0;
   EXPECT(ubnext_allgather(&g_launch, elsewhere, a, 256), UBNEXT_STATUS_NO_DEVICE, NULL);
   EXPECT(ubnext_allgather(&g_launch, a, a, 12), UBNEXT_STATUS_NO_DEVICE, NULL); /* rank 0's own slice */
   EXPECT(ubnext_reduce_scatter(&g_launch, UBNEXT_DTYPE_BF16, a, elsewhere, 64, 0.5f), UBNEXT_STATUS_NO_DEVICE, NULL);

@@ -8,7 +8,7 @@ import numpy as np
 
 SIGNATURE = ("desc", "in", "out", "residual", "residual_out", "weight", "scale", "scale_inv",
              "n", "hidden", "eps", "flags")
-TYPES = ("ptr",) * 8 + ("i32", "i32", "f32", "i32")
+TYPES = ("desc",) + ("ptr",) * 7 + ("i32", "i32", "f32", "i32")  # desc: by value (pack_desc's array)
 MAX_RANKS = 16
 SYNC_BARRIER_FLAG = 1024  # UBNEXT_SYNC_BARRIER_FLAG, in u32 words
 
@@ -28,12 +28,13 @@ class KernelArgs(list):
 
 
 def kargs(**kw) -> KernelArgs:
-    """The 12 (type, value) kernel parameters; arrays become their addresses, the rest is 0."""
+    """The 12 (type, value) kernel parameters; arrays become their addresses (the descriptor is passed
+    by value), the rest is 0."""
     unknown = set(kw) - set(SIGNATURE)
     assert not unknown, unknown
     vals = [kw.get(name, 0) for name in SIGNATURE]
     arrays = [v for v in vals if isinstance(v, np.ndarray)]
-    vals = [ptr(v) if isinstance(v, np.ndarray) else v for v in vals]
+    vals = [ptr(v) if isinstance(v, np.ndarray) and kind != "desc" else v for v, kind in zip(vals, TYPES)]
     return KernelArgs(zip(TYPES, vals), arrays)
 
 

@@ -23,7 +23,7 @@ def test_host_bench_script():
     # short runs; the script builds the stub driver and the sm_90 kernels it needs
     proc = run_script("scripts/host_bench.sh --calls 50")
     assert_mpi_ok(proc)
-    assert "launching through cuda.core into the stub driver" in proc.stdout
+    assert "launching through cuLaunchKernelEx into the stub driver" in proc.stdout
     _rows_present(proc.stdout, 2)  # the recorder's run, then the stub driver's
 
 

@@ -16,7 +16,9 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         # issue 24 E: nvls_twoshot straight into a pool `out`
         "nvls_twoshot_into_out",
         # issue 26: the batch-invariant mode (at 2 ranks a sum of two is order-free: 3 and 4 show the order)
-        "batch_invariant"]
+        "batch_invariant",
+        # issue 24 item C: griddepcontrol placed in every kernel (the emulator checks the wait)
+        "pdl"]
 CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady",
@@ -29,7 +31,7 @@ UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "
            "divergent", "fp8_nan", "late_rank", "captured_sizes", "selftest", "in_place_past_staging", "all_gather",
            "reduce_scatter", "mismatch", "mismatch_exchange", "departed",
            # issue 25 at 3 ranks: shards that are not whole vectors, FP8 rows that do not divide among the ranks
-           "fsdp_odd_shards", "fsdp_fp8_uneven", "batch_invariant"]
+           "fsdp_odd_shards", "fsdp_fp8_uneven", "batch_invariant", "pdl"]
 
 
 @pytest.mark.mpi

@@ -871,6 +871,50 @@ def case_traffic():
     COMM._algo = None
 
 
+def case_pdl():
+    """Programmatic dependent launch (csrc/device/ptx.cuh, docs/ARCHITECTURE.md "Kernel ABI"): every
+    launch carries the attribute (UBNEXT_PDL's default), under which the emulator fails a launch whose
+    thread touches memory before its griddepcontrol.wait; on every kernel path each thread waited, and
+    on the collective paths each thread also launched its dependents once `in` was read. The local
+    kernels (the quantizers, add + RMSNorm) read their input to the end and leave that to their exit."""
+    if MODE != "emulator":
+        return
+    n, rank = dist.get_world_size(), dist.get_rank()
+    numel = 4096 * n
+    x = T.rank_input(rank, numel, torch.bfloat16, 5)
+    mc = COMM.pool.has_multicast  # creates the pool, and loads the emulator, on first use
+    emu = COMM._emu
+
+    def placed(what, launched=True):
+        g = emu.griddep()
+        assert g.threads > 0 and g.waited == g.threads, f"{what}: {g}"
+        assert g.launched == (g.threads if launched else 0), f"{what}: {g}"
+
+    paths = ("lamport", "twoshot") + (("nvls_twoshot", "nvls_lamport", "nvls_oneshot") if mc else ())
+    for path in paths:
+        COMM._algo = path
+        COMM.all_reduce(x)
+        assert COMM.last_path == path, (path, COMM.last_path)
+        assert COMM._calls and all(c.launch.pdl for c in COMM._calls.values() if c.launch), "launched without PDL"
+        placed(path)
+        residual, weight = torch.ones(numel, dtype=torch.bfloat16), torch.ones(1024, dtype=torch.bfloat16)
+        if path != "nvls_oneshot":  # never fused
+            COMM.all_reduce_add_rmsnorm(x.view(-1, 1024), residual.view(-1, 1024), weight)
+            assert COMM.last_path == path, (path, COMM.last_path)
+            placed(f"{path} fused")
+    COMM._algo = None
+    COMM.all_gather(x[:1000])
+    expect_path(("allgather",))
+    placed("all_gather")
+    COMM.reduce_scatter(x)
+    expect_path(("reduce_scatter",))
+    placed("reduce_scatter")
+    COMM.quantize_fp8(x.view(-1, 1024), scaling="row")
+    placed("quantize_fp8", launched=False)
+    COMM.quantize(x.view(-1, 1024), "mxfp8")
+    placed("quantize mxfp8", launched=False)
+
+
 # -- all-gather, reduce-scatter, FP8 quantisation (FSDP2) ------------------------------------------
 
 

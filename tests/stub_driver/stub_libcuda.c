@@ -38,8 +38,9 @@ static int tracing(void) {
 
 /* What the last launch was given, read by the tests through ctypes. The driver cannot know how many
  * parameters a kernel takes (the cubin says so); the test sets stub_param_sizes[i] to the byte size
- * of parameter i (0 ends the list), and each launch copies that many bytes of each parameter, so
- * the values outlive the caller's parameter buffer. */
+ * of parameter i (0 ends the list), and each launch copies that many bytes of each parameter (at most
+ * 256: the descriptor by value), so the values outlive the caller's parameter buffer: parameters of up
+ * to 8 bytes into stub_last_args[i] too. */
 unsigned long long stub_launch_count = 0;
 /* cuDeviceGetAttribute(&v, STUB_ATTRIBUTE_LAUNCH_COUNT, dev): how many launches the stub has seen,
  * for a process that reads it through cuda.bindings (python -m ubnext.bench --host --launch driver) */
@@ -50,6 +51,12 @@ void *stub_last_ctx = NULL; /* the context current on the launching thread */
 unsigned stub_last_grid = 0, stub_last_block = 0;
 unsigned stub_param_sizes[16];
 unsigned long long stub_last_args[16];
+unsigned char stub_last_param_bytes[16][256];
+/* cuLaunchKernelEx's attributes: how many, and each one's id and the first 32 bits of its value
+ * (CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value union) */
+unsigned stub_last_nattrs = 0;
+int stub_last_attr_ids[8];
+int stub_last_attr_values[8];
 
 static __thread CUcontext ctx_stack[64];
 static __thread int ctx_depth = 0; /* ctx_stack[ctx_depth-1] is current */
@@ -62,8 +69,12 @@ static void record_launch(void *f, void *stream, unsigned grid, unsigned block, 
     stub_last_grid = grid;
     stub_last_block = block;
     for (int i = 0; i < 16; i++) {
+        unsigned size = stub_param_sizes[i] < 256 ? stub_param_sizes[i] : 256;
         stub_last_args[i] = 0;
-        if (stub_param_sizes[i] && params) memcpy(&stub_last_args[i], params[i], stub_param_sizes[i]);
+        memset(stub_last_param_bytes[i], 0, 256);
+        if (!size || !params) continue;
+        memcpy(stub_last_param_bytes[i], params[i], size);
+        if (size <= 8) memcpy(&stub_last_args[i], params[i], size);
     }
 }
 
@@ -195,12 +206,20 @@ API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
                             unsigned bz, unsigned shmem, void *stream, void **params, void **extra) {
     (void)gy; (void)gz; (void)by; (void)bz; (void)shmem; (void)extra; T();
     record_launch(f, stream, gx, bx, params);
+    stub_last_nattrs = 0;
     return 0;
 }
 typedef struct { unsigned gx, gy, gz, bx, by, bz, shmem; void *hStream; void *attrs; unsigned nattrs; } LaunchCfg;
+typedef struct { int id; char pad[4]; union { char bytes[64]; int i; } value; } LaunchAttr;
 API CUresult cuLaunchKernelEx(const LaunchCfg *cfg, void *f, void **params, void **extra) {
     (void)extra; T();
     record_launch(f, cfg->hStream, cfg->gx, cfg->bx, params);
+    stub_last_nattrs = cfg->nattrs;
+    for (unsigned i = 0; i < cfg->nattrs && i < 8; i++) {
+        const LaunchAttr *a = (const LaunchAttr *)cfg->attrs + i;
+        stub_last_attr_ids[i] = a->id;
+        stub_last_attr_values[i] = a->value.i;
+    }
     return 0;
 }
 

@@ -7,13 +7,19 @@ import pytest
 
 from ubnext import errors, kernels, pool
 
-PTX_KIND = {"ptr": {".u64", ".b64"}, "i32": {".u32", ".s32", ".b32"}, "f32": {".f32"}}
+# the descriptor by value: 256 bytes, 8-byte aligned (its u64 fields), as the launcher lays it out
+PTX_KIND = {"ptr": {".u64", ".b64"}, "i32": {".u32", ".s32", ".b32"}, "f32": {".f32"},
+            "desc": {f".align 8 .b8 [{pool.DESC_STRUCT_BYTES}]"}}
 ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
-PARAM = re.compile(r"\.param\s+(\.\w+)(?:\s+\.ptr[^ ]*)*(?:\s+\.align\s+\d+)?\s+(\w+)")
+PARAM = re.compile(r"\.param\s+(?:(\.align\s+\d+)\s+)?(\.\w+)(?:\s+\.ptr[^ ]*)*(?:\s+\.align\s+\d+)?\s+\w+(\[\d+\])?")
 
 
 def _entries(ptx: str) -> dict[str, list[str]]:
-    return {m.group(1): [p.group(1) for p in PARAM.finditer(m.group(2))] for m in ENTRY.finditer(ptx)}
+    """Each .entry's parameters as their PTX types: ".u64", or ".align 8 .b8 [256]" for a struct."""
+    def kind(p):
+        align, type_, array = p.groups()
+        return f"{align} {type_} {array}" if array else type_
+    return {m.group(1): [kind(p) for p in PARAM.finditer(m.group(2))] for m in ENTRY.finditer(ptx)}
 
 
 @pytest.mark.parametrize("fname", sorted(kernels.ALGOS.values() and set(kernels.ALGOS.values())))
@@ -32,9 +38,10 @@ def test_entry_parameters_match_launcher(fname):
 
 def test_abi_check_catches_a_mismatch():
     """The parser is not vacuous: a kernel with a float where an int belongs is caught."""
-    ptx = ".entry ubnext_x(\n .param .u64 a,\n .param .f32 b\n)\n{"
-    assert _entries(ptx) == {"ubnext_x": [".u64", ".f32"]}
+    ptx = ".entry ubnext_x(\n .param .align 8 .b8 d[128],\n .param .u64 a,\n .param .f32 b\n)\n{"
+    assert _entries(ptx) == {"ubnext_x": [".align 8 .b8 [128]", ".u64", ".f32"]}
     assert ".f32" not in PTX_KIND["i32"]
+    assert ".align 8 .b8 [128]" not in PTX_KIND["desc"], "a descriptor of another size must be caught"
 
 
 def test_descriptor_field_order_matches_header():
@@ -54,4 +61,6 @@ def test_descriptor_field_order_matches_header():
         assert f"#define UBNEXT_F_{flag} {getattr(kernels, 'F_' + flag)}" in text
     packed = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=6, mc_base=7,
                             layout=pool.PoolLayout(2, 4096, 8192), peer_bases=[100, 200])
-    assert len(packed) == 8 * (16 + pool.MAX_RANKS) <= pool.DESC_BYTES
+    assert len(packed) == pool.DESC_STRUCT_BYTES == 8 * (16 + pool.MAX_RANKS) <= pool.DESC_BYTES
+    from ubnext import _emu
+    assert _emu.DESC_BYTES == pool.DESC_STRUCT_BYTES  # the emulator binding passes as many bytes by value

@@ -40,9 +40,10 @@ def test_debug_mode_does_not_synchronise_a_captured_launch(gpu_comm, monkeypatch
     comm, syncs = gpu_comm
     comm._pool.err_view[0] = 0
     monkeypatch.setattr(cu, "launch", lambda *args: None)
+    monkeypatch.setattr(cu, "launch_config", lambda *args: None)
     comm._debug, comm._capturing, comm._stream, comm._device_index = True, capturing, 0, 0
     comm._launch_done = "event"
-    how = SimpleNamespace(kernel=None, config=None, packed=())
-    comm._run(how, (0,) * 8)
+    how = SimpleNamespace(kernel=0, grid=1, block=32, pdl=True, params=SimpleNamespace(address=lambda pointers: 0))
+    comm._run(how, (0,) * 7)
     assert syncs == ([] if capturing else [comm.device])
     assert comm._pool.captured == capturing

@@ -103,6 +103,32 @@ def test_trap_is_reported(emu):
         emu.launch("ubnext_emu_selftest_block", 2, 32, kargs(out=out, residual_out=np.zeros(1, np.uint32), flags=2))
 
 
+def test_a_kernel_that_touches_memory_before_griddepcontrol_wait_fails_under_pdl(emu):
+    """PDL (csrc/device/ptx.cuh): in a launch with the attribute, a thread's memory access before its
+    griddepcontrol.wait fails the launch. The real quantize kernel (local: no pool needed) waits at its
+    entry; the test-only build no_pdl_wait leaves every kernel's wait out, and is caught at its first
+    access (the tests/mpi case `pdl` checks every kernel path's placement with the correct build)."""
+    rows, hidden = 3, 64
+    x = bf16_round(np.linspace(-3, 3, rows * hidden, dtype=np.float32))
+
+    def quantize(lib, pdl):
+        q, scale_inv = np.zeros(rows * hidden, np.uint8), np.zeros(rows, np.float32)
+        lib.launch("ubnext_quantize_fp8_bf16", 2, 64,
+                   kargs(**{"in": x, "out": q, "scale_inv": scale_inv, "n": rows * hidden, "hidden": hidden,
+                            "flags": 4}), pdl=pdl)  # UBNEXT_F_FP8_PER_TOKEN
+        return q, scale_inv
+
+    want = quantize(emu, pdl=False)
+    assert np.array_equal(quantize(emu, pdl=True)[0], want[0])
+    assert emu.griddep() == _emu.GridDep(threads=128, waited=128, launched=0)  # local: launched at exit
+    broken = _emu.load("no_pdl_wait")
+    with pytest.raises(_emu.EmulatorError, match=r"load at 0x[0-9a-f]+ before griddepcontrol.wait .* in "
+                                                 r"block \(\d,0,0\) thread"):
+        quantize(broken, pdl=True)
+    assert np.array_equal(quantize(broken, pdl=False)[0], want[0])  # without the attribute nothing waits
+    assert broken.griddep().waited == 0
+
+
 @pytest.mark.parametrize("kernel,grid,block,match", [
     ("ubnext_no_such_kernel", 1, 32, "no kernel named"),
     ("ubnext_emu_selftest_block", 0, 32, "grid 0"),

@@ -1,15 +1,21 @@
-"""pack_kernel_args produces what cuda.core's launch packs into the kernel's parameter buffer
-(pointer-sized pointers, 4-byte int32 and float32), checked with cuda.core's own argument
-handler, which needs no GPU. ctypes only reads the packed bytes back here; ubnext's GPU path
-does not use it."""
+"""The kernel parameters as cuLaunchKernelEx receives them (``kernelParams``: an array of pointers, one
+to each parameter's value), built by _cuda.KernelParams: the descriptor's bytes by value, then
+pointer-sized pointers and 4-byte int32 / float32, each the value the kernel ABI expects; the pointers
+and scalars packed as cuda.core's own argument handler packs them (it needs no GPU). ctypes only
+reads the packed bytes back here; ubnext's GPU path does not use it."""
 
 import ctypes
+import threading
 
 import numpy as np
 import pytest
 
-from ubnext import kernels
-from ubnext._cuda import pack_kernel_args
+from ubnext import _cuda, kernels, pool
+from ubnext._cuda import KernelParams, pack_kernel_args
+
+_READ = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+DESC = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=0x7000, mc_base=0x9000,
+                      layout=pool.PoolLayout(2, 4096, 8192), peer_bases=[0x1_0000_0000, 0x2_0000_0000])
 
 
 def _param_holder():
@@ -21,37 +27,63 @@ def _param_holder():
     pytest.skip("cuda.core's kernel argument handler is not importable")
 
 
-_READ = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
-
-
-def test_packed_args_match_kernel_signature():
-    ParamHolder = _param_holder()
-    sig = kernels.KERNEL_SIGNATURE
+def _read_back(address: int, signature) -> list:
+    """The values a kernelParams array points to, read as the signature's kinds."""
+    slots = (ctypes.c_void_p * len(signature)).from_address(address)
     values = []
-    for i, (_, kind) in enumerate(sig):
-        if kind == "ptr":
-            values.append((0x7F00_0000_0000 + (i << 8)) if i % 3 else 0)
-        elif kind == "i32":
-            values.append(-(i + 1) if i % 2 else 2**31 - 1 - i)
+    for (_, kind), slot in zip(signature, slots):
+        if kind == "desc":
+            values.append(ctypes.string_at(slot, pool.DESC_STRUCT_BYTES))
         else:
-            values.append(1e-6 * (i + 1))
-    packed = pack_kernel_args(sig, values)
-    holder = ParamHolder(packed)
-    addrs = (ctypes.c_void_p * len(packed)).from_address(holder.ptr)
-    for (name, kind), value, addr in zip(sig, values, addrs):
-        got = _READ[kind].from_address(addr).value
-        if kind == "f32":
-            assert got == float(np.float32(value)), name
-        else:
-            assert got == value, name
+            values.append(_READ[kind].from_address(slot).value)
+    return values
 
 
-def test_pointer_above_4gib_is_pointer_sized():
+def _values():
+    """Seven pointers (some above 4 GiB, some 0) and four scalars at the edges of their types."""
+    pointers = [(0x7F00_0000_0000 + (i << 8)) if i % 3 else 0 for i in range(7)]
+    pointers[1] = 0x1_0000_0001  # would lose its high word if packed as a 32-bit value
+    return pointers, [2**31 - 1, -7, 1e-6, 13]
+
+
+def test_kernel_params_hold_every_argument_of_the_signature():
+    pointers, scalars = _values()
+    params = KernelParams(DESC, pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], scalars))
+    got = _read_back(params.address(pointers), kernels.KERNEL_SIGNATURE)
+    assert got[0] == DESC
+    assert got[1:8] == pointers
+    assert got[8:10] == scalars[:2] and got[11] == scalars[3]
+    assert got[10] == float(np.float32(scalars[2]))
+    # the next call's pointers replace these; the descriptor and the scalars stay
+    got = _read_back(params.address(list(range(16, 16 + 7))), kernels.KERNEL_SIGNATURE)
+    assert got[0] == DESC and got[1:8] == list(range(16, 23)) and got[8:10] == scalars[:2]
+
+
+def test_pointers_and_scalars_are_packed_as_cuda_core_packs_them():
+    """The same bytes as cuda.core's ParamHolder makes of the pointers (Python ints) and the scalars
+    (numpy scalars): what cuda.core's launch would have passed for them."""
     ParamHolder = _param_holder()
-    ptr = 0x1_0000_0001  # would lose its high word if packed as a 32-bit value
-    holder = ParamHolder(pack_kernel_args((("p", "ptr"),), (ptr,)))
-    (addr,) = (ctypes.c_void_p * 1).from_address(holder.ptr)
-    assert ctypes.c_uint64.from_address(addr).value == ptr
+    pointers, scalars = _values()
+    packed = pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], scalars)
+    holder = ParamHolder([*pointers, *packed])
+    theirs = (ctypes.c_void_p * 11).from_address(holder.ptr)
+    ours = (ctypes.c_void_p * 12).from_address(KernelParams(DESC, packed).address(pointers))
+    sizes = [8] * 7 + [4] * 4
+    assert [ctypes.string_at(a, n) for a, n in zip(theirs, sizes)] == \
+        [ctypes.string_at(a, n) for a, n in zip(list(ours)[1:], sizes)]
+
+
+def test_each_thread_fills_its_own_buffer():
+    """The driver copies the values during the launch call; two threads launching one signature at
+    once must still never see each other's pointers."""
+    params = KernelParams(DESC, pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], [1, 2, 0.5, 3]))
+    mine = params.address([1] * 7)
+    seen = {}
+    worker = threading.Thread(target=lambda: seen.setdefault("address", params.address([2] * 7)))
+    worker.start()
+    worker.join()
+    assert seen["address"] != mine
+    assert _read_back(mine, kernels.KERNEL_SIGNATURE)[1:8] == [1] * 7
 
 
 def test_scalar_types():
@@ -63,34 +95,43 @@ def test_scalar_types():
             pack_kernel_args((("n", "i32"),), (2**31,))
 
 
-def test_a_cached_launch_packs_what_the_generic_packer_packs(monkeypatch):
-    """The hot path packs a call signature's scalars once (Communicator._launch_for) and adds the
-    pointers per call (Communicator._run): what reaches _cuda.launch must be what pack_kernel_args
-    makes of all twelve, with the signature's kernel and launch configuration."""
+@pytest.mark.parametrize("pdl_env,major,pdl", [(None, 9, True), ("0", 9, False), (None, 8, False),
+                                               ("1", 10, True)])
+def test_a_cached_launch_passes_the_descriptor_the_scalars_and_the_pdl_rule(monkeypatch, pdl_env, major, pdl):
+    """The hot path lays out a call signature's descriptor and scalars once (Executor._launch_for) and
+    adds the pointers per call (Executor._run): what reaches _cuda.launch is the loaded kernel's
+    handle, the geometry on the call's stream, the attribute on sm_90 and later unless UBNEXT_PDL=0, and
+    kernelParams holding all twelve values."""
     from types import SimpleNamespace
 
     import torch
 
-    from ubnext import _cuda
     from ubnext.comm import Communicator
 
-    launched = []
-    monkeypatch.setattr(kernels, "load_kernel", lambda name, index: ("kernel", name, index))
+    if pdl_env is None:
+        monkeypatch.delenv("UBNEXT_PDL", raising=False)
+    else:
+        monkeypatch.setenv("UBNEXT_PDL", pdl_env)
+    launched, configs = [], []
+    monkeypatch.setattr(kernels, "load_kernel", lambda name, index: SimpleNamespace(handle=0xABC000 + index))
+    monkeypatch.setattr(_cuda, "_compute_major", lambda index: major)
     monkeypatch.setattr(_cuda, "launch", lambda *args: launched.append(args))
+    monkeypatch.setattr(_cuda, "launch_config", lambda *args: configs.append(args) or "config")
     comm = object.__new__(Communicator)
     comm.mode, comm.world_size, comm._sm_count, comm._device_index = "gpu", 4, 132, 1
     comm._capturing, comm._stream, comm._debug, comm._launch_done = False, 0x5000, False, "done-event"
-    comm._pool = SimpleNamespace(has_multicast=True)
-    pointers = tuple(0x7F0000001000 + 16 * i for i in range(8))
+    comm._pool = SimpleNamespace(has_multicast=True, desc=DESC)
+    pointers = tuple(0x7F0000001000 + 16 * i for i in range(7))
     for algo, hidden, flags in (("lamport", 0, 0), ("nvls_twoshot", 0, 0), ("lamport", 512, 13)):
         launch = comm._launch_for(algo, torch.bfloat16, 4096, hidden, 1e-6, flags)
         sent_flags = flags | (kernels.F_MULTICAST if algo == "lamport" else 0)
-        generic = pack_kernel_args(kernels.KERNEL_SIGNATURE, list(pointers) + [4096, hidden, 1e-6, sent_flags])
         comm._run(launch, pointers)
-        kernel, config, stream, fast, device_index, done = launched.pop()
+        kernel, config, address, device_index, done = launched.pop()
         assert done == "done-event"  # recorded after the kernel, for the next stream switch
-        assert [type(v) for v in fast] == [type(v) for v in generic] and list(fast) == generic
-        assert kernel == ("kernel", launch.name, 1) and stream == 0x5000 and device_index == 1
-        assert config is _cuda.launch_config(launch.grid, launch.block)
-        assert launch.scalars == (4096, hidden, 1e-6, sent_flags)
-    assert [k for _, k in kernels.KERNEL_SIGNATURE] == ["ptr"] * 8 + ["i32", "i32", "f32", "i32"]
+        assert int(kernel) == 0xABC001 and device_index == 1 and config == "config"
+        assert configs.pop() == (launch.grid, launch.block, 0x5000, pdl)
+        got = _read_back(address, kernels.KERNEL_SIGNATURE)
+        assert got[0] == DESC and tuple(got[1:8]) == pointers
+        assert got[8:10] == [4096, hidden] and got[11] == sent_flags and got[10] == float(np.float32(1e-6))
+        assert launch.scalars == (4096, hidden, 1e-6, sent_flags) and launch.pdl == pdl
+    assert [k for _, k in kernels.KERNEL_SIGNATURE] == ["desc"] + ["ptr"] * 7 + ["i32", "i32", "f32", "i32"]

@@ -45,62 +45,63 @@ class FakeDriver:
         return (driver.CUresult.CUDA_SUCCESS, driver.CUcontext(popped))
 
 
-class FakeCore:
-    def __init__(self, drv):
-        self.drv, self.launches = drv, []
-
-    def LaunchConfig(self, grid, block):
-        return (grid, block)
-
-    def launch(self, stream, config, kernel, *args):
+    def cuLaunchKernelEx(self, config, kernel, params, extra):
         # what the real driver requires: the kernel's context is current on this thread
-        self.launches.append((threading.get_ident(), self.drv.cuCtxGetCurrent()[1], kernel))
+        self.launches.append((threading.get_ident(), self.cuCtxGetCurrent()[1], kernel, config, params))
+        return (driver.CUresult.CUDA_SUCCESS,)
 
 
 @pytest.fixture
 def fakes(monkeypatch):
     drv = FakeDriver()
-    core = FakeCore(drv)
+    drv.launches = []
     cu._primary_context.cache_clear()
     monkeypatch.setattr(cu, "driver", lambda: drv)
-    monkeypatch.setattr(cu, "core", lambda: core)
-    monkeypatch.setattr(cu, "_wrap_stream", lambda handle: handle)
-    yield drv, core
+    yield drv
     cu._primary_context.cache_clear()
 
 
 def test_launch_from_a_fresh_thread_and_after_another_device(fakes):
-    drv, core = fakes
+    drv = fakes
     after = {}
 
     def fresh_thread():  # no context current there
-        cu.launch("k", (1, 32), 7, (), 1)
+        cu.launch(0xABC, "config", 0x1234, 1)
         after["fresh"] = int(drv.cuCtxGetCurrent()[1])
 
     worker = threading.Thread(target=fresh_thread)
     worker.start()
     worker.join()
     drv.local.ctx = PRIMARY[0]  # this thread works on device 0
-    cu.launch("k", (1, 32), 7, (), 1)
+    cu.launch(0xABC, "config", 0x1234, 1)
     assert int(drv.cuCtxGetCurrent()[1]) == PRIMARY[0], "the launch left device 1's context current"
     drv.local.ctx = PRIMARY[1]
-    cu.launch("k", (1, 32), 7, (), 1)  # already current: no switch
-    assert [int(ctx) for _, ctx, _ in core.launches] == [PRIMARY[1]] * 3
+    cu.launch(0xABC, "config", 0x1234, 1)  # already current: no switch
+    assert [int(ctx) for _, ctx, *_ in drv.launches] == [PRIMARY[1]] * 3
+    assert all(tuple(rest) == (0xABC, "config", 0x1234) for _, _, *rest in drv.launches)
     assert after["fresh"] == 0
     assert [c[0] for c in drv.calls if c[0] in ("push", "pop")] == ["push", "pop"] * 2
     assert [c for c in drv.calls if c[0] == "retain"] == [("retain", 1)]  # retained once
 
 
-def test_the_launch_config_is_built_once_per_geometry():
-    """cuda.core's LaunchConfig (constructible without a GPU) costs ~0.7 us to build: one per
-    geometry, with the grid and block the launch asks for."""
+def test_the_launch_config_is_built_once_per_geometry_and_stream():
+    """cuLaunchKernelEx's CUlaunchConfig (constructible without a GPU) costs microseconds to build:
+    one per geometry, stream and PDL choice, with the grid, block and stream the launch asks for, and
+    the programmatic-stream-serialization attribute exactly when PDL is on."""
+    pdl_id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     cu.launch_config.cache_clear()
     try:
-        config = cu.launch_config(4, 256)
-        assert isinstance(config, cu.core().LaunchConfig)
-        assert tuple(config.grid) == (4, 1, 1) and tuple(config.block) == (256, 1, 1)
-        assert cu.launch_config(4, 256) is config
-        assert tuple(cu.launch_config(2, 64).grid) == (2, 1, 1)
+        config = cu.launch_config(4, 256, 0x5A00, True)
+        assert isinstance(config, driver.CUlaunchConfig)
+        assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (4, 1, 1)
+        assert (config.blockDimX, config.blockDimY, config.blockDimZ) == (256, 1, 1)
+        assert int(config.hStream) == 0x5A00 and config.sharedMemBytes == 0
+        assert config.numAttrs == 1 and config.attrs[0].id == pdl_id
+        assert config.attrs[0].value.programmaticStreamSerializationAllowed == 1
+        assert cu.launch_config(4, 256, 0x5A00, True) is config
+        plain = cu.launch_config(4, 256, 0x5A00, False)
+        assert plain is not config and plain.numAttrs == 0
+        assert int(cu.launch_config(4, 256, 0x5B00, True).hStream) == 0x5B00
     finally:
         cu.launch_config.cache_clear()
 

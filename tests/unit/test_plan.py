@@ -180,14 +180,15 @@ def test_a_second_stream_waits_for_the_last_launch_not_the_stream(monkeypatch):
                         lambda stream, event, index: calls.append(("wait", stream, event, index)))
     monkeypatch.setattr(ubnext._cuda, "record_event",
                         lambda event, stream, index: calls.append(("record", stream, event, index)))
+    monkeypatch.setattr(ubnext._cuda, "launch_config", lambda grid, block, stream, pdl: stream)
     monkeypatch.setattr(ubnext._cuda, "launch",
-                        lambda kernel, config, stream, args, index, done=None: calls.append(("launch", stream, done)))
-    how = SimpleNamespace(kernel=None, config=None, packed=())
+                        lambda kernel, stream, params, index, done=None: calls.append(("launch", stream, done)))
+    how = SimpleNamespace(kernel=0, grid=1, block=32, pdl=True, params=SimpleNamespace(address=lambda pointers: 0))
 
     def op(stream):
         current[0] = stream
         comm._check_usable()
-        comm._run(how, (0,) * 8)
+        comm._run(how, (0,) * 7)
 
     for stream in (0x10, 0x10, 0x20, 0x20, 0x10):
         op(stream)

@@ -19,27 +19,31 @@ from tests import stub_driver
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
-    import ctypes, struct, threading
+    import ctypes, struct, sys, threading
     import numpy as np
-    from ubnext import kernels
-    from ubnext._cuda import core, driver, launch, launch_config, pack_kernel_args
+    from ubnext import kernels, pool
+    from ubnext._cuda import (KernelParams, core, driver, kernel_handle, launch, launch_config, pack_kernel_args,
+                              pdl_enabled)
 
     stub = ctypes.CDLL("libcuda.so.1")
     assert hasattr(stub, "stub_launch_count"), "libcuda.so.1 is not the stub"
     sizes = (ctypes.c_uint * 16).in_dll(stub, "stub_param_sizes")
     for i, (_, kind) in enumerate(kernels.KERNEL_SIGNATURE):
-        sizes[i] = 8 if kind == "ptr" else 4
+        sizes[i] = {"desc": pool.DESC_STRUCT_BYTES, "ptr": 8}.get(kind, 4)
     recorded = lambda name, kind=ctypes.c_void_p: kind.in_dll(stub, name).value
     check = lambda result: result[0] == 0 or (_ for _ in ()).throw(RuntimeError(result))
     check(driver().cuInit(0))
-    kernel = core().ObjectCode.from_cubin(b"\\x7fELF not a cubin").get_kernel("ubnext_lamport_bf16")
-    pointers = tuple(0x7F0000001000 + 0x100 * i for i in range(8))
+    kernel = kernel_handle(core().ObjectCode.from_cubin(b"\\x7fELF not a cubin").get_kernel("ubnext_lamport_bf16"))
+    desc = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=6, mc_base=7, layout=pool.PoolLayout(2, 4096, 8192),
+                          peer_bases=[0x1_0000_0000, 0x2_0000_0000])
+    pointers = tuple(0x7F0000001000 + 0x100 * i for i in range(7))
     scalars = (4096, 512, 1e-6, 13)
-    args = (*pointers, *pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], scalars))
+    params = KernelParams(desc, pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], scalars))
+    pdl = pdl_enabled(0)  # the device's compute capability through cuda.core, UBNEXT_PDL through envs
     seen = {}
 
     def fresh_thread():  # no context is current on a new thread
-        launch(kernel, launch_config(3, 256), 0x5A00, args, 0)
+        launch(kernel, launch_config(3, 256, 0x5A00, pdl), params.address(pointers), 0)
         seen["after"] = int(driver().cuCtxGetCurrent()[1])
 
     worker = threading.Thread(target=fresh_thread)
@@ -48,22 +52,29 @@ SCRIPT = textwrap.dedent("""
     assert seen["after"] == 0, "the launch left a context current on a thread that had none"
     assert recorded("stub_push_count", ctypes.c_ulonglong) == 1
     assert recorded("stub_launch_count", ctypes.c_ulonglong) == 1
+    assert recorded("stub_last_func") == int(kernel)
     assert recorded("stub_last_stream") == 0x5A00
     assert recorded("stub_last_grid", ctypes.c_uint) == 3 and recorded("stub_last_block", ctypes.c_uint) == 256
     primary_context = driver().cuDevicePrimaryCtxRetain(driver().cuDeviceGet(0)[1])[1]
     primary = int(primary_context)
     assert recorded("stub_last_ctx") == primary, "the kernel's context was not current at the launch"
+    assert bytes((ctypes.c_ubyte * 256).in_dll(stub, "stub_last_param_bytes")) == desc, "the descriptor by value"
     values = list((ctypes.c_ulonglong * 16).in_dll(stub, "stub_last_args"))
-    assert tuple(values[:8]) == pointers, [hex(v) for v in values[:8]]
+    assert tuple(values[1:8]) == pointers, [hex(v) for v in values[1:8]]
     assert values[8] == 4096 and values[9] == 512 and values[11] == 13
     assert values[10] == struct.unpack("<I", struct.pack("<f", 1e-6))[0]
+    nattrs = recorded("stub_last_nattrs", ctypes.c_uint)
+    ids, attr_values = ((ctypes.c_int * 8).in_dll(stub, name) for name in ("stub_last_attr_ids", "stub_last_attr_values"))
+    attributes = [(ids[i], attr_values[i]) for i in range(nattrs)]
+    pss = int(driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    assert attributes == ([(pss, 1)] if pdl else []), attributes
     # the primary context already current (torch's threads): launched without a switch
     check(driver().cuCtxSetCurrent(primary_context))
-    launch(kernel, launch_config(1, 64), 0x5B00, args, 0)
+    launch(kernel, launch_config(1, 64, 0x5B00, pdl), params.address(pointers), 0)
     assert recorded("stub_launch_count", ctypes.c_ulonglong) == 2 and recorded("stub_last_stream") == 0x5B00
     assert recorded("stub_push_count", ctypes.c_ulonglong) == 1, "switched to a context that was current"
     assert int(driver().cuCtxGetCurrent()[1]) == primary
-    print("stub launch ok")
+    print("stub launch ok, pdl", pdl)
 """)
 
 
@@ -73,12 +84,16 @@ def stub_dir(tmp_path_factory):
     return stub_driver.build(tmp_path_factory.mktemp("stub_driver"))
 
 
-def test_launch_reaches_the_driver_with_every_argument(stub_dir):
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{stub_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
-               PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0 and "stub launch ok" in result.stdout, result.stdout + result.stderr
+@pytest.mark.parametrize("env,pdl", [({}, True), ({"UBNEXT_PDL": "0"}, False),
+                                     ({"STUB_COMPUTE_CAPABILITY": "8.0"}, False),
+                                     ({"STUB_COMPUTE_CAPABILITY": "10.0"}, True)],
+                         ids=["sm_90", "sm_90-UBNEXT_PDL=0", "sm_80", "sm_100"])
+def test_launch_reaches_the_driver_with_every_argument(stub_dir, env, pdl):
+    """cuLaunchKernelEx gets the kernel, geometry, stream, the descriptor's 256 bytes by value, the
+    pointers and scalars, and the programmatic-stream-serialization attribute on sm_90 and later
+    unless UBNEXT_PDL=0 (the compute capability asked through cuda.core of the stub)."""
+    result = _run_with_stub(stub_dir, SCRIPT, **env)
+    assert result.returncode == 0 and f"stub launch ok, pdl {pdl}" in result.stdout, result.stdout + result.stderr
 
 
 LOAD_SCRIPT = textwrap.dedent("""

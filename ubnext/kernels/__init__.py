@@ -42,9 +42,10 @@ __all__ = [
 
 
 # The one parameter list of every collective kernel (docs/ARCHITECTURE.md). The launcher,
-# the emulator binding and the ABI test (tests/unit/test_abi.py) all use this list.
+# the emulator binding and the ABI test (tests/unit/test_abi.py) all use this list. "desc" is the
+# 256-byte ubnext_comm_desc by value (csrc/device/entry.cuh says why).
 KERNEL_SIGNATURE: tuple[tuple[str, str], ...] = (
-    ("desc", "ptr"),
+    ("desc", "desc"),
     ("in", "ptr"),
     ("out", "ptr"),
     ("residual", "ptr"),

@@ -23,7 +23,7 @@ from __future__ import annotations
 from ..allocator import NoRoom
 from ._backend import PoolSetupError, _Backend, _Slot, release_deferred
 from .emulator import EmulatorBackend
-from .layout import (DESC_BYTES, DESC_FIELDS, DESC_MAGIC, ERR_WORDS, LAMPORT_HEADER_BYTES, MAX_RANKS, PAGE, SENTINEL_WORD, SYNC_BYTES,
+from .layout import (DESC_BYTES, DESC_FIELDS, DESC_STRUCT_BYTES, DESC_MAGIC, ERR_WORDS, LAMPORT_HEADER_BYTES, MAX_RANKS, PAGE, SENTINEL_WORD, SYNC_BYTES,
                      SYNC_DEPARTED,
                      PoolLayout, pack_desc, plan_layout)
 from .symmetric import SymmetricPool
@@ -31,6 +31,6 @@ from .torch_symm import TORCH_SYMM_SEGMENT, TorchSymmBackend
 from .vmm import VmmBackend
 
 # the pool's names, where every caller (and the tests) import them from
-__all__ = ["PoolLayout", "SymmetricPool", "NoRoom", "PoolSetupError", "DESC_FIELDS", "DESC_BYTES", "DESC_MAGIC",
+__all__ = ["PoolLayout", "SymmetricPool", "NoRoom", "PoolSetupError", "DESC_FIELDS", "DESC_BYTES", "DESC_STRUCT_BYTES", "DESC_MAGIC",
            "ERR_WORDS", "LAMPORT_HEADER_BYTES", "MAX_RANKS", "PAGE", "SENTINEL_WORD", "SYNC_BYTES", "TORCH_SYMM_SEGMENT", "EmulatorBackend",
            "TorchSymmBackend", "VmmBackend", "pack_desc", "plan_layout", "release_deferred", "_Backend", "_Slot"]

@@ -16,6 +16,8 @@ MAX_RANKS = 16
 DESC_MAGIC = 0x55424E5800000002
 PAGE = 4096
 # Field order of ubnext_comm_desc (csrc/device/desc.cuh); tests/unit/test_abi.py checks it.
+# sizeof(ubnext_comm_desc): what pack_desc returns, and what every kernel takes by value
+DESC_STRUCT_BYTES = 8 * (16 + MAX_RANKS)
 DESC_FIELDS = (
     "magic", "rank", "nranks", "timeout_ns", "err_ptr", "mc_base", "sync_off", "lamport_off",
     "lamport_slot_bytes", "data_off", "pool_bytes", "reserved[5]", f"peer_base[{MAX_RANKS}]",

@@ -153,6 +153,7 @@ class SymmetricPool:
             err_ptr=self._err_ptr, mc_base=self.mc_base, layout=lay,
             peer_bases=self.backend.peer_bases,
         )
+        self.desc = desc  # every kernel takes it by value (csrc/device/entry.cuh); the pool's header holds it too
         local = self.backend.local_tensor()
         local[: len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
         local[lay.sync_off: lay.sync_off + SYNC_BYTES].zero_()
