@@ -62,6 +62,8 @@ BREAKS = {
     "no_lamport_header_check": "UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK",
     "no_departure_check": "UBNEXT_BREAK_NO_DEPARTURE_CHECK",
     "extra_fence": "UBNEXT_BREAK_EXTRA_FENCE",
+    "ssq_block_order": "UBNEXT_BREAK_SSQ_BLOCK_ORDER",
+    "two_roundings": "UBNEXT_BREAK_TWO_ROUNDINGS",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")
