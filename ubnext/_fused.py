@@ -61,8 +61,10 @@ class FusedNormOps:
         path = self.last_path = call.path
         launch = call.launch
         if launch is None:
-            reduced = torch.empty_like(x)
-            self._all_reduce_by(call, x, reduced)
+            # s in fp32 (one arithmetic on every path: residual_out = T(s + residual), one rounding; an
+            # allreduce of x itself would round s to x's dtype first): twice the bytes for 16-bit types
+            reduced = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+            self._all_reduce_by(call, x.float(), reduced)
             if call.norm is None:
                 return self._fused_in_torch(reduced, residual, weight, eps, scale, fp8)
             # past the pool: the add + RMSNorm (+FP8) kernel on torch.distributed's sum, the fused
@@ -89,6 +91,6 @@ class FusedNormOps:
     @staticmethod
     def _fused_in_torch(reduced, residual, weight, eps, scale, fp8):
         """add + RMSNorm (+FP8) of an already reduced x, in torch, as the fused op returns it."""
-        outputs = reference_add_rmsnorm(reduced, residual, weight, eps, FP8 if fp8 else reduced.dtype, scale)
+        outputs = reference_add_rmsnorm(reduced, residual, weight, eps, FP8 if fp8 else residual.dtype, scale)
         return outputs if fp8 else outputs[:2]
 
