@@ -10,10 +10,10 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
         "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint", "all_gather",
         "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "mismatch_exchange", "misuse", "departed",
-        "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool",
+        "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool", "fused_arithmetic",
         # issue 25 (FSDP2 for real runs): checkpoints, any shard size, torchao's float8 training (2 ranks)
         "fsdp_checkpoint", "fsdp_odd_shards", "fsdp_torchao"]
-CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
+CORE = ["allreduce", "paths", "fused_paths", "fused_arithmetic", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady",
         # issue 25: checkpoints, any shard size, HSDP and FSDP x TP=2 (these two need 4 ranks)
@@ -21,7 +21,7 @@ CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "time
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race", "all_gather",
          "reduce_scatter", "fsdp"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
-UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout", "misaligned",
+UNICAST = ["allreduce", "auto", "paths", "fused_paths", "fused_arithmetic", "traffic", "rotation", "long_runs", "timeout", "misaligned",
            "divergent", "fp8_nan", "late_rank", "captured_sizes", "selftest", "in_place_past_staging", "all_gather",
            "reduce_scatter", "mismatch", "mismatch_exchange", "departed",
            # issue 25 at 3 ranks: shards that are not whole vectors, FP8 rows that do not divide among the ranks
@@ -58,6 +58,8 @@ BROKEN = {
     "allgather_short_push": ["all_gather"],  # a shard's last word never reaches the peers
     "no_lamport_header_check": ["mismatch"],  # Lamport pushes call headers but never compares them
     "no_departure_check": ["departed"],  # a departed peer is waited for until the timeout
+    "ssq_block_order": ["fused_arithmetic"],  # the norm's sum of squares in block order: bits change with the block size
+    "two_roundings": ["fused_arithmetic"],  # two-shot fused paths round s before the residual add
 }
 # A violation is caught as a wrong result (AssertionError) or a lost peer (UbnextTimeoutError). Three
 # breaks also show as a call header read wrong: their cases make the same call on every rank, so a
