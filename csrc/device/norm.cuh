@@ -374,6 +374,9 @@ template <typename T>
 struct RowPrefetch {
   static constexpr int kPrefetch = 2;
   uint4 res[kPrefetch], w[kPrefetch];
+  // Element k (< kPrefetch) by selects: a runtime index into the arrays would put them on the stack.
+  UBX_DEV uint4 res_at(int k) const { return k == 0 ? res[0] : res[1]; }
+  UBX_DEV uint4 w_at(int k) const { return k == 0 ? w[0] : w[1]; }
   UBX_DEV void load(const RowParams& p, const RowPart& rp) {
     const bool fused = (p.flags & UBNEXT_F_FUSED_NORM) != 0;
     const int nv = p.hidden / DType<T>::kElems;
@@ -395,6 +398,7 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
                            const Sink& sink, uint4* cache, float* scratch, const ubnext_comm_desc* d, uint32_t op) {
   constexpr int V = DType<T>::kElems;
   constexpr int K = RowPrefetch<T>::kPrefetch;
+  static_assert(K == 2, "res_at / w_at select among two");
   const bool fused = (p.flags & UBNEXT_F_FUSED_NORM) != 0;
   const bool has_res = fused && p.residual != nullptr, has_w = fused && p.weight != nullptr;
   const int mode = out_mode(p.flags);
@@ -415,7 +419,7 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
     if (i < rp.hi) {
       float x[V];
       if (!src(g0 + i, x)) fail = 1.f;
-      const uint4 r = add_round<T>(x, has_res, k < K ? pre.res[k] : (has_res ? load_whole_vec(p.residual, g0 + i)
+      const uint4 r = add_round<T>(x, has_res, k < K ? pre.res_at(k) : (has_res ? load_whole_vec(p.residual, g0 + i)
                                                                                 : uint4{}));
       cache[i - rp.lo] = r;
       if (fused) {
@@ -455,7 +459,7 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
   for (int i = rp.lo + static_cast<int>(threadIdx.x), k = 0; i < rp.hi; i += blockDim.x, ++k) {
     float y[V];
     const uint4 yp = norm_vec_w<T>(cache[i - rp.lo], rms, has_w,
-                                   k < K ? pre.w[k] : (has_w ? load_whole_vec(p.weight, i) : uint4{}), y);
+                                   k < K ? pre.w_at(k) : (has_w ? load_whole_vec(p.weight, i) : uint4{}), y);
     if (mode == kOutDtype) {
       sink.store_out(g0 + i, yp);
     } else {
