@@ -45,16 +45,36 @@ constexpr AlgoTraits kAlgos[kNumAlgos] = {
 };
 
 // The same geometry as the Python launcher (ubnext/comm.py, _geometry), so that a job gets the
-// same grid whichever front end launches: fused op (tokens > 0), one block per token row;
+// same grid whichever front end launches: fused op (tokens > 0), one block per token row (Lamport at
+// few tokens: tokens x row_split blocks);
 // otherwise one 16-byte vector per thread of what this rank reduces (1/nranks of the message for
 // the two-shot family: nvls_twoshot, twoshot, nvls_lamport; the whole message for lamport and
 // nvls_oneshot). Capped at one block per SM and UBNEXT_MAX_BLOCKS (as Python's _sm_count), and
 // at the kernel's co-resident limit (below both on any supported GPU); at least 1.
+// Blocks per token row of the Lamport fused kernel at few tokens (csrc/device/norm.cuh, the row split;
+// ubnext/_executor.py row_split): the blocks the rows leave free, each keeping >= 128 of the row's
+// `row_vectors` 16-byte vectors, within the sync region's partials (one word per 32 vectors of every
+// row, 896 words) and a row cache (2048 vectors) per block; 1 = no split.
+inline size_t row_split(size_t tokens, size_t row_vectors, size_t max_blocks) {
+  if (tokens == 0 || row_vectors == 0) return 1;
+  const size_t groups = (row_vectors + 31) / 32;
+  size_t split = max_blocks / tokens;
+  if (row_vectors / 128 < split) split = row_vectors / 128;
+  if (split < 2 || tokens * groups > UBNEXT_SYNC_ROW_PARTIALS_END - UBNEXT_SYNC_ROW_PARTIALS ||
+      (groups + split - 1) / split * 32 > 2048)
+    return 1;
+  return split;
+}
+
+// row_vectors: the row's 16-byte vectors for a Lamport fused launch whose rows may split (not per-token
+// FP8), else 0.
 inline unsigned default_grid(bool per_rank_share, size_t bytes, size_t tokens, size_t nranks,
-                             unsigned block, int sms, int coresident) {
+                             unsigned block, int sms, int coresident, size_t row_vectors = 0) {
   size_t want;
   if (tokens > 0) {
-    want = tokens;
+    size_t max_blocks = UBNEXT_MAX_BLOCKS;
+    if (sms > 0 && static_cast<size_t>(sms) < max_blocks) max_blocks = static_cast<size_t>(sms);
+    want = tokens * row_split(tokens, row_vectors, max_blocks);
   } else {
     size_t vectors = (bytes + 15) / 16;
     if (per_rank_share && nranks > 0) vectors = (vectors + nranks - 1) / nranks;

@@ -1,6 +1,7 @@
 // The C API's per-algorithm buffer rules and default grid (csrc/host/launch_rules.h), checked
 // without a GPU. The grid must match the Python launcher (ubnext/comm.py, _geometry) so that a
 // job gets the same geometry whichever front end launches it; py_grid below transcribes it.
+#include <algorithm>
 #include <cstdio>
 #include <string_view>
 
@@ -28,7 +29,15 @@ long long py_grid(const char* algo, long long n, long long elem, long long token
   const long long block = 256, max_blocks = sms < 128 ? sms : 128;
   auto ceil_div = [](long long a, long long b) { return (a + b - 1) / b; };
   auto clamp = [](long long x, long long hi) { return x < 1 ? 1 : (x > hi ? hi : x); };
-  if (fused) return clamp(tokens, max_blocks);
+  if (fused) {  // Lamport: launch_geometry's row_split (not per-token FP8, which this file does not try)
+    long long split = 1;
+    if (std::string_view(algo) == "lamport" && tokens > 0) {
+      const long long row_vectors = n / tokens * elem / 16, groups = ceil_div(row_vectors, 32);
+      split = std::min(max_blocks / tokens, row_vectors / 128);
+      if (split < 2 || tokens * groups > 4096 - 3200 || ceil_div(groups, split) * 32 > 2048) split = 1;
+    }
+    return clamp(tokens * split, max_blocks);
+  }
   long long vectors = ceil_div(n * elem, 16);
   const std::string_view a(algo);
   if (a == "nvls_twoshot" || a == "twoshot" || a == "nvls_lamport") vectors = ceil_div(vectors, world);
@@ -84,13 +93,14 @@ void test_grid_matches_python() {
             }
             ++checked;
           }
-  // Fused: one block per token row, min(tokens, SMs), whatever the algorithm.
+  // Fused: one block per token row, min(tokens, SMs), whatever the algorithm; Lamport at few tokens
+  // several (the row split).
   const long long tokens[] = {1, 3, 8, 77, 128, 4096};
   for (int a = 0; a < ubnext::kNumAlgos; ++a)
     for (long long t : tokens)
       for (long long sms : smss) {
         const unsigned got = default_grid(kAlgos[a].per_rank_share, t * 4096 * 2, t, 8, 256,
-                                          static_cast<int>(sms), 1 << 20);
+                                          static_cast<int>(sms), 1 << 20, a == UBNEXT_ALGO_LAMPORT ? 4096 * 2 / 16 : 0);
         CHECK(got == py_grid(kNames[a], t * 4096, 2, t, true, 8, sms));
         ++checked;
       }
