@@ -161,7 +161,8 @@ class Executor:
             detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
             raise ValueError(f"ubnext: ranks called with different arguments ({detail})")
 
-    def _geometry(self, algo: str, n: int, elem: int, tokens: int, fused: bool, split_rows: bool) -> tuple[int, int]:
+    def _geometry(self, algo: str, n: int, elem: int, tokens: int, fused: bool,
+                  split_rows: bool = True) -> tuple[int, int]:
         if self.mode == "emulator" and not self._count_geometry:
             # emulated threads are fibers on 2 cores: keep it small (tests vary it: the bits must not change)
             block, max_blocks = envs.get("UBNEXT_EMU_BLOCK"), envs.get("UBNEXT_EMU_GRID")
