@@ -232,7 +232,12 @@ def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight:
     residual_out = (reduced.float() + residual.float()).to(dtype)
     r = residual_out.float()
     ssq = row_sum_of_squares(r, 16 // dtype.itemsize)
-    rms = 1.0 / torch.sqrt(ssq / r.shape[-1] + torch.tensor(eps, dtype=torch.float32))
+    m = ssq / r.shape[-1] + torch.tensor(eps, dtype=torch.float32)
+    # sqrt and 1 / x each correctly rounded to fp32, as the kernels' sqrtf and / are (torch's CPU sqrt
+    # is not: a Sleef 0.5-ulp approximation, one fp32 step off for some inputs); in fp64, then
+    # rounded, which is exact rounding for both (53 >= 2 x 24 + 2 bits)
+    root = torch.sqrt(m.double()).float()
+    rms = (1.0 / root.double()).float()
     y = ((r * rms) * weight.float()).to(dtype)
     if out_dtype != FP8:
         return y, residual_out, None
