@@ -64,6 +64,7 @@ BREAKS = {
     "extra_fence": "UBNEXT_BREAK_EXTRA_FENCE",
     "ssq_block_order": "UBNEXT_BREAK_SSQ_BLOCK_ORDER",
     "two_roundings": "UBNEXT_BREAK_TWO_ROUNDINGS",
+    "row_split_no_arrival": "UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")

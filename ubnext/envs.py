@@ -144,10 +144,10 @@ VARIABLES: dict[str, Var] = {
                                      "single_header_slot", "no_abort_check", "no_proxy_fence",
                                      "twoshot_drop_peer", "allgather_short_push", "no_lamport_header_check",
                                      "no_departure_check", "extra_fence",
-                                     "ssq_block_order", "two_roundings"), "",
+                                     "ssq_block_order", "two_roundings", "row_split_no_arrival"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
             "no_proxy_fence|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_departure_check|extra_fence|"
-            "ssq_block_order|two_roundings",
+            "ssq_block_order|two_roundings|row_split_no_arrival",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),

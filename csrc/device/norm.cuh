@@ -317,6 +317,8 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
 // adds 1 again; the CTA that brings it to 2 * nparts resets it to 0 for the next call (every CTA of the row
 // has then passed its wait, and the next kernel on the stream is ordered after this one).
 // No system-scope fence or release: the partials never leave the GPU (the cost model counts neither).
+// UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL (test-only): part 0 never arrives, so its siblings' bounded wait ends
+// in the timeout error, which must name the op and the rank.
 //
 // Deadlock freedom: CTA (row, part) waits only for the CTAs of the same row on this rank, and they wait in
 // turn only for (a) data the same CTA index of each peer pushes BEFORE it waits for anything (lamport.cu)
@@ -438,7 +440,11 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
   if (fail != 0.f) return false;  // block-uniform; the siblings leave at the abort this failure reported
 
   if (threadIdx.x == 0) {
+#if !defined(UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL)
     (void)atom_add_acq_rel_gpu_u32(count, 1u);
+#else
+    if (rp.lo != 0) (void)atom_add_acq_rel_gpu_u32(count, 1u);  // test-only: part 0 never arrives
+#endif
     const WaitResult r = wait_flag_reached(d, count, static_cast<uint32_t>(rp.nparts), timeout_ns(d), rank);
     if (r != kArrived) report_wait_failure(d, r, op, rank);
     scratch[0] = r == kArrived ? 0.f : 1.f;
