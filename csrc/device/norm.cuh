@@ -344,7 +344,7 @@ struct RowPart {
 UBX_DEV int row_split_of(int64_t nrows, int nv, int flags) {
   const int ng = (nv + UBX_SSQ_GROUP_VECS - 1) / UBX_SSQ_GROUP_VECS;
   if (nrows <= 0 || out_mode(flags) == kOutFp8Token || gridDim.x < 2 * nrows) return 1;
-  if (nrows * ng > UBX_ROW_PARTIALS_MAX) return 1;
+  if (nrows > UBNEXT_MAX_BLOCKS || nrows * ng > UBX_ROW_PARTIALS_MAX) return 1;  // a counter per row; partials
   const int split = static_cast<int>(gridDim.x / nrows);
   const int gpp = (ng + split - 1) / split;
   return gpp * UBX_SSQ_GROUP_VECS <= UBX_ROW_CACHE_VECS ? split : 1;
