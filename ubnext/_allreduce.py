@@ -3,7 +3,8 @@ symmetric-memory ops, torch.distributed), and the GEMM + allreduce of the row-pa
 
 ``AllReduceOps`` is one of the Communicator's parts (ubnext/comm.py). Its public methods enter
 through the operators (ubnext/ops.py); the operators call the underscored implementations here.
-It reads ``_calls`` (Planner), ``_pool``, ``_algo``, ``_debug`` and ``key``, sets ``last_path``, and
+It reads ``_calls`` (Planner), ``_pool``, ``_algo``, ``_debug``, ``batch_invariant`` and ``key``, sets
+``last_path``, and
 keeps torch_symm's buffers in ``_symm_buffers`` (one per dtype).
 """
 
@@ -144,6 +145,9 @@ class AllReduceOps:
         self._pool_reads_done()
 
     def _torch_all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.batch_invariant:
+            out.view(-1).copy_(self._rank_order_sum(x.reshape(-1), x.dtype))
+            return
         if x.device.type == "cpu" and x.dtype != torch.float32:
             # gloo sums in the tensor's dtype; sum in fp32 like the kernels do
             acc = x.float()
@@ -153,6 +157,39 @@ class AllReduceOps:
         if out is not x:
             out.copy_(x)
         dist.all_reduce(out, group=self.group)
+
+    def _rank_order_sum(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The batch-invariant mode's fallback (past the pool, or no kernels): the sum over the
+        ranks of ``flat`` in rank order from +0, each addition in fp32, rounded once to ``dtype``
+        (fp32: the fused op adds its residual to the unrounded sum), so its bits are the kernels'
+        (sum_over_ranks in csrc/device/slices.cuh; Lamport's). torch.distributed's own allreduce
+        promises no order, so the ranks' values travel instead: an all-to-all gives each rank every
+        rank's value of its 1/N of the message, which it sums in rank order, and an all-gather hands
+        everyone the whole. In the dtype that is the bytes of NCCL's ring allreduce, (N-1)/N of the
+        message each way; in fp32 for a 16-bit message the all-gather's leg doubles (1.5 times).
+        Returns ``flat``'s length."""
+        n, world = flat.numel(), self.world_size
+        m = -(-n // world)
+        shards = torch.zeros(world * m, dtype=flat.dtype, device=flat.device)
+        shards[:n].copy_(flat)
+        mine = self._rank_order_shard(shards).to(dtype)
+        gathered = torch.empty(world * m, dtype=dtype, device=flat.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as _exchange.py
+        gather(gathered.view(torch.uint8), mine.view(torch.uint8), group=self.group)
+        return gathered[:n]
+
+    def _rank_order_shard(self, shards: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        """``factor`` times the fp32 rank-order sum of this rank's 1/N of ``shards`` (a flat tensor
+        of N equal shards, as a reduce-scatter takes it): fp32, one shard long. Bytes move as bytes,
+        so any dtype and backend (gloo has no bf16 sum) takes the same route."""
+        world = self.world_size
+        m = shards.numel() // world
+        received = torch.empty_like(shards)
+        dist.all_to_all_single(received.view(torch.uint8), shards.view(torch.uint8), group=self.group)
+        acc = torch.zeros(m, dtype=torch.float32, device=shards.device)  # from +0, as the kernels
+        for part in received.view(world, m):
+            acc.add_(part.float())
+        return acc.mul_(factor) if factor != 1.0 else acc
 
     def _torch_symm_refusal(self, x: torch.Tensor, op_name: str) -> str | None:
         """Why torch's symmetric-memory op cannot take ``x`` here, or None: what torch 2.13 refuses
@@ -223,8 +260,9 @@ class AllReduceOps:
         self._check_device("x", x)
         self._check_usable()
         usable = self.mode == "gpu" and hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, op_name)
-        if not usable or self.world_size == 1:
-            self._log_once("torch_symm", f"torch symmetric-memory op {op_name} unavailable here; "
+        if not usable or self.world_size == 1 or self.batch_invariant:
+            why = "promises no summation order (batch-invariant mode)" if self.batch_invariant else "unavailable here"
+            self._log_once("torch_symm", f"torch symmetric-memory op {op_name} {why}; "
                            "using the ubnext path choice")
             return self._all_reduce(x, torch.empty_like(x))
         out = torch.empty_like(x)

@@ -131,10 +131,13 @@ def grid_of(case: Case, world: int, sm_count: int) -> int:
     if case.op == "all_reduce_add_rmsnorm":
         return launch_geometry(case.path, n, 2, case.tokens, True, world, GPU_BLOCK, cap)[0]
     if case.op == "quantize":
-        from ._quantize import split_row
+        from ._quantize import LOCAL_GRID_MAX, ONE_CTA_BYTES, quantize_geometry
 
-        rows = n // split_row(n, 2) if case.path != "row" else max(1, case.tokens)
-        return launch_geometry("quantize", n, 2, rows, True, world, GPU_BLOCK, cap)[0]
+        # the Executor's rule for a local kernel (QuantizeOps._local_geometry): no residency cap; one
+        # scale past ONE_CTA_BYTES runs as the static mode after its amax
+        static = case.path == "static" or (case.path == "tensor" and case.nbytes > ONE_CTA_BYTES)
+        hidden = HIDDEN if case.path == "row" else n
+        return quantize_geometry(n, 2, hidden, static, GPU_BLOCK, LOCAL_GRID_MAX)[0]
     if case.op in ("all_gather", "reduce_scatter"):
         n //= world  # the kernel's vectors: one shard
     return launch_geometry(case.path, n, 2, 0, False, world, GPU_BLOCK, cap)[0]
@@ -230,14 +233,17 @@ def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: 
 
 
 def derive(measured: dict, case: Case, world: int, sm_count: int) -> list[dict] | None:
-    """Counts of an unmeasured (larger) case from the largest measured case of its path: the
-    same launches with the same hops and fences (the chain's shape does not depend on how many
-    vectors each thread handles), the GPU geometry's grid, and bytes scaled with the message:
-    total bytes in proportion to the size, one CTA's bytes in proportion to its share."""
+    """Counts of an unmeasured case from the largest measured case of its path no larger than it
+    (the smallest one for a case below them all): the same launches with the same hops and fences
+    (the chain's shape does not depend on how many vectors each thread handles), the GPU
+    geometry's grid, and bytes scaled with the message: total bytes in proportion to the size,
+    one CTA's bytes in proportion to its share."""
     same = [(c, ls) for c, ls in measured.items() if c.row_key() == case.row_key() and ls]
     if not same:
         return None
-    base, launches = max(same, key=lambda item: item[0].nbytes)
+    below = [item for item in same if item[0].nbytes <= case.nbytes]
+    base, launches = (max(below, key=lambda item: item[0].nbytes) if below
+                      else min(same, key=lambda item: item[0].nbytes))
     ratio = case.nbytes / base.nbytes
     grid0, grid1 = grid_of(base, world, sm_count), grid_of(case, world, sm_count)
     out = []
@@ -253,15 +259,16 @@ def derive(measured: dict, case: Case, world: int, sm_count: int) -> list[dict] 
     return out
 
 
-def chosen_path(case: Case, world: int) -> str:
+def chosen_path(case: Case, world: int, batch_invariant: bool = False) -> str:
     """The planner's choice for this call with the default pool at this world size and hidden
-    8192 (the pool the model assumes), on a GPU with multicast."""
+    8192 (the pool the model assumes), on a GPU with multicast; ``batch_invariant``: the mode's."""
     from . import info, plan
 
     view = info.pool_view(world, HIDDEN, "gpu", True, None)
     if case.op in ("all_reduce", "all_reduce_add_rmsnorm"):
         fused = case.op != "all_reduce"
-        return plan.choose(case.nbytes, 2, fused, HIDDEN if fused else 0, view).path
+        return plan.choose(case.nbytes, 2, fused, HIDDEN if fused else 0, view,
+                           batch_invariant=batch_invariant).path
     if case.op == "quantize":
         return case.path
     kernel = "allgather" if case.op == "all_gather" else "reduce_scatter"
@@ -301,6 +308,56 @@ def table(measured: dict, world: int, sm_count: int, quick: bool, only: frozense
     return rows
 
 
+def invariant_rows(rows: list[dict]) -> list[dict]:
+    """The batch-invariant mode beside the default, per reducing op and size: each mode's planner
+    choice (the mode's is the default's restricted to the paths that sum in rank order: no
+    multimem.ld_reduce) and its modeled time, from the table's rows. all_gather reduces nothing and
+    reduce_scatter's kernel sums in rank order in both modes, so neither changes. Past the pool
+    both leave the kernels: the default for NCCL's allreduce, the mode for its rank-ordered
+    fallback (ubnext/_allreduce.py), whose bytes per rank are given as a multiple of a ring
+    allreduce's 2 (N-1)/N of the message: the all-to-all and the all-gather in the dtype (x1),
+    the fused op's all-gather in fp32 (x1.5 for bf16)."""
+    timed = {(r["op"], r["bytes"], r["path"]): r["model_us"] for r in rows}
+    out = []
+    for r in rows:
+        if r["op"] not in ("all_reduce", "all_reduce_add_rmsnorm") or not r["chosen"]:
+            continue
+        case = Case(r["op"], r["path"], r["bytes"], r["tokens"])
+        mode = chosen_path(case, r["world"], batch_invariant=True)
+        default_us, mode_us = r["model_us"], timed.get((r["op"], r["bytes"], mode))
+        out.append({"op": r["op"], "bytes": r["bytes"], "tokens": r["tokens"], "world": r["world"],
+                    "default_path": r["path"], "default_us": default_us, "mode_path": mode, "mode_us": mode_us,
+                    "ratio": round(mode_us / default_us, 2) if default_us and mode_us else None,
+                    "fallback_bytes_vs_ring": (1.5 if r["op"] != "all_reduce" else 1.0) if mode == "torch" else None})
+    return out
+
+
+def print_invariant(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
+    if as_json:
+        for r in rows:
+            print(json.dumps({"table": "batch_invariant"} | r), file=out)
+        return
+    from .pool.layout import plan_layout
+
+    world = rows[0]["world"] if rows else 0
+    layout = plan_layout(world, HIDDEN) if world else None
+    print(f"# batch-invariant mode (Communicator(batch_invariant=True)) beside the default, {world} ranks, bf16, "
+          f"hidden {HIDDEN}: each mode's planner choice and its modeled time above; the pool of both is the "
+          f"default one ({layout.sized_by if layout else '-'}: a {layout.lamport_capacity if layout else 0} byte "
+          f"Lamport slot, a {layout.staging_bytes if layout else 0} byte staging region); past it, the mode's "
+          "rank-ordered fallback (all-to-all + all-gather on torch.distributed) moves the bytes of a ring "
+          "allreduce times the last column", file=out)
+    print(f"{'op':24} {'bytes':>10} {'tok':>5} {'default':>14} {'us':>8} {'mode':>14} {'us':>8} {'ratio':>6} "
+          f"{'fallback_x':>10}", file=out)
+    for r in rows:
+        def us(v):
+            return f"{v:8.2f}" if v is not None else f"{'-':>8}"
+        ratio = f"{r['ratio']:6.2f}" if r["ratio"] is not None else f"{'-':>6}"
+        fb = f"{r['fallback_bytes_vs_ring']:10.1f}" if r["fallback_bytes_vs_ring"] else f"{'-':>10}"
+        print(f"{r['op']:24} {r['bytes']:10d} {r['tokens']:5d} {r['default_path']:>14} {us(r['default_us'])} "
+              f"{r['mode_path']:>14} {us(r['mode_us'])} {ratio} {fb}", file=out)
+
+
 def _peer(case: Case) -> str:
     return PEERS.get((case.op, case.tokens if case.op == "all_reduce_add_rmsnorm" else case.nbytes), "")
 
@@ -309,11 +366,19 @@ def run(world: int, *, quick: bool = False, only: frozenset | None = None, timeo
         env: dict | None = None) -> list[dict]:
     """Start ``world`` emulated ranks, measure, derive; the table's rows. ``env``: more variables
     for the ranks (a test's UBNEXT_EMU_BREAK)."""
+    from . import envs
+
+    measured = measure(world, quick=quick, only=only, timeout_s=timeout_s, env=env)
+    return table(measured, world, envs.get("UBNEXT_EMU_SM_COUNT"), quick, only)
+
+
+def measure(world: int, *, quick: bool = False, only: frozenset | None = None, timeout_s: float = 840.0,
+            env: dict | None = None) -> dict:
+    """Start ``world`` emulated ranks and count every measurable case: {Case: its launches}."""
     import torch.distributed as dist
 
     from . import envs
 
-    sm_count = envs.get("UBNEXT_EMU_SM_COUNT")
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ubnext-model-") as tmp:
         out_path = os.path.join(tmp, "rows.json")
@@ -347,7 +412,7 @@ def run(world: int, *, quick: bool = False, only: frozenset | None = None, timeo
         measured[case] = r["launches"]
     if errors:
         raise RuntimeError("ubnext.bench --model: measured cases failed:\n  " + "\n  ".join(errors))
-    return table(measured, world, sm_count, quick, only)
+    return measured
 
 
 def print_table(rows: list[dict], as_json: bool, out=sys.stdout) -> None:

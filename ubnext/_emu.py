@@ -65,6 +65,10 @@ BREAKS = {
     "ssq_block_order": "UBNEXT_BREAK_SSQ_BLOCK_ORDER",
     "two_roundings": "UBNEXT_BREAK_TWO_ROUNDINGS",
     "row_split_no_arrival": "UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL",
+    "twoshot_reverse_order": "UBNEXT_BREAK_TWOSHOT_REVERSE_ORDER",
+    # not protocols but layouts: comm.quantize's NVFP4 nibble order and to_blocked swizzle (blockscale.cuh)
+    "nvfp4_nibble_order": "UBNEXT_BREAK_NVFP4_NIBBLE_ORDER",
+    "swizzle": "UBNEXT_BREAK_SWIZZLE",
 }
 CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")

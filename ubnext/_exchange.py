@@ -2,7 +2,7 @@
 pool or, where plan.exchange_path says they cannot run, on torch.distributed.
 
 ``ExchangeOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
-(Planner), ``_pool``, ``_debug`` and ``key``, and sets ``last_path``.
+(Planner), ``_pool``, ``_debug``, ``batch_invariant`` and ``key``, and sets ``last_path``.
 """
 
 from __future__ import annotations
@@ -123,6 +123,9 @@ class ExchangeOps:
             out.copy_(target)
 
     def _torch_reduce_scatter(self, x: torch.Tensor, out: torch.Tensor, factor: float) -> None:
+        if self.batch_invariant:  # the kernel's bits: the rank-order fp32 sum, then the factor (_allreduce.py)
+            out.view(-1).copy_(self._rank_order_shard(x.reshape(-1), factor))
+            return
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # as all_gather_single
         if x.device.type == "cpu" and x.dtype != torch.float32:
             # gloo sums in the tensor's dtype; sum in fp32 like the kernel

@@ -170,9 +170,11 @@ class Executor:
             block, max_blocks = GPU_BLOCK, self._sm_count
         return launch_geometry(algo, n, elem, tokens, fused, self.world_size, block, max_blocks, split_rows=split_rows)
 
-    def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int) -> Launch:
-        grid, block = self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden),
-                                     not flags & kernels.F_FP8_PER_TOKEN)
+    def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int,
+                    geometry: tuple[int, int] | None = None) -> Launch:
+        """``geometry``: (grid, block) of a local kernel that sizes its own (ubnext/_quantize.py)."""
+        grid, block = geometry or self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden),
+                                                 not flags & kernels.F_FP8_PER_TOKEN)
         if algo in ("lamport", "allgather") and self._pool.has_multicast:
             flags |= kernels.F_MULTICAST
         scalars = (n, hidden, float(eps), flags)

@@ -2,7 +2,7 @@
 they cannot run it, as the chosen allreduce followed by the same arithmetic in torch.
 
 ``FusedNormOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
-(Planner), ``_pool``, ``_algo``, ``_debug`` and ``key``, and sets ``last_path``.
+(Planner), ``_pool``, ``_algo``, ``_debug``, ``batch_invariant`` and ``key``, and sets ``last_path``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,15 @@ class FusedNormOps:
             call = self._call_for(signature, x.shape, x.dtype, hidden=x.shape[-1], eps=eps, flags=flags)
         path = self.last_path = call.path
         launch = call.launch
-        if launch is None:
+        if launch is None and self.batch_invariant:
+            # the rank-order fp32 sum (_allreduce.py); the norm kernel (or torch's ops) adds the
+            # residual to it before the one rounding, as the kernel paths do
+            summed = self._rank_order_sum(x.reshape(-1), torch.float32).view(x.shape)
+            if call.norm is None:
+                return self._fused_in_torch(summed, residual, weight, eps, scale, fp8)
+            self.last_path = f"{self.last_path}+norm"
+            launch, inp = call.norm, summed
+        elif launch is None:
             # s in fp32 (one arithmetic on every path: residual_out = T(s + residual), one rounding; an
             # allreduce of x itself would round s to x's dtype first): twice the bytes for 16-bit types
             reduced = torch.empty(x.shape, dtype=torch.float32, device=x.device)

@@ -5,7 +5,8 @@ path choice, and the cache of both.
 call's signature, the forced algorithm and what the pool offers (its layout's sizes, never what
 this rank has allocated), so every rank plans identically; a signature's path and launch are
 then remembered in ``_calls`` and a repeated call skips its checks and its planning. It reads
-``_algo``, ``_env_algo``, ``_allow_nondeterministic``, ``_disabled``, ``_pool`` and ``_pool_error``,
+``_algo``, ``_env_algo``, ``_allow_nondeterministic``, ``batch_invariant``, ``_disabled``, ``_pool`` and
+``_pool_error``,
 and keeps ``_plans`` and ``_calls``.
 """
 
@@ -27,15 +28,17 @@ class Planner:
     def _pool_view(self) -> plan.PoolView:
         pool = self.pool if self.mode != "torch" else None
         if pool is None:
-            return plan.PoolView(self._pool_error or "no symmetric pool", mode=self.mode)
+            return plan.PoolView(self._pool_error or "no symmetric pool", mode=self.mode, world_size=self.world_size)
         symm_op = hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
         # sizes of the layout only, never what this rank has allocated: ranks plan identically
         return plan.PoolView(None, pool.has_multicast, pool.lamport_capacity, pool.layout.staging_bytes,
-                             self.mode, symm_op, tuple(sorted(self._disabled.items())), pool.layout.sized_by)
+                             self.mode, symm_op, tuple(sorted(self._disabled.items())), pool.layout.sized_by,
+                             self.world_size)
 
     def _capabilities(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> dict[str, str | None]:
         """For each path: None if it can run this call, else why not."""
-        return plan.capabilities(nbytes, dtype.itemsize, fused, hidden, self._pool_view())
+        return plan.capabilities(nbytes, dtype.itemsize, fused, hidden, self._pool_view(),
+                                 batch_invariant=self.batch_invariant)
 
     def _plan(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0,
               in_place_pool: bool = False) -> plan.Plan:
@@ -59,7 +62,8 @@ class Planner:
         """plan.choose for a call of this communicator, neither cached nor logged."""
         return plan.choose(nbytes, dtype.itemsize, fused, hidden, self._pool_view(),
                            forced=self._algo or self._env_algo,
-                           allow_nondeterministic=self._allow_nondeterministic, in_place_pool=in_place_pool)
+                           allow_nondeterministic=self._allow_nondeterministic, in_place_pool=in_place_pool,
+                           batch_invariant=self.batch_invariant)
 
     def explain(self, x: torch.Tensor, *, fused: bool = False, in_place: bool = False) -> str:
         """Which path an allreduce (``fused``: the fused norm over x's last dimension; ``in_place``:

@@ -1,5 +1,7 @@
-"""FP8 (e4m3) quantisation of a local tensor with its scale_inv (FSDP2's FP8 all-gather weights):
-one kernel where ubnext's kernels run, else quantize_fp8_reference, the same contract.
+"""Quantisation of a local tensor, one kernel where ubnext's kernels run, else the torch reference of
+the same contract: FP8 (e4m3) with its scale_inv (``quantize_fp8``, FSDP2's FP8 all-gather weights;
+quantize_fp8_reference), and the block-scaled formats of the GEMMs after a norm (``quantize``:
+NVFP4, MXFP8, per-token-group FP8; ubnext/_blockscale.py, docs/QUANTIZE.md).
 
 ``QuantizeOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
 (Planner), ``_pool`` and ``key``.
@@ -12,8 +14,9 @@ import math
 import torch
 
 from . import kernels, ops, plan  # noqa: F401 - ops defines the torch.ops.ubnext operators called here
+from ._blockscale import F_SWIZZLED, F_UE8M0, check_quantize_block_args, output_specs, quantize_reference
 from ._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
-from ._executor import Call
+from ._executor import GPU_BLOCK, Call
 
 # Above this many bytes, one scale over the whole tensor is not left to one CTA (the kernel's row is
 # one block's work): the amax comes first, from torch's own reduction over every SM, and the kernel
@@ -22,6 +25,35 @@ from ._executor import Call
 ONE_CTA_BYTES = 64 << 10
 # rows of at most this many vectors when a one-scale tensor is split over the grid for the launch
 SPLIT_ROW_VECTORS = 1024
+
+
+# 16-byte loads each thread of the quantisation kernels keeps in flight (csrc/kernels/quantize.cu kInFlight)
+IN_FLIGHT = 4
+# The grid of a local kernel (no peer, no barrier between blocks) is not bounded by residency: blocks
+# that do not fit wait for a free SM. Only the hardware's gridDim.x limit bounds it.
+LOCAL_GRID_MAX = 2**31 - 1
+
+
+def row_group_threads(row_vectors: int, block: int) -> int:
+    """Threads per row of the per-row kernel (quantize.cu row_group_threads): the largest power of two
+    G with G * IN_FLIGHT <= row_vectors that divides ``block``, at least 1."""
+    g = 1
+    while 2 * g * IN_FLIGHT <= row_vectors and block % (2 * g) == 0:
+        g *= 2
+    return g
+
+
+def quantize_geometry(n: int, elem: int, hidden: int, static: bool, block: int, max_blocks: int) -> tuple[int, int]:
+    """(grid, block) of ubnext_quantize_fp8: static, one trip of IN_FLIGHT vectors per thread; per
+    row, one group of row_group_threads per row, block // G rows per block. At most ``max_blocks``
+    (LOCAL_GRID_MAX on a GPU); the kernel strides over whatever the grid leaves."""
+    vectors = n * elem // 16
+    if static:
+        want = -(-vectors // (block * IN_FLIGHT))
+    else:
+        per_block = block // row_group_threads(hidden * elem // 16, block)
+        want = -(-(n // hidden) // per_block)
+    return max(1, min(want, max_blocks)), block
 
 
 def split_row(n: int, elem: int) -> int:
@@ -34,7 +66,7 @@ def split_row(n: int, elem: int) -> int:
 
 
 class QuantizeOps:
-    """The Communicator's FP8 quantisation."""
+    """The Communicator's quantisation."""
 
     def quantize_fp8(self, x: torch.Tensor, *, scaling: str = "row", scale: torch.Tensor | None = None):
         """``(q, scale_inv)``: ``x`` as e4m3 and its dequantisation scales, written by one kernel, so
@@ -50,6 +82,13 @@ class QuantizeOps:
             raise ValueError("scale is required with scaling='static' and meaningless otherwise")
         hidden = x.shape[-1] if scaling == "row" and x.dim() else x.numel()
         return torch.ops.ubnext.quantize_fp8(x, hidden, scale, self.key)
+
+    def _local_geometry(self, n: int, elem: int, hidden: int, static: bool) -> tuple[int, int]:
+        if self.mode == "emulator" and not self._count_geometry:
+            block, max_blocks = 64, 4  # as Executor._geometry: emulated threads are fibers on 2 cores
+        else:
+            block, max_blocks = GPU_BLOCK, LOCAL_GRID_MAX
+        return quantize_geometry(n, elem, hidden, static, block, max_blocks)
 
     def _quantize_fp8(self, x: torch.Tensor, hidden: int, scale: torch.Tensor | None):
         """torch.ops.ubnext.quantize_fp8's implementation: the kernel where ubnext kernels run,
@@ -77,7 +116,9 @@ class QuantizeOps:
                 None if whole_vectors else f"rows of {hidden} {x.dtype} elements are not whole 16-byte vectors")
             if problem:
                 self._log_once("quantize_fp8", f"quantize_fp8 runs in torch: {problem}")
-            launch = None if problem else self._launch_for("quantize_fp8", x.dtype, n, hidden, 0.0, flags)
+            launch = None if problem else self._launch_for(
+                "quantize_fp8", x.dtype, n, hidden, 0.0, flags,
+                self._local_geometry(n, x.element_size(), hidden, scale is not None))
             call = Call("torch" if problem else "quantize_fp8", launch)
             if len(self._calls) < 4096:
                 self._calls[signature] = call
@@ -91,4 +132,53 @@ class QuantizeOps:
                                 0 if scale is None else scale.data_ptr(), scale_inv.data_ptr()))
         return q, scale_inv
 
+    def quantize(self, x: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None,
+                 swizzled: bool = False, ue8m0: bool = False):
+        """``(q, scales)``: ``x`` (bf16, fp16 or fp32, rows of its last dimension K) in a block-scaled
+        format for the next GEMM, written by one kernel; local, no peer. ``fmt``:
+
+        - ``"nvfp4"``: ``q`` uint8 ``[..., K/2]`` (two e2m1 per byte, the even element low), ``scales``
+          e4m3 ``[..., K/16]``; ``global_scale`` (one-element fp32) for the two-level form;
+        - ``"mxfp8"``: ``q`` e4m3 ``[..., K]``, ``scales`` e8m0 ``[..., K/32]``;
+        - ``"fp8_group128"``: ``q`` e4m3 ``[..., K]``, ``scales`` fp32 ``[..., K/128]``
+          (``max(amax / 448, 1e-12)``; ``ue8m0=True``: rounded up to powers of two).
+
+        ``swizzled=True`` (nvfp4, mxfp8) gives the scales 1-D in torchao's ``to_blocked`` layout,
+        padding included. Bitwise torchao's ``nvfp4_quantize`` / ``to_mx(..., RCEIL)`` (docs/QUANTIZE.md);
+        ``ubnext._blockscale.quantize_reference`` is the same arithmetic in torch."""
+        return torch.ops.ubnext.quantize(x, fmt, global_scale, bool(swizzled), bool(ue8m0), self.key)
+
+    def _quantize_blocks(self, x: torch.Tensor, fmt: str, global_scale, swizzled: bool, ue8m0: bool):
+        """torch.ops.ubnext.quantize's implementation: the kernel (csrc/kernels/blockscale.cu) where
+        ubnext kernels run, else quantize_reference, the same arithmetic."""
+        check_quantize_block_args(x, fmt, global_scale, swizzled, ue8m0)
+        if x.device != self.device:
+            self._check_device("x", x)
+        self._check_usable()
+        n, k = x.numel(), x.shape[-1]
+        flags = (F_SWIZZLED if swizzled else 0) | (F_UE8M0 if ue8m0 else 0)
+        signature = ("quantize_" + fmt, n, x.dtype, k, flags)
+        call = self._calls.get(signature)
+        if call is None:
+            view = self._pool_view()
+            problem = view.unavailable or (
+                plan.TOO_LARGE if n * x.element_size() > plan.KERNEL_MAX_BYTES else None)
+            if problem:
+                self._log_once("quantize", f"quantize({fmt}) runs in torch: {problem}")
+                launch = None
+            else:  # flat over the grid, one trip of IN_FLIGHT vectors per thread, as the static FP8 mode
+                launch = self._launch_for("quantize_" + fmt, x.dtype, n, k, 0.0, flags,
+                                          self._local_geometry(n, x.element_size(), k, True))
+            call = Call("torch" if problem else "quantize_" + fmt, launch)
+            if len(self._calls) < 4096:
+                self._calls[signature] = call
+        if call.launch is None:
+            return quantize_reference(x, fmt, global_scale, swizzled, ue8m0)
+        (q_shape, q_dtype), (s_shape, s_dtype) = output_specs(x, fmt, swizzled)
+        src = x if x.data_ptr() % 16 == 0 else x.clone()  # contiguous (checked); the kernel loads 16 bytes
+        q = torch.empty(q_shape, dtype=q_dtype, device=x.device)
+        scales = torch.empty(s_shape, dtype=s_dtype, device=x.device)
+        self._run(call.launch, (self._pool.base, src.data_ptr(), q.data_ptr(), 0, 0, 0,
+                                0 if global_scale is None else global_scale.data_ptr(), scales.data_ptr()))
+        return q, scales
 

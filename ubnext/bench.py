@@ -414,6 +414,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the critical-path model (ubnext/_costmodel.py): counts every path on the CPU "
                              "emulator at a GPU's launch geometry and models its time; starts its own ranks")
     parser.add_argument("--world", type=int, default=8, help="--model: emulated ranks")
+    parser.add_argument("--write-thresholds", action="store_true",
+                        help="--model: measure every allreduce and fused path at --worlds, with and without "
+                             "multicast, and write the planner's path orders to ubnext/_thresholds.py "
+                             "(ubnext/_crossovers.py says how)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=None,
+                        help="--write-thresholds: the worlds measured (default 2 4 8; those between are "
+                             "interpolated)")
     parser.add_argument("--json", action="store_true", help="--model: one JSON object per line")
     parser.add_argument("--quick", action="store_true", help="--model: the smallest sizes only (tests)")
     parser.add_argument("--tokens", type=int, default=8, help="--host: rows of the message")
@@ -421,10 +428,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.host:
         return host_main(args)
+    if args.model and args.write_thresholds:
+        from . import _crossovers
+
+        torders = _crossovers.write(tuple(args.worlds or _crossovers.MEASURED_WORLDS))
+        print("\n".join(_crossovers.format_orders(torders)))
+        return 0
     if args.model:
         from . import _costmodel
 
-        _costmodel.print_table(_costmodel.run(args.world, quick=args.quick), args.json)
+        rows = _costmodel.run(args.world, quick=args.quick)
+        _costmodel.print_table(rows, args.json)
+        _costmodel.print_invariant(_costmodel.invariant_rows(rows), args.json)
         return 0
 
     gpu = gpu_available()

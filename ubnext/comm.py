@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _lifecycle, envs
+from . import _lifecycle, envs, plan
 from ._allreduce import AllReduceOps
 from ._checks import reference_add_rmsnorm, rmsnorm
 from ._cuda import gpu_available, no_gpu_reason
@@ -62,10 +62,13 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
     ``emulate=True`` (or ``UBNEXT_EMULATE=1``) runs the ubnext kernels on the CPU emulator with
     CPU tensors; without a GPU and without emulation every op uses torch.distributed (gloo).
     ``max_hidden`` sizes the pool (see ``register_hidden``); ``algo`` overrides ``UBNEXT_ALGO``.
+    ``batch_invariant=True`` (default: ``UBNEXT_BATCH_INVARIANT``) sums every allreduce and
+    reduce-scatter in rank order in fp32 on every path and size (README: the batch-invariant mode);
+    an ``algo`` that reduces through the switch is then refused.
     """
 
     def __init__(self, group=None, *, emulate: bool | None = None, max_hidden: int | None = None,
-                 algo: str | None = None):
+                 algo: str | None = None, batch_invariant: bool | None = None):
         envs.check_all()  # on every rank alike, before anything collective
         if not dist.is_initialized():
             _lifecycle.bootstrap()
@@ -112,6 +115,9 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         # read once per communicator (README: environment variables): the hot path reads no
         # environment, and a plan, once made, stays right
         self._env_algo = envs.get("UBNEXT_ALGO")
+        self.batch_invariant = envs.get("UBNEXT_BATCH_INVARIANT") if batch_invariant is None else bool(batch_invariant)
+        if self.batch_invariant:  # before anything collective: every rank refuses alike
+            plan.refuse_in_batch_invariant_mode(self._algo or self._env_algo)
         self._allow_nondeterministic = envs.get("UBNEXT_ALLOW_NONDETERMINISTIC")
         self._debug = envs.get("UBNEXT_DEBUG")
         self._plans: dict[tuple, Plan] = {}

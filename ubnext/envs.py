@@ -2,7 +2,7 @@
 
 Every variable is declared once here, with its type, default and meaning. ``get`` reads the
 environment each time it is called, but a Communicator reads what shapes its calls (UBNEXT_ALGO,
-UBNEXT_ALLOW_NONDETERMINISTIC, UBNEXT_DEBUG) once, when it is constructed, and the pool's
+UBNEXT_ALLOW_NONDETERMINISTIC, UBNEXT_DEBUG, UBNEXT_BATCH_INVARIANT) once, when it is constructed, and the pool's
 variables when the pool is created: a change takes effect on the next Communicator. A bad value raises
 :class:`EnvError` naming the variable and what it accepts. ``NVTE_UB_MAXBATCH`` and
 ``NVTE_UB_SYMM_POOL_SIZE`` (TransformerEngine's names) are accepted as aliases; the ubnext name
@@ -143,11 +143,11 @@ VARIABLES: dict[str, Var] = {
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
                                      "single_header_slot", "no_abort_check", "no_proxy_fence",
                                      "twoshot_drop_peer", "allgather_short_push", "no_lamport_header_check",
-                                     "no_departure_check", "extra_fence",
+                                     "no_departure_check", "extra_fence", "twoshot_reverse_order", "nvfp4_nibble_order", "swizzle",
                                      "ssq_block_order", "two_roundings", "row_split_no_arrival"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
             "no_proxy_fence|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_departure_check|extra_fence|"
-            "ssq_block_order|two_roundings|row_split_no_arrival",
+            "twoshot_reverse_order|nvfp4_nibble_order|swizzle|ssq_block_order|two_roundings|row_split_no_arrival",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),
@@ -158,6 +158,11 @@ VARIABLES: dict[str, Var] = {
         Var("UBNEXT_ALLOW_NONDETERMINISTIC", _bool, False, "0|1",
             "Let the automatic choice pick nvls_oneshot, whose results may differ in the last "
             "bit between ranks."),
+        Var("UBNEXT_BATCH_INVARIANT", _bool, False, "0|1",
+            "Batch-invariant mode for the communicators ubnext makes itself (get_communicator, "
+            "ubnext.nn, ubnext.fsdp) and any made without batch_invariant=: every allreduce and "
+            "reduce-scatter sums the ranks in rank order in fp32 on every path and size, never "
+            "through multimem.ld_reduce, so a token's outputs do not depend on the batch around it."),
         Var("UBNEXT_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
             "debug|info|warning|error", "Level of the 'ubnext' logger."),
     )

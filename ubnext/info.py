@@ -72,7 +72,7 @@ def pool_view(world_size: int, hidden: int, mode: str, multicast: bool, unavaila
     """The planner's view of a fresh pool of the default size for this world size and hidden."""
     layout = plan_layout(world_size, hidden)
     return plan.PoolView(unavailable, multicast, layout.lamport_capacity, layout.staging_bytes, mode,
-                         torch_symm_op=mode == "gpu", sized_by=layout.sized_by)
+                         torch_symm_op=mode == "gpu", sized_by=layout.sized_by, world_size=world_size)
 
 
 def report(world_size: int, hidden: int, build_emulator: bool) -> str:

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from . import _lifecycle
+from ._blockscale import check_quantize_block_args, output_specs
 from ._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_same_device,
                      check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
 
@@ -45,6 +46,9 @@ _lib.define("all_gather_out(Tensor x, Tensor(a!) out, str comm) -> ()")
 _lib.define("reduce_scatter(Tensor x, float factor, str comm) -> Tensor")
 _lib.define("reduce_scatter_out(Tensor x, Tensor(a!) out, float factor, str comm) -> ()")
 _lib.define("quantize_fp8(Tensor x, int hidden, Tensor? scale, str comm) -> (Tensor, Tensor)")
+# block-scaled formats for the next GEMM (ubnext/_blockscale.py): nvfp4, mxfp8, fp8_group128
+_lib.define("quantize(Tensor x, str fmt, Tensor? global_scale, bool swizzled, bool ue8m0, str comm) "
+            "-> (Tensor, Tensor)")
 
 
 # the communicator an operator's ``comm`` argument names (see the module docstring); the
@@ -114,11 +118,16 @@ def _quantize_fp8_impl(x, hidden, scale, comm):
     return communicator_for(comm)._quantize_fp8(x, hidden, scale)
 
 
+def _quantize_impl(x, fmt, global_scale, swizzled, ue8m0, comm):
+    return communicator_for(comm)._quantize_blocks(x, fmt, global_scale, swizzled, ue8m0)
+
+
 for _name, _fn in (("all_reduce", _all_reduce_impl), ("all_reduce_out", _all_reduce_out_impl),
                    ("linear_all_reduce", _linear_all_reduce_impl), ("all_reduce_add_rmsnorm", _fused_impl),
                    ("all_reduce_add_rmsnorm_fp8", _fused_fp8_impl), ("all_gather", _all_gather_impl),
                    ("all_gather_out", _all_gather_out_impl), ("reduce_scatter", _reduce_scatter_impl),
-                   ("reduce_scatter_out", _reduce_scatter_out_impl), ("quantize_fp8", _quantize_fp8_impl)):
+                   ("reduce_scatter_out", _reduce_scatter_out_impl), ("quantize_fp8", _quantize_fp8_impl),
+                   ("quantize", _quantize_impl)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 
@@ -194,6 +203,14 @@ def _(x, hidden, scale, comm):
     check_same_device("x scale", x, scale)
     return torch.empty_like(x, dtype=FP8), x.new_empty(1 if scale is not None else x.numel() // hidden,
                                                         dtype=torch.float32)
+
+
+@torch.library.register_fake("ubnext::quantize", lib=_lib)
+def _(x, fmt, global_scale, swizzled, ue8m0, comm):
+    check_quantize_block_args(x, fmt, global_scale, swizzled, ue8m0)
+    check_same_device("x global_scale", x, global_scale)
+    (q_shape, q_dtype), (s_shape, s_dtype) = output_specs(x, fmt, swizzled)
+    return x.new_empty(q_shape, dtype=q_dtype), x.new_empty(s_shape, dtype=s_dtype)
 
 
 # -- autograd --------------------------------------------------------------------------------------

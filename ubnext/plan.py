@@ -13,14 +13,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import _thresholds
+
 PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot", "torch_symm", "torch")
 KERNEL_PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot")
 # the kernels that reduce a pool tensor where it lies (out is in); the others read `in` while
 # writing `out`, so an in-place call of theirs is staged
 IN_PLACE_PATHS = ("nvls_twoshot", "twoshot")
-# Messages up to this size prefer Lamport one-shot: its N-1 pushes per element cost less
-# than two-shot's two barriers up to about a megabyte (DESIGN §3).
-LAMPORT_MAX_BYTES = 1 << 20
+# The automatic order of the paths for a message, fastest first, comes from the critical-path model
+# per operation, world size and multicast (ubnext/_thresholds.py, generated; ubnext/_crossovers.py
+# says how). Tests that plan without a world size get this one's table.
+DEFAULT_WORLD = 8
+# The paths that reduce through the switch (multimem.ld_reduce), whose summation order is not promised:
+# the batch-invariant mode never reduces with them (its multicast stores may still broadcast, as Lamport's
+# push does)
+LD_REDUCE_PATHS = ("nvls_oneshot", "nvls_twoshot", "nvls_lamport")
+NOT_RANK_ORDER = ("multimem.ld_reduce sums in the switch's order, not in rank order, which the "
+                  "batch-invariant mode needs")
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ class PoolView:
     torch_symm_op: bool = False  # torch has a symmetric-memory allreduce op
     disabled: tuple[tuple[str, str], ...] = ()  # (path, why): turned off by the agreed self-test
     sized_by: str = ""  # what fixed the pool's sizes (PoolLayout.sized_by)
+    world_size: int = DEFAULT_WORLD  # the group's size: which table of path orders applies
 
 
 @dataclass
@@ -45,7 +55,7 @@ class Plan:
 
 
 def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView,
-                 in_place_pool: bool = False) -> dict[str, str | None]:
+                 in_place_pool: bool = False, batch_invariant: bool = False) -> dict[str, str | None]:
     """For each path: None if it can run this call, else why not. ``in_place_pool``: the call
     reduces a pool tensor in place. That is an argument of the call, like its shape: every rank
     must pass the same kind of tensor (UBNEXT_DEBUG compares it). Ranks that differ get a clear
@@ -68,6 +78,8 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             why[path] = no_kernels
         elif path in disabled:
             why[path] = f"disabled by the self-test at preparation ({disabled[path]})"
+        elif batch_invariant and path in LD_REDUCE_PATHS:
+            why[path] = NOT_RANK_ORDER
         elif path.startswith("nvls") and not pool.has_multicast:
             why[path] = "the pool has no multicast address"
         elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:
@@ -81,7 +93,9 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             why[path] = "nvls_oneshot does not promise identical bits, which the fused norm needs"
         else:
             why[path] = None
-    if pool.mode != "gpu":
+    if batch_invariant:
+        why["torch_symm"] = "torch's symmetric-memory op promises no summation order"
+    elif pool.mode != "gpu":
         why["torch_symm"] = "torch symmetric-memory ops need CUDA tensors"
     elif fused or not pool.torch_symm_op:
         why["torch_symm"] = "torch has no symmetric-memory allreduce op for this call"
@@ -99,37 +113,58 @@ def _sizing(pool: PoolView) -> str:
             "which ubnext.nn.Linear does when built) before the first op")
 
 
-def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondeterministic: bool) -> list[str]:
-    """Paths to try, best first, for a message of ``nbytes``. ``torch_symm`` is not among them: what
-    reaches the end of the chain is a message past the staging region, which NCCL (torch.distributed)
-    serves at least as fast as torch's one-shot op (slower than NCCL from 32 MiB), and that op refuses
-    fp16 and 2-byte tensors of odd length and needs torch's own symmetric pool; it runs only when
-    asked for (UBNEXT_ALGO=torch_symm, or a layer's symmetric_ar_type naming a torch op)."""
-    small = nbytes <= LAMPORT_MAX_BYTES
-    order: list[str] = []
-    if small:
-        order.append("lamport")
-    if has_multicast:
-        if not fused and small and allow_nondeterministic:
-            order.append("nvls_oneshot")
-        order.append("nvls_twoshot")
-    order.append("twoshot")
-    if not small:
-        order.append("lamport")
-    return order + ["torch"]
+def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondeterministic: bool,
+               world_size: int = DEFAULT_WORLD, elem_bytes: int = 2) -> list[str]:
+    """Paths to try, best first, for a message of ``nbytes``: the order the critical-path model gives
+    at this world size (the largest tabled world's above it), among ubnext's kernels and, by its
+    published figures, torch.distributed (NCCL), which then ends the chain (ubnext/_crossovers.py).
+    ``nvls_oneshot`` only for a plain allreduce that may differ in the last bit across ranks.
+    ``torch_symm`` is not among them (issue 23): where the chain reaches torch.distributed, NCCL
+    serves the message at least as fast as torch's one-shot op (slower than NCCL from 32 MiB), and
+    that op refuses fp16 and 2-byte tensors of odd length and needs torch's own symmetric pool; it
+    runs only when asked for (UBNEXT_ALGO=torch_symm, or a layer's symmetric_ar_type naming a torch
+    op)."""
+    order = [p for p in model_order(nbytes, fused, has_multicast, world_size, elem_bytes)
+             if p != "nvls_oneshot" or (not fused and allow_nondeterministic)]
+    return order[:order.index("torch") + 1]
+
+
+def model_order(nbytes: int, fused: bool, has_multicast: bool, world_size: int, elem_bytes: int) -> tuple[str, ...]:
+    """Every path of the table (ubnext/_thresholds.py) for this call, fastest first by the model."""
+    # the fused op's rows: fp32 ones carry twice the bytes per token of 2-byte ones
+    key = ("all_reduce_add_rmsnorm", 4 if elem_bytes >= 4 else 2) if fused else ("all_reduce", None)
+    world = min(max(world_size, _thresholds.MEASURED_WORLDS[0]), _thresholds.MEASURED_WORLDS[-1])
+    segments = _thresholds.ORDERS[(*key, world, has_multicast)]
+    return next(order for up_to, order in segments if up_to is None or nbytes <= up_to)
+
+
+def refuse_in_batch_invariant_mode(forced: str) -> None:
+    """A forced path that can never keep the batch-invariant mode's rank order is an error, not a
+    fallback: the caller asked for two things that contradict each other."""
+    if forced in LD_REDUCE_PATHS + ("nvls", "torch_symm"):
+        why = "torch's symmetric-memory op promises no summation order" if forced == "torch_symm" else NOT_RANK_ORDER
+        raise ValueError(f"algo {forced!r} cannot run in the batch-invariant mode: {why}; force lamport or "
+                         "twoshot, or leave the choice to auto")
 
 
 def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView, *, forced: str = "auto",
-           allow_nondeterministic: bool = False, in_place_pool: bool = False) -> Plan:
+           allow_nondeterministic: bool = False, in_place_pool: bool = False, batch_invariant: bool = False) -> Plan:
     """The path for one call. ``forced`` is UBNEXT_ALGO (or the communicator's ``algo``): a
-    forced path that cannot run falls back down the automatic order."""
-    caps = capabilities(nbytes, elem_bytes, fused, hidden, pool, in_place_pool)
-    order = auto_order(nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic)
+    forced path that cannot run falls back down the automatic order. ``batch_invariant``: only the
+    paths that sum in rank order (never multimem.ld_reduce), and a forced one that does not is
+    refused; "torch" is then the Communicator's rank-ordered fallback."""
+    if batch_invariant:
+        refuse_in_batch_invariant_mode(forced)
+    caps = capabilities(nbytes, elem_bytes, fused, hidden, pool, in_place_pool, batch_invariant)
+    order = auto_order(nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic,
+                       pool.world_size, elem_bytes)
     skipped: list[tuple[str, str]] = []
     if forced != "auto":
-        wanted = ["nvls_lamport", "nvls_twoshot"] if forced == "nvls" else [forced]
-        if forced == "nvls" and nbytes > LAMPORT_MAX_BYTES:
-            wanted.reverse()
+        if forced == "nvls":  # the two deterministic multicast kernels, in the model's order for this size
+            wanted = [p for p in model_order(nbytes, fused, True, pool.world_size, elem_bytes)
+                      if p in ("nvls_lamport", "nvls_twoshot")]
+        else:
+            wanted = [forced]
         for path in wanted:
             if caps[path] is None:
                 return Plan(path, f"UBNEXT_ALGO={forced}", skipped)
@@ -137,8 +172,8 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
         order = [p for p in order if p not in wanted]
     for path in order:
         if caps[path] is None:
-            reason = "auto: " + ("fits a Lamport slot, lowest latency" if path == "lamport" else
-                                 "best available path for this size")
+            reason = (f"auto: the fastest path that can run, by the cost model at {pool.world_size} ranks "
+                      "(ubnext/_thresholds.py)")
             return Plan(path, reason, skipped)
         skipped.append((path, caps[path]))
     raise AssertionError("torch.distributed is always available")  # pragma: no cover

@@ -72,7 +72,12 @@ UBX_DEV bool barrier_kernel_args_ok(int n, int hidden, int flags) {
 // (the unicast two-shot's and the reduce-scatter's reduction: deterministic, so every caller that sums the
 // same vector gets the same bits). Up to kPeers peer loads are in flight before the first add: each is a
 // cross-rank round trip.
-// UBNEXT_BREAK_TWOSHOT_DROP_PEER (test-only) leaves the last rank's values out of the sum.
+// The sum starts from +0, as the Lamport one-shot's does (lamport.cu: its sanitised -0 inputs must sum
+// like +0) and as torch's sum does: 0 + x == x for every x but -0, so a sum of all -0 is +0 on every
+// path, which the batch-invariant mode's "the same bits on every path" needs.
+// UBNEXT_BREAK_TWOSHOT_DROP_PEER (test-only) leaves the last rank's values out of the sum;
+// UBNEXT_BREAK_TWOSHOT_REVERSE_ORDER (test-only) adds the ranks in the order N-1..0, a sum within
+// rounding of the right one that the batch-invariant tests must still tell apart (3+ ranks).
 template <typename T>
 UBX_DEV void sum_over_ranks(const ubnext_comm_desc* d, uint64_t off, float (&acc)[DType<T>::kElems]) {
   constexpr int V = DType<T>::kElems;
@@ -97,7 +102,7 @@ UBX_DEV void sum_over_ranks(const ubnext_comm_desc* d, uint64_t off, float (&acc
         unpack<T>(v[u], f);
         if (p0 + u == 0) {
 #pragma unroll
-          for (int e = 0; e < V; ++e) acc[e] = f[e];  // start from rank 0's value itself (keeps -0)
+          for (int e = 0; e < V; ++e) acc[e] = 0.0f + f[e];  // from +0 (above)
         } else {
 #pragma unroll
           for (int e = 0; e < V; ++e) acc[e] += f[e];
@@ -105,6 +110,15 @@ UBX_DEV void sum_over_ranks(const ubnext_comm_desc* d, uint64_t off, float (&acc
       }
     }
   }
+#if defined(UBNEXT_BREAK_TWOSHOT_REVERSE_ORDER)
+  for (int e = 0; e < V; ++e) {  // test-only: the same values again, added N-1..0
+    float r = 0.0f;
+    for (uint32_t p = nranks; p-- > 0;)
+      r += DType<T>::to_float(vec_elem_bits<T>(
+          ld_relaxed_sys_v4(reinterpret_cast<const void*>(static_cast<uint64_t>(d->peer_base[p]) + off)), e));
+    acc[e] = r;
+  }
+#endif
 }
 
 // The same sum for the one element of T at byte `off` (a shard's head or tail, outside its whole
@@ -135,7 +149,7 @@ UBX_DEV float sum_elem_over_ranks(const ubnext_comm_desc* d, uint64_t off) {
     for (int u = 0; u < kPeers; ++u) {
       if (p0 + u >= summed) continue;
       const float f = DType<T>::to_float(bits[u]);
-      acc = p0 + u == 0 ? f : acc + f;  // rank 0's value itself first (keeps -0), as sum_over_ranks
+      acc = p0 + u == 0 ? 0.0f + f : acc + f;  // from +0, as sum_over_ranks
     }
   }
   return acc;
@@ -151,8 +165,8 @@ UBX_DEV float sum_elem_over_ranks(const ubnext_comm_desc* d, uint64_t off) {
 // op's contract: ranks get identical bits given identical residual and weight).
 // Why the owner adds it rather than broadcasting the fp32 s: the exchange keeps its bytes (s in fp32 would
 // double them for 16-bit types, and not fit `in` or a Lamport slot sized for T).
-// s is the rank-order fp32 sum (sum_over_ranks), plus +0 so that a sum of -0s gives +0 as the Lamport
-// path's does (it sanitises its inputs): every fused path gives a token the same bits.
+// s is the rank-order fp32 sum (sum_over_ranks, from +0 as the Lamport path's): every fused path gives a
+// token the same bits.
 // UBNEXT_BREAK_TWO_ROUNDINGS (test-only) rounds s to T first and leaves the residual to the row phase.
 #if !defined(UBNEXT_BREAK_TWO_ROUNDINGS)
 #define UBX_OWNER_ADDS_RESIDUAL 1
@@ -164,8 +178,6 @@ UBX_DEV uint4 owner_add_round(const ubnext_comm_desc* d, uint64_t off, const voi
   constexpr int V = DType<T>::kElems;
   float acc[V];
   sum_over_ranks<T>(d, off, acc);
-#pragma unroll
-  for (int e = 0; e < V; ++e) acc[e] += 0.f;
   if (UBX_OWNER_ADDS_RESIDUAL && residual != nullptr) return add_round<T>(acc, true, load_whole_vec(residual, gi));
   return pack<T>(acc);
 }

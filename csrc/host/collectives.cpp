@@ -319,9 +319,10 @@ struct KernelArgs {
 // Launch kernel `kernel` (an index of kKernels) with the default grid rule of launch_rules.h
 // (default_grid: `bytes` of message, per-rank share or not, `tokens` rows) unless launch.grid
 // says otherwise. Kernels that wait on peers' blocks (`coresident`) refuse a grid larger than
-// what fits at once.
+// what fits at once; a local kernel (`local`: no peer, no barrier) takes any grid.
 ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per_rank_share, size_t bytes,
-                             size_t tokens, size_t nranks, KernelArgs a, size_t row_vectors = 0) {
+                             size_t tokens, size_t nranks, KernelArgs a, bool local = false,
+                             size_t row_vectors = 0) {
   const KernelEntry& k = kKernels[kernel];
   // The device first: NO_DEVICE describes the machine, whatever this build holds.
   int device = 0;
@@ -336,7 +337,7 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
   unsigned grid = launch.grid;
   if (grid == 0) {
     grid = default_grid(per_rank_share, bytes, tokens, nranks, block, lim.sms, lim.coresident, row_vectors);
-  } else if (grid > static_cast<unsigned>(lim.coresident)) {
+  } else if (!local && grid > static_cast<unsigned>(lim.coresident)) {
     // Blocks wait on their peers' blocks; more than fit at once could wait forever.
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
                 "grid %u exceeds the co-resident limit of %d blocks for %s with %u threads",
@@ -360,7 +361,7 @@ ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
                                  : 0;
   return launch_index(launch, static_cast<int>(algo) * kNumDtypes + static_cast<int>(dtype),
                       kAlgos[algo].per_rank_share, static_cast<size_t>(a.n) * ubnext_dtype_size(dtype), tokens,
-                      static_cast<size_t>(d->nranks), a, row_vectors);
+                      static_cast<size_t>(d->nranks), a, false, row_vectors);
 }
 
 // count in 1..INT32_MAX (the kernels' n is an int32; it also keeps count * size from overflowing)
@@ -633,12 +634,10 @@ ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_f
   launch.stream = stream;
   KernelArgs a{nullptr, in, out, nullptr, nullptr, nullptr, scale, scale_inv, static_cast<int32_t>(count),
                static_cast<int32_t>(hidden), 0.0f, flags};
-  // per token: one block per row (the row's amax is a block reduction); static: every element alone, so
-  // the kernel runs flat and the grid is sized by its vectors (default_grid's plain rule; the bits do
-  // not depend on the grid)
-  if (flags == UBNEXT_F_FP8_STATIC)
-    return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, count * elem, 0, 1, a);
-  return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, 0, count / hidden, 1, a);
+  // a local kernel: its grid comes from the work alone (launch_rules.h quantize_grid; the bits do not
+  // depend on it)
+  launch.grid = quantize_grid(flags == UBNEXT_F_FP8_PER_TOKEN, count * elem, hidden * elem, kDefaultBlock);
+  return launch_index(launch, kQuantizeKernel + static_cast<int>(dtype), false, 0, 0, 1, a, true);
 }
 
 ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_desc) {

@@ -88,3 +88,34 @@ inline unsigned default_grid(bool per_rank_share, size_t bytes, size_t tokens, s
 }
 
 }  // namespace ubnext
+
+namespace ubnext {
+
+// The grid of ubnext_quantize_fp8, the same rule as ubnext/_quantize.py quantize_geometry. The kernel is
+// local (no peer, no barrier between blocks), so residency does not bound it: blocks that do not fit
+// wait for a free SM. static: one trip of kInFlight 16-byte vectors per thread; per row: a group of G
+// threads per row (quantize.cu row_group_threads: the largest power of two with G * kInFlight <= the
+// row's vectors that divides `block`), block / G rows per block. At least 1, at most gridDim.x's limit.
+constexpr unsigned kQuantizeInFlight = 4;
+constexpr size_t kMaxGridX = 2147483647u;
+
+inline unsigned quantize_row_group(size_t row_vectors, unsigned block) {
+  unsigned g = 1;
+  while (2 * g * kQuantizeInFlight <= row_vectors && block % (2 * g) == 0) g *= 2;
+  return g;
+}
+
+inline unsigned quantize_grid(bool per_row, size_t bytes, size_t row_bytes, unsigned block) {
+  size_t want;
+  if (per_row) {
+    const size_t per_block = block / quantize_row_group(row_bytes / 16, block);
+    want = (bytes / row_bytes + per_block - 1) / per_block;
+  } else {
+    const size_t per_block = static_cast<size_t>(block) * kQuantizeInFlight;
+    want = (bytes / 16 + per_block - 1) / per_block;
+  }
+  if (want > kMaxGridX) want = kMaxGridX;
+  return want ? static_cast<unsigned>(want) : 1u;
+}
+
+}  // namespace ubnext

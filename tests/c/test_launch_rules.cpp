@@ -123,9 +123,23 @@ void test_grid_caps() {
   CHECK(default_grid(false, 0, 500, 8, 256, 148, 1 << 20) == UBNEXT_MAX_BLOCKS);
 }
 
+// ubnext_quantize_fp8's grid: the work alone, no residency cap (the kernel is local). The same numbers
+// are pinned for ubnext/_quantize.py quantize_geometry in tests/unit/test_plan.py.
+void test_quantize_grid() {
+  using ubnext::quantize_grid;
+  CHECK(quantize_grid(false, 64u << 20, 0, 256) == 4096);       // 64 MB static: 4 vectors per thread
+  CHECK(quantize_grid(true, 64u << 20, 8192 * 2, 256) == 4096);  // rows of 1024 vectors: 256 threads each
+  CHECK(quantize_grid(true, 1000 * 128 * 2, 128 * 2, 256) == 16);  // rows of 16 vectors: 4 threads, 64 a block
+  CHECK(quantize_grid(true, 16, 16, 256) == 1);
+  CHECK(ubnext::quantize_row_group(16, 256) == 4 && ubnext::quantize_row_group(4096, 256) == 256);
+  CHECK(ubnext::quantize_row_group(3, 256) == 1 && ubnext::quantize_row_group(24, 256) == 4);
+  CHECK(ubnext::quantize_row_group(4096, 96) == 32);  // groups divide the block
+}
+
 }  // namespace
 
 int main() {
+  test_quantize_grid();
   test_traits();
   test_grid_matches_python();
   test_grid_caps();

@@ -20,10 +20,13 @@ NGPU = torch.cuda.device_count() if _cuda.gpu_available() else 0
 CASES = ["allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "pool", "bad_input",
          "linear", "compile", "cuda_graph", "misaligned", "fp8_nan", "divergent", "uneven_history",
          "header_race", "kernel_failure", "timeout", "late_rank", "selftest", "subgroups", "in_place_past_staging", "linear_dense", "tp_checkpoint",
-         "all_gather", "reduce_scatter", "quantize_fp8", "fsdp", "fsdp_odd_shards", "fsdp_fp8", "fsdp_fp8_gemm", "exchange_compile",
+         "all_gather", "reduce_scatter", "quantize_fp8", "quantize_blocks", "fsdp", "fsdp_odd_shards", "fsdp_fp8", "fsdp_fp8_gemm",
+         "exchange_compile",
          # the host path (contexts, streams, graphs, lifetimes): only a GPU shows these
          "second_comm", "threads", "streams", "capture_first_use", "close_live", "device_mix",
-         "capture_empty", "other_device_thread", "torch_symm_prefill", "pool_gc_skew", "fsdp_steady", "fused_past_pool"]
+         "capture_empty", "other_device_thread", "torch_symm_prefill", "pool_gc_skew", "fsdp_steady", "fused_past_pool",
+         # issue 26: the batch-invariant mode, and its CUDA-graph replays
+         "batch_invariant", "batch_invariant_graph"]
 
 
 def test_every_kernel_loads_on_this_gpu():

@@ -76,10 +76,26 @@ TWOSHOTS = frozenset({("all_reduce", "twoshot"), ("all_reduce", "nvls_twoshot")}
 
 
 @pytest.fixture(scope="module")
-def plain_at_2():
-    """The correct build's counts at 2 ranks for the paths the broken builds below change: one run
-    that both comparisons share."""
-    return _counts(_costmodel.run(2, quick=True, only=LAMPORT | TWOSHOTS))
+def multicast_at_4():
+    """The counts at 4 ranks with multicast: one run that the pins and the planner's table share."""
+    return _costmodel.run(4, quick=True)
+
+
+@pytest.fixture(scope="module")
+def unicast_at_4():
+    return _costmodel.run(4, quick=True, only=UNICAST_PATHS, env={"UBNEXT_EMU_MULTICAST": "0"})
+
+
+@pytest.fixture(scope="module")
+def plain_rows_at_2():
+    """The correct build's rows at 2 ranks for the paths the broken builds below change: one run
+    that the comparisons share."""
+    return _costmodel.run(2, quick=True, only=LAMPORT | TWOSHOTS)
+
+
+@pytest.fixture(scope="module")
+def plain_at_2(plain_rows_at_2):
+    return _counts(plain_rows_at_2)
 
 
 def _counts(rows, measured_only=True):
@@ -94,23 +110,66 @@ def _assert_pinned(got: dict, want: dict) -> None:
             {" ".join(map(str, k)): v for k, v in diff.items()}) + f"; unpinned: {sorted(set(got) - set(want))}")
 
 
-def test_counts_are_pinned_with_multicast():
-    _assert_pinned(_counts(_costmodel.run(4, quick=True)), PINNED_MULTICAST)
+def test_counts_are_pinned_with_multicast(multicast_at_4):
+    _assert_pinned(_counts(multicast_at_4), PINNED_MULTICAST)
 
 
-def test_counts_are_pinned_without_multicast():
-    rows = _costmodel.run(4, quick=True, only=UNICAST_PATHS, env={"UBNEXT_EMU_MULTICAST": "0"})
-    _assert_pinned(_counts(rows), PINNED_UNICAST)
+def test_counts_are_pinned_without_multicast(unicast_at_4):
+    _assert_pinned(_counts(unicast_at_4), PINNED_UNICAST)
 
 
-def test_an_added_fence_raises_the_count(plain_at_2):
+def _differences_from_the_table(rows, world: int, multicast: bool) -> tuple[list[str], int]:
+    """Where measured rows differ from the counts ubnext/_thresholds.py keeps at that world (the counts
+    its path orders were derived from), and how many cases both hold."""
+    from ubnext import _crossovers, _thresholds
+
+    model = _crossovers.model_of(_thresholds.COUNTS, _thresholds.SM_COUNT)
+    differ, compared = [], 0
+    for r in rows:
+        measured = model.counts.get((r["op"], world, multicast, r["path"]), {})
+        case = _costmodel.Case(r["op"], r["path"], r["bytes"], r["tokens"])
+        if r["derived"] or case not in measured:
+            continue
+        compared += 1
+        launches = measured[case]
+        table = (max(c["ctas"] for c in launches), sum(c["hops"] for c in launches),
+                 sum(c["fences"] for c in launches), max(c["max_cta_bytes"] for c in launches),
+                 _costmodel.model_us(launches))
+        now = (r["ctas"], r["hops"], r["fences"], r["max_cta_bytes"], r["model_us"])
+        if table != now:
+            differ.append(f"{r['op']} {r['path']} {r['bytes']} multicast {multicast}: table {table}, measured {now}")
+    return differ, compared
+
+
+def test_the_planners_table_holds_todays_counts(multicast_at_4, unicast_at_4):
+    """ubnext/_thresholds.py keeps the counts its path orders were derived from: at 4 ranks they
+    must be what the kernels count today, in every case both hold, else the orders are stale. (The
+    fence test below shows a changed kernel fails this check.)"""
+    from ubnext import _crossovers
+
+    differ, compared = [], 0
+    for multicast, rows in ((True, multicast_at_4), (False, unicast_at_4)):
+        d, c = _differences_from_the_table(rows, 4, multicast)
+        differ, compared = differ + d, compared + c
+    assert compared >= 20, compared
+    assert not differ, (f"ubnext/_thresholds.py is stale (kernel counts changed): regenerate it with "
+                        f"`{_crossovers.COMMAND}`.\n  " + "\n  ".join(differ))
+
+
+def test_an_added_fence_raises_the_count(plain_at_2, plain_rows_at_2):
     """UBNEXT_EMU_BREAK=extra_fence adds one fence.acq_rel.sys to the Lamport kernel after its
-    pushes: one more fence and one more hop on the critical path, nothing else."""
+    pushes: one more fence and one more hop on the critical path, nothing else. The planner's table
+    check sees it: the correct build's rows at 2 ranks match the table, the broken build's do not."""
     plain = {k: v for k, v in plain_at_2.items() if k[1] == "lamport"}
-    broken = _counts(_costmodel.run(2, quick=True, only=LAMPORT, env={"UBNEXT_EMU_BREAK": "extra_fence"}))
+    broken_rows = _costmodel.run(2, quick=True, only=LAMPORT, env={"UBNEXT_EMU_BREAK": "extra_fence"})
+    broken = _counts(broken_rows)
     assert plain.keys() == broken.keys() and plain
     for key, (ctas, hops, fences, nbytes) in plain.items():
         assert broken[key] == (ctas, hops + 1, fences + 1, nbytes), (key, plain[key], broken[key])
+    differ, compared = _differences_from_the_table(plain_rows_at_2, 2, True)
+    assert compared and not differ, differ
+    differ, compared = _differences_from_the_table(broken_rows, 2, True)
+    assert compared and len(differ) == compared, differ
 
 
 def test_call_header_checks_add_no_hop(plain_at_2):
@@ -131,8 +190,14 @@ def test_bench_model_command():
     choice marked once per (op, size)."""
     proc = run_script(f"{sys.executable} -m ubnext.bench --model --world 2 --quick --json", timeout=240)
     assert_mpi_ok(proc)
-    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    rows = [r for r in lines if "table" not in r]
     assert rows and all(set(r) == set(_costmodel.KEYS) | {"derived"} for r in rows), rows[:2]
+    # issue 26: the batch-invariant mode beside the default, per reducing op and size, never on a
+    # path that reduces through the switch
+    invariant = {(r["op"], r["bytes"]): r for r in lines if r.get("table") == "batch_invariant"}
+    assert invariant and all(r["mode_path"] in ("lamport", "twoshot", "torch") for r in invariant.values()), invariant
+    assert invariant[("all_reduce", 16384)]["ratio"] == 1.0, invariant[("all_reduce", 16384)]
     chosen: dict = {}
     for r in rows:
         chosen.setdefault((r["op"], r["bytes"]), []).append(r["path"]) if r["chosen"] else None

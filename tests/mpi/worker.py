@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import ubnext  # noqa: E402
 from ubnext import testing as T  # noqa: E402
 from ubnext._checks import FP8  # noqa: E402
+from tests.mpi import invariant_cases  # noqa: E402 - issue 26's batch-invariant mode
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MODE = "torch"
@@ -136,11 +137,21 @@ def case_auto():
     mc = COMM.pool.has_multicast
     check_allreduce(1000, torch.bfloat16, seed=1)
     assert COMM.last_path == "lamport"
-    big = (1 << 20) // 4 + 1024  # fp32 elements: just over the Lamport size threshold
+    # past the smallest sizes the model's order for this world decides (ubnext/_thresholds.py): the
+    # first path of it that this pool can run; a path the pool cannot run is skipped
+    from ubnext import plan
+
+    big = (1 << 20) // 4 + 1024  # fp32 elements
     check_allreduce(big, torch.float32, seed=2)
-    assert COMM.last_path == ("nvls_twoshot" if mc else "twoshot"), COMM.last_path
+    view = COMM._pool_view()
+    caps = plan.capabilities(big * 4, 4, False, 0, view)
+    order = plan.auto_order(big * 4, False, mc, COMM._allow_nondeterministic, COMM.world_size, 4)
+    assert COMM.last_path == next(p for p in order if caps[p] is None), (COMM.last_path, order, caps)
     text = COMM.explain(torch.empty(big, device=device()))
     assert text.splitlines()[0].startswith(COMM.last_path + ":"), text
+    past_lamport = COMM.pool.lamport_capacity // 4 + 1024  # fp32 elements: past the Lamport slot
+    check_allreduce(past_lamport, torch.float32, seed=3)
+    assert COMM.last_path == ("nvls_twoshot" if mc else "twoshot"), COMM.last_path
     # nvls_oneshot never serves the fused norm (ranks could normalise different bits)
     COMM._algo = "nvls_oneshot"
     check_fused(2, 256, torch.bfloat16, seed=3)
@@ -452,8 +463,12 @@ def case_in_place_past_staging():
     t.copy_(inputs[rank].view(rows, 1024))
     assert "twoshot" in comm.explain(t, in_place=True).split(":")[0], comm.explain(t, in_place=True)
     comm.all_reduce(t, out=t)
-    two_shot = "nvls_twoshot" if comm.pool.has_multicast else "twoshot"
-    assert comm.last_path == two_shot, comm.last_path
+    from ubnext import plan
+
+    # the two-shot kernel the model's order puts first (at 2 ranks the unicast one models faster)
+    order = plan.auto_order(t.numel() * 4, False, comm.pool.has_multicast, False, n, 4)
+    two_shot = next(p for p in order if p in plan.IN_PLACE_PATHS)
+    assert comm.last_path == two_shot, (comm.last_path, order)
     err = (t.double().cpu().reshape(-1) - T.reference_sum(inputs)).abs()
     assert (err <= T.allreduce_bound(inputs, torch.float32)).all(), f"max err {err.max().item():.3e}"
     assert_identical_across_ranks(t, "in-place two-shot past the staging region")
@@ -702,7 +717,12 @@ def case_captured_sizes():
         cu.capturing = real
     everyone = gather(paths)
     assert all(p == paths for p in everyone), "ranks took different paths for the same captured call"
-    two_shot = "nvls_twoshot" if comm.pool.has_multicast else "twoshot"
+    from ubnext import plan
+
+    # past the Lamport slot, the two-shot kernel the model's order puts first (at 2 ranks with
+    # multicast the unicast one models faster)
+    big = comm.pool.lamport_capacity + 16
+    two_shot = next(p for p in plan.auto_order(big, False, comm.pool.has_multicast, False, n) if p in plan.IN_PLACE_PATHS)
     assert set(paths) == {"lamport", two_shot, "torch"}, sorted(set(paths))
     after = comm.pool_stats()
     assert (after["used"], after["allocations"]) == (before["used"], before["allocations"]), (before, after)
@@ -1009,6 +1029,44 @@ def case_reduce_scatter():
             assert sum(t.peer_load_bytes) == (n - 1) * numel * dtype.itemsize, t
 
 
+def case_quantize_blocks():
+    """comm.quantize's kernels (csrc/kernels/blockscale.cu) against ubnext's torch reference, bitwise
+    (tests/unit/test_blockscale.py ties that reference to torchao): every format and dtype, M of 1, 7,
+    129 and 200, swizzled scales with padding rows (M 7, 129, 200) and columns (K 1040: 65 NVFP4
+    scales a row), NaN, inf and zero blocks."""
+    from ubnext._blockscale import quantize_reference
+    from ubnext._checks import FP8_MAX
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for m, k, dtype, fmt, two_level, swizzled, ue8m0 in (
+            (1, 8192, torch.bfloat16, "nvfp4", True, True, False),
+            (129, 1040, torch.float16, "nvfp4", False, True, False),
+            (7, 1024, torch.float32, "nvfp4", False, False, False),
+            (200, 1024, torch.bfloat16, "mxfp8", False, True, False),
+            (7, 2048, torch.float32, "mxfp8", False, False, False),
+            (129, 1024, torch.bfloat16, "fp8_group128", False, False, True),
+            (7, 1024, torch.float16, "fp8_group128", False, False, False)):
+        scale = torch.exp2(torch.randint(-10, 10, (m, 1), generator=g).float())
+        x = (torch.randn(m, k, generator=g) * scale).to(dtype)
+        x[0, 32:160].zero_()  # a zero block in every format
+        if m > 1:
+            x[1, 3] = float("nan")
+            x[m - 1, 130] = float("inf")
+        gs = torch.tensor([float(x.float().abs().nan_to_num(0, 0, 0).amax()) / (FP8_MAX * 6)]) if two_level else None
+        q, scales = COMM.quantize(x.to(device()), fmt, global_scale=None if gs is None else gs.to(device()),
+                                  swizzled=swizzled, ue8m0=ue8m0)
+        q_ref, s_ref = quantize_reference(x, fmt, gs, swizzled, ue8m0)
+        what = f"{fmt} {m}x{k} {dtype} swizzled={swizzled}"
+        assert q.shape == q_ref.shape and q.dtype == q_ref.dtype, (what, q.shape, q.dtype)
+        assert scales.shape == s_ref.shape and scales.dtype == s_ref.dtype, (what, scales.shape, scales.dtype)
+        bad = (q.cpu().view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+        assert not len(bad), f"{what}: q differs at {bad[:5].tolist()}: {q.cpu().view(torch.uint8)[tuple(bad[0])]} vs {q_ref.view(torch.uint8)[tuple(bad[0])]} x {x[tuple(bad[0])]}"
+        assert torch.equal(scales.cpu().view(torch.uint8), s_ref.view(torch.uint8)), f"{what}: scales differ"
+        path = "torch" if MODE == "torch" else "quantize_" + fmt
+        assert COMM._calls[("quantize_" + fmt, m * k, dtype, k, (1 << 16 if swizzled else 0) | (
+            1 << 17 if ue8m0 else 0))].path == path, what
+
+
 def case_quantize_fp8():
     """The quantisation kernel against quantize_fp8_reference, bitwise (true division, saturation,
     the 1e-12 floor of an all-zero row), per row, per tensor and static, including rows longer than
@@ -1017,8 +1075,10 @@ def case_quantize_fp8():
     from ubnext._checks import quantize_fp8_reference
     from ubnext._quantize import ONE_CTA_BYTES, split_row
 
-    for rows, cols, dtype in ((8, 64, torch.bfloat16), (3, 4096 * 5, torch.bfloat16), (5, 32, torch.float32),
-                              (4, 48, torch.float16)):
+    # rows of 8 vectors (2 threads each), 2560 (a block, read twice), 512 (a block, held in registers),
+    # 8 fp32 and 6 fp16 vectors: every shape of the per-row kernel's thread groups
+    for rows, cols, dtype in ((8, 64, torch.bfloat16), (3, 4096 * 5, torch.bfloat16), (2, 4096, torch.bfloat16),
+                              (5, 32, torch.float32), (4, 48, torch.float16)):
         x = T.rank_input(dist.get_rank(), rows * cols, torch.float32, 13).mul(30).to(dtype).view(rows, cols)
         x[1].zero_()
         for scaling in ("row", "tensor", "static"):
@@ -1037,8 +1097,8 @@ def case_quantize_fp8():
 
 
 def case_exchange_compile():
-    """all_gather, reduce_scatter and quantize_fp8 under torch.compile(fullgraph=True), default
-    backend: no graph break, and the same bits as eager."""
+    """all_gather, reduce_scatter, quantize_fp8 and quantize (NVFP4, swizzled) under
+    torch.compile(fullgraph=True), default backend: no graph break, and the same bits as eager."""
     n, rank = dist.get_world_size(), dist.get_rank()
     x = T.rank_input(rank, 8 * 64, torch.bfloat16, 50).view(8, 64).to(device())
     big = T.rank_input(rank, n * 8 * 64, torch.float32, 51).view(n * 8, 64).to(device())
@@ -1047,7 +1107,8 @@ def case_exchange_compile():
         gathered = COMM.all_gather(x)
         reduced = COMM.reduce_scatter(big, op="avg")
         q, scale_inv = COMM.quantize_fp8(gathered, scaling="row")
-        return gathered, reduced, q.view(torch.uint8), scale_inv
+        q4, scales4 = COMM.quantize(gathered, "nvfp4", swizzled=True)
+        return gathered, reduced, q.view(torch.uint8), scale_inv, q4, scales4.view(torch.uint8)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
@@ -2995,6 +3056,18 @@ def case_isolated():
     _check_sum(comm, what="isolated GPUs")
     log("isolated GPUs:", stats["backend"] or stats["reason"])
     comm.close()
+
+
+def case_batch_invariant():
+    invariant_cases.case_batch_invariant(MODE)
+
+
+def case_batch_invariant_fused():
+    invariant_cases.case_batch_invariant_fused(MODE)
+
+
+def case_batch_invariant_graph():
+    invariant_cases.case_batch_invariant_graph(MODE)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -50,9 +50,27 @@ def test_large_sizes_are_derived_from_the_largest_measured_size_of_their_path():
 
 
 def test_the_planner_mark_follows_the_default_pool():
-    assert M.chosen_path(M.Case("all_reduce", "lamport", 16384, 1), 8) == "lamport"
-    assert M.chosen_path(M.Case("all_reduce_add_rmsnorm", "lamport", 16384, 1), 8) == "lamport"
+    """The mark is the planner's rule: the first path of the model's order at that world
+    (ubnext/_thresholds.py) that the default pool can run, torch.distributed past the staging region."""
+    from ubnext import plan
+
+    for world in (2, 8):
+        for fused in (False, True):
+            op = "all_reduce_add_rmsnorm" if fused else "all_reduce"
+            assert M.chosen_path(M.Case(op, "lamport", 16384, 1), world) == plan.auto_order(
+                16384, fused, True, False, world)[0], (world, fused)
     assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
+
+
+def test_quantize_at_64_mb_takes_the_grid_its_work_needs():
+    """Issue 24 item F: one scale over 64 MB (bf16) runs at least 64 CTAs; so do rows. The model's
+    grid is the Executor's rule for this local kernel (no residency cap): 4096 CTAs each, as many as
+    a 64 KB measurement derives from (each CTA then moves what one measured CTA moved)."""
+    for mode in M.QUANTIZE_MODES:
+        case = M.Case("quantize", mode, 64 << 20, (64 << 20) // (2 * M.HIDDEN))
+        assert M.grid_of(case, 8, 132) == 4096, mode
+    # below ONE_CTA_BYTES one scale is one row: one CTA, its amax a block reduction
+    assert M.grid_of(M.Case("quantize", "tensor", 65536, 4), 8, 132) == 1
 
 
 def test_fused_lamport_rows_split_over_free_sms():

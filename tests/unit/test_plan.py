@@ -15,7 +15,7 @@ from ubnext.pool import plan_layout
 def _comm_with(pool):
     comm = object.__new__(Communicator)  # no process group: only what _pool_view reads
     comm._closed, comm._pool, comm._pool_error, comm.mode = False, pool, None, "emulator"
-    comm._disabled = {}
+    comm._disabled, comm.world_size = {}, 4
     return comm
 
 
@@ -34,23 +34,23 @@ def test_view_comes_from_the_layout_only():
             raise AssertionError("the planner read this rank's allocator state")
 
     view = _comm_with(NoArenas())._pool_view()
-    assert view.staging_bytes == layout.staging_bytes and view.has_multicast
+    assert view.staging_bytes == layout.staging_bytes and view.has_multicast and view.world_size == 4
 
 
 @pytest.mark.parametrize("nbytes", [16, 8 << 10, 1 << 20, (1 << 20) + 16, 4 << 20, 64 << 20])
 @pytest.mark.parametrize("fused", [False, True])
 def test_same_signature_same_plan(nbytes, fused):
+    """Two ranks with the same layout and world size plan the same path: the first of the model's
+    order (ubnext/_thresholds.py) that this pool can run, torch.distributed past them all."""
     layout = plan_layout(8, 8192)
-    views = [plan.PoolView(None, mc, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True)
-             for mc in (True, True)]
+    views = [plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True, world_size=8)
+             for _ in range(2)]
     plans = [plan.choose(nbytes, 2, fused, 8192, v) for v in views]
     assert plans[0] == plans[1]
-    small = nbytes <= plan.LAMPORT_MAX_BYTES
-    if small:
-        assert plans[0].path == "lamport"
-    elif nbytes <= layout.staging_bytes:
-        assert plans[0].path == "nvls_twoshot"
-    else:
+    caps = plan.capabilities(nbytes, 2, fused, 8192, views[0])
+    order = plan.auto_order(nbytes, fused, True, False, 8)
+    assert plans[0].path == next(p for p in order if caps[p] is None)
+    if nbytes > layout.staging_bytes:
         assert plans[0].path == "torch"  # NCCL past the staging region: torch_symm only when asked for
 
 
@@ -65,6 +65,25 @@ def test_torch_symm_runs_only_when_asked_for():
     assert plan.choose(big, 2, False, 8192, view, forced="torch_symm").path == "torch_symm"
     no_op = plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", False)
     assert plan.choose(big, 2, False, 8192, no_op, forced="torch_symm").path == "torch"
+
+
+@pytest.mark.parametrize("nbytes", [16, 1 << 20, (1 << 20) + 16, 4 << 20, 64 << 20])
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_batch_invariant_mode_never_plans_a_switch_reduction(nbytes, fused):
+    """Issue 26: the mode's choice is the default's without the multimem.ld_reduce paths (and
+    without torch's symmetric op); one of them forced is an error naming the mode, not a fallback."""
+    layout = plan_layout(8, 8192)
+    view = plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True)
+    default = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True)
+    mode = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True, batch_invariant=True)
+    assert mode.path in ("lamport", "twoshot", "torch"), mode
+    if default.path not in plan.LD_REDUCE_PATHS:
+        assert mode.path == default.path
+    else:
+        assert (default.path, plan.NOT_RANK_ORDER) in mode.skipped
+    for forced in plan.LD_REDUCE_PATHS + ("nvls", "torch_symm"):
+        with pytest.raises(ValueError, match=f"algo '{forced}' cannot run in the batch-invariant mode"):
+            plan.choose(nbytes, 2, fused, 8192, view, forced=forced, batch_invariant=True)
 
 
 def test_forced_path_falls_back_down_the_chain():
@@ -381,19 +400,24 @@ def test_attention_heads_must_be_whole_on_every_rank():
 
 def test_one_scale_quantize_spreads_over_the_grid():
     """Issue 24 item F's count: FP8 quantisation with one scale over 64 MB (bf16) used to be one row,
-    so one CTA; split into rows of at most 1024 vectors it takes the whole grid (128 CTAs on a GPU
-    with 132 SMs, at least the 64 the issue asks), and every split divides the tensor into whole
-    vectors."""
-    from ubnext._quantize import SPLIT_ROW_VECTORS, split_row
+    so one CTA. Past ONE_CTA_BYTES its amax comes first and the static mode runs, whose grid comes
+    from the work alone (the kernel is local: no residency cap): one trip of IN_FLIGHT vectors per
+    thread, 4096 CTAs for 64 MB (the issue asks at least 64). Rows take a group of threads each,
+    sized so each thread holds IN_FLIGHT vectors. The same numbers are pinned for the C API's rule
+    (tests/c/test_launch_rules.cpp test_quantize_grid)."""
+    from ubnext._quantize import LOCAL_GRID_MAX, SPLIT_ROW_VECTORS, quantize_geometry, row_group_threads, split_row
 
     comm = _bare_communicator("gpu")
     comm._sm_count = 128
     n = 32 << 20  # 64 MB of bf16
-    hidden = split_row(n, 2)
-    assert hidden == 8 * SPLIT_ROW_VECTORS and n % hidden == 0
-    grid, block = comm._geometry("quantize_fp8", n, 2, n // hidden, True)
-    assert (grid, block) == (128, 256)
-    assert comm._geometry("quantize_fp8", n, 2, 1, True)[0] == 1  # one row: the old count
+    assert quantize_geometry(n, 2, split_row(n, 2), True, 256, LOCAL_GRID_MAX) == (4096, 256)
+    assert comm._local_geometry(n, 2, split_row(n, 2), True) == (4096, 256)
+    assert quantize_geometry(n, 2, 8192, False, 256, LOCAL_GRID_MAX) == (4096, 256)
+    assert quantize_geometry(1000 * 128, 2, 128, False, 256, LOCAL_GRID_MAX) == (16, 256)
+    assert quantize_geometry(8, 2, 8, False, 256, LOCAL_GRID_MAX) == (1, 256)
+    assert (row_group_threads(16, 256), row_group_threads(4096, 256)) == (4, 256)
+    assert (row_group_threads(3, 256), row_group_threads(24, 256)) == (1, 4)
+    assert row_group_threads(4096, 96) == 32  # groups divide the block: 3 rows of a 96-thread block
     for n, elem in ((8 * 3, 2), (4 * 7 * 1024, 4), (16 * 5, 1), (8 * 4096 * 3, 2)):
         h = split_row(n, elem)
         assert n % h == 0 and (h * elem) % 16 == 0 and h * elem <= 16 * SPLIT_ROW_VECTORS, (n, elem, h)

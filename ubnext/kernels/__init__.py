@@ -70,6 +70,9 @@ ALGOS = {
     "reduce_scatter": "reduce_scatter.cu",
     "quantize_fp8": "quantize.cu",
     "add_rmsnorm": "add_rmsnorm.cu",
+    "quantize_nvfp4": "blockscale.cu",
+    "quantize_mxfp8": "blockscale.cu",
+    "quantize_fp8_group128": "blockscale.cu",
 }
 # Kernels for other element types than DTYPES: the all-gather moves bytes, whatever they hold.
 _ALGO_DTYPES = {"allgather": ("u8",)}
