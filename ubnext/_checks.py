@@ -188,13 +188,57 @@ def rmsnorm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return r * torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps) * weight
 
 
+def _butterfly(v: torch.Tensor) -> torch.Tensor:
+    """reduce.cuh's warp_sum over the last dimension (32 lanes): what lane 0 holds after the xor steps
+    16, 8, 4, 2, 1 is the lower half plus the upper half, halved again and again."""
+    while v.shape[-1] > 1:
+        half = v.shape[-1] // 2
+        v = v[..., :half] + v[..., half:]
+    return v[..., 0]
+
+
+def row_sum_of_squares(r: torch.Tensor, vec: int) -> torch.Tensor:
+    """fp32 sum of r^2 over the last dimension in csrc/device/norm.cuh's order, fixed by the row
+    length alone: per 16-byte vector of ``vec`` elements left to right, a butterfly over each group
+    of 32 vectors, a butterfly over each superblock's 32 groups, the superblocks left to right.
+    Zero padding (a row that is not whole vectors, and the last group / superblock) adds +0: exact.
+    Returns shape ``r.shape[:-1] + (1,)``."""
+    x = r.float()
+    lead, h = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, h)
+    nv = -(-h // vec)
+    sq = torch.nn.functional.pad(x * x, (0, nv * vec - h)).view(-1, nv, vec)
+    q = sq[..., 0]
+    for j in range(1, vec):
+        q = q + sq[..., j]
+    supers = max(1, -(-nv // 1024))
+    q = torch.nn.functional.pad(q, (0, supers * 1024 - nv)).view(-1, supers, 32, 32)
+    s = _butterfly(_butterfly(q))  # groups, then superblocks: (rows, supers)
+    ssq = s[:, 0]
+    for k in range(1, supers):
+        ssq = ssq + s[:, k]
+    return ssq.view(*lead, 1)
+
+
 def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
-    """add + RMSNorm (+FP8) in torch with the kernels' contract (csrc/device/norm.cuh):
-    residual_out rounded to the input dtype, statistics in fp32 from that rounded value,
-    y = (r * rms) * weight rounded to the input dtype, FP8 from that same rounded y."""
-    residual_out = (reduced.float() + residual.float()).to(residual.dtype)
-    y = rmsnorm(residual_out.float(), weight.float(), eps).to(residual.dtype)
+    """add + RMSNorm (+FP8) in torch with the kernels' arithmetic (csrc/device/norm.cuh), for the
+    paths no kernel runs: ``reduced`` is the sum s (fp32, or exact in the input dtype), residual_out =
+    T(s + residual) rounded once to the input dtype T; the sum of squares of that rounded value in
+    fp32 in the kernels' order; rms = 1 / sqrt(ssq / hidden + eps), each step correctly rounded; y =
+    (r * rms) * weight rounded to T, FP8 from that same rounded y. Given the same s, the bits of every
+    kernel path."""
+    dtype = residual.dtype
+    residual_out = (reduced.float() + residual.float()).to(dtype)
+    r = residual_out.float()
+    ssq = row_sum_of_squares(r, 16 // dtype.itemsize)
+    m = ssq / r.shape[-1] + torch.tensor(eps, dtype=torch.float32)
+    # sqrt and 1 / x each correctly rounded to fp32, as the kernels' sqrtf and / are (torch's CPU sqrt
+    # is not: a Sleef 0.5-ulp approximation, one fp32 step off for some inputs); in fp64, then
+    # rounded, which is exact rounding for both (53 >= 2 x 24 + 2 bits)
+    root = torch.sqrt(m.double()).float()
+    rms = (1.0 / root.double()).float()
+    y = ((r * rms) * weight.float()).to(dtype)
     if out_dtype != FP8:
         return y, residual_out, None
     # FP8 quantises y rounded to the input dtype; amax comes from those same rounded values

@@ -63,6 +63,9 @@ BREAKS = {
     "no_lamport_header_check": "UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK",
     "no_departure_check": "UBNEXT_BREAK_NO_DEPARTURE_CHECK",
     "extra_fence": "UBNEXT_BREAK_EXTRA_FENCE",
+    "ssq_block_order": "UBNEXT_BREAK_SSQ_BLOCK_ORDER",
+    "two_roundings": "UBNEXT_BREAK_TWO_ROUNDINGS",
+    "row_split_no_arrival": "UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL",
     "twoshot_reverse_order": "UBNEXT_BREAK_TWOSHOT_REVERSE_ORDER",
     # not protocols but layouts: comm.quantize's NVFP4 nibble order and to_blocked swizzle (blockscale.cuh)
     "nvfp4_nibble_order": "UBNEXT_BREAK_NVFP4_NIBBLE_ORDER",

@@ -50,13 +50,39 @@ def gpu_max_blocks(algo: str, sm_count: int, world_size: int, fused: bool, nvls_
     return cap
 
 
+# csrc/device/norm.cuh's row split: at least this many 16-byte vectors per CTA, the row's sum-of-squares
+# partials (one word per 32 vectors) within the sync region's words for them (desc.cuh), a CTA's part
+# within its row cache (UBX_ROW_CACHE_VECS)
+ROW_SPLIT_MIN_VECS = 128
+ROW_PARTIALS_MAX = 4096 - 3200
+ROW_CACHE_VECS = 2048
+
+
+def row_split(tokens: int, row_vectors: int, max_blocks: int) -> int:
+    """CTAs per token row of the Lamport fused kernel: the SMs the rows leave free, as long as each
+    CTA keeps >= ROW_SPLIT_MIN_VECS vectors (1 token x hidden 8192 bf16: 8 CTAs of 128 vectors, the
+    split FlashInfer's one-shot uses). The kernel applies the same limits (row_split_of) and takes
+    split = grid / tokens."""
+    if tokens <= 0:
+        return 1
+    groups = -(-row_vectors // 32)
+    split = min(max_blocks // tokens, row_vectors // ROW_SPLIT_MIN_VECS)
+    if split < 2 or tokens * groups > ROW_PARTIALS_MAX or -(-groups // split) * 32 > ROW_CACHE_VECS:
+        return 1
+    return split
+
+
 def launch_geometry(algo: str, n: int, elem: int, tokens: int, fused: bool, world_size: int,
-                    block: int, max_blocks: int) -> tuple[int, int]:
-    """(grid, block) of one kernel call: a block per token row for the fused norm, else enough
-    blocks for one vector per thread (of this rank's 1/N share on the two-shot paths), at most
-    ``max_blocks`` (one per SM keeps the grid co-resident: blocks wait on peers' blocks)."""
+                    block: int, max_blocks: int, *, split_rows: bool = True) -> tuple[int, int]:
+    """(grid, block) of one kernel call: a block per token row for the fused norm (on the Lamport
+    path, at few tokens, ``row_split`` blocks per row unless ``split_rows`` is False: per-token FP8),
+    else enough blocks for one vector per thread (of this rank's 1/N share on the two-shot paths), at
+    most ``max_blocks`` (one per SM keeps the grid co-resident: blocks wait on peers' blocks)."""
     if fused:
-        return max(1, min(tokens, max_blocks)), block
+        split = 1
+        if algo == "lamport" and split_rows and tokens > 0:
+            split = row_split(tokens, n // tokens * elem // 16, max_blocks)
+        return max(1, min(tokens * split, max_blocks)), block
     vectors = -(-n * elem // 16)
     if algo in ("nvls_twoshot", "twoshot", "nvls_lamport"):
         vectors = -(-vectors // world_size)  # each rank reduces its 1/N share
@@ -160,18 +186,21 @@ class Executor:
             detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
             raise ValueError(f"ubnext: ranks called with different arguments ({detail})")
 
-    def _geometry(self, algo: str, n: int, elem: int, tokens: int, fused: bool) -> tuple[int, int]:
+    def _geometry(self, algo: str, n: int, elem: int, tokens: int, fused: bool,
+                  split_rows: bool = True) -> tuple[int, int]:
         if self.mode == "emulator" and not self._count_geometry:
-            block, max_blocks = 64, 4  # emulated threads are fibers on 2 cores: keep it small
+            # emulated threads are fibers on 2 cores: keep it small (tests vary it: the bits must not change)
+            block, max_blocks = envs.get("UBNEXT_EMU_BLOCK"), envs.get("UBNEXT_EMU_GRID")
         else:
             block = GPU_BLOCK
             max_blocks = gpu_max_blocks(algo, self._sm_count, self.world_size, fused, self._nvls_ctas)
-        return launch_geometry(algo, n, elem, tokens, fused, self.world_size, block, max_blocks)
+        return launch_geometry(algo, n, elem, tokens, fused, self.world_size, block, max_blocks, split_rows=split_rows)
 
     def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int,
                     geometry: tuple[int, int] | None = None) -> Launch:
         """``geometry``: (grid, block) of a local kernel that sizes its own (ubnext/_quantize.py)."""
-        grid, block = geometry or self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden))
+        grid, block = geometry or self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden),
+                                                 not flags & kernels.F_FP8_PER_TOKEN)
         if algo in ("lamport", "allgather") and self._pool.has_multicast:
             flags |= kernels.F_MULTICAST
         scalars = (n, hidden, float(eps), flags)

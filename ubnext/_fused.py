@@ -61,18 +61,18 @@ class FusedNormOps:
         path = self.last_path = call.path
         launch = call.launch
         if launch is None and self.batch_invariant:
-            # the rank-order fp32 sum (_allreduce.py) and the residual added to it before the one
-            # rounding, as the kernel paths do; the norm kernel then reads that residual_out as
-            # stored (its own add of a -0 residual is exact for every value, -0 included)
+            # the rank-order fp32 sum (_allreduce.py); the norm kernel (or torch's ops) adds the
+            # residual to it before the one rounding, as the kernel paths do
             summed = self._rank_order_sum(x.reshape(-1), torch.float32).view(x.shape)
             if call.norm is None:
                 return self._fused_in_torch(summed, residual, weight, eps, scale, fp8)
             self.last_path = f"{self.last_path}+norm"
-            launch, inp = call.norm, (summed + residual.float()).to(x.dtype)
-            residual = torch.full_like(inp, -0.0)
+            launch, inp = call.norm, summed
         elif launch is None:
-            reduced = torch.empty_like(x)
-            self._all_reduce_by(call, x, reduced)
+            # s in fp32 (one arithmetic on every path: residual_out = T(s + residual), one rounding; an
+            # allreduce of x itself would round s to x's dtype first): twice the bytes for 16-bit types
+            reduced = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+            self._all_reduce_by(call, x.float(), reduced)
             if call.norm is None:
                 return self._fused_in_torch(reduced, residual, weight, eps, scale, fp8)
             # past the pool: the add + RMSNorm (+FP8) kernel on torch.distributed's sum, the fused
@@ -99,6 +99,6 @@ class FusedNormOps:
     @staticmethod
     def _fused_in_torch(reduced, residual, weight, eps, scale, fp8):
         """add + RMSNorm (+FP8) of an already reduced x, in torch, as the fused op returns it."""
-        outputs = reference_add_rmsnorm(reduced, residual, weight, eps, FP8 if fp8 else reduced.dtype, scale)
+        outputs = reference_add_rmsnorm(reduced, residual, weight, eps, FP8 if fp8 else residual.dtype, scale)
         return outputs if fp8 else outputs[:2]
 

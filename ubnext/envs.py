@@ -66,6 +66,14 @@ def _nonnegative_int(text: str) -> int:
     return value
 
 
+def _block_size(text: str) -> int:
+    """Threads per block that the row math accepts: a power of two from 32 to 1024 (csrc/device/norm.cuh)."""
+    value = int(text)
+    if value < 32 or value > 1024 or value & (value - 1):
+        raise ValueError(text)
+    return value
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         low = text.strip().lower()
@@ -127,14 +135,19 @@ VARIABLES: dict[str, Var] = {
             "only what the kernels touch costs memory)."),
         Var("UBNEXT_EMU_SM_COUNT", _positive_int, 132, "integer > 0",
             "SMs of the GPU that count mode's launch geometry stands for (132: H100 SXM)."),
+        Var("UBNEXT_EMU_BLOCK", _block_size, 64, "32|64|128|...|1024",
+            "Threads per block of the emulator's launches outside count mode (a power of two: the row "
+            "math's sum-of-squares order needs blockDim to divide 1024). Outputs must not depend on it."),
+        Var("UBNEXT_EMU_GRID", _positive_int, 4, "integer > 0",
+            "Most blocks per launch of the emulator outside count mode. Outputs must not depend on it."),
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
                                      "single_header_slot", "no_abort_check", "no_proxy_fence_nvls_twoshot",
                                      "twoshot_drop_peer", "allgather_short_push", "no_lamport_header_check",
                                      "no_departure_check", "extra_fence", "twoshot_reverse_order", "nvfp4_nibble_order", "swizzle",
-                                     "no_pdl_wait"), "",
+                                     "no_pdl_wait|ssq_block_order|two_roundings|row_split_no_arrival", "ssq_block_order", "two_roundings", "row_split_no_arrival"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
             "no_proxy_fence_nvls_twoshot|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_departure_check|extra_fence|"
-            "twoshot_reverse_order|nvfp4_nibble_order|swizzle|no_pdl_wait",
+            "twoshot_reverse_order|nvfp4_nibble_order|swizzle|no_pdl_wait|ssq_block_order|two_roundings|row_split_no_arrival",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),

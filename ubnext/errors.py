@@ -40,8 +40,10 @@ def kernel_error(words, timeout_s: float, seen_by: int) -> UbnextError:
     code, op, rank, peer, field, mine, theirs, aborted = (int(v) & 0xFFFFFFFF for v in words)
     op_name = _OP_NAMES.get(op, f"op {op}")
     if code == ERR_TIMEOUT:
+        # peer == rank: a wait for this rank's own blocks (the fused row split, csrc/device/norm.cuh)
+        awaited = f"peer {peer}" if peer != rank else "its own blocks sharing a token row"
         cause = (f"rank {rank} timed out in {op_name} after {timeout_s:g} s (UBNEXT_TIMEOUT, else the "
-                 f"process group's timeout) waiting for peer {peer}")
+                 f"process group's timeout) waiting for {awaited}")
     elif code == ERR_MISMATCH:
         name = _HEADER_FIELDS.get(field, f"header word {field}")
         cause = (f"ranks called {op_name} with different arguments: rank {rank} with {name} "

@@ -48,6 +48,28 @@ def allreduce_bound(inputs: list[torch.Tensor], dtype: torch.dtype, *, extra_rou
     return bound
 
 
+def rank_order_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The kernels' s: the fp32 sum of the ranks' values in rank order 0..N-1."""
+    acc = inputs[0].float().cpu().clone()
+    for x in inputs[1:]:
+        acc = acc + x.float().cpu()
+    return acc
+
+
+def one_rounding_bound(inputs: list[torch.Tensor], residual: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp64 reference of allreduce(x) + residual, per-element bound of residual_out = T(s + residual)
+    with s the fp32 sum over ranks and ONE rounding to T, issue 26's arithmetic): the fp32 sum's error
+    e (N - 1 additions), the fp32 add of the residual, then one rounding to T. Tight where s and the
+    residual cancel, where rounding s to T first (a second rounding) is off by up to u |s|."""
+    ref = reference_sum(inputs) + residual.double().cpu()
+    absolute = torch.stack([x.double().abs().cpu() for x in inputs]).sum(0)
+    u = UNIT_ROUNDOFF[dtype]
+    e = (len(inputs) - 1) * FP32_U * absolute * 1.01
+    bound = (1 + u) * (e + FP32_U * (ref.abs() + e)) + u * ref.abs() + TINY[dtype]
+    return ref, bound
+
+
 def residual_bound(inputs: list[torch.Tensor], residual: torch.Tensor, dtype: torch.dtype, *,
                    extra_rounding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp64 reference of allreduce(x) + residual, per-element bound)."""

@@ -72,6 +72,11 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_SYNC_ABORT_RECORD 256
 #define UBNEXT_SYNC_BARRIER_EPOCH 64 /* [UBNEXT_MAX_BLOCKS], local */
 #define UBNEXT_SYNC_BARRIER_FLAG 1024 /* [UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS], peers write */
+/* The fused row split (norm.cuh, norm_row_part), local: a counter per token row, and the rows' sum-of-
+ * squares partials (one fp32 per 32 vectors of a row), written and read by the CTAs sharing a row. */
+#define UBNEXT_SYNC_ROW_COUNT 3072 /* [UBNEXT_MAX_BLOCKS] */
+#define UBNEXT_SYNC_ROW_PARTIALS 3200
+#define UBNEXT_SYNC_ROW_PARTIALS_END 4096
 /* Call headers, published with the first barrier signal of every kernel that reads its peers'
  * `in` at its own offset: [2][UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS][4] words, peers write. The
  * first index is the parity of the barrier epoch that carries the header: a peer can be one

@@ -8,7 +8,10 @@
 //   s_j  = reduced sum (fp32, from Src)
 //   r_j  = T(s_j + residual_j)          fused with residual   -> stored to residual_out (if given)
 //        = T(s_j)                       fused without residual, or FP8 without FUSED_NORM
-//   rms  = rsqrtf(sum_j r_j^2 / hidden + eps)    (sum over the ROUNDED r, fp32, block_sum order)
+//   rms  = 1 / sqrt(ssq / hidden + eps)  ssq: the sum of the ROUNDED r_j^2 in fp32, in the order row_ssq
+//                                       fixes (below) from the row length alone; sqrt and / correctly
+//                                       rounded, so that the emulator and a GPU agree (rsqrtf is an
+//                                       approximation on the GPU)
 //   y_j  = T((r_j * rms) * w_j)        fused
 //        = r_j                          FP8 without FUSED_NORM (plain allreduce, quantised)
 //   out:  y in T                        no FP8 flag
@@ -23,18 +26,36 @@
 //
 // Contract: hidden % DType<T>::kElems == 0 (whole 16-byte vectors per row; the host checks), so every
 // vector of a row is whole. Vector gi of the flattened tensor covers elements [gi*V, gi*V + V).
+// blockDim.x divides UBX_SSQ_SUPER_VECS (a power of two, 32..1024; see norm_row's thread mapping).
+//
+// The order of the sum of squares (issue 26: one arithmetic on every path; fixed by the row length alone,
+// never by the block size, the grid or how many CTAs share a row, so that the emulator's 64-thread blocks,
+// a GPU's 256 and the row split of lamport.cu give the same bits). With v the row's vectors:
+//   q_i  = r_i0^2 + r_i1^2 + ... + r_i(V-1)^2, left to right; each square is __fmul_rn, which no compiler
+//          contracts into an FMA with the add (nvcc would fuse a plain x * x + q; g++ would not)
+//   G_g  = the xor butterfly of reduce.cuh's warp_sum over q_(32g + l), l = 0..31 (q = 0 past the row):
+//          one group of 32 vectors
+//   S_s  = the same butterfly over G_(32s + l) (G = 0 past the row): one superblock of 1024 vectors
+//   ssq  = S_0 + S_1 + ..., left to right.
+// Adding +0 is exact and no partial is -0 (squares are >= +0), so the padding changes no bits.
+// ubnext/_checks.py (reference_add_rmsnorm) computes the same order in torch for the paths without a
+// kernel. UBNEXT_BREAK_SSQ_BLOCK_ORDER (test-only) sums in the old, block-size-dependent order instead.
 #pragma once
 
 #include "platform.cuh"
 #include "desc.cuh"
 #include "vec.cuh"
 #include "reduce.cuh"
+#include "ptx.cuh"
+#include "barrier.cuh"
 
 #define UBX_FP8_E4M3_MAX 448.0f
 #define UBX_FP8_SCALE_TINY 1e-12f
 // Per-block row cache (dtype bits of r, then of y) in shared memory: 2048 x 16 B = 32 KB, i.e. rows up
 // to hidden 16384 (bf16/fp16) or 8192 (fp32). Longer rows recompute instead (see norm_row).
 #define UBX_ROW_CACHE_VECS 2048
+#define UBX_SSQ_GROUP_VECS 32    /* vectors of one butterfly G_g */
+#define UBX_SSQ_SUPER_VECS 1024  /* vectors of one superblock S_s: 32 groups */
 
 namespace ubx {
 
@@ -47,7 +68,8 @@ UBX_DEV bool uses_rows(int flags) {
 // ranks see the same arguments, so a kernel that returns when this fails leaves every rank untouched.
 template <typename T>
 UBX_DEV bool row_shape_ok(int n, int hidden, int flags) {
-  return !uses_rows(flags) || (hidden > 0 && hidden % DType<T>::kElems == 0 && n % hidden == 0);
+  return !uses_rows(flags) || (hidden > 0 && hidden % DType<T>::kElems == 0 && n % hidden == 0 &&
+                               UBX_SSQ_SUPER_VECS % blockDim.x == 0);
 }
 UBX_DEV int out_mode(int flags) {
   return (flags & UBNEXT_F_FP8_PER_TOKEN) ? kOutFp8Token : (flags & UBNEXT_F_FP8_STATIC) ? kOutFp8Static : kOutDtype;
@@ -89,12 +111,13 @@ struct GlobalSink {
 
 // ---------------------------------------------------------------- per-vector pieces
 // x := T(x + residual) (or T(x) without residual), returned packed; x holds the rounded floats.
+// res: the residual's vector (ignored without has_res).
 template <typename T>
-UBX_DEV uint4 residual_round(float (&x)[DType<T>::kElems], const void* residual, int64_t gi) {
+UBX_DEV uint4 add_round(float (&x)[DType<T>::kElems], bool has_res, const uint4& res) {
   constexpr int V = DType<T>::kElems;
-  if (residual != nullptr) {
+  if (has_res) {
     float rv[V];
-    unpack<T>(load_whole_vec(residual, gi), rv);
+    unpack<T>(res, rv);
 #pragma unroll
     for (int j = 0; j < V; ++j) x[j] += rv[j];
   }
@@ -102,22 +125,30 @@ UBX_DEV uint4 residual_round(float (&x)[DType<T>::kElems], const void* residual,
   unpack<T>(r, x);
   return r;
 }
+template <typename T>
+UBX_DEV uint4 residual_round(float (&x)[DType<T>::kElems], const void* residual, int64_t gi) {
+  return add_round<T>(x, residual != nullptr, residual != nullptr ? load_whole_vec(residual, gi) : uint4{});
+}
 
 // y := T((r * rms) * w), returned packed; y holds the rounded floats. Two multiplies and no add, so no
 // FMA contraction can change the bits between compilers.
 template <typename T>
-UBX_DEV uint4 norm_vec(const uint4& r, float rms, const void* weight, int iw, float (&y)[DType<T>::kElems]) {
+UBX_DEV uint4 norm_vec_w(const uint4& r, float rms, bool has_weight, const uint4& wv, float (&y)[DType<T>::kElems]) {
   constexpr int V = DType<T>::kElems;
   unpack<T>(r, y);
-  if (weight != nullptr) {
+  if (has_weight) {
     float w[V];
-    unpack<T>(load_whole_vec(weight, iw), w);
+    unpack<T>(wv, w);
 #pragma unroll
     for (int j = 0; j < V; ++j) y[j] = (y[j] * rms) * w[j];
   }
   const uint4 p = pack<T>(y);
   unpack<T>(p, y);
   return p;
+}
+template <typename T>
+UBX_DEV uint4 norm_vec(const uint4& r, float rms, const void* weight, int iw, float (&y)[DType<T>::kElems]) {
+  return norm_vec_w<T>(r, rms, weight != nullptr, weight != nullptr ? load_whole_vec(weight, iw) : uint4{}, y);
 }
 
 // q_j = e4m3(y_j / div), saturating to +-448. True division, as in the torch reference `y / scale_inv`.
@@ -130,6 +161,33 @@ UBX_DEV void quantize_fp8(const float (&y)[V], float div, uint8_t (&q)[V]) {
 
 UBX_DEV float per_token_scale_inv(float amax) { return nan_max(amax / UBX_FP8_E4M3_MAX, UBX_FP8_SCALE_TINY); }
 
+// ---------------------------------------------------------------- the sum of squares (order: above)
+// q_i of one vector of rounded r.
+template <typename T>
+UBX_DEV float vec_ssq(const float (&x)[DType<T>::kElems]) {
+  float q = __fmul_rn(x[0], x[0]);
+#pragma unroll
+  for (int j = 1; j < DType<T>::kElems; ++j) q += __fmul_rn(x[j], x[j]);
+  return q;
+}
+
+// ssq of a row from its ng group partials, load(g) = G_g: every lane of every calling warp gets the same
+// bits. Whole warps call it (warp_sum).
+template <class Load>
+UBX_DEV float fold_groups(int64_t ng, Load& load) {
+  const int lane = threadIdx.x & 31;
+  float ssq = 0.f;
+  for (int64_t g0 = 0; g0 < ng; g0 += UBX_SSQ_GROUP_VECS) {
+    const float s = warp_sum(g0 + lane < ng ? load(g0 + lane) : 0.f);
+    ssq = g0 == 0 ? s : ssq + s;
+  }
+  return ssq;
+}
+
+UBX_DEV float rms_of(float ssq, int hidden, float eps) {
+  return 1.0f / sqrtf(ssq / static_cast<float>(hidden) + eps);
+}
+
 // ---------------------------------------------------------------- one row, one block
 // Src: `bool operator()(int64_t gi, float (&s)[V])` gives the reduced fp32 sums of global vector gi,
 // zero-filled and false when it gave up (timeout, already reported). It may be called again for the
@@ -137,6 +195,10 @@ UBX_DEV float per_token_scale_inv(float amax) { return nan_max(amax / UBX_FP8_E4
 // Collective over the block (uniform control flow). Returns false, in every thread, when any thread's
 // Src failed; the caller then stops (the row's outputs are not written).
 // `cache`: __shared__ uint4[cache_vecs]; `scratch`: __shared__ float[UBX_RED_SCRATCH].
+// Thread mapping: vector i of the row belongs to thread i % blockDim.x in both passes (slices.cuh and
+// lamport.cu rely on it). Pass 1 walks a superblock at a time, warp w taking its groups w, w + nwarps, ...:
+// vector s*1024 + 32g + lane then lands on thread 32 (g % nwarps) + lane, which is i % blockDim.x because
+// blockDim.x divides 1024.
 template <typename T, class Src, class Sink>
 UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sink, uint4* cache, int cache_vecs,
                       float* scratch) {
@@ -148,6 +210,7 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
   const int nv = p.hidden / V;
   const int64_t g0 = row * nv;
   const bool cached = nv <= cache_vecs;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
 
   // r of vector i of this row, packed. From the cache, else from residual_out (exact: it holds r),
   // else recomputed from Src (same bits: Src is repeatable and the arithmetic is the same).
@@ -159,23 +222,46 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
     (void)src(g0 + i, x);
     return residual_round<T>(x, residual, g0 + i);
   };
-
-  // Pass 1: reduce, residual add, residual_out, sum of squares of the rounded r.
-  float ssq = 0.f, fail = 0.f;
-  for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+  // Pass 1 of vector i: reduce, residual add, residual_out; its q_i.
+  float fail = 0.f;
+  auto first = [&](int i) -> float {
     float x[V];
     if (!src(g0 + i, x)) fail = 1.f;
     const uint4 r = residual_round<T>(x, residual, g0 + i);
-    if (fused) {
-      if (sink.has_res()) sink.store_res(g0 + i, r);
-#pragma unroll
-      for (int j = 0; j < V; ++j) ssq += x[j] * x[j];
-    }
     if (cached) cache[i] = r;  // read back only by this same thread: no barrier needed
+    if (!fused) return 0.f;
+    if (sink.has_res()) sink.store_res(g0 + i, r);
+    return vec_ssq<T>(x);
+  };
+
+  // Pass 1, and the row's sum of squares in the fixed order: scratch[0..31] holds one superblock's G,
+  // scratch[32 + w] warp w's failure count (an abort vote riding along with the sums).
+  float ssq = 0.f;
+#if !defined(UBNEXT_BREAK_SSQ_BLOCK_ORDER)
+  for (int s0 = 0; s0 < nv; s0 += UBX_SSQ_SUPER_VECS) {
+    const int ng = (nv - s0 < UBX_SSQ_SUPER_VECS ? nv - s0 + UBX_SSQ_GROUP_VECS - 1 : UBX_SSQ_SUPER_VECS) /
+                   UBX_SSQ_GROUP_VECS;
+    for (int g = warp; g < ng; g += nwarps) {
+      const int i = s0 + g * UBX_SSQ_GROUP_VECS + lane;
+      const float G = warp_sum(i < nv ? first(i) : 0.f);
+      if (lane == 0) scratch[g] = G;
+    }
+    const float wf = warp_sum(fail);
+    if (lane == 0) scratch[32 + warp] = wf;
+    __syncthreads();
+    const float S = warp_sum(lane < ng ? scratch[lane] : 0.f);
+    ssq = s0 == 0 ? S : ssq + S;
+    fail = 0.f;
+    for (int w = 0; w < nwarps; ++w) fail += scratch[32 + w];
+    __syncthreads();  // scratch is free again
   }
-  block_sum2(ssq, fail, scratch);  // why one reduction: the abort vote rides along for free
+#else
+  // test-only: each thread sums its own vectors, then the block reduces: the order depends on blockDim.x
+  for (int i = threadIdx.x; i < nv; i += blockDim.x) ssq += first(i);
+  block_sum2(ssq, fail, scratch);
+#endif
   if (fail != 0.f) return false;
-  const float rms = fused ? rsqrtf(ssq / static_cast<float>(p.hidden) + p.eps) : 1.f;
+  const float rms = fused ? rms_of(ssq, p.hidden, p.eps) : 1.f;
 
   // Pass 2: normalise; store (dtype / static FP8) or take the row amax (per-token FP8).
   const float sdiv = (mode == kOutFp8Static) ? p.scale[0] : 1.f;
@@ -209,6 +295,184 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
     uint8_t q[V];
     quantize_fp8<V>(y, s, q);
     sink.store_out_fp8(g0 + i, q);
+  }
+  return true;
+}
+
+
+// ---------------------------------------------------------------- one row, several CTAs (the row split)
+// At 1..16 tokens one CTA per row leaves most SMs idle and puts a row's polls, its residual and weight
+// loads and all its stores on one SM (issue 24 item 2). With gridDim.x = nrows * split (the host's
+// launch_geometry), CTA b works on part b % split of row b / split: the whole groups [part * gpp,
+// (part + 1) * gpp) of the row, gpp = ceil(ng / split), so vector i of the row belongs to thread
+// (i - lo) % blockDim.x of that CTA. Each CTA computes the G_g of its groups (the fixed order above: a
+// group never straddles two CTAs), publishes them in this rank's sync region, and every CTA of the row
+// folds all of them in the same order: each gets the bits one CTA would have computed alone.
+//
+// Exchange (intra-rank, through global memory; no cluster, no DSMEM): G_g -> sync[ROW_PARTIALS + row*ng + g]
+// (relaxed stores), __syncthreads, then thread 0 adds 1 to the row's counter with a gpu-scope acq_rel
+// atomic (cumulative over the block through the __syncthreads: its release orders every thread's G before
+// it), waits for the count to reach nparts (acquire, bounded by desc->timeout_ns: a timeout reports
+// {TIMEOUT, op, rank, peer = rank}, as a wait for one's own CTAs), and after the block has read every G
+// adds 1 again; the CTA that brings it to 2 * nparts resets it to 0 for the next call (every CTA of the row
+// has then passed its wait, and the next kernel on the stream is ordered after this one).
+// No system-scope fence or release: the partials never leave the GPU (the cost model counts neither).
+// UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL (test-only): part 0 never arrives, so its siblings' bounded wait ends
+// in the timeout error, which must name the op and the rank.
+//
+// Deadlock freedom: CTA (row, part) waits only for the CTAs of the same row on this rank, and they wait in
+// turn only for (a) data the same CTA index of each peer pushes BEFORE it waits for anything (lamport.cu)
+// and (b) the arrival of their siblings; no cycle. What remains is residency: every CTA of the grid must
+// run at once, since a resident CTA spins until its siblings arrive. The grid is at most one CTA per SM
+// (launch_geometry caps rows * split at the SM count), the residency every barrier kernel already needs
+// (CTA b waits for CTA b of every peer), and the emulator runs every block of a launch concurrently.
+//
+// When: not for per-token FP8 (its row amax would need a second exchange), and only when the row's G fit
+// the sync region and a part fits the row cache; otherwise split = 1 (spare CTAs of the grid idle).
+#define UBX_ROW_SPLIT_MIN_VECS 128 /* host rule: at least 128 vectors (4 groups) per CTA */
+#define UBX_ROW_PARTIALS_MAX (UBNEXT_SYNC_ROW_PARTIALS_END - UBNEXT_SYNC_ROW_PARTIALS)
+
+struct RowPart {
+  int64_t row;    // the CTA's row (valid when active)
+  int lo, hi;     // its vectors [lo, hi) of the row
+  int ng;         // groups of the row
+  int nparts;     // CTAs sharing the row (1: no split)
+  bool active;    // this CTA has a part
+};
+
+// The split of this launch (uniform over the grid; all ranks agree: same arguments, same grid).
+UBX_DEV int row_split_of(int64_t nrows, int nv, int flags) {
+  const int ng = (nv + UBX_SSQ_GROUP_VECS - 1) / UBX_SSQ_GROUP_VECS;
+  if (nrows <= 0 || out_mode(flags) == kOutFp8Token || gridDim.x < 2 * nrows) return 1;
+  if (nrows > UBNEXT_MAX_BLOCKS || nrows * ng > UBX_ROW_PARTIALS_MAX) return 1;  // a counter per row; partials
+  const int split = static_cast<int>(gridDim.x / nrows);
+  const int gpp = (ng + split - 1) / split;
+  return gpp * UBX_SSQ_GROUP_VECS <= UBX_ROW_CACHE_VECS ? split : 1;
+}
+
+UBX_DEV RowPart row_part_of(int64_t nrows, int nv, int split) {
+  RowPart rp;
+  if (split <= 1 || nv <= 0) {  // no split: norm_row's one block per row
+    rp.row = 0;
+    rp.lo = rp.hi = rp.ng = 0;
+    rp.nparts = 1;
+    rp.active = false;
+    return rp;
+  }
+  rp.ng = (nv + UBX_SSQ_GROUP_VECS - 1) / UBX_SSQ_GROUP_VECS;
+  const int gpp = (rp.ng + split - 1) / split;
+  rp.nparts = (rp.ng + gpp - 1) / gpp;
+  rp.row = blockIdx.x / split;
+  const int part = static_cast<int>(blockIdx.x % split);
+  rp.active = rp.row < nrows && part < rp.nparts;
+  rp.lo = part * gpp * UBX_SSQ_GROUP_VECS;
+  rp.hi = rp.lo + gpp * UBX_SSQ_GROUP_VECS < nv ? rp.lo + gpp * UBX_SSQ_GROUP_VECS : nv;
+  return rp;
+}
+
+// The residual and weight vectors of this thread's first kPrefetch vectors of its part, loaded before the
+// wait for the peers' data so that their latency hides behind it.
+template <typename T>
+struct RowPrefetch {
+  static constexpr int kPrefetch = 2;
+  uint4 res[kPrefetch], w[kPrefetch];
+  // Element k (< kPrefetch) by selects: a runtime index into the arrays would put them on the stack.
+  UBX_DEV uint4 res_at(int k) const { return k == 0 ? res[0] : res[1]; }
+  UBX_DEV uint4 w_at(int k) const { return k == 0 ? w[0] : w[1]; }
+  UBX_DEV void load(const RowParams& p, const RowPart& rp) {
+    const bool fused = (p.flags & UBNEXT_F_FUSED_NORM) != 0;
+    const int nv = p.hidden / DType<T>::kElems;
+#pragma unroll
+    for (int k = 0; k < kPrefetch; ++k) {
+      const int i = rp.lo + static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+      res[k] = w[k] = make_uint4(0u, 0u, 0u, 0u);
+      if (!fused || !rp.active || i >= rp.hi) continue;
+      if (p.residual != nullptr) res[k] = load_whole_vec(p.residual, rp.row * nv + i);
+      if (p.weight != nullptr) w[k] = load_whole_vec(p.weight, i);
+    }
+  }
+};
+
+// One CTA's part of a split row: the row math of norm_row (same arithmetic, same bits) with the exchange
+// above. Collective over the block; false in every thread when a Src or the wait failed (reported).
+template <typename T, class Src, class Sink>
+UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefetch<T>& pre, Src& src,
+                           const Sink& sink, uint4* cache, float* scratch, const ubnext_comm_desc* d, uint32_t op) {
+  constexpr int V = DType<T>::kElems;
+  constexpr int K = RowPrefetch<T>::kPrefetch;
+  static_assert(K == 2, "res_at / w_at select among two");
+  const bool fused = (p.flags & UBNEXT_F_FUSED_NORM) != 0;
+  const bool has_res = fused && p.residual != nullptr, has_w = fused && p.weight != nullptr;
+  const int mode = out_mode(p.flags);
+  const int nv = p.hidden / V;
+  const int64_t g0 = rp.row * nv;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  uint32_t* sync = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->peer_base[d->rank]) + d->sync_off);
+  uint32_t* partials = sync + UBNEXT_SYNC_ROW_PARTIALS + rp.row * rp.ng;
+  uint32_t* count = sync + UBNEXT_SYNC_ROW_COUNT + rp.row;
+  const uint32_t rank = static_cast<uint32_t>(d->rank);
+
+  float fail = 0.f;
+  const int ngl = (rp.hi - rp.lo + UBX_SSQ_GROUP_VECS - 1) / UBX_SSQ_GROUP_VECS;
+  for (int gl = warp; gl < ngl; gl += nwarps) {
+    const int i = rp.lo + gl * UBX_SSQ_GROUP_VECS + lane;  // == rp.lo + threadIdx.x + k * blockDim.x
+    const int k = gl / nwarps;
+    float q = 0.f;
+    if (i < rp.hi) {
+      float x[V];
+      if (!src(g0 + i, x)) fail = 1.f;
+      const uint4 r = add_round<T>(x, has_res, k < K ? pre.res_at(k) : (has_res ? load_whole_vec(p.residual, g0 + i)
+                                                                                : uint4{}));
+      cache[i - rp.lo] = r;
+      if (fused) {
+        if (sink.has_res()) sink.store_res(g0 + i, r);
+        q = vec_ssq<T>(x);
+      }
+    }
+    const float G = warp_sum(q);
+    if (lane == 0) st_relaxed_sys_u32(partials + rp.lo / UBX_SSQ_GROUP_VECS + gl, f32_as_u32(G));
+  }
+  const float wf = warp_sum(fail);
+  if (lane == 0) scratch[32 + warp] = wf;
+  __syncthreads();
+  fail = 0.f;
+  for (int w = 0; w < nwarps; ++w) fail += scratch[32 + w];
+  if (fail != 0.f) return false;  // block-uniform; the siblings leave at the abort this failure reported
+
+  if (threadIdx.x == 0) {
+#if !defined(UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL)
+    (void)atom_add_acq_rel_gpu_u32(count, 1u);
+#else
+    if (rp.lo != 0) (void)atom_add_acq_rel_gpu_u32(count, 1u);  // test-only: part 0 never arrives
+#endif
+    const WaitResult r = wait_flag_reached(d, count, static_cast<uint32_t>(rp.nparts), timeout_ns(d), rank);
+    if (r != kArrived) report_wait_failure(d, r, op, rank);
+    scratch[0] = r == kArrived ? 0.f : 1.f;
+  }
+  __syncthreads();
+  if (scratch[0] != 0.f) return false;
+  auto load_g = [&](int64_t g) -> float { return u32_as_f32(ld_volatile_u32(sync + UBNEXT_SYNC_ROW_PARTIALS +
+                                                                            rp.row * rp.ng + g)); };
+  const float ssq = fold_groups(rp.ng, load_g);
+  __syncthreads();  // every G read: the counter may be reset
+  if (threadIdx.x == 0) {
+    const uint32_t done = 2u * static_cast<uint32_t>(rp.nparts);
+    if (atom_add_acq_rel_gpu_u32(count, 1u) == done - 1u) (void)atom_add_acq_rel_gpu_u32(count, 0u - done);
+  }
+  const float rms = fused ? rms_of(ssq, p.hidden, p.eps) : 1.f;
+
+  const float sdiv = (mode == kOutFp8Static) ? p.scale[0] : 1.f;
+  for (int i = rp.lo + static_cast<int>(threadIdx.x), k = 0; i < rp.hi; i += blockDim.x, ++k) {
+    float y[V];
+    const uint4 yp = norm_vec_w<T>(cache[i - rp.lo], rms, has_w,
+                                   k < K ? pre.w_at(k) : (has_w ? load_whole_vec(p.weight, i) : uint4{}), y);
+    if (mode == kOutDtype) {
+      sink.store_out(g0 + i, yp);
+    } else {
+      uint8_t q[V];
+      quantize_fp8<V>(y, sdiv, q);
+      sink.store_out_fp8(g0 + i, q);
+    }
   }
   return true;
 }

@@ -155,6 +155,35 @@ UBX_DEV float sum_elem_over_ranks(const ubnext_comm_desc* d, uint64_t off) {
   return acc;
 }
 
+// One arithmetic on every fused path (issue 26): residual_out = T(s + residual), ONE rounding, s the fp32
+// sum over ranks. A two-shot path therefore cannot round s to T before the exchange and add the residual
+// after it, as it once did (two roundings: where s and the residual cancel, residual_out was up to 116
+// times its own rounding error off). The owner of a portion adds the residual to its fp32 sum and rounds
+// once; what it broadcasts is r = residual_out itself, and the row phase only stores it and normalises
+// (rows_phase without a residual). Every rank's row phase then reads the owner's residual for that portion:
+// the same values as its own in tensor parallelism, where every rank holds the same residual (the fused
+// op's contract: ranks get identical bits given identical residual and weight).
+// Why the owner adds it rather than broadcasting the fp32 s: the exchange keeps its bytes (s in fp32 would
+// double them for 16-bit types, and not fit `in` or a Lamport slot sized for T).
+// s is the rank-order fp32 sum (sum_over_ranks, from +0 as the Lamport path's): every fused path gives a
+// token the same bits.
+// UBNEXT_BREAK_TWO_ROUNDINGS (test-only) rounds s to T first and leaves the residual to the row phase.
+#if !defined(UBNEXT_BREAK_TWO_ROUNDINGS)
+#define UBX_OWNER_ADDS_RESIDUAL 1
+#else
+#define UBX_OWNER_ADDS_RESIDUAL 0
+#endif
+template <typename T>
+UBX_DEV uint4 owner_add_round(const ubnext_comm_desc* d, uint64_t off, const void* residual, int64_t gi) {
+  constexpr int V = DType<T>::kElems;
+  float acc[V];
+  sum_over_ranks<T>(d, off, acc);
+  if (UBX_OWNER_ADDS_RESIDUAL && residual != nullptr) return add_round<T>(acc, true, load_whole_vec(residual, gi));
+  return pack<T>(acc);
+}
+// The residual the row phase adds: none when the owner already did.
+UBX_DEV const void* row_phase_residual(const void* residual) { return UBX_OWNER_ADDS_RESIDUAL ? nullptr : residual; }
+
 // Bytes each rank's slot of a Lamport buffer holds for this message.
 UBX_DEV uint64_t slice_slot_bytes(const Slices& s) { return static_cast<uint64_t>(s.nrows * s.cv) * 16u; }
 

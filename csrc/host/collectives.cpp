@@ -345,7 +345,7 @@ ubnext_status_t pdl_enabled(int device, uint32_t launch_flags, bool* on) {
 // once; a local kernel (`local`: no peer, no barrier) takes any grid.
 ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per_rank_share, size_t bytes,
                              size_t tokens, size_t nranks, KernelArgs a, bool local = false,
-                             bool nvls_twoshot = false) {
+                             bool nvls_twoshot = false, size_t row_vectors = 0) {
   const KernelEntry& k = kKernels[kernel];
   // The device first: NO_DEVICE describes the machine, whatever this build holds.
   int device = 0;
@@ -360,7 +360,7 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
   unsigned grid = launch.grid;
   if (grid == 0) {
     const unsigned algo_cap = nvls_twoshot && tokens == 0 ? nvls_twoshot_grid_cap(nranks, lim.cc_major) : 0u;
-    grid = default_grid(per_rank_share, bytes, tokens, nranks, block, lim.sms, lim.coresident, !local, algo_cap);
+    grid = default_grid(per_rank_share, bytes, tokens, nranks, block, lim.sms, lim.coresident, !local, algo_cap, row_vectors);
   } else if (!local && grid > static_cast<unsigned>(lim.coresident)) {
     // Blocks wait on their peers' blocks; more than fit at once could wait forever.
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
@@ -392,9 +392,13 @@ ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
                               ubnext_dtype_t dtype, const ubnext_comm_desc* d, size_t tokens,
                               KernelArgs a) {
   a.flags |= (launch.flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) ? UBNEXT_F_MULTICAST : 0;
+  // the Lamport fused kernel's row split (launch_rules.h row_split), as the Python launcher sizes it
+  const size_t row_vectors = (algo == UBNEXT_ALGO_LAMPORT && tokens > 0 && !(a.flags & UBNEXT_F_FP8_PER_TOKEN))
+                                 ? static_cast<size_t>(a.hidden) * ubnext_dtype_size(dtype) / 16
+                                 : 0;
   return launch_index(launch, static_cast<int>(algo) * kNumDtypes + static_cast<int>(dtype),
                       kAlgos[algo].per_rank_share, static_cast<size_t>(a.n) * ubnext_dtype_size(dtype), tokens,
-                      static_cast<size_t>(d->nranks), a, false, algo == UBNEXT_ALGO_NVLS_TWOSHOT);
+                      static_cast<size_t>(d->nranks), a, false, algo == UBNEXT_ALGO_NVLS_TWOSHOT, row_vectors);
 }
 
 // count in 1..INT32_MAX (the kernels' n is an int32; it also keeps count * size from overflowing)

@@ -73,29 +73,46 @@ inline unsigned nvls_twoshot_grid_cap(size_t nranks, int cc_major) {
   return static_cast<unsigned>((base + n - 1) / n);
 }
 
+// Blocks per token row of the Lamport fused kernel at few tokens (csrc/device/norm.cuh, the row split;
+// ubnext/_executor.py row_split): the blocks the rows leave free, each keeping >= 128 of the row's
+// `row_vectors` 16-byte vectors, within the sync region's partials (one word per 32 vectors of every
+// row, 896 words) and a row cache (2048 vectors) per block; 1 = no split.
+inline size_t row_split(size_t tokens, size_t row_vectors, size_t max_blocks) {
+  if (tokens == 0 || row_vectors == 0) return 1;
+  const size_t groups = (row_vectors + 31) / 32;
+  size_t split = max_blocks / tokens;
+  if (row_vectors / 128 < split) split = row_vectors / 128;
+  if (split < 2 || tokens * groups > UBNEXT_SYNC_ROW_PARTIALS_END - UBNEXT_SYNC_ROW_PARTIALS ||
+      (groups + split - 1) / split * 32 > 2048)
+    return 1;
+  return split;
+}
+
 // The same geometry as the Python launcher (ubnext/_executor.py, launch_geometry and gpu_max_blocks),
 // so that a job gets the same grid whichever front end launches: fused op (tokens > 0), one block per
-// token row; otherwise one 16-byte vector per thread of what this rank reduces (1/nranks of the message
+// token row (Lamport at
+// few tokens: tokens x row_split blocks, row_vectors the row's 16-byte vectors when its rows may split:
+// not per-token FP8, else 0); otherwise one 16-byte vector per thread of what this rank reduces (1/nranks of the message
 // for the two-shot family: nvls_twoshot, twoshot, nvls_lamport; the whole message for lamport and
 // nvls_oneshot). Capped at one block per SM and UBNEXT_MAX_BLOCKS (as Python's _sm_count), halved for
 // kernels that wait on peers (pair_grid_cap), at `algo_cap` when non-zero (nvls_twoshot_grid_cap), and
 // at the kernel's co-resident limit (below all of them on any supported GPU); at least 1.
 inline unsigned default_grid(bool per_rank_share, size_t bytes, size_t tokens, size_t nranks,
                              unsigned block, int sms, int coresident, bool waits_on_peers = true,
-                             unsigned algo_cap = 0) {
-  size_t want;
-  if (tokens > 0) {
-    want = tokens;
-  } else {
-    size_t vectors = (bytes + 15) / 16;
-    if (per_rank_share && nranks > 0) vectors = (vectors + nranks - 1) / nranks;
-    want = (vectors + block - 1) / block;
-  }
+                             unsigned algo_cap = 0, size_t row_vectors = 0) {
   size_t cap = UBNEXT_MAX_BLOCKS;
   if (sms > 0 && static_cast<size_t>(sms) < cap) cap = static_cast<size_t>(sms);
   if (waits_on_peers) cap = static_cast<size_t>(pair_grid_cap(sms));
   if (algo_cap > 0 && algo_cap < cap) cap = algo_cap;
   if (coresident > 0 && static_cast<size_t>(coresident) < cap) cap = static_cast<size_t>(coresident);
+  size_t want;
+  if (tokens > 0) {
+    want = tokens * row_split(tokens, row_vectors, cap);  // the split within the capped grid
+  } else {
+    size_t vectors = (bytes + 15) / 16;
+    if (per_rank_share && nranks > 0) vectors = (vectors + nranks - 1) / nranks;
+    want = (vectors + block - 1) / block;
+  }
   if (want > cap) want = cap;
   return want ? static_cast<unsigned>(want) : 1u;
 }

@@ -10,16 +10,20 @@
 //   2. re-poison buffer (k + 2) % 3 of THIS rank, the previous call's.
 //   3. poll: volatile 16-byte loads of our own buffer b, every slot, until no word is the sentinel
 //      (bounded by desc->timeout_ns); sum in fp32 in rank order 0..N-1 (bitwise identical on every
-//      rank); write `out`, or run the fused row math (csrc/device/norm.cuh), one block per token row.
+//      rank); write `out`, or run the fused row math (csrc/device/norm.cuh), one block per token row, or
+//      at few tokens `split` blocks per row (norm.cuh's row split: the grid is rows x split; each block
+//      pushes and polls its part of the row, with the row's residual and weight loaded before the poll).
 //   4. finish: the last block to finish records this call's byte count and advances the rotation.
 // Steps 2 and 4 (the 3-buffer rotation: why that buffer is safe to re-poison, the counters, their
 // ordering and the test-only broken builds) live in csrc/device/lamport_rotation.cuh, shared with
 // nvls_lamport.
 //
-// Dependencies between blocks: none. Each thread polls exactly the vectors it pushed itself (same index
-// mapping on every rank, since every rank launches the same grid), so a block's waits depend only on the
-// same block of the peers, which pushes before it waits. That keeps the kernel deadlock-free for any grid,
-// including grids larger than the co-resident limit and an emulator running one block at a time.
+// Dependencies between blocks: each thread polls exactly the vectors it pushed itself (same index
+// mapping on every rank, since every rank launches the same grid), so a block's polls depend only on the
+// same block of the peers, which pushes before it waits. Without the row split that keeps the kernel
+// deadlock-free for any grid. With it, the blocks sharing a row also wait for each other's sum-of-squares
+// partials (after their polls): norm.cuh argues why that cannot deadlock and why the grid must be
+// co-resident (at most one block per SM, as the launch geometry gives).
 //
 // Call header: thread 0 of block 0 pushes this rank's call header (op, dtype, flags, n, hidden:
 // barrier.cuh's call_header without the `in` offset, which Lamport does not need) into vector 0 of its
@@ -207,13 +211,23 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
                                   static_cast<uint32_t>(n), static_cast<uint32_t>(hidden), 0u);
   const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;  // its one writer and reader (above)
   if (header_thread && aborted == 0u) store_everywhere(my_off, header);
+  // Row mode: one CTA per row, or a row shared by `split` CTAs (norm.cuh, the row split).
+  const int split = rows ? row_split_of(nrows, nv_row, flags) : 1;
+  const RowPart part = row_part_of(nrows, nv_row, split);
   if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) push(gi);
+  } else if (split > 1) {
+    // Same mapping as norm_row_part: this thread pushes exactly what it will poll.
+    if (part.active)
+      for (int i = part.lo + static_cast<int>(threadIdx.x); i < part.hi; i += blockDim.x) push(part.row * nv_row + i);
   } else {
     // Same mapping as the row loop below: this thread pushes exactly what it will poll.
     for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
       for (int i = threadIdx.x; i < nv_row; i += blockDim.x) push(row * nv_row + i);
   }
+  const RowParams rp{residual, weight, scale, hidden, eps, flags};
+  RowPrefetch<T> pre;  // residual and weight, in flight while the peers' data is (split rows)
+  if (split > 1) pre.load(rp, part);
   griddep_launch_dependents();  // `in` is read (ptx.cuh)
   // No fence.proxy.alias between the multicast push and the unicast poll of our own slot (issue 24 A),
   // although this thread reads through unicast bytes it just wrote through multicast. Without the
@@ -250,10 +264,13 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
     if ((flags & UBNEXT_F_FP8_STATIC) && !(flags & UBNEXT_F_FP8_PER_TOKEN) && blockIdx.x == 0 &&
         threadIdx.x == 0 && scale_inv != nullptr)
       scale_inv[0] = scale[0];  // static: the returned scale_inv IS the dequant scale, written once
-    const RowParams rp{residual, weight, scale, hidden, eps, flags};
     const GlobalSink<T> sink{residual_out, out, scale_inv, static_cast<int64_t>(n)};
-    for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
-      if (!norm_row<T>(rp, row, src, sink, s_cache, UBX_ROW_CACHE_VECS, s_red)) break;  // block-uniform
+    if (split > 1) {
+      if (part.active) (void)norm_row_part<T>(rp, part, pre, src, sink, s_cache, s_red, d, UBNEXT_OP_LAMPORT);
+    } else {
+      for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
+        if (!norm_row<T>(rp, row, src, sink, s_cache, UBX_ROW_CACHE_VECS, s_red)) break;  // block-uniform
+    }
   }
 
   // ---- 4. finish: the last block advances the rotation (also after a timeout)

@@ -15,6 +15,8 @@
 //   barrier -> rank r reduces ITS portion of the message (slices.cuh: 1/N of the flat message, or 1/N of
 //   every token row in row mode) with multimem.ld_reduce (fp32 accumulation in the switch, result rounded
 //   to T) -> multimem.st of the T result back to the same offset of `in`, i.e. into every rank's copy ->
+//   (fused rows, see "One rounding" below: unicast loads of the peers' copies instead, summed in fp32 in
+//   rank order, plus the owner's residual, rounded once) ->
 //   barrier -> (row mode) every rank runs the row math (residual add, RMSNorm, FP8) on every row, from its
 //   own, now complete, copy of `in`, writing out / residual_out / scale_inv locally.
 //   Each element is reduced once and broadcast, and the row math is deterministic (norm.cuh), so every
@@ -32,8 +34,19 @@
 //     Row mode: `in` is clobbered (it ends holding the allreduce result in T). out == in is allowed for
 //       dtype output; FP8 output needs out (n bytes) not overlapping in. residual / residual_out / weight /
 //       scale / scale_inv anywhere (device memory), not overlapping in or out; residual_out may alias
-//       residual. Results: residual_out = T(T(sum) + residual); out = T(T(r * rsqrt(mean(r^2) + eps)) * w)
-//       or its e4m3 quantisation; scale_inv[0] = scale[0] (FP8_STATIC), scale_inv[row] (FP8_PER_TOKEN).
+//       residual. Results: residual_out = T(sum + residual), one rounding, with the residual of each
+//       portion's owner; out = T((r * rms) * w) (norm.cuh) or its e4m3 quantisation; scale_inv[0] = scale[0]
+//       (FP8_STATIC), scale_inv[row] (FP8_PER_TOKEN).
+//   One rounding (issue 26), and why fused rows do not ld_reduce: multimem.ld_reduce on bf16/fp16 returns
+//   the sum already rounded to T, so T(ld_reduce + residual) rounds twice (where the sum and the residual
+//   cancel, up to 116 times the result's own rounding error). The two ways to keep one rounding: stage
+//   every rank's input as fp32 and ld_reduce that (twice the switch bytes and a staging area twice the
+//   message, and the switch's summation order is not the rank order, so the bits would still differ from
+//   the Lamport path's), or read the portion from each peer by unicast and sum in fp32 in rank order
+//   (slices.cuh, owner_add_round: the bits of every other fused path). We take the second: the owner
+//   loads (N-1)/N of the message's bytes over NVLink instead of the switch delivering 1/N reduced, the
+//   same hops (a load round trip either way), and at decode sizes, where the fused op runs, latency
+//   rather than bytes is the cost. `python -m ubnext.bench --model` counts it (docs/PERF.md).
 //   Ordering: barrier 1 (release/acquire .sys) orders every rank's earlier writes of `in` before any
 //   ld_reduce; barrier 2 orders every rank's multimem.st before the reads of the row phase / the end of the
 //   kernel. No trailing barrier is needed in row mode: after barrier 2 no rank touches another rank's
@@ -186,7 +199,13 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   const uint64_t mc_dst = mc_addr(d, dst);
 
   if (!barrier_sync(br)) return;
-  auto load = [&](int64_t gi) -> uint4 { return McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u); };
+  // Fused rows: the owner's fp32 sum by unicast loads (fused_portion_sum, below); else the switch's.
+  const bool fused = (flags & UBNEXT_F_FUSED_NORM) != 0;
+  const uint64_t in_off = reinterpret_cast<uint64_t>(in) - static_cast<uint64_t>(d->peer_base[rank]);
+  auto load = [&](int64_t gi) -> uint4 {
+    if (fused) return owner_add_round<T>(d, in_off + static_cast<uint64_t>(gi) * 16u, residual, gi);
+    return McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u);
+  };
   const int64_t partial = (n % V != 0) ? static_cast<int64_t>(n) / V : -1;  // index of a partial last vector
   auto store = [&](int64_t gi, int64_t, const uint4& v) {
     if (gi != partial) {
@@ -217,8 +236,8 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   if (!barrier_sync(br)) return;
   griddep_launch_dependents();  // every rank has reduced its slice of `in` (ptx.cuh)
   if (direct) return;
-  twoshot_local_phase<T>(sl, nranks, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags,
-                         s_cache, s_red);
+  twoshot_local_phase<T>(sl, nranks, in, out, row_phase_residual(residual), residual_out, weight, scale, scale_inv, n,
+                         hidden, eps, flags, s_cache, s_red);
 }
 
 // ---------------------------------------------------------------- nvls_oneshot
@@ -281,8 +300,12 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
   const uint64_t mc_slot = static_cast<uint64_t>(d->mc_base) + buf_off + static_cast<uint64_t>(rank) * slot;
 
   if (barrier_sync(br)) {
-    // ---- exchange: our portion, reduced and sanitised, into slot [rank] of every rank's buffer b
+    // ---- exchange: our portion, reduced and sanitised, into slot [rank] of every rank's buffer b (fused
+    // rows: r = residual_out, the owner's one rounding of its fp32 sum plus the residual; see nvls_twoshot)
+    const bool fused = (flags & UBNEXT_F_FUSED_NORM) != 0;
+    const uint64_t in_off = reinterpret_cast<uint64_t>(in) - static_cast<uint64_t>(d->peer_base[rank]);
     auto load = [&](int64_t gi) -> uint4 {
+      if (fused) return sanitize<T>(owner_add_round<T>(d, in_off + static_cast<uint64_t>(gi) * 16u, residual, gi));
       return sanitize<T>(McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u));
     };
     auto store = [&](int64_t, int64_t pos, const uint4& v) {
@@ -331,8 +354,8 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
       }
     } else {
       LamportSliceSrc<T> src{my_buf, slot, sl, d, false};
-      rows_phase<T>(src, sl.nrows, residual, residual_out, weight, scale, scale_inv, out, n, hidden, eps, flags,
-                    s_cache, s_red);
+      rows_phase<T>(src, sl.nrows, row_phase_residual(residual), residual_out, weight, scale, scale_inv, out, n,
+                    hidden, eps, flags, s_cache, s_red);
     }
   }
   // Even after a timeout: keep the done counter consistent (the communicator is dead anyway, but a

@@ -9,7 +9,9 @@
 //   0..N-1, rounded once to T -> all-gather: st.relaxed.sys of the T result to that offset of `in` on every
 //   rank (starting with rank r+1, so the ranks do not all hit the same peer first) -> barrier (its
 //   release/acquire orders the stores before anyone reads them) -> (row mode) every rank runs the row math
-//   (norm.cuh: residual add, RMSNorm, FP8) on every row from its own, now complete, copy of `in`.
+//   (norm.cuh: RMSNorm, FP8) on every row from its own, now complete, copy of `in`. Fused, the owner adds
+//   the residual to its fp32 sum before the one rounding (slices.cuh, owner_add_round): `in` then carries
+//   residual_out.
 //   Why the row math runs after the all-gather on every rank: see csrc/kernels/nvls.cu (outputs need not
 //   be in the pool, per-rank residual, FP8 works, one broadcast instead of two or three).
 //
@@ -24,7 +26,8 @@
 //   ends holding the allreduce result in T); out == in is allowed for dtype output; FP8 output needs out
 //   (n bytes) not overlapping in. residual / residual_out / weight / scale / scale_inv anywhere, not
 //   overlapping in or out; residual_out may alias residual.
-//   residual_out = T(T(sum) + residual); out = T(T(r * rsqrt(mean(r^2) + eps)) * w) or its e4m3 values;
+//   residual_out = T(sum + residual) (one rounding; the residual of each portion's owner);
+//   out = T((r * rms) * w) or its e4m3 values (norm.cuh);
 //   scale_inv[0] = scale[0] (FP8_STATIC) or scale_inv[row] = max(amax_row / 448, 1e-12) (FP8_PER_TOKEN).
 //   any n >= 1 in flat mode (a partial last vector: see slices.cuh); gridDim.x <= UBNEXT_MAX_BLOCKS, same grid on every rank.
 //
@@ -67,10 +70,14 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
 
   if (!barrier_sync(br)) return;
 
-  // Reduce-scatter of one vector: rank order 0..N-1, fp32, rounded once to T.
+  // Reduce-scatter of one vector: rank order 0..N-1, fp32, rounded once to T; fused: with the residual
+  // added before that one rounding (slices.cuh, owner_add_round).
+  const bool fused = (flags & UBNEXT_F_FUSED_NORM) != 0;
   auto load = [&](int64_t gi) -> uint4 {
+    const uint64_t off = in_off + static_cast<uint64_t>(gi) * 16u;
+    if (fused) return owner_add_round<T>(d, off, residual, gi);
     float acc[V];
-    sum_over_ranks<T>(d, in_off + static_cast<uint64_t>(gi) * 16u, acc);
+    sum_over_ranks<T>(d, off, acc);
     return pack<T>(acc);
   };
   // All-gather of one vector: to every rank, starting after ourselves.
@@ -90,8 +97,8 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
   for_my_slice<2>(sl, rank, load, store);
   if (!barrier_sync(br)) return;
   griddep_launch_dependents();  // every rank has reduced its slice of `in` (ptx.cuh)
-  twoshot_local_phase<T>(sl, nranks, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags,
-                         s_cache, s_red);
+  twoshot_local_phase<T>(sl, nranks, in, out, row_phase_residual(residual), residual_out, weight, scale, scale_inv, n,
+                         hidden, eps, flags, s_cache, s_red);
 }
 
 }  // namespace ubx

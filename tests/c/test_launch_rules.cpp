@@ -1,6 +1,7 @@
 // The C API's per-algorithm buffer rules and default grid (csrc/host/launch_rules.h), checked
 // without a GPU. The grid must match the Python launcher (ubnext/comm.py, _geometry) so that a
 // job gets the same geometry whichever front end launches it; py_grid below transcribes it.
+#include <algorithm>
 #include <cstdio>
 #include <string_view>
 
@@ -35,7 +36,15 @@ long long py_grid(const char* algo, long long n, long long elem, long long token
     const long long nvls = ceil_div(cc_major >= 10 ? 32 : 16, world);
     if (nvls < max_blocks) max_blocks = nvls;
   }
-  if (fused) return clamp(tokens, max_blocks);
+  if (fused) {  // Lamport: launch_geometry's row_split (not per-token FP8, which this file does not try)
+    long long split = 1;
+    if (a == "lamport" && tokens > 0) {
+      const long long row_vectors = n / tokens * elem / 16, groups = ceil_div(row_vectors, 32);
+      split = std::min(max_blocks / tokens, row_vectors / 128);
+      if (split < 2 || tokens * groups > 4096 - 3200 || ceil_div(groups, split) * 32 > 2048) split = 1;
+    }
+    return clamp(tokens * split, max_blocks);
+  }
   long long vectors = ceil_div(n * elem, 16);
   if (a == "nvls_twoshot" || a == "twoshot" || a == "nvls_lamport") vectors = ceil_div(vectors, world);
   return clamp(ceil_div(vectors, block), max_blocks);
@@ -43,12 +52,12 @@ long long py_grid(const char* algo, long long n, long long elem, long long token
 
 // The grid default_grid gives algorithm `a` through the C API's launch (collectives.cpp launch_kernel).
 unsigned c_grid(int a, long long bytes, long long tokens, long long world, long long sms, int cc_major,
-                int coresident = 1 << 20) {
+                int coresident = 1 << 20, size_t row_vectors = 0) {
   const unsigned nvls = a == UBNEXT_ALGO_NVLS_TWOSHOT && tokens == 0
                             ? ubnext::nvls_twoshot_grid_cap(static_cast<size_t>(world), cc_major)
                             : 0u;
   return default_grid(kAlgos[a].per_rank_share, static_cast<size_t>(bytes), static_cast<size_t>(tokens),
-                      static_cast<size_t>(world), 256, static_cast<int>(sms), coresident, true, nvls);
+                      static_cast<size_t>(world), 256, static_cast<int>(sms), coresident, true, nvls, row_vectors);
 }
 
 const char* const kNames[ubnext::kNumAlgos] = {"lamport", "nvls_oneshot", "nvls_twoshot",
@@ -101,12 +110,13 @@ void test_grid_matches_python() {
               }
               ++checked;
             }
-  // Fused: one block per token row, min(tokens, SMs / 2), whatever the algorithm.
+  // Fused: one block per token row, min(tokens, SMs / 2), whatever the algorithm; Lamport at few
+  // tokens several (the row split).
   const long long tokens[] = {1, 3, 8, 77, 128, 4096};
   for (int a = 0; a < ubnext::kNumAlgos; ++a)
     for (long long t : tokens)
       for (long long sms : smss) {
-        CHECK(c_grid(a, t * 4096 * 2, t, 8, sms, 9) == py_grid(kNames[a], t * 4096, 2, t, true, 8, sms));
+        CHECK(c_grid(a, t * 4096 * 2, t, 8, sms, 9, 1 << 20, a == UBNEXT_ALGO_LAMPORT ? 4096 * 2 / 16 : 0) == py_grid(kNames[a], t * 4096, 2, t, true, 8, sms));
         ++checked;
       }
   std::printf("default grid: %d cases match ubnext/_executor.py launch_geometry\n", checked);

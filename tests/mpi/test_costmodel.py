@@ -45,14 +45,18 @@ PINNED_MULTICAST = {
     ("all_reduce", "nvls_oneshot", 65536): (16, 6, 2, 8256),
     ("all_reduce", "nvls_twoshot", 65536): (4, 6, 2, 8256),
     ("all_reduce", "twoshot", 65536): (4, 6, 2, 32832),
-    ("all_reduce_add_rmsnorm", "lamport", 16384): (1, 1, 0, 229504),
+    # the Lamport fused op splits a row over 8 CTAs at 1 token (norm.cuh's row split: 1/8 of the bytes
+    # per CTA, the same single hop); at 4 tokens its 32 CTAs are past the measured grids (derived, see
+    # test_fused_row_split_at_8_ranks). The two-shot fused paths: the owner adds the residual before the
+    # one rounding, so the row phase no longer loads it (fewer bytes), and nvls_twoshot's fused rows sum
+    # by unicast loads instead of ld_reduce (the same hops: a round trip either way; issue 26)
+    ("all_reduce_add_rmsnorm", "lamport", 16384): (8, 1, 0, 36928),
     ("all_reduce_add_rmsnorm", "nvls_lamport", 16384): (1, 5, 1, 106560),
-    ("all_reduce_add_rmsnorm", "nvls_twoshot", 16384): (1, 7, 3, 90176),
-    ("all_reduce_add_rmsnorm", "twoshot", 16384): (1, 6, 2, 110656),
-    ("all_reduce_add_rmsnorm", "lamport", 65536): (4, 1, 0, 229504),
+    ("all_reduce_add_rmsnorm", "nvls_twoshot", 16384): (1, 7, 3, 86080),
+    ("all_reduce_add_rmsnorm", "twoshot", 16384): (1, 6, 2, 98368),
     ("all_reduce_add_rmsnorm", "nvls_lamport", 65536): (4, 5, 1, 106560),
-    ("all_reduce_add_rmsnorm", "nvls_twoshot", 65536): (4, 7, 3, 90176),
-    ("all_reduce_add_rmsnorm", "twoshot", 65536): (4, 6, 2, 110656),
+    ("all_reduce_add_rmsnorm", "nvls_twoshot", 65536): (4, 7, 3, 86080),
+    ("all_reduce_add_rmsnorm", "twoshot", 65536): (4, 6, 2, 98368),
     ("all_gather", "allgather", 65536): (4, 4, 2, 8256),
     ("reduce_scatter", "reduce_scatter", 65536): (4, 6, 2, 20544),
     ("quantize", "row", 65536): (4, 0, 0, 24576),
@@ -71,10 +75,9 @@ PINNED_UNICAST = {
     ("all_reduce", "twoshot", 16384): (1, 6, 2, 32864),
     ("all_reduce", "lamport", 65536): (16, 1, 0, 57520),
     ("all_reduce", "twoshot", 65536): (4, 6, 2, 32864),
-    ("all_reduce_add_rmsnorm", "lamport", 16384): (1, 1, 0, 278704),
-    ("all_reduce_add_rmsnorm", "twoshot", 16384): (1, 6, 2, 110688),
-    ("all_reduce_add_rmsnorm", "lamport", 65536): (4, 1, 0, 278704),
-    ("all_reduce_add_rmsnorm", "twoshot", 65536): (4, 6, 2, 110688),
+    ("all_reduce_add_rmsnorm", "lamport", 16384): (8, 1, 0, 43120),
+    ("all_reduce_add_rmsnorm", "twoshot", 16384): (1, 6, 2, 98400),
+    ("all_reduce_add_rmsnorm", "twoshot", 65536): (4, 6, 2, 98400),
     ("all_gather", "allgather", 65536): (4, 4, 2, 20576),
     ("reduce_scatter", "reduce_scatter", 65536): (4, 6, 2, 20576),
 }
@@ -216,3 +219,15 @@ def test_bench_model_command():
     assert chosen[("all_reduce", 16384)] == ["lamport"]
     assert all(len(paths) == 1 for (op, _), paths in chosen.items() if op != "quantize"), chosen
     assert all(r["model_us"] > 0 for r in rows if r["ctas"] is not None)
+
+
+def test_fused_row_split_at_8_ranks():
+    """Issue 24 item 2 at its own geometry (8 ranks, bf16, hidden 8192, GPU grids from 132 SMs): the
+    fused op at 1 token on the path the planner chooses spreads the row over at least 8 CTAs with 1 hop
+    and no more fences than the path's pushes need; at 4 tokens (derived) 4 x 8 CTAs."""
+    rows = _costmodel.run(8, quick=True, only=frozenset({("all_reduce_add_rmsnorm", "lamport")}))
+    by_tokens = {r["tokens"]: r for r in rows}
+    one = by_tokens[1]
+    assert one["chosen"] and not one["derived"], one
+    assert one["ctas"] >= 8 and one["hops"] == 1, one
+    assert by_tokens[4]["ctas"] == 32 and by_tokens[4]["hops"] == 1, by_tokens[4]

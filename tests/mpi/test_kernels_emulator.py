@@ -10,7 +10,7 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
         "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint", "all_gather",
         "reduce_scatter", "quantize_fp8", "quantize_blocks", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "mismatch_exchange", "misuse", "departed",
-        "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool",
+        "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool", "fused_arithmetic",
         # issue 25 (FSDP2 for real runs): checkpoints, any shard size, torchao's float8 training (2 ranks)
         "fsdp_checkpoint", "fsdp_odd_shards", "fsdp_torchao",
         # issue 24 E: nvls_twoshot straight into a pool `out`
@@ -19,7 +19,7 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "batch_invariant",
         # issue 24 item C: griddepcontrol placed in every kernel (the emulator checks the wait)
         "pdl"]
-CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
+CORE = ["allreduce", "paths", "fused_paths", "fused_arithmetic", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady",
         # issue 25: checkpoints, any shard size, HSDP and FSDP x TP=2 (these two need 4 ranks)
@@ -27,7 +27,7 @@ CORE = ["allreduce", "paths", "fused_paths", "fp8", "rotation", "traffic", "time
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race", "all_gather",
          "reduce_scatter", "fsdp", "nvls_twoshot_into_out"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
-UNICAST = ["allreduce", "auto", "paths", "fused_paths", "traffic", "rotation", "long_runs", "timeout", "misaligned",
+UNICAST = ["allreduce", "auto", "paths", "fused_paths", "fused_arithmetic", "traffic", "rotation", "long_runs", "timeout", "misaligned",
            "divergent", "fp8_nan", "late_rank", "captured_sizes", "selftest", "in_place_past_staging", "all_gather",
            "reduce_scatter", "mismatch", "mismatch_exchange", "departed",
            # issue 25 at 3 ranks: shards that are not whole vectors, FP8 rows that do not divide among the ranks
@@ -66,6 +66,9 @@ BROKEN = {
     "allgather_short_push": ["all_gather"],  # a shard's last word never reaches the peers
     "no_lamport_header_check": ["mismatch"],  # Lamport pushes call headers but never compares them
     "no_departure_check": ["departed"],  # a departed peer is waited for until the timeout
+    "ssq_block_order": ["fused_arithmetic"],  # the norm's sum of squares in block order: bits change with the block size
+    "two_roundings": ["fused_arithmetic"],  # two-shot fused paths round s before the residual add
+    "row_split_no_arrival": ["fused_arithmetic"],  # a split row's block never arrives: the bounded wait times out
     # a two-shot portion summed N-1..0: the batch-invariant mode's rank-order reference catches it
     "twoshot_reverse_order": ["batch_invariant"],
     # layouts rather than protocols (comm.quantize, csrc/device/blockscale.cuh): the bitwise comparison
@@ -75,6 +78,9 @@ BROKEN = {
 }
 # a sum of two is the same in either order: a break of the order shows from 3 ranks
 BROKEN_NP = {"twoshot_reverse_order": 3}
+# breaks whose catch must be a timeout that names the op and what it waited for
+CAUGHT_AS = {"row_split_no_arrival": "timed out in lamport after 5 s (UBNEXT_TIMEOUT, else the process group's "
+                                     "timeout) waiting for its own blocks sharing a token row"}
 # A violation is caught as a wrong result (AssertionError) or a lost peer (UbnextTimeoutError). Three
 # breaks also show as a call header read wrong: their cases make the same call on every rank, so a
 # mismatch error means the protocol delivered a header the peer never sent for this call: read from the
@@ -105,6 +111,8 @@ def test_broken_protocol_is_caught(mpi, break_name):
     caught = any(marker in output for marker in CAUGHT) or (
         break_name in CAUGHT_AS_MISMATCH and "with different arguments" in output)
     assert caught, f"the {break_name} build failed for another reason than a caught protocol violation:\n{output[-4000:]}"
+    if break_name in CAUGHT_AS:
+        assert CAUGHT_AS[break_name] in output, output[-4000:]
 
 
 @pytest.mark.mpi

@@ -61,7 +61,6 @@ def test_the_planner_mark_follows_the_default_pool():
             assert M.chosen_path(M.Case(op, "lamport", 16384, 1), world) == plan.auto_order(
                 16384, fused, True, False, world)[0], (world, fused)
     assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
-    assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
 
 
 def test_quantize_at_64_mb_takes_the_grid_its_work_needs():
@@ -73,3 +72,15 @@ def test_quantize_at_64_mb_takes_the_grid_its_work_needs():
         assert M.grid_of(case, 8, 132) == 4096, mode
     # below ONE_CTA_BYTES one scale is one row: one CTA, its amax a block reduction
     assert M.grid_of(M.Case("quantize", "tensor", 65536, 4), 8, 132) == 1
+
+
+def test_fused_lamport_rows_split_over_free_sms():
+    """The Lamport fused launch at few tokens (csrc/device/norm.cuh's row split): 8 CTAs a row at
+    hidden 8192 bf16 while the SMs allow, one CTA a row once the rows' partials would not fit the sync
+    region (32 tokens x 32 groups > 896 words) and for per-token FP8; the other paths one CTA a row."""
+    n = 8192
+    geometry = lambda algo, tokens, **kw: launch_geometry(algo, tokens * n, 2, tokens, True, 8, GPU_BLOCK, 128, **kw)[0]
+    assert [geometry("lamport", t) for t in (1, 2, 16, 32, 64)] == [8, 16, 128, 32, 64]
+    assert geometry("lamport", 1, split_rows=False) == 1
+    assert geometry("twoshot", 1) == geometry("nvls_lamport", 1) == 1
+    assert launch_geometry("lamport", 512, 2, 1, True, 8, GPU_BLOCK, 128)[0] == 1  # 64 vectors: < 2 x 128
