@@ -30,7 +30,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HIDDEN = 256  # the fused cases' rows: 512 bytes in bf16
 # paths the mode can force (the rest, multimem.ld_reduce's and torch's symmetric op, are refused)
 FORCED = ("auto", "lamport", "twoshot", "torch")
-REFUSED = ("nvls_twoshot", "nvls_lamport", "nvls_oneshot", "nvls", "torch_symm")
+FORCED_FUSED = FORCED + ("nvls_twoshot", "nvls_lamport")
+REFUSED = ("nvls_oneshot", "torch_symm")  # at construction: no call keeps rank order on them
+REFUSED_PLAIN = ("nvls_twoshot", "nvls_lamport", "nvls")  # their plain allreduce reduces in the switch
 
 
 def spread_input(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -78,20 +80,21 @@ def _thresholds(comm) -> tuple[int, int]:
 def _expect_path(comm, path: str, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> None:
     if path != "auto" and comm._capabilities(nbytes, dtype, fused, hidden)[path] is None:
         assert comm.last_path.split("+")[0] == path, (path, comm.last_path)
-    assert comm.last_path.split("+")[0] in FORCED, comm.last_path
+    assert comm.last_path.split("+")[0] in (FORCED_FUSED if fused else FORCED), comm.last_path
 
 
 def check_refusals(mode: str, comm) -> None:
     """A path that reduces through the switch (or torch's symmetric op, whose order is not
     promised) is refused in the mode, at construction and when forced on a live communicator,
     with an error that says why; the mode comes from UBNEXT_BATCH_INVARIANT when not given."""
-    for algo in REFUSED:
-        try:
-            ubnext.Communicator(emulate=mode == "emulator", algo=algo, batch_invariant=True)
-        except ValueError as e:
-            assert "batch-invariant" in str(e) and algo in str(e), e
-        else:
-            raise AssertionError(f"algo={algo} was accepted in the batch-invariant mode")
+    for algo in REFUSED + REFUSED_PLAIN:
+        if algo in REFUSED:
+            try:
+                ubnext.Communicator(emulate=mode == "emulator", algo=algo, batch_invariant=True)
+            except ValueError as e:
+                assert "batch-invariant" in str(e) and algo in str(e), e
+            else:
+                raise AssertionError(f"algo={algo} was accepted in the batch-invariant mode")
         comm._algo = algo
         try:
             comm.all_reduce(torch.ones(8, device=comm.device))
@@ -220,7 +223,8 @@ def check_fused(comm, paths: tuple[str, ...]) -> None:
         for path in paths:
             comm._algo = None if path == "auto" else path
             # a count fits a forced path only up to its own threshold (past it the plan falls back)
-            top = {"lamport": counts["lamport"], "twoshot": counts["twoshot"]}.get(path, counts["torch"])
+            top = {"lamport": counts["lamport"], "twoshot": counts["twoshot"], "nvls_twoshot": counts["twoshot"],
+                   "nvls_lamport": counts["lamport"]}.get(path, counts["torch"])
             for count in sorted({1, 2, 5, counts["lamport"], counts["twoshot"], counts["torch"]}):
                 if count <= top:
                     rows.check(count, seed=count, fp8=False, what=f"fused {path}")
@@ -289,7 +293,8 @@ def case_batch_invariant_fused(mode: str) -> None:
     two-shot paths (issue 26's arithmetic, the rows branch)."""
     comm = _small_pool_comm(mode)
     try:
-        check_fused(comm, ("twoshot", "auto"))
+        nvls = ("nvls_twoshot", "nvls_lamport") if comm.pool is not None and comm.pool.has_multicast else ()
+        check_fused(comm, ("twoshot", "auto") + nvls)
     finally:
         comm.close()
 

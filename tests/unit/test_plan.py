@@ -76,12 +76,16 @@ def test_the_batch_invariant_mode_never_plans_a_switch_reduction(nbytes, fused):
     view = plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True)
     default = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True)
     mode = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True, batch_invariant=True)
-    assert mode.path in ("lamport", "twoshot", "torch"), mode
-    if default.path not in plan.LD_REDUCE_PATHS:
+    kept = plan.RANK_ORDER_WHEN_FUSED if fused else ()
+    assert mode.path in ("lamport", "twoshot", "torch") + kept, mode
+    if default.path not in plan.LD_REDUCE_PATHS or default.path in kept:
         assert mode.path == default.path
     else:
         assert (default.path, plan.NOT_RANK_ORDER) in mode.skipped
     for forced in plan.LD_REDUCE_PATHS + ("nvls", "torch_symm"):
+        if forced in kept + (("nvls",) if fused else ()):
+            assert plan.choose(nbytes, 2, fused, 8192, view, forced=forced, batch_invariant=True)
+            continue
         with pytest.raises(ValueError, match=f"algo '{forced}' cannot run in the batch-invariant mode"):
             plan.choose(nbytes, 2, fused, 8192, view, forced=forced, batch_invariant=True)
 
