@@ -16,14 +16,14 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         # issue 24 E: nvls_twoshot straight into a pool `out`
         "nvls_twoshot_into_out",
         # issue 26: the batch-invariant mode (at 2 ranks a sum of two is order-free: 3 and 4 show the order)
-        "batch_invariant",
+        "batch_invariant", "batch_invariant_fused",
         # issue 24 item C: griddepcontrol placed in every kernel (the emulator checks the wait)
         "pdl"]
 CORE = ["allreduce", "paths", "fused_paths", "fused_arithmetic", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady",
         # issue 25: checkpoints, any shard size, HSDP and FSDP x TP=2 (these two need 4 ranks)
-        "fsdp_checkpoint", "fsdp_odd_shards", "hsdp", "fsdp_tp", "batch_invariant"]
+        "fsdp_checkpoint", "fsdp_odd_shards", "hsdp", "fsdp_tp", "batch_invariant", "batch_invariant_fused"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race", "all_gather",
          "reduce_scatter", "fsdp", "nvls_twoshot_into_out"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
@@ -31,7 +31,7 @@ UNICAST = ["allreduce", "auto", "paths", "fused_paths", "fused_arithmetic", "tra
            "divergent", "fp8_nan", "late_rank", "captured_sizes", "selftest", "in_place_past_staging", "all_gather",
            "reduce_scatter", "mismatch", "mismatch_exchange", "departed",
            # issue 25 at 3 ranks: shards that are not whole vectors, FP8 rows that do not divide among the ranks
-           "fsdp_odd_shards", "fsdp_fp8_uneven", "batch_invariant", "pdl"]
+           "fsdp_odd_shards", "fsdp_fp8_uneven", "batch_invariant", "batch_invariant_fused", "pdl"]
 
 
 @pytest.mark.mpi
@@ -122,13 +122,3 @@ def test_selftest_disables_a_broken_path(mpi, np):
     self-test at preparation and disabled on every rank: the calls still get right sums."""
     assert_mpi_ok(mpi(np, MPI_WORKER, "emulator", "selftest",
                       env={"UBNEXT_EMU_BREAK": "twoshot_drop_peer", "UBNEXT_EMU_MULTICAST": "0"}, timeout=600))
-
-
-@pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason="needs the rows branch: one arithmetic")
-def test_batch_invariant_fused_on_twoshot(mpi):
-    """Issue 26: the fused op's rows on the unicast two-shot equal the token alone (Lamport): one
-    rounding of sum + residual there too. Once the rows branch is merged, fold the case into the
-    np2 / np4 / np3-unicast lists above and remove this launch."""
-    assert_mpi_ok(mpi(3, MPI_WORKER, "emulator", "batch_invariant_fused",
-                      env={"UBNEXT_EMU_MULTICAST": "0", "UBNEXT_EMULATE": "1"}, timeout=600))
