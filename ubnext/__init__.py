@@ -64,6 +64,8 @@ def all_reduce(x, group=None, *, out=None):
     return ops.all_reduce_out(x, out, _group_key(group))
 
 
-def all_reduce_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *, group=None, out_dtype=None, scale=None):
+def all_reduce_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *, group=None, out_dtype=None, scale=None,
+                           quant=None, global_scale=None, swizzled=False, ue8m0=False):
     """``get_communicator(group).all_reduce_add_rmsnorm(...)``; compiles under torch.compile."""
-    return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, _group_key(group), out_dtype=out_dtype, scale=scale)
+    return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, _group_key(group), out_dtype=out_dtype, scale=scale,
+                                      quant=quant, global_scale=global_scale, swizzled=swizzled, ue8m0=ue8m0)

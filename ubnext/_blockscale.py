@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import FP8, FP8_MAX, check_tensor, fp8_scale_inv
+from ._checks import FP8, FP8_MAX, check_fused_args, check_tensor, fp8_scale_inv
 
 BLOCKS = {"nvfp4": 16, "mxfp8": 32, "fp8_group128": 128}
 E8M0 = torch.float8_e8m0fnu
@@ -64,6 +64,13 @@ def check_quantize_block_args(x: torch.Tensor, fmt: str, global_scale, swizzled:
         raise ValueError("swizzled scales (to_blocked's layout) are for nvfp4 and mxfp8, not fp8_group128")
     if ue8m0 and fmt != "fp8_group128":
         raise ValueError(f"ue8m0 rounds fp8_group128's scales to powers of two; fmt={fmt!r} has its own scales")
+
+
+def check_fused_quant_args(x, residual, weight, eps, fmt: str, global_scale, swizzled: bool, ue8m0: bool) -> None:
+    """The checks of ``all_reduce_add_rmsnorm(..., quant=fmt)`` (real and fake implementations): the
+    fused op's own, then the format's on x's shape (K, the last dimension, a multiple of the block)."""
+    check_fused_args(x, residual, weight, eps, False, None)
+    check_quantize_block_args(x, fmt, global_scale, swizzled, ue8m0)
 
 
 def swizzled_count(rows: int, cols: int) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels, ops
+from ._blockscale import check_fused_quant_args
 from ._checks import FP8, check_fused_args, reference_add_rmsnorm
 
 
@@ -18,7 +19,9 @@ class FusedNormOps:
 
     def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
-                               scale: torch.Tensor | None = None):
+                               scale: torch.Tensor | None = None, quant: str | None = None,
+                               global_scale: torch.Tensor | None = None, swizzled: bool = False,
+                               ue8m0: bool = False):
         """``residual_out = allreduce(x) + residual``; ``out = rmsnorm(residual_out) * weight``.
 
         Returns ``(out, residual_out, scale_inv)``. ``out_dtype`` defaults to ``x.dtype``; with
@@ -26,8 +29,25 @@ class FusedNormOps:
         fp32 tensor holding the dequantisation scale) or per-token scales, and ``scale_inv``
         satisfies ``y ≈ out.float() * scale_inv`` (one value, or one per token). ``scale_inv``
         is None for non-FP8 outputs.
+
+        ``quant`` (``"nvfp4"``, ``"mxfp8"`` or ``"fp8_group128"``, with ``global_scale``, ``swizzled``
+        and ``ue8m0`` as in ``quantize``) returns ``(q, residual_out, scales)`` instead: bitwise
+        ``quantize(out, quant, ...)`` of this call's unquantised ``out``, and the same ``residual_out``
+        (docs/QUANTIZE.md). It excludes ``out_dtype`` and ``scale``; K must be a multiple of the block.
         """
-        return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, self.key, out_dtype, scale)
+        return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, self.key, out_dtype, scale, quant, global_scale,
+                                          swizzled, ue8m0)
+
+    def _all_reduce_add_rmsnorm_quant(self, x, residual, weight, eps: float, fmt: str, global_scale,
+                                      swizzled: bool, ue8m0: bool):
+        """torch.ops.ubnext.all_reduce_add_rmsnorm_quant's implementation: the fused op on its path
+        (or fallback), then the block quantiser on its normed output, so that q and scales are by
+        construction ``quantize`` of that output (the "fusion changes no bit" rule). Checked before
+        the collective, so that every rank refuses alike."""
+        check_fused_quant_args(x, residual, weight, eps, fmt, global_scale, swizzled, ue8m0)
+        out, residual_out = self._all_reduce_add_rmsnorm(x, residual, weight, eps)
+        q, scales = self._quantize_blocks(out, fmt, global_scale, swizzled, ue8m0)
+        return q, residual_out, scales
 
     def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps: float, scale: torch.Tensor | None = None, fp8: bool = False):

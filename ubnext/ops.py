@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import _lifecycle
-from ._blockscale import check_quantize_block_args, output_specs
+from ._blockscale import check_fused_quant_args, check_quantize_block_args, output_specs
 from ._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_same_device,
                      check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
 
@@ -40,6 +40,9 @@ _lib.define("all_reduce_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, fl
             "-> (Tensor, Tensor)")
 _lib.define("all_reduce_add_rmsnorm_fp8(Tensor x, Tensor residual, Tensor weight, float eps, Tensor? scale, "
             "str comm) -> (Tensor, Tensor, Tensor)")
+# the block-scaled outputs (quant=fmt: ubnext/_blockscale.py's formats): (q, residual_out, scales)
+_lib.define("all_reduce_add_rmsnorm_quant(Tensor x, Tensor residual, Tensor weight, float eps, str fmt, "
+            "Tensor? global_scale, bool swizzled, bool ue8m0, str comm) -> (Tensor, Tensor, Tensor)")
 # FSDP2's collectives (ubnext.fsdp) and the FP8 quantisation of its weights
 _lib.define("all_gather(Tensor x, str comm) -> Tensor")
 _lib.define("all_gather_out(Tensor x, Tensor(a!) out, str comm) -> ()")
@@ -80,6 +83,11 @@ def _fused_impl(x, residual, weight, eps, comm):
 
 def _fused_fp8_impl(x, residual, weight, eps, scale, comm):
     return communicator_for(comm)._all_reduce_add_rmsnorm(x, residual, weight, eps, scale, fp8=True)
+
+
+def _fused_quant_impl(x, residual, weight, eps, fmt, global_scale, swizzled, ue8m0, comm):
+    return communicator_for(comm)._all_reduce_add_rmsnorm_quant(x, residual, weight, eps, fmt, global_scale,
+                                                                swizzled, ue8m0)
 
 
 def _world_size(comm: str) -> int:
@@ -124,7 +132,8 @@ def _quantize_impl(x, fmt, global_scale, swizzled, ue8m0, comm):
 
 for _name, _fn in (("all_reduce", _all_reduce_impl), ("all_reduce_out", _all_reduce_out_impl),
                    ("linear_all_reduce", _linear_all_reduce_impl), ("all_reduce_add_rmsnorm", _fused_impl),
-                   ("all_reduce_add_rmsnorm_fp8", _fused_fp8_impl), ("all_gather", _all_gather_impl),
+                   ("all_reduce_add_rmsnorm_fp8", _fused_fp8_impl),
+                   ("all_reduce_add_rmsnorm_quant", _fused_quant_impl), ("all_gather", _all_gather_impl),
                    ("all_gather_out", _all_gather_out_impl), ("reduce_scatter", _reduce_scatter_impl),
                    ("reduce_scatter_out", _reduce_scatter_out_impl), ("quantize_fp8", _quantize_fp8_impl),
                    ("quantize", _quantize_impl)):
@@ -169,6 +178,14 @@ def _(x, residual, weight, eps, scale, comm):
     check_same_device("x residual weight scale", x, residual, weight, scale)
     scale_inv = x.new_empty(1 if scale is not None else x.shape[:-1], dtype=torch.float32)
     return torch.empty_like(x, dtype=FP8), torch.empty_like(residual), scale_inv
+
+
+@torch.library.register_fake("ubnext::all_reduce_add_rmsnorm_quant", lib=_lib)
+def _(x, residual, weight, eps, fmt, global_scale, swizzled, ue8m0, comm):
+    check_fused_quant_args(x, residual, weight, eps, fmt, global_scale, swizzled, ue8m0)
+    check_same_device("x residual weight global_scale", x, residual, weight, global_scale)
+    (q_shape, q_dtype), (s_shape, s_dtype) = output_specs(x, fmt, swizzled)
+    return x.new_empty(q_shape, dtype=q_dtype), torch.empty_like(residual), x.new_empty(s_shape, dtype=s_dtype)
 
 
 @torch.library.register_fake("ubnext::all_gather", lib=_lib)
@@ -247,6 +264,7 @@ _ALL_REDUCE_OUT = _dispatcher_callable("all_reduce_out")
 _LINEAR_ALL_REDUCE = _dispatcher_callable("linear_all_reduce")
 _FUSED = _dispatcher_callable("all_reduce_add_rmsnorm")
 _FUSED_FP8 = _dispatcher_callable("all_reduce_add_rmsnorm_fp8")
+_FUSED_QUANT = _dispatcher_callable("all_reduce_add_rmsnorm_quant")
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -350,7 +368,11 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch
 
 
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype=None,
-                           scale: Optional[torch.Tensor] = None):
+                           scale: Optional[torch.Tensor] = None, quant: Optional[str] = None,
+                           global_scale: Optional[torch.Tensor] = None, swizzled: bool = False, ue8m0: bool = False):
+    if quant is not None or global_scale is not None or swizzled or ue8m0:
+        return _fused_quant(x, residual, weight, float(eps), comm, out_dtype, scale, quant, global_scale,
+                            bool(swizzled), bool(ue8m0))
     fp8 = (out_dtype is not None or scale is not None) and fp8_output(x, out_dtype, scale)
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(residual) or _requires_grad(weight)):
         out, residual_out, scale_inv = _FusedGrad.apply(x, residual, weight, float(eps), fp8, scale, comm)
@@ -366,3 +388,20 @@ def _fused(x, residual, weight, eps: float, fp8: bool, scale, comm: str):
     packet, direct = _FUSED
     out, residual_out = (packet if _is_compiling() else direct)(x, residual, weight, eps, comm)
     return out, residual_out, None
+
+
+def _fused_quant(x, residual, weight, eps: float, comm: str, out_dtype, scale, quant, global_scale, swizzled: bool,
+                 ue8m0: bool):
+    """(q, residual_out, scales) of the block-scaled form; no gradient (a quantised output has none)."""
+    if quant is None:
+        raise ValueError("global_scale, swizzled and ue8m0 describe a block-scaled output: pass quant= "
+                         "('nvfp4', 'mxfp8' or 'fp8_group128') with them")
+    if out_dtype is not None or scale is not None:
+        raise ValueError(f"quant={quant!r} writes its own output format and scales: it excludes out_dtype and "
+                         "scale (the per-token / static FP8 form); pass one or the other")
+    if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(residual) or _requires_grad(weight)):
+        raise RuntimeError(f"the quantised ({quant}) output of ubnext's fused norm is not differentiable; "
+                           "call it under torch.no_grad() or without quant=")
+    packet, direct = _FUSED_QUANT
+    return (packet if _is_compiling() else direct)(x, residual, weight, eps, quant, global_scale, swizzled, ue8m0,
+                                                   comm)

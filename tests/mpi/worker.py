@@ -1147,6 +1147,82 @@ def case_quantize_blocks():
             1 << 17 if ue8m0 else 0))].path == path, what
 
 
+# (fmt, swizzled, ue8m0, two-level NVFP4) of the fused block-scaled forms
+FUSED_QUANT_FORMS = (("nvfp4", True, False, True), ("nvfp4", False, False, False), ("mxfp8", True, False, False),
+                     ("mxfp8", False, False, False), ("fp8_group128", False, True, False),
+                     ("fp8_group128", False, False, False))
+
+
+def check_fused_quant(comm, tokens: int, hidden: int, seed: int) -> str:
+    """Issue 28's "fusion changes no bit": for each block-scaled form, all_reduce_add_rmsnorm(...,
+    quant=fmt) gives residual_out bitwise the unquantised call's, and q / scales bitwise comm.quantize
+    of that call's normed output, and bitwise the torch reference of it (which no kernel build
+    touches, so a broken nibble order or swizzle shows even where both sides would share it).
+    Returns the path the calls took (every call must take the same one)."""
+    from ubnext._blockscale import quantize_reference
+    from ubnext._checks import FP8_MAX
+
+    n, dtype = dist.get_world_size(), torch.bfloat16
+    inputs = [T.rank_input(r, tokens * hidden, dtype, seed) for r in range(n)]
+    x = inputs[dist.get_rank()].view(tokens, hidden).to(device())
+    residual = T.rank_input(99, tokens * hidden, dtype, seed).view(tokens, hidden).to(device())
+    weight = (1 + 0.1 * T.rank_input(98, hidden, torch.float64, seed)).to(dtype).to(device())
+    out, residual_out, _ = comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6)
+    path = comm.last_path
+    for fmt, swizzled, ue8m0, two_level in FUSED_QUANT_FORMS:
+        gs = torch.tensor([float(out.float().abs().amax()) / (FP8_MAX * 6)]).to(device()) if two_level else None
+        q, res_q, scales = comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, quant=fmt, global_scale=gs,
+                                                       swizzled=swizzled, ue8m0=ue8m0)
+        what = f"{path} {fmt} {tokens}x{hidden} swizzled={swizzled} ue8m0={ue8m0} global_scale={two_level}"
+        assert comm.last_path == path, (what, comm.last_path)
+        assert torch.equal(res_q.view(torch.uint8), residual_out.view(torch.uint8)), f"{what}: residual_out differs"
+        q_alone, s_alone = comm.quantize(out, fmt, global_scale=gs, swizzled=swizzled, ue8m0=ue8m0)
+        q_ref, s_ref = quantize_reference(out.cpu(), fmt, None if gs is None else gs.cpu(), swizzled, ue8m0)
+        for got, want, name in ((q, q_alone, "q vs quantize"), (scales, s_alone, "scales vs quantize"),
+                                (q, q_ref, "q vs the reference"), (scales, s_ref, "scales vs the reference")):
+            assert got.shape == want.shape and got.dtype == want.dtype, (what, name, got.shape, want.shape)
+            assert torch.equal(got.cpu().view(torch.uint8), want.cpu().view(torch.uint8)), f"{what}: {name} differs"
+    return path
+
+
+def case_fused_quant():
+    """The fused block-scaled forms (issue 28) on every forced fused path, at M of 1 and 3, hidden
+    2048 (a multiple of every block), and past the pool (torch.distributed's sum, then the norm
+    kernel); the refusals: quant with out_dtype or scale, K not a multiple of the block."""
+    global COMM
+    hidden = 2048
+    x = torch.zeros(2, 1040, dtype=torch.bfloat16, device=device())
+    w = torch.ones(1040, dtype=torch.bfloat16, device=device())
+    for kwargs, words in (({"quant": "mxfp8", "out_dtype": FP8}, "excludes out_dtype and scale"),
+                          ({"quant": "nvfp4", "scale": torch.tensor([0.02]).to(device())}, "excludes out_dtype"),
+                          ({"quant": "fp8_group128"}, "K = 1040"), ({"swizzled": True}, "pass quant=")):
+        try:
+            COMM.all_reduce_add_rmsnorm(x, x, w, 1e-6, **kwargs)
+        except ValueError as e:
+            assert words in str(e), (kwargs, str(e))
+        else:
+            raise AssertionError(f"{kwargs} was not refused")
+    if MODE == "torch":
+        check_fused_quant(COMM, 3, hidden, seed=41)
+        return
+    for path in FUSED_PATHS:
+        COMM._algo = path
+        for tokens in (1, 3):
+            ran = check_fused_quant(COMM, tokens, hidden, seed=40 + tokens)
+            if COMM.pool.has_multicast or not path.startswith("nvls"):
+                assert ran == path, (path, ran)
+    COMM._algo = None
+    main = COMM
+    COMM = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=128)  # a small pool: "past the pool" is cheap
+    try:
+        stats = COMM.pool_stats()
+        tokens = max(stats["staging_bytes"], COMM.pool.lamport_capacity) // (2 * hidden) + 3
+        assert check_fused_quant(COMM, tokens, hidden, seed=43) == "torch+norm"
+    finally:
+        COMM.close()
+        COMM = main
+
+
 def case_quantize_fp8():
     """The quantisation kernel against quantize_fp8_reference, bitwise (true division, saturation,
     the 1e-12 floor of an all-zero row), per row, per tensor and static, including rows longer than
