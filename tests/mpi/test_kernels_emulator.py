@@ -11,6 +11,8 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint", "all_gather",
         "reduce_scatter", "quantize_fp8", "quantize_blocks", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "mismatch_exchange", "misuse", "departed",
         "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool", "fused_arithmetic",
+        # issue 28: the fused block-scaled forms, bitwise quantize of the unquantised call's output
+        "fused_quant",
         # issue 25 (FSDP2 for real runs): checkpoints, any shard size, torchao's float8 training (2 ranks)
         "fsdp_checkpoint", "fsdp_odd_shards", "fsdp_torchao",
         # issue 24 E: nvls_twoshot straight into a pool `out`
@@ -23,7 +25,8 @@ CORE = ["allreduce", "paths", "fused_paths", "fused_arithmetic", "fp8", "rotatio
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady",
         # issue 25: checkpoints, any shard size, HSDP and FSDP x TP=2 (these two need 4 ranks)
-        "fsdp_checkpoint", "fsdp_odd_shards", "hsdp", "fsdp_tp", "batch_invariant", "batch_invariant_fused"]
+        "fsdp_checkpoint", "fsdp_odd_shards", "hsdp", "fsdp_tp", "batch_invariant", "batch_invariant_fused",
+        "fused_quant"]
 CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race", "all_gather",
          "reduce_scatter", "fsdp", "nvls_twoshot_into_out"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
@@ -73,13 +76,17 @@ BROKEN = {
     "twoshot_reverse_order": ["batch_invariant"],
     # layouts rather than protocols (comm.quantize, csrc/device/blockscale.cuh): the bitwise comparison
     # with the reference must see them
-    "nvfp4_nibble_order": ["quantize_blocks"],  # the odd element of a byte in the low nibble
-    "swizzle": ["quantize_blocks"],  # the swizzled scales' tile rows in plain order
+    # the odd element of a byte in the low nibble; the swizzled scales' tile rows in plain order. fused_quant
+    # first (CAUGHT_AS pins its message): the fused forms catch them too, the worker stopping at the first failure
+    "nvfp4_nibble_order": ["fused_quant", "quantize_blocks"],
+    "swizzle": ["fused_quant", "quantize_blocks"],
 }
 # a sum of two is the same in either order: a break of the order shows from 3 ranks
 BROKEN_NP = {"twoshot_reverse_order": 3}
 # breaks whose catch must be a timeout that names the op and what it waited for
-CAUGHT_AS = {"row_split_no_arrival": "timed out in lamport after 5 s (UBNEXT_TIMEOUT, else the process group's "
+CAUGHT_AS = {"nvfp4_nibble_order": "nvfp4 1x2048 swizzled=True ue8m0=False global_scale=True: q vs the reference differs",
+             "swizzle": "nvfp4 3x2048 swizzled=True ue8m0=False global_scale=True: scales vs the reference differs",
+             "row_split_no_arrival": "timed out in lamport after 5 s (UBNEXT_TIMEOUT, else the process group's "
                                      "timeout) waiting for its own blocks sharing a token row"}
 # A violation is caught as a wrong result (AssertionError) or a lost peer (UbnextTimeoutError). Three
 # breaks also show as a call header read wrong: their cases make the same call on every rank, so a
