@@ -13,7 +13,9 @@ Sharded like TransformerEngine's Linear:
   - ``'ubnext'``: the ubnext allreduce, with the GEMM writing straight into the pool;
   - ``'ubnext_add_rms'``: the layer owns the RMSNorm weight that follows the residual add;
     ``forward(x, residual)`` returns ``(normed, residual_out)`` (linear -> allreduce -> add ->
-    norm, fused);
+    norm, fused); with ``quant='nvfp4' | 'mxfp8' | 'fp8_group128'`` (and ``quant_swizzled``,
+    ``quant_ue8m0``) it returns ``(q, residual_out, scales)`` for the next block-scaled GEMM
+    instead (``forward(x, residual, global_scale=...)`` for two-level NVFP4; no gradient);
   - ``'one_shot'``, ``'two_shot'``, ``'multimem_all_reduce'``: torch symmetric-memory ops where
     they exist (CUDA), else the ubnext fallback chain.
 
@@ -33,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import ops
+from ._blockscale import BLOCKS
 
 __all__ = ["Linear", "SYMMETRIC_AR_TYPES"]
 
@@ -81,8 +84,19 @@ class _CopyToTensorParallel(torch.autograd.Function):
 class Linear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group=None,
                  parallel_mode: str | None = None, symmetric_ar_type: str | None = None,
-                 eps: float = 1e-6, device=None, dtype=None):
+                 eps: float = 1e-6, device=None, dtype=None, quant: str | None = None,
+                 quant_swizzled: bool = False, quant_ue8m0: bool = False):
         super().__init__()
+        if quant is not None or quant_swizzled or quant_ue8m0:
+            if symmetric_ar_type != "ubnext_add_rms":
+                raise ValueError("quant= names the block-scaled output of the fused norm: it needs "
+                                 f"symmetric_ar_type='ubnext_add_rms', got {symmetric_ar_type!r}")
+            if quant not in BLOCKS:
+                raise ValueError(f"quant must be one of {sorted(BLOCKS)}, got {quant!r}")
+            if out_features % BLOCKS[quant]:
+                raise ValueError(f"K = {out_features} (out_features, the normed row) is not a multiple of the "
+                                 f"{quant} block of {BLOCKS[quant]} elements")
+        self.quant, self.quant_swizzled, self.quant_ue8m0 = quant, bool(quant_swizzled), bool(quant_ue8m0)
         if parallel_mode not in (None, "row", "column"):
             raise ValueError(f"parallel_mode must be None, 'row' or 'column', got {parallel_mode!r}")
         if symmetric_ar_type not in SYMMETRIC_AR_TYPES:
@@ -194,7 +208,10 @@ class Linear(torch.nn.Module):
     def _group(self):
         return self.tp_group if self.tp_group is not None else dist.group.WORLD
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                global_scale: torch.Tensor | None = None):
+        if global_scale is not None and self.quant != "nvfp4":
+            raise ValueError("global_scale is two-level NVFP4's per-tensor scale: it needs quant='nvfp4'")
         if (residual is not None) != (self.symmetric_ar_type == "ubnext_add_rms"):
             raise ValueError("forward(x, residual) takes a residual exactly when symmetric_ar_type='ubnext_add_rms'")
         if self.parallel_mode == "column":
@@ -212,6 +229,12 @@ class Linear(torch.nn.Module):
             partial = F.linear(x, self.weight)
             if self.bias is not None:
                 residual = residual + self.bias  # added once, before the fused norm
+            if self.quant is not None:
+                q, residual_out, scales = ops.all_reduce_add_rmsnorm(
+                    partial, residual.contiguous(), self.norm_weight, self.eps, self._group_name, quant=self.quant,
+                    global_scale=global_scale, swizzled=self.quant_swizzled, ue8m0=self.quant_ue8m0)
+                self._record()
+                return q, residual_out, scales
             normed, residual_out, _ = ops.all_reduce_add_rmsnorm(
                 partial, residual.contiguous(), self.norm_weight, self.eps, self._group_name)
             self._record()

@@ -2113,6 +2113,22 @@ def case_linear():
     assert (x.grad.double().cpu() - xr.grad[:, shard]).abs().max() < 1e-3, "fused: grad x"
     assert (res.grad.double().cpu() - rr.grad).abs().max() < 1e-3, "fused: grad residual"
     assert (layer.norm_weight.grad.double().cpu() - wn.grad).abs().max() < 1e-3, "fused: grad norm weight"
+    # quant= (issue 28): the same layer's block-scaled output is quantize of its normed output, bitwise
+    qlayer = Linear(fin, fout, parallel_mode="row", symmetric_ar_type="ubnext_add_rms", dtype=torch.float32,
+                    device=device(), quant="nvfp4", quant_swizzled=True)
+    qlayer.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        normed, res_out = layer(x, res)
+        q, q_res_out, scales = qlayer(x, res)
+        q_want, s_want = layer.comm.quantize(normed, "nvfp4", swizzled=True)
+    assert torch.equal(q_res_out, res_out) and torch.equal(q, q_want), "quant: q or residual_out differs"
+    assert torch.equal(scales.view(torch.uint8), s_want.view(torch.uint8)), "quant: scales differ"
+    try:
+        Linear(fin, fout, parallel_mode="row", symmetric_ar_type="ubnext_add_rms", device=device(), quant="mxfp8")
+    except ValueError as e:
+        assert "K = 48" in str(e) and "block of 32" in str(e), str(e)
+    else:
+        raise AssertionError("out_features 48 with the MXFP8 block of 32 was not refused")
     # column-parallel: output sharded; the backward all-reduces the input gradient
     col = Linear(fin, fout if fout % n == 0 else n * 8, parallel_mode="column", dtype=torch.float32, device=device())
     oshard = slice(rank * col.weight.shape[0], (rank + 1) * col.weight.shape[0])
