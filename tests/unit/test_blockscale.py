@@ -200,3 +200,26 @@ def test_the_operators_fake_gives_the_shapes():
     assert output_specs(x, "nvfp4", False)[1] == ((3, 5, 65), FP8)
     with pytest.raises(ValueError, match="K = 1040"):
         torch.ops.ubnext.quantize(x, "mxfp8", None, False, False, "unused")
+
+
+def test_the_fused_quant_operators_fake_gives_the_shapes_and_refusals():
+    """torch.ops.ubnext.all_reduce_add_rmsnorm_quant on meta tensors (its fake, as torch.compile traces
+    it): q and scales shaped as quantize's, residual_out as the residual; and the entry point's
+    refusals: quant with out_dtype or scale, quant's options without quant, K not a multiple of the block."""
+    from ubnext import ops
+
+    x = torch.empty(7, 1040, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(1040, dtype=torch.bfloat16, device="meta")
+    q, r, s = torch.ops.ubnext.all_reduce_add_rmsnorm_quant(x, x, w, 1e-6, "nvfp4", None, True, False, "unused")
+    assert (q.shape, q.dtype, r.shape, r.dtype) == ((7, 520), torch.uint8, (7, 1040), torch.bfloat16)
+    assert (s.shape, s.dtype) == ((swizzled_count(7, 65),), FP8)
+    with pytest.raises(ValueError, match=r"K = 1040 .* mxfp8 block of 32"):
+        ops.all_reduce_add_rmsnorm(x, x, w, 1e-6, "unused", quant="mxfp8")
+    with pytest.raises(ValueError, match="excludes out_dtype and scale"):
+        ops.all_reduce_add_rmsnorm(x, x, w, 1e-6, "unused", quant="nvfp4", out_dtype=FP8)
+    with pytest.raises(ValueError, match="excludes out_dtype and scale"):
+        ops.all_reduce_add_rmsnorm(x, x, w, 1e-6, "unused", quant="nvfp4", scale=torch.ones(1, device="meta"))
+    with pytest.raises(ValueError, match="pass quant="):
+        ops.all_reduce_add_rmsnorm(x, x, w, 1e-6, "unused", swizzled=True)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        ops.all_reduce_add_rmsnorm(x, x, w[:1024], 1e-6, "unused", quant="nvfp4")
