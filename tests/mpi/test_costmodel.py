@@ -225,9 +225,26 @@ def test_fused_row_split_at_8_ranks():
     """Issue 24 item 2 at its own geometry (8 ranks, bf16, hidden 8192, GPU grids from 132 SMs): the
     fused op at 1 token on the path the planner chooses spreads the row over at least 8 CTAs with 1 hop
     and no more fences than the path's pushes need; at 4 tokens (derived) 4 x 8 CTAs."""
-    rows = _costmodel.run(8, quick=True, only=frozenset({("all_reduce_add_rmsnorm", "lamport")}))
+    rows = _costmodel.run(8, quick=True, only=frozenset({("all_reduce_add_rmsnorm", "lamport"),
+                                                         (_costmodel.FUSED_NVFP4, "lamport")}))
+    # issue 28: the NVFP4 form keeps the fused op's targets (its quantiser is a local launch: no hop)
+    nvfp4 = [r for r in rows if r["op"] == _costmodel.FUSED_NVFP4 and r["tokens"] == 1]
+    assert len(nvfp4) == 1 and nvfp4[0]["ctas"] >= 8 and (nvfp4[0]["hops"], nvfp4[0]["fences"]) == (1, 0), nvfp4
+    rows = [r for r in rows if r["op"] == "all_reduce_add_rmsnorm"]
     by_tokens = {r["tokens"]: r for r in rows}
     one = by_tokens[1]
     assert one["chosen"] and not one["derived"], one
     assert one["ctas"] >= 8 and one["hops"] == 1, one
     assert by_tokens[4]["ctas"] == 32 and by_tokens[4]["hops"] == 1, by_tokens[4]
+
+
+def test_fused_nvfp4_counts_at_4_ranks():
+    """Issue 28's fused NVFP4 form (swizzled scales) at 1 x 8192 on the Lamport path, 4 ranks: the fused
+    kernel's counts (the row split over 8 CTAs, 1 hop, no fence, the same bytes per CTA) and one more
+    launch, the local block quantiser (no hop, no fence): the form is the fused op, then comm.quantize
+    of its output (ubnext/_fused.py), not yet one kernel."""
+    rows = _costmodel.run(4, quick=True, only=frozenset({(_costmodel.FUSED_NVFP4, "lamport")}))
+    one = [r for r in rows if r["tokens"] == 1 and not r["derived"]]
+    assert len(one) == 1, rows
+    got = {k: one[0][k] for k in ("ctas", "hops", "fences", "max_cta_bytes", "launches")}
+    assert got == {"ctas": 8, "hops": 1, "fences": 0, "max_cta_bytes": 36928, "launches": 2}, got
