@@ -206,6 +206,23 @@ def test_dynamic_token_counts_compile_once(norm_forms):
     assert [outs[0].shape[0] for outs in compiled.outs] == [3, 8, 17]
 
 
+def test_the_block_scaled_form_compiles_and_the_pass_leaves_it(fusion):
+    """all_reduce_add_rmsnorm(..., quant=fmt) under torch.compile(fullgraph=True) with fusion on: one
+    opaque operator (no graph break), which the pass neither matches nor rewrites, and eager's bits."""
+    x, residual, weight = inputs(torch.bfloat16, tokens=3)
+
+    def f(x, residual, weight):
+        return ubnext.all_reduce_add_rmsnorm(x, residual, weight, NORM_EPS, quant="mxfp8", swizzled=True)
+
+    out, code = compiled_code(f, x, residual, weight)
+    assert "torch.ops.ubnext.all_reduce_add_rmsnorm_quant.default(" in code and FUSED_CALL not in code, code
+    assert fusion.stats()["all_reduce_add_rmsnorm"] == 0, fusion.stats()
+    with torch.no_grad():
+        want = f(x, residual, weight)
+    for got, ref in zip(out, want):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+
+
 # -- FP8 -------------------------------------------------------------------------------------------
 
 
@@ -509,19 +526,3 @@ def test_enable_chains_the_installed_pass_and_disable_gives_it_back(group, monke
     assert PLAIN_CALL in code and recorder.calls == 2, "the rewritten graph was not served by the cache"
     assert not counters["inductor"]["fxgraph_cache_bypass"], dict(counters["inductor"])
 
-
-def test_the_block_scaled_form_compiles_and_the_pass_leaves_it(fusion):
-    """all_reduce_add_rmsnorm(..., quant=fmt) under torch.compile(fullgraph=True) with fusion on: one
-    opaque operator (no graph break), which the pass neither matches nor rewrites, and eager's bits."""
-    x, residual, weight = inputs(torch.bfloat16, tokens=3)
-
-    def f(x, residual, weight):
-        return ubnext.all_reduce_add_rmsnorm(x, residual, weight, NORM_EPS, quant="mxfp8", swizzled=True)
-
-    out, code = compiled_code(f, x, residual, weight)
-    assert "torch.ops.ubnext.all_reduce_add_rmsnorm_quant.default(" in code and FUSED_CALL not in code, code
-    assert fusion.stats()["all_reduce_add_rmsnorm"] == 0, fusion.stats()
-    with torch.no_grad():
-        want = f(x, residual, weight)
-    for got, ref in zip(out, want):
-        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
