@@ -223,3 +223,5 @@ def test_the_fused_quant_operators_fake_gives_the_shapes_and_refusals():
         ops.all_reduce_add_rmsnorm(x, x, w, 1e-6, "unused", swizzled=True)
     with pytest.raises(ValueError, match="weight must have shape"):
         ops.all_reduce_add_rmsnorm(x, x, w[:1024], 1e-6, "unused", quant="nvfp4")
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        ops.all_reduce_add_rmsnorm(x.float().requires_grad_(), x.float(), w.float(), 1e-6, "unused", quant="nvfp4")
