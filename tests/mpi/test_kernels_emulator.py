@@ -71,13 +71,15 @@ BROKEN = {
     "row_split_no_arrival": ["fused_arithmetic"],  # a split row's block never arrives: the bounded wait times out
     # a two-shot portion summed N-1..0: the batch-invariant mode's rank-order reference catches it
     "twoshot_reverse_order": ["batch_invariant"],
+    # the plain NVLS two-shot paths ignore the mode's rank-order flag and ld_reduce (chaos: in a random order)
+    "rank_order_ignored": ["batch_invariant"],
     # layouts rather than protocols (comm.quantize, csrc/device/blockscale.cuh): the bitwise comparison
     # with the reference must see them
     "nvfp4_nibble_order": ["quantize_blocks"],  # the odd element of a byte in the low nibble
     "swizzle": ["quantize_blocks"],  # the swizzled scales' tile rows in plain order
 }
 # a sum of two is the same in either order: a break of the order shows from 3 ranks
-BROKEN_NP = {"twoshot_reverse_order": 3}
+BROKEN_NP = {"twoshot_reverse_order": 3, "rank_order_ignored": 3}
 # breaks whose catch must be a timeout that names the op and what it waited for
 CAUGHT_AS = {"row_split_no_arrival": "timed out in lamport after 5 s (UBNEXT_TIMEOUT, else the process group's "
                                      "timeout) waiting for its own blocks sharing a token row"}
