@@ -157,7 +157,7 @@ def grid_of(case: Case, world: int, sm_count: int) -> int:
         return quantize_geometry(n, 2, hidden, static, GPU_BLOCK, LOCAL_GRID_MAX)[0]
     if case.op in ("all_gather", "reduce_scatter"):
         n //= world  # the kernel's vectors: one shard
-    cap = gpu_max_blocks(case.path, sms, world, False)
+    cap = gpu_max_blocks(case.path, sms, world, False, rank_order=case.invariant)
     return launch_geometry(case.path, n, 2, 0, False, world, GPU_BLOCK, cap)[0]
 
 

@@ -122,6 +122,8 @@ def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
     # half the SMs for a kernel that waits on its peers (no deadlock between two communicators)
     assert comm._geometry("twoshot", 1 << 24, 2, 0, False)[0] == 57
     assert comm._geometry("nvls_twoshot", 1 << 24, 2, 0, False)[0] == 8  # NCCL's ceil(16 / 2 ranks)
+    # the batch-invariant mode's form sums by unicast loads: the unicast two-shot's grid
+    assert comm._geometry("nvls_twoshot", 1 << 24, 2, 0, False, rank_order=True)[0] == 57
     assert comm._geometry("quantize_fp8", 1 << 24, 2, 1 << 14, True)[0] == 114  # local: the whole device
 
 
