@@ -78,6 +78,12 @@ FUSED_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 EXCHANGE_BYTES = (65536, 2 << 20, 32 << 20)
 QUANTIZE_BYTES = (65536, 262144, 2 << 20, 64 << 20)
 ALLREDUCE_PATHS = ("lamport", "nvls_lamport", "nvls_oneshot", "nvls_twoshot", "twoshot")
+# The batch-invariant mode's own form of the plain NVLS two-shot paths (UBNEXT_F_RANK_ORDER: the owner
+# sums by unicast loads in rank order, not by multimem.ld_reduce), counted on its own rows so that the
+# mode's table times what the mode runs; their table label carries RANK_ORDER_SUFFIX. (The fused op's
+# rows already sum so in both modes: its rows are the same.)
+INVARIANT_ALLREDUCE_PATHS = ("nvls_lamport", "nvls_twoshot")
+RANK_ORDER_SUFFIX = "/ro"
 FUSED_PATHS = ("lamport", "nvls_lamport", "nvls_twoshot", "twoshot")
 # issue 28: the fused op with NVFP4 output (swizzled scales), counted when a caller's ``only`` names it
 # (tests/mpi/test_costmodel.py), not part of the published table
@@ -108,9 +114,15 @@ class Case:
     path: str  # the kernel path forced; quantize: its scaling mode
     nbytes: int  # the message (all_gather: its output; reduce_scatter: its input)
     tokens: int = 0
+    invariant: bool = False  # run by a batch-invariant communicator (INVARIANT_ALLREDUCE_PATHS)
 
     def row_key(self) -> tuple:
-        return (self.op, self.path)
+        return (self.op, self.label)
+
+    @property
+    def label(self) -> str:
+        """The path as the table names it."""
+        return self.path + RANK_ORDER_SUFFIX if self.invariant else self.path
 
 
 def cases(world: int, quick: bool = False, only: frozenset | None = None) -> list[Case]:
@@ -120,6 +132,7 @@ def cases(world: int, quick: bool = False, only: frozenset | None = None) -> lis
     ar = ALLREDUCE_BYTES[:3] if quick else ALLREDUCE_BYTES
     for nbytes in ar:
         out += [Case("all_reduce", p, nbytes, nbytes // (2 * HIDDEN)) for p in ALLREDUCE_PATHS]
+        out += [Case("all_reduce", p, nbytes, nbytes // (2 * HIDDEN), True) for p in INVARIANT_ALLREDUCE_PATHS]
     for tokens in (FUSED_TOKENS[:2] if quick else FUSED_TOKENS):
         out += [Case("all_reduce_add_rmsnorm", p, tokens * HIDDEN * 2, tokens) for p in FUSED_PATHS]
         if only is not None:
@@ -150,7 +163,7 @@ def grid_of(case: Case, world: int, sm_count: int) -> int:
         return quantize_geometry(n, 2, hidden, static, GPU_BLOCK, LOCAL_GRID_MAX)[0]
     if case.op in ("all_gather", "reduce_scatter"):
         n //= world  # the kernel's vectors: one shard
-    cap = gpu_max_blocks(case.path, sms, world, False)
+    cap = gpu_max_blocks(case.path, sms, world, False, rank_order=case.invariant)
     return launch_geometry(case.path, n, 2, 0, False, world, GPU_BLOCK, cap)[0]
 
 
@@ -226,20 +239,23 @@ def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: 
 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    comm = Communicator(emulate=True, max_hidden=HIDDEN)
-    comm.prepare()
-    emu = comm._emu
     sm_count = envs.get("UBNEXT_EMU_SM_COUNT")
+    todo = [case for case in cases(world, quick, only) if measurable(case, world, sm_count)]
+    # the batch-invariant mode's cases on a communicator of their own (the mode is fixed at construction)
+    comms = {mode: Communicator(emulate=True, max_hidden=HIDDEN, batch_invariant=mode)
+             for mode in sorted({case.invariant for case in todo})}
+    for comm in comms.values():
+        comm.prepare()
     rows = []
-    for case in cases(world, quick, only):
-        if not measurable(case, world, sm_count):
-            continue
-        launches, error = _run_case(comm, emu, case, world)
+    for case in todo:
+        comm = comms[case.invariant]
+        launches, error = _run_case(comm, comm._emu, case, world)
         rows.append({"case": case.__dict__, "launches": launches, "error": error})
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)
-    comm.close()
+    for comm in comms.values():
+        comm.close()
     dist.destroy_process_group()
     return 0
 
@@ -307,7 +323,7 @@ def table(measured: dict, world: int, sm_count: int, quick: bool, only: frozense
         derived = launches is None
         if derived:
             launches = derive(measured, case, world, sm_count)
-        row = {"op": case.op, "path": case.path, "dtype": "bf16", "tokens": case.tokens,
+        row = {"op": case.op, "path": case.label, "dtype": "bf16", "tokens": case.tokens,
                "hidden": HIDDEN if case.tokens else 0, "bytes": case.nbytes, "world": world}
         if not launches:
             row.update(ctas=None, hops=None, fences=None, max_cta_bytes=None, model_us=None)
@@ -315,7 +331,7 @@ def table(measured: dict, world: int, sm_count: int, quick: bool, only: frozense
             row.update(ctas=max(c["ctas"] for c in launches), hops=sum(c["hops"] for c in launches),
                        fences=sum(c["fences"] for c in launches),
                        max_cta_bytes=max(c["max_cta_bytes"] for c in launches), model_us=model_us(launches))
-        row["chosen"] = chosen == case.path
+        row["chosen"] = chosen == case.path and not case.invariant  # the default's choice
         row["derived"] = derived
         row["launches"] = len(launches or [])
         row["peer"] = _peer(case)
@@ -331,7 +347,9 @@ def invariant_rows(rows: list[dict]) -> list[dict]:
     both leave the kernels: the default for NCCL's allreduce, the mode for its rank-ordered
     fallback (ubnext/_allreduce.py), whose bytes per rank are given as a multiple of a ring
     allreduce's 2 (N-1)/N of the message: the all-to-all and the all-gather in the dtype (x1),
-    the fused op's all-gather in fp32 (x1.5 for bf16)."""
+    the fused op's all-gather in fp32 (x1.5 for bf16). A plain allreduce on an NVLS two-shot path
+    is timed by the mode's own rows of it (RANK_ORDER_SUFFIX: unicast rank-order sums, not the
+    default's multimem.ld_reduce)."""
     timed = {(r["op"], r["bytes"], r["path"]): r["model_us"] for r in rows}
     out = []
     for r in rows:
@@ -339,7 +357,8 @@ def invariant_rows(rows: list[dict]) -> list[dict]:
             continue
         case = Case(r["op"], r["path"], r["bytes"], r["tokens"])
         mode = chosen_path(case, r["world"], batch_invariant=True)
-        default_us, mode_us = r["model_us"], timed.get((r["op"], r["bytes"], mode))
+        timed_as = mode + RANK_ORDER_SUFFIX if r["op"] == "all_reduce" and mode in INVARIANT_ALLREDUCE_PATHS else mode
+        default_us, mode_us = r["model_us"], timed.get((r["op"], r["bytes"], timed_as))
         out.append({"op": r["op"], "bytes": r["bytes"], "tokens": r["tokens"], "world": r["world"],
                     "default_path": r["path"], "default_us": default_us, "mode_path": mode, "mode_us": mode_us,
                     "ratio": round(mode_us / default_us, 2) if default_us and mode_us else None,
@@ -438,7 +457,8 @@ def print_table(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
         return
     world = rows[0]["world"] if rows else 0
     print(f"# ubnext critical-path model, {world} ranks, bf16, hidden {HIDDEN}; * = the planner's choice; "
-          "~ = derived from a smaller measured size", file=out)
+          f"~ = derived from a smaller measured size; {RANK_ORDER_SUFFIX} = the batch-invariant mode's form of the "
+          "path (UBNEXT_F_RANK_ORDER: unicast rank-order sums)", file=out)
     for name, c in CONSTANTS.items():
         print(f"#   {name} = {c.value:g} {c.unit}: {c.source}", file=out)
     print(f"{'op':24} {'path':14} {'bytes':>10} {'tok':>5} {'ctas':>5} {'hops':>5} {'fences':>6} "

@@ -34,18 +34,22 @@ GPU_BLOCK = 256
 LOCAL_KERNELS = frozenset({"add_rmsnorm", "quantize_fp8", "quantize"})
 
 
-def gpu_max_blocks(algo: str, sm_count: int, world_size: int, fused: bool, nvls_ctas: int = 16) -> int:
+def gpu_max_blocks(algo: str, sm_count: int, world_size: int, fused: bool, nvls_ctas: int = 16,
+                   rank_order: bool = False) -> int:
     """The most blocks a GPU launch of ``algo`` takes, from ``sm_count`` = min(GRID_CAP, SMs), agreed
     by the ranks (csrc/host/launch_rules.h has the same rules and their arguments):
     - a kernel that waits on its peers' blocks gets at most half of them, so that two such kernels of
       two communicators are always resident together, whatever order each rank started them in
       (pair_grid_cap: no deadlock between communicators);
     - the flat NVLS two-shot gets NCCL's multicast grid, ceil(nvls_ctas / world), nvls_ctas being 16
-      below sm_100 and 32 from it (nvls_twoshot_grid_cap)."""
+      below sm_100 and 32 from it (nvls_twoshot_grid_cap): the switch reduces, a few CTAs keep it
+      busy. Not with ``rank_order`` (kernels.F_RANK_ORDER, the batch-invariant mode's form): its CTAs
+      sum by unicast loads from every peer, bound by one SM's bandwidth as the unicast two-shot's are,
+      so it gets the unicast two-shot's grid (the C API never sets the flag)."""
     cap = sm_count
     if algo not in LOCAL_KERNELS:
         cap = max(1, cap // 2)
-    if algo == "nvls_twoshot" and not fused:
+    if algo == "nvls_twoshot" and not fused and not rank_order:
         cap = min(cap, -(-nvls_ctas // world_size))
     return cap
 
@@ -186,20 +190,21 @@ class Executor:
             detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
             raise ValueError(f"ubnext: ranks called with different arguments ({detail})")
 
-    def _geometry(self, algo: str, n: int, elem: int, tokens: int, fused: bool,
+    def _geometry(self, algo: str, n: int, elem: int, tokens: int, fused: bool, rank_order: bool = False,
                   split_rows: bool = True) -> tuple[int, int]:
         if self.mode == "emulator" and not self._count_geometry:
             # emulated threads are fibers on 2 cores: keep it small (tests vary it: the bits must not change)
             block, max_blocks = envs.get("UBNEXT_EMU_BLOCK"), envs.get("UBNEXT_EMU_GRID")
         else:
             block = GPU_BLOCK
-            max_blocks = gpu_max_blocks(algo, self._sm_count, self.world_size, fused, self._nvls_ctas)
+            max_blocks = gpu_max_blocks(algo, self._sm_count, self.world_size, fused, self._nvls_ctas, rank_order)
         return launch_geometry(algo, n, elem, tokens, fused, self.world_size, block, max_blocks, split_rows=split_rows)
 
     def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int,
                     geometry: tuple[int, int] | None = None) -> Launch:
         """``geometry``: (grid, block) of a local kernel that sizes its own (ubnext/_quantize.py)."""
         grid, block = geometry or self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden),
+                                                 bool(flags & kernels.F_RANK_ORDER),
                                                  not flags & kernels.F_FP8_PER_TOKEN)
         if algo in ("lamport", "allgather") and self._pool.has_multicast:
             flags |= kernels.F_MULTICAST

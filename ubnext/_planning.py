@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from . import plan
+from . import kernels, plan
 from .errors import CLOSED, UbnextError
 from ._executor import Call
 from .plan import KERNEL_PATHS
@@ -91,6 +91,10 @@ class Planner:
         chosen = self._plan(nbytes, dtype, fused=bool(hidden), hidden=hidden, in_place_pool=in_place_pool)
         launch = norm = None
         if chosen.path in KERNEL_PATHS:
+            if self.batch_invariant and not hidden and chosen.path in plan.RANK_ORDER_NVLS:
+                # the plain NVLS two-shot sums in rank order instead of in the switch (csrc/kernels/nvls.cu);
+                # fused rows always do
+                flags |= kernels.F_RANK_ORDER
             launch = self._launch_for(chosen.path, dtype, n, hidden, eps, flags)
         elif hidden and not self._pool_view().unavailable and (hidden * dtype.itemsize) % 16 == 0 \
                 and nbytes <= plan.KERNEL_MAX_BYTES:

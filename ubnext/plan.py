@@ -28,10 +28,11 @@ DEFAULT_WORLD = 8
 # the batch-invariant mode never reduces with them (its multicast stores may still broadcast, as Lamport's
 # push does)
 LD_REDUCE_PATHS = ("nvls_oneshot", "nvls_twoshot", "nvls_lamport")
-# ... except for the fused op, whose rows these two sum by unicast loads in rank order (fp32, the
-# owner's one rounding with the residual: csrc/device/slices.cuh owner_add_round) and broadcast
-# with multicast stores: the mode keeps them there
-RANK_ORDER_WHEN_FUSED = ("nvls_twoshot", "nvls_lamport")
+# ... except these two, whose owner sums its portion by unicast loads in rank order instead (fp32, one
+# rounding: csrc/device/slices.cuh owner_add_round) and broadcasts it with multicast stores: always for
+# the fused op's rows, and for a plain allreduce under the kernel flag UBNEXT_F_RANK_ORDER, which the
+# mode sets (ubnext/_allreduce.py). The mode keeps them. nvls_oneshot has no such form.
+RANK_ORDER_NVLS = ("nvls_twoshot", "nvls_lamport")
 NOT_RANK_ORDER = ("multimem.ld_reduce sums in the switch's order, not in rank order, which the "
                   "batch-invariant mode needs")
 
@@ -82,7 +83,7 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             why[path] = no_kernels
         elif path in disabled:
             why[path] = f"disabled by the self-test at preparation ({disabled[path]})"
-        elif batch_invariant and path in LD_REDUCE_PATHS and not (fused and path in RANK_ORDER_WHEN_FUSED):
+        elif batch_invariant and path in LD_REDUCE_PATHS and path not in RANK_ORDER_NVLS:
             why[path] = NOT_RANK_ORDER
         elif path.startswith("nvls") and not pool.has_multicast:
             why[path] = "the pool has no multicast address"
@@ -142,12 +143,10 @@ def model_order(nbytes: int, fused: bool, has_multicast: bool, world_size: int, 
     return next(order for up_to, order in segments if up_to is None or nbytes <= up_to)
 
 
-def refuse_in_batch_invariant_mode(forced: str, fused: bool | None = None) -> None:
+def refuse_in_batch_invariant_mode(forced: str) -> None:
     """A forced path that cannot keep the batch-invariant mode's rank order is an error, not a
-    fallback: the caller asked for two things that contradict each other. ``fused``: for this call
-    (None: at construction, refusing only what no call can take)."""
-    kept = RANK_ORDER_WHEN_FUSED + ("nvls",) if fused or fused is None else ()
-    if forced in LD_REDUCE_PATHS + ("nvls", "torch_symm") and forced not in kept:
+    fallback: the caller asked for two things that contradict each other."""
+    if forced in LD_REDUCE_PATHS + ("torch_symm",) and forced not in RANK_ORDER_NVLS:
         why = "torch's symmetric-memory op promises no summation order" if forced == "torch_symm" else NOT_RANK_ORDER
         raise ValueError(f"algo {forced!r} cannot run in the batch-invariant mode: {why}; force lamport or "
                          "twoshot, or leave the choice to auto")
@@ -160,7 +159,7 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
     paths that sum in rank order (never multimem.ld_reduce), and a forced one that does not is
     refused; "torch" is then the Communicator's rank-ordered fallback."""
     if batch_invariant:
-        refuse_in_batch_invariant_mode(forced, fused)
+        refuse_in_batch_invariant_mode(forced)
     caps = capabilities(nbytes, elem_bytes, fused, hidden, pool, in_place_pool, batch_invariant)
     order = auto_order(nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic,
                        pool.world_size, elem_bytes)

@@ -14,6 +14,13 @@
 #define UBNEXT_F_FP8_STATIC 2
 #define UBNEXT_F_FP8_PER_TOKEN 4
 #define UBNEXT_F_MULTICAST 8
+/* The plain nvls_twoshot / nvls_lamport sum their portion by unicast loads in rank order (fp32, one
+ * rounding: slices.cuh sum_over_ranks) instead of multimem.ld_reduce, keeping the multicast broadcast:
+ * the batch-invariant mode's form of them (issue 26). Bit 15, the top of the 16 flag bits that every
+ * call header carries (barrier.cuh call_header, lamport.cu: (flags & 0xffff) << 16), so ranks that
+ * disagree on it fail with a mismatch instead of summing in two orders; set far from the low bits
+ * that the output formats use. */
+#define UBNEXT_F_RANK_ORDER 0x8000
 
 /* The error word, err_ptr[0..7] = {code, op, rank, peer, field, mine, theirs, aborted}: the first
  * kernel thread to fail claims it by CAS of code from 0 to UBNEXT_ERR_BUSY, writes the other words,

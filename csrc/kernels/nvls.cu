@@ -15,8 +15,9 @@
 //   barrier -> rank r reduces ITS portion of the message (slices.cuh: 1/N of the flat message, or 1/N of
 //   every token row in row mode) with multimem.ld_reduce (fp32 accumulation in the switch, result rounded
 //   to T) -> multimem.st of the T result back to the same offset of `in`, i.e. into every rank's copy ->
-//   (fused rows, see "One rounding" below: unicast loads of the peers' copies instead, summed in fp32 in
-//   rank order, plus the owner's residual, rounded once) ->
+//   (fused rows, see "One rounding" below, and plain calls with UBNEXT_F_RANK_ORDER, see "Rank order":
+//   unicast loads of the peers' copies instead, summed in fp32 in rank order, plus the owner's residual
+//   when fused, rounded once) ->
 //   barrier -> (row mode) every rank runs the row math (residual add, RMSNorm, FP8) on every row, from its
 //   own, now complete, copy of `in`, writing out / residual_out / scale_inv locally.
 //   Each element is reduced once and broadcast, and the row math is deterministic (norm.cuh), so every
@@ -130,6 +131,24 @@ UBX_DEV bool nvls_args_ok(const ubnext_comm_desc* d, int n, int hidden, int flag
   return d->mc_base != 0 && barrier_kernel_args_ok<T>(n, hidden, flags);
 }
 
+// Rank order (issue 26's batch-invariant mode): multimem.ld_reduce promises no summation order (and
+// rounds to T before a fused residual add), so the two-shot kernels sum their portion by unicast loads of
+// every rank's copy, in rank order, in fp32, rounded once (slices.cuh: owner_add_round, the unicast
+// two-shot's and Lamport's bits), for fused rows always and for a plain call when the host asks with
+// UBNEXT_F_RANK_ORDER; the broadcast stays multicast. Cost: the owner loads (N-1)/N of the message over
+// NVLink instead of the switch delivering 1/N reduced; the model counts the flagged form on its own
+// (ubnext/_costmodel.py). nvls_oneshot has no such form: every rank would load the whole message from
+// every peer, the unicast one-shot's (Lamport's) traffic without its single hop.
+// UBNEXT_BREAK_RANK_ORDER_IGNORED (test-only) ignores the flag: the plain call ld_reduces, whose order
+// the emulator's chaos mode shuffles, and the mode's rank-order reference must see it (3+ ranks).
+UBX_DEV bool sums_in_rank_order(int flags) {
+#if !defined(UBNEXT_BREAK_RANK_ORDER_IGNORED)
+  return (flags & (UBNEXT_F_FUSED_NORM | UBNEXT_F_RANK_ORDER)) != 0;
+#else
+  return (flags & UBNEXT_F_FUSED_NORM) != 0;
+#endif
+}
+
 // Row-mode source for nvls_oneshot: the sum comes straight from the switch.
 template <typename T>
 struct McSrc {
@@ -199,11 +218,12 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   const uint64_t mc_dst = mc_addr(d, dst);
 
   if (!barrier_sync(br)) return;
-  // Fused rows: the owner's fp32 sum by unicast loads (fused_portion_sum, below); else the switch's.
-  const bool fused = (flags & UBNEXT_F_FUSED_NORM) != 0;
+  // Fused rows, and plain calls with UBNEXT_F_RANK_ORDER: the owner's fp32 rank-order sum by unicast
+  // loads (owner_add_round; see "Rank order" above); else the switch's.
+  const bool unicast_sum = sums_in_rank_order(flags);
   const uint64_t in_off = reinterpret_cast<uint64_t>(in) - static_cast<uint64_t>(d->peer_base[rank]);
   auto load = [&](int64_t gi) -> uint4 {
-    if (fused) return owner_add_round<T>(d, in_off + static_cast<uint64_t>(gi) * 16u, residual, gi);
+    if (unicast_sum) return owner_add_round<T>(d, in_off + static_cast<uint64_t>(gi) * 16u, residual, gi);
     return McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u);
   };
   const int64_t partial = (n % V != 0) ? static_cast<int64_t>(n) / V : -1;  // index of a partial last vector
@@ -302,10 +322,11 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
   if (barrier_sync(br)) {
     // ---- exchange: our portion, reduced and sanitised, into slot [rank] of every rank's buffer b (fused
     // rows: r = residual_out, the owner's one rounding of its fp32 sum plus the residual; see nvls_twoshot)
-    const bool fused = (flags & UBNEXT_F_FUSED_NORM) != 0;
+    const bool unicast_sum = sums_in_rank_order(flags);  // as nvls_twoshot
     const uint64_t in_off = reinterpret_cast<uint64_t>(in) - static_cast<uint64_t>(d->peer_base[rank]);
     auto load = [&](int64_t gi) -> uint4 {
-      if (fused) return sanitize<T>(owner_add_round<T>(d, in_off + static_cast<uint64_t>(gi) * 16u, residual, gi));
+      if (unicast_sum)
+        return sanitize<T>(owner_add_round<T>(d, in_off + static_cast<uint64_t>(gi) * 16u, residual, gi));
       return sanitize<T>(McReduce<T>::ld(mc_in + static_cast<uint64_t>(gi) * 16u));
     };
     auto store = [&](int64_t, int64_t pos, const uint4& v) {

@@ -28,11 +28,13 @@ from ubnext._checks import FP8
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HIDDEN = 256  # the fused cases' rows: 512 bytes in bf16
-# paths the mode can force (the rest, multimem.ld_reduce's and torch's symmetric op, are refused)
+# paths the mode can force (the rest, nvls_oneshot's multimem.ld_reduce and torch's symmetric op, are
+# refused); the NVLS two-shot paths sum in rank order by unicast loads, plain (under the kernel flag
+# UBNEXT_F_RANK_ORDER) and fused, and need a multicast pool
 FORCED = ("auto", "lamport", "twoshot", "torch")
-FORCED_FUSED = FORCED + ("nvls_twoshot", "nvls_lamport")
-REFUSED = ("nvls_oneshot", "torch_symm")  # at construction: no call keeps rank order on them
-REFUSED_PLAIN = ("nvls_twoshot", "nvls_lamport", "nvls")  # their plain allreduce reduces in the switch
+NVLS_FORCED = ("nvls_twoshot", "nvls_lamport")
+FORCED_ANY = FORCED + NVLS_FORCED
+REFUSED = ("nvls_oneshot", "torch_symm")  # at construction and on a live communicator
 
 
 def spread_input(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -80,21 +82,20 @@ def _thresholds(comm) -> tuple[int, int]:
 def _expect_path(comm, path: str, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> None:
     if path != "auto" and comm._capabilities(nbytes, dtype, fused, hidden)[path] is None:
         assert comm.last_path.split("+")[0] == path, (path, comm.last_path)
-    assert comm.last_path.split("+")[0] in (FORCED_FUSED if fused else FORCED), comm.last_path
+    assert comm.last_path.split("+")[0] in FORCED_ANY, comm.last_path
 
 
 def check_refusals(mode: str, comm) -> None:
     """A path that reduces through the switch (or torch's symmetric op, whose order is not
     promised) is refused in the mode, at construction and when forced on a live communicator,
     with an error that says why; the mode comes from UBNEXT_BATCH_INVARIANT when not given."""
-    for algo in REFUSED + REFUSED_PLAIN:
-        if algo in REFUSED:
-            try:
-                ubnext.Communicator(emulate=mode == "emulator", algo=algo, batch_invariant=True)
-            except ValueError as e:
-                assert "batch-invariant" in str(e) and algo in str(e), e
-            else:
-                raise AssertionError(f"algo={algo} was accepted in the batch-invariant mode")
+    for algo in REFUSED:
+        try:
+            ubnext.Communicator(emulate=mode == "emulator", algo=algo, batch_invariant=True)
+        except ValueError as e:
+            assert "batch-invariant" in str(e) and algo in str(e), e
+        else:
+            raise AssertionError(f"algo={algo} was accepted in the batch-invariant mode")
         comm._algo = algo
         try:
             comm.all_reduce(torch.ones(8, device=comm.device))
@@ -104,9 +105,20 @@ def check_refusals(mode: str, comm) -> None:
             raise AssertionError(f"a forced {algo} reduced in the batch-invariant mode")
         finally:
             comm._algo = None
-    if comm.pool is not None and comm.pool.has_multicast:
-        text = comm.explain(torch.empty(comm.pool_stats()["staging_bytes"] // 4, device=comm.device))
-        assert "multimem.ld_reduce sums in the switch's order" in text, text
+    if _multicast(comm):
+        # past the Lamport slot nvls_oneshot precedes nvls_twoshot when a last-bit difference across
+        # ranks is allowed: the mode skips it, saying why, and keeps the rank-order nvls_twoshot
+        comm._allow_nondeterministic, allowed = True, comm._allow_nondeterministic
+        try:
+            text = comm.explain(torch.empty(comm.pool_stats()["staging_bytes"] // 4, device=comm.device))
+        finally:
+            comm._allow_nondeterministic = allowed
+        assert text.startswith("nvls_twoshot:") and "not nvls_oneshot: multimem.ld_reduce sums in the switch's order" \
+            in text, text
+
+
+def _multicast(comm) -> bool:
+    return comm.pool is not None and comm.pool.has_multicast
 
 
 def check_all_reduce(comm) -> None:
@@ -116,7 +128,7 @@ def check_all_reduce(comm) -> None:
         e = dtype.itemsize
         # below and at the Lamport slot, just past it (two-shot), past the staging region (fallback)
         sizes = sorted({1, 7, 1000, max(cap // e - 8, 1), cap // e + 8, staging // e + 8 * n + 3} - {0})
-        for path in FORCED:
+        for path in FORCED + (NVLS_FORCED if _multicast(comm) else ()):
             comm._algo = None if path == "auto" else path
             for numel in sizes:
                 inputs = [spread_input(r, numel, dtype, numel) for r in range(n)]
@@ -125,14 +137,14 @@ def check_all_reduce(comm) -> None:
                 _expect_path(comm, path, numel * e, dtype, fused=False)
     comm._algo = None
     if comm.pool is not None:
-        # a pool tensor reduced in place past the staging region: the two-shot kernel where it lies
+        # a pool tensor reduced in place past the staging region: a two-shot kernel where it lies
         numel = staging // 4 + 8 * n + 3
         inputs = [spread_input(r, numel, torch.float32, 3) for r in range(n)]
         x = comm.empty(numel, dtype=torch.float32)
         x.copy_(inputs[rank])
         assert comm.all_reduce(x, out=x) is x
         assert_same_bits(x, rank_order(inputs, torch.float32), f"all_reduce in place in the pool ({comm.last_path})")
-        assert comm.last_path == "twoshot", comm.last_path
+        assert comm.last_path == ("nvls_twoshot" if _multicast(comm) else "twoshot"), comm.last_path
 
 
 def check_reduce_scatter(comm) -> None:
@@ -293,8 +305,7 @@ def case_batch_invariant_fused(mode: str) -> None:
     two-shot paths (issue 26's arithmetic, the rows branch)."""
     comm = _small_pool_comm(mode)
     try:
-        nvls = ("nvls_twoshot", "nvls_lamport") if comm.pool is not None and comm.pool.has_multicast else ()
-        check_fused(comm, ("twoshot", "auto") + nvls)
+        check_fused(comm, ("twoshot", "auto") + (NVLS_FORCED if _multicast(comm) else ()))
     finally:
         comm.close()
 

@@ -45,6 +45,18 @@ PINNED_MULTICAST = {
     ("all_reduce", "nvls_oneshot", 65536): (16, 6, 2, 8256),
     ("all_reduce", "nvls_twoshot", 65536): (4, 6, 2, 8256),
     ("all_reduce", "twoshot", 65536): (4, 6, 2, 32832),
+    # issue 26: the batch-invariant mode's plain NVLS two-shot paths (/ro: UBNEXT_F_RANK_ORDER), which sum
+    # their portion by unicast loads of every rank's copy in rank order instead of multimem.ld_reduce:
+    # the same CTAs (at 4 ranks the unicast two-shot's grid equals NCCL's ceil(16 / 4)), hops and
+    # fences as the default's form (a load round trip either way), and a CTA's bytes up by the N-1
+    # peers' share it loads (nvls_twoshot at 16384: 4 x 4096 loaded, 4096 stored, 64 of barrier,
+    # against 4096 ld_reduced)
+    ("all_reduce", "nvls_lamport/ro", 2048): (1, 5, 1, 8768),
+    ("all_reduce", "nvls_twoshot/ro", 2048): (1, 6, 2, 2624),
+    ("all_reduce", "nvls_lamport/ro", 16384): (1, 5, 1, 69696),
+    ("all_reduce", "nvls_twoshot/ro", 16384): (1, 6, 2, 20544),
+    ("all_reduce", "nvls_lamport/ro", 65536): (4, 5, 1, 69696),
+    ("all_reduce", "nvls_twoshot/ro", 65536): (4, 6, 2, 20544),
     # the Lamport fused op splits a row over 8 CTAs at 1 token (norm.cuh's row split: 1/8 of the bytes
     # per CTA, the same single hop); at 4 tokens its 32 CTAs are past the measured grids (derived, see
     # test_fused_row_split_at_8_ranks). The two-shot fused paths: the owner adds the residual before the
@@ -209,9 +221,10 @@ def test_bench_model_command():
     rows = [r for r in lines if "table" not in r]
     assert rows and all(set(r) == set(_costmodel.KEYS) | {"derived"} for r in rows), rows[:2]
     # issue 26: the batch-invariant mode beside the default, per reducing op and size, never on a
-    # path that reduces through the switch
+    # path that reduces through the switch (the NVLS two-shot paths only in their rank-order form)
     invariant = {(r["op"], r["bytes"]): r for r in lines if r.get("table") == "batch_invariant"}
-    assert invariant and all(r["mode_path"] in ("lamport", "twoshot", "torch") for r in invariant.values()), invariant
+    assert invariant and all(r["mode_path"] in ("lamport", "twoshot", "torch", "nvls_twoshot", "nvls_lamport")
+                             for r in invariant.values()), invariant
     assert invariant[("all_reduce", 16384)]["ratio"] == 1.0, invariant[("all_reduce", 16384)]
     chosen: dict = {}
     for r in rows:

@@ -84,3 +84,25 @@ def test_fused_lamport_rows_split_over_free_sms():
     assert geometry("lamport", 1, split_rows=False) == 1
     assert geometry("twoshot", 1) == geometry("nvls_lamport", 1) == 1
     assert launch_geometry("lamport", 512, 2, 1, True, 8, GPU_BLOCK, 128)[0] == 1  # 64 vectors: < 2 x 128
+
+
+def test_the_modes_plain_nvls_rows_are_timed_by_their_rank_order_form():
+    """Issue 26: where the batch-invariant mode runs a plain allreduce on an NVLS two-shot path, its
+    time is that of the path's own measured form (/ro: unicast rank-order sums), never the default's
+    multimem.ld_reduce row of the same name; the fused op's rows sum so in both modes."""
+    def row(op, path, nbytes, us, chosen=False):
+        return {"op": op, "path": path, "bytes": nbytes, "tokens": nbytes // (2 * M.HIDDEN), "world": 8,
+                "model_us": us, "chosen": chosen}
+
+    mb = 1 << 20
+    assert M.chosen_path(M.Case("all_reduce", "nvls_lamport", mb, 64), 8) == "nvls_lamport"
+    rows = [row("all_reduce", "nvls_lamport", mb, 6.0, chosen=True),
+            row("all_reduce", "nvls_lamport" + M.RANK_ORDER_SUFFIX, mb, 7.5),
+            row("all_reduce_add_rmsnorm", "nvls_lamport", mb, 7.0, chosen=True)]
+    plain, fused = M.invariant_rows(rows)
+    assert (plain["mode_path"], plain["mode_us"], plain["ratio"]) == ("nvls_lamport", 7.5, 1.25), plain
+    assert (fused["mode_path"], fused["mode_us"], fused["ratio"]) == ("nvls_lamport", 7.0, 1.0), fused
+    # the flagged two-shot sums by unicast loads: the unicast two-shot's grid, not NCCL's 2 CTAs at 8 ranks
+    big = (M.Case("all_reduce", "nvls_twoshot", 4 * mb, 256), M.Case("all_reduce", "nvls_twoshot", 4 * mb, 256, True))
+    assert M.grid_of(big[0], 8, 132) == 2 and M.grid_of(big[1], 8, 132) == M.grid_of(
+        M.Case("all_reduce", "twoshot", 4 * mb, 256), 8, 132) == 64

@@ -70,20 +70,22 @@ def test_torch_symm_runs_only_when_asked_for():
 @pytest.mark.parametrize("nbytes", [16, 1 << 20, (1 << 20) + 16, 4 << 20, 64 << 20])
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_batch_invariant_mode_never_plans_a_switch_reduction(nbytes, fused):
-    """Issue 26: the mode's choice is the default's without the multimem.ld_reduce paths (and
-    without torch's symmetric op); one of them forced is an error naming the mode, not a fallback."""
+    """Issue 26: the mode's choice is the default's without the paths that reduce in the switch
+    (nvls_oneshot; torch's symmetric op); one of them forced is an error naming the mode, not a
+    fallback. The two NVLS two-shot paths stay, plain and fused: they sum in rank order by unicast
+    loads (fused rows always; plain calls under the flag the mode sets)."""
     layout = plan_layout(8, 8192)
     view = plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True)
     default = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True)
     mode = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True, batch_invariant=True)
-    kept = plan.RANK_ORDER_WHEN_FUSED if fused else ()
+    kept = ("nvls_twoshot", "nvls_lamport")
     assert mode.path in ("lamport", "twoshot", "torch") + kept, mode
-    if default.path not in plan.LD_REDUCE_PATHS or default.path in kept:
+    if default.path != "nvls_oneshot":
         assert mode.path == default.path
     else:
-        assert (default.path, plan.NOT_RANK_ORDER) in mode.skipped
+        assert ("nvls_oneshot", plan.NOT_RANK_ORDER) in mode.skipped
     for forced in plan.LD_REDUCE_PATHS + ("nvls", "torch_symm"):
-        if forced in kept + (("nvls",) if fused else ()):
+        if forced in kept + ("nvls",):
             assert plan.choose(nbytes, 2, fused, 8192, view, forced=forced, batch_invariant=True)
             continue
         with pytest.raises(ValueError, match=f"algo '{forced}' cannot run in the batch-invariant mode"):
@@ -120,6 +122,8 @@ def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
     # half the SMs for a kernel that waits on its peers (no deadlock between two communicators)
     assert comm._geometry("twoshot", 1 << 24, 2, 0, False)[0] == 57
     assert comm._geometry("nvls_twoshot", 1 << 24, 2, 0, False)[0] == 8  # NCCL's ceil(16 / 2 ranks)
+    # the batch-invariant mode's form sums by unicast loads: the unicast two-shot's grid
+    assert comm._geometry("nvls_twoshot", 1 << 24, 2, 0, False, rank_order=True)[0] == 57
     assert comm._geometry("quantize_fp8", 1 << 24, 2, 1 << 14, True)[0] == 114  # local: the whole device
 
 

@@ -87,6 +87,7 @@ F_FUSED_NORM = 1
 F_FP8_STATIC = 2
 F_FP8_PER_TOKEN = 4
 F_MULTICAST = 8
+F_RANK_ORDER = 0x8000
 
 
 def kernel_name(algo: str, dtype: str) -> str:
