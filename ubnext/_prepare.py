@@ -193,8 +193,16 @@ class Preparation:
         reports = self._setup_allgather({
             "error": self._prepare_kernels(), "sm_count": self._sm_count, "nvls_ctas": self._nvls_ctas, "host": _lifecycle.host_identity(),
             "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device),
-            "selftest": envs.get("UBNEXT_SELFTEST"), "p2p": p2p_report(self.device)},
+            "selftest": envs.get("UBNEXT_SELFTEST"), "p2p": p2p_report(self.device),
+            "batch_invariant": getattr(self, "batch_invariant", False)},
             "agreeing on the kernels before creating the pool")
+        modes = [bool(r.get("batch_invariant")) for r in reports]
+        if len(set(modes)) > 1:
+            # ranks planning in different modes would pair a Lamport launch with a barrier kernel, or
+            # the ordered fallback with NCCL's allreduce: refused alike on every rank, before any launch
+            on = ", ".join(str(i) for i, m in enumerate(modes) if m)
+            raise ValueError(f"ubnext: the batch-invariant mode differs across ranks (on at rank(s) {on} only); "
+                             "set UBNEXT_BATCH_INVARIANT or Communicator(batch_invariant=...) alike on every rank")
         self._run_self_test = all(r["selftest"] for r in reports)
         if self.mode == "gpu":
             self._sm_count = min(r["sm_count"] for r in reports)

@@ -45,18 +45,20 @@ constexpr AlgoTraits kAlgos[kNumAlgos] = {
 };
 
 // No deadlock between communicators (issue 24 G). A kernel whose blocks wait on its peers' blocks
-// (every kernel here but quantize: the barrier kernels, and the Lamport kernels, whose block b polls
+// (every kernel here but the local ones, quantize, the block quantisers and add_rmsnorm: the barrier kernels, and the Lamport kernels, whose block b polls
 // what block b of each peer pushes) makes progress only once block b is resident on every rank. Two
 // communicators with kernels in flight at once (a TP op on one stream, FSDP2's prefetched all-gather on
 // another) can each hold SMs on one rank while waiting for blocks that the other holds back on a peer,
 // if the ranks made their kernels resident in opposite orders. The rule: such a kernel's default grid
 // is at most half the SMs, min(SMs, UBNEXT_MAX_BLOCKS) / 2. Why it holds: one CTA of any ubnext kernel
-// fits an empty SM (coresident >= SMs, checked at launch: the heaviest, 256 threads at up to 168
-// registers = 43008 of 65536 registers and 33 KB of static shared memory of 228 KB, is one CTA per SM on
+// fits an empty SM (coresident >= SMs, checked at launch: the heaviest, 256 threads at up to 234
+// registers (Lamport on sm_100) = 59904 of 65536 registers and 33 KB of static shared memory of 228 KB, is one CTA per SM on
 // sm_90 and sm_100), so a kernel of g <= SMs / 2 CTAs touches at most SMs / 2 SMs, which leaves at least
 // SMs / 2 empty SMs for the other kernel's g' <= SMs / 2 CTAs: both are resident at once on every rank,
 // whatever order each rank's scheduler took them in, and each completes. Other work on the device
-// (GEMMs) only delays this: its blocks never wait on ours. The guarantee covers two communicators in
+// (GEMMs) only delays this: its blocks never wait on ours. Programmatic dependent launch keeps it: a
+// kernel triggers its dependent (griddepcontrol.launch_dependents) only after its last wait on a peer,
+// so a dependent parked in griddepcontrol.wait on its SMs waits for a grid that waits on nobody. The guarantee covers two communicators in
 // flight per device; a third needs an explicit grid (ubnext_launch_t.grid) of at most SMs / 3.
 inline int pair_grid_cap(int sms) {
   const int base = sms > 0 && sms < UBNEXT_MAX_BLOCKS ? sms : UBNEXT_MAX_BLOCKS;

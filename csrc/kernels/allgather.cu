@@ -81,7 +81,6 @@ UBX_DEV void allgather_push(const ubnext_comm_desc* d, const void* in, void* out
     const uint8_t v = static_cast<const uint8_t*>(in)[at];
     for_each_peer([&](uint64_t dst) { st_relaxed_sys_u8(reinterpret_cast<uint8_t*>(dst + at), v); });
   }
-  griddep_launch_dependents();  // `in` is read (ptx.cuh)
   // No fence.proxy.alias after the multicast push (issue 24 A): no thread of this kernel reads `out`
   // after storing to it (the byte stores go to other bytes, by unicast); its readers are later kernels,
   // after barrier 2 (every rank's stores released before its signal) and the kernel boundary (a grid's
@@ -89,6 +88,7 @@ UBX_DEV void allgather_push(const ubnext_comm_desc* d, const void* in, void* out
   // line of `out`). NCCL's multicast
   // all-gather and all-reduce (symmetric AllGather_STMC, AllReduce_RSxLDMC_AGxSTMC) end the same way.
   (void)barrier_sync(br);
+  griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)
 }
 
 }  // namespace ubx

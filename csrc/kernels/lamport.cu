@@ -228,7 +228,6 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   const RowParams rp{residual, weight, scale, hidden, eps, flags};
   RowPrefetch<T> pre;  // residual and weight, in flight while the peers' data is (split rows)
   if (split > 1) pre.load(rp, part);
-  griddep_launch_dependents();  // `in` is read (ptx.cuh)
   // No fence.proxy.alias between the multicast push and the unicast poll of our own slot (issue 24 A),
   // although this thread reads through unicast bytes it just wrote through multicast. Without the
   // fence the PTX model leaves the load unordered with the store: it may return the bytes from before
@@ -275,6 +274,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 
   // ---- 4. finish: the last block advances the rotation (also after a timeout)
   lamport_rot_finish(rot, UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(nvec) * 16u);
+  griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)
 }
 
 }  // namespace ubx

@@ -292,9 +292,9 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
     rows_phase<T>(src, nvec / (hidden / V), residual, residual_out, weight, scale, scale_inv, out, n, hidden,
                   eps, flags, s_cache, s_red);
   }
-  griddep_launch_dependents();  // `in` is read (ptx.cuh)
   // Trailing barrier: peers may still be reading our `in` (see the header).
   (void)barrier_sync(br);
+  griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)
 }
 
 // ---------------------------------------------------------------- nvls_lamport
@@ -340,7 +340,6 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
 
     // ---- re-poison our copy of the previous call's buffer while the peers' data is in flight
     lamport_repoison(d, rot);
-    griddep_launch_dependents();  // `in` is read (ptx.cuh)
 
     // ---- poll our copy of buffer b, write out (or the row math)
     if (!sl.rows) {
@@ -382,6 +381,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
   // Even after a timeout: keep the done counter consistent (the communicator is dead anyway, but a
   // half-counted launch would leave the counter off by some blocks forever).
   lamport_rot_finish(rot, slot_bytes_used);
+  griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)
 }
 
 }  // namespace ubx

@@ -114,6 +114,21 @@ UBX_DEV void quantize_vec_store(const uint4& v, float s, void* out, int64_t gi, 
   store_fp8<V>(out, gi, n, q);
 }
 
+// A row too long to hold: vectors lane, lane + g, ... < nv of the row at g0, kInFlight loads issued
+// before fn(vector, index in the row) sees any of them. The amax pass and the quantising pass share it.
+template <class Fn>
+UBX_DEV void stream_row(const void* in, int64_t g0, int lane, int g, int nv, Fn&& fn) {
+  uint4 v[kInFlight];
+  for (int i0 = lane; i0 < nv; i0 += kInFlight * g) {
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (i0 + u * g < nv) v[u] = load_whole_vec(in, g0 + i0 + u * g);
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (i0 + u * g < nv) fn(v[u], i0 + u * g);
+  }
+}
+
 template <typename T>
 UBX_DEV void quantize_per_row(const void* in, void* out, float* scale_inv, int64_t n, int hidden, float* scratch) {
   constexpr int V = DType<T>::kElems;
@@ -139,14 +154,7 @@ UBX_DEV void quantize_per_row(const void* in, void* out, float* scale_inv, int64
       for (int u = 0; u < kHeld; ++u)
         if (live && lane + u * g < nv) amax = vec_abs_max<T>(v[u], amax);
     } else if (live) {
-      for (int i0 = lane; i0 < nv; i0 += kInFlight * g) {
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u)
-          if (i0 + u * g < nv) v[u] = load_whole_vec(in, g0 + i0 + u * g);
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u)
-          if (i0 + u * g < nv) amax = vec_abs_max<T>(v[u], amax);
-      }
+      stream_row(in, g0, lane, g, nv, [&](const uint4& x, int) { amax = vec_abs_max<T>(x, amax); });
     }
     const float s = per_token_scale_inv(group_max(amax, g, scratch));
     if (!live) continue;
@@ -156,14 +164,7 @@ UBX_DEV void quantize_per_row(const void* in, void* out, float* scale_inv, int64
       for (int u = 0; u < kHeld; ++u)
         if (lane + u * g < nv) quantize_vec_store<T>(v[u], s, out, g0 + lane + u * g, n);
     } else {
-      for (int i0 = lane; i0 < nv; i0 += kInFlight * g) {
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u)
-          if (i0 + u * g < nv) v[u] = load_whole_vec(in, g0 + i0 + u * g);
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u)
-          if (i0 + u * g < nv) quantize_vec_store<T>(v[u], s, out, g0 + i0 + u * g, n);
-      }
+      stream_row(in, g0, lane, g, nv, [&](const uint4& x, int i) { quantize_vec_store<T>(x, s, out, g0 + i, n); });
     }
   }
 }

@@ -92,8 +92,8 @@ UBX_DEV void reduce_scatter_pull(const ubnext_comm_desc* d, const void* in, void
     const int64_t i = k < head ? k : tail0 + (k - head);
     store_elem<T>(out, i, factor * sum_elem_over_ranks<T>(d, shard_off + static_cast<uint64_t>(i * E)));
   }
-  griddep_launch_dependents();  // `in` is read (ptx.cuh)
   (void)barrier_sync(br);
+  griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)
 }
 
 }  // namespace ubx

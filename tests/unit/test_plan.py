@@ -127,6 +127,21 @@ def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
     assert comm._geometry("quantize_fp8", 1 << 24, 2, 1 << 14, True)[0] == 114  # local: the whole device
 
 
+def test_the_batch_invariant_mode_is_agreed_at_pool_creation(monkeypatch):
+    """A rank in the mode and a rank out of it would plan different kernels (or the ordered fallback
+    against NCCL's allreduce) and wait for each other: every rank refuses alike, before any launch."""
+    import ubnext._prepare as comm_mod
+
+    comm = _bare_communicator()
+    comm.batch_invariant = True
+    reports = [{"error": None, "sm_count": 0, "timeout_s": 30.0, "host": "node1/b", "selftest": True,
+                "batch_invariant": mode} for mode in (True, False)]
+    comm._setup_allgather = lambda obj, step=None: reports
+    monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: pytest.fail("allocated a pool across modes"))
+    with pytest.raises(ValueError, match=r"batch-invariant mode differs across ranks \(on at rank\(s\) 0 only\)"):
+        comm._create_pool()
+
+
 def _bare_communicator(mode="emulator"):
     comm = object.__new__(Communicator)
     comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = mode, 2, 0, None, 1024
