@@ -87,6 +87,10 @@ UBX_DEV void allgather_push(const ubnext_comm_desc* d, const void* in, void* out
   // stores are complete before the next grid in stream order starts; no thread of it has a stale L1
   // line of `out`). NCCL's multicast
   // all-gather and all-reduce (symmetric AllGather_STMC, AllReduce_RSxLDMC_AGxSTMC) end the same way.
+  // This rests on the hardware, not on the PTX model alone: the model orders a peer's multicast store
+  // before a later kernel's unicast load of it only through an alias proxy fence on the path, and a
+  // kernel boundary is not one; multimem stores complete in L2, which every later unicast load reads
+  // (L1 starts each kernel invalid). nvls_twoshot keeps its fence where it reads back in-kernel.
   (void)barrier_sync(br);
   griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)
 }
