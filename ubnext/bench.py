@@ -300,6 +300,10 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
         if launch == "recorder":
             patches.enter_context(mock.patch.object(kernels, "load_kernel", lambda name, index: name))
             patches.enter_context(mock.patch.object(_cuda, "launch", record_launch))
+            # what the launch's preparation asks the driver (the GPU's arch for PDL, the kernel's
+            # handle): answered here, as an sm_90 would, so that no driver is needed
+            patches.enter_context(mock.patch.object(_cuda, "pdl_enabled", lambda index: True))
+            patches.enter_context(mock.patch.object(_cuda, "kernel_handle", lambda kernel: kernel))
             # the event each launch records (stream ordering): made once, by the driver in --launch driver
             patches.enter_context(mock.patch.object(_cuda, "create_event", lambda index: None))
         patches.enter_context(torch.inference_mode())

@@ -2396,7 +2396,7 @@ def case_header_race():
     # barrier (kernels with two barriers cannot race on headers)
     for algo in ("nvls_lamport",):
         comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo)
-        comm._geometry = lambda algo, n, elem, tokens, fused, split_rows=True: (4, 64)
+        comm._geometry = lambda algo, n, elem, tokens, fused, rank_order=False, split_rows=True: (4, 64)
         for i in range(int(os.environ.get("UBNEXT_TEST_RACE_CALLS", "200"))):
             numel = 512 if i % 2 == 0 else 1024
             x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device())
