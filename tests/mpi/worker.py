@@ -469,7 +469,7 @@ def case_nvls_twoshot_into_out():
             COMM._algo = "nvls_twoshot"
             COMM.all_reduce(x, out=out)
             assert COMM.last_path == "nvls_twoshot", COMM.last_path
-            assert [(how.algo, p[1], p[2]) for how, p in runs] == [("nvls_twoshot", x.data_ptr(), out.data_ptr())], runs
+            assert [(how.algo, p[0], p[1]) for how, p in runs] == [("nvls_twoshot", x.data_ptr(), out.data_ptr())], runs
             assert torch.equal(x, inputs[rank]), "x was modified"
             assert torch.all(whole[numel:] == -3.0), "stored past the last element"
             err = (out.double() - T.reference_sum(inputs)).abs()
