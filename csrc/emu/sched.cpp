@@ -578,20 +578,21 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
   return 0;
 }
 
-extern "C" int ubnext_emu_griddep(uint64_t* out, int nwords) {
+// The last launch's record `words` (of `kept` words) into out, at most nwords of them: how many.
+static int copy_last_launch(uint64_t* out, int nwords, const uint64_t* words, int kept) {
   if (!out || nwords < 0) return 0;
   std::lock_guard<std::mutex> lk(g_counts_mutex);
-  const int n = nwords < UBNEXT_EMU_GRIDDEP_WORDS ? nwords : UBNEXT_EMU_GRIDDEP_WORDS;
-  memcpy(out, g_griddep, size_t(n) * 8);
+  const int n = nwords < kept ? nwords : kept;
+  memcpy(out, words, size_t(n) * 8);
   return n;
 }
 
+extern "C" int ubnext_emu_griddep(uint64_t* out, int nwords) {
+  return copy_last_launch(out, nwords, g_griddep, UBNEXT_EMU_GRIDDEP_WORDS);
+}
+
 extern "C" int ubnext_emu_counts(uint64_t* out, int nwords) {
-  if (!out || nwords < 0) return 0;
-  std::lock_guard<std::mutex> lk(g_counts_mutex);
-  const int n = nwords < UBNEXT_EMU_COUNT_WORDS ? nwords : UBNEXT_EMU_COUNT_WORDS;
-  memcpy(out, g_counts, size_t(n) * 8);
-  return n;
+  return copy_last_launch(out, nwords, g_counts, UBNEXT_EMU_COUNT_WORDS);
 }
 
 extern "C" void ubnext_emu_set_watchdog_ns(uint64_t ns) { g_watchdog_ns.store(ns ? ns : 1); }
