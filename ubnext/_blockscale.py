@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from ._checks import FP8, FP8_MAX, check_fused_args, check_tensor, fp8_scale_inv
 
 BLOCKS = {"nvfp4": 16, "mxfp8": 32, "fp8_group128": 128}
 E8M0 = torch.float8_e8m0fnu
-# kernel flags (csrc/device/blockscale.cuh UBX_BQ_*), above the UBNEXT_F_* bits every kernel shares
-F_SWIZZLED = 1 << 16
-F_UE8M0 = 1 << 17
+# the kernels' format field (csrc/device/desc.cuh UBNEXT_F_BLOCK_*): the fused kernels read it
+FORMAT_FLAGS = {"nvfp4": kernels.F_BLOCK_NVFP4, "mxfp8": kernels.F_BLOCK_MXFP8, "fp8_group128": kernels.F_BLOCK_GROUP128}
 
 _E2M1_MAX = 6.0
 _E4M3_SCALE_FLOOR = 2.0**-6
@@ -71,6 +71,13 @@ def check_fused_quant_args(x, residual, weight, eps, fmt: str, global_scale, swi
     fused op's own, then the format's on x's shape (K, the last dimension, a multiple of the block)."""
     check_fused_args(x, residual, weight, eps, False, None)
     check_quantize_block_args(x, fmt, global_scale, swizzled, ue8m0)
+
+
+def block_flags(fmt: str | None, swizzled: bool, ue8m0: bool) -> int:
+    """The kernel flags of a block-scaled output: the format field (None: the standalone kernels,
+    whose name says the format), the layout and the scales' rounding."""
+    return ((FORMAT_FLAGS[fmt] if fmt else 0) | (kernels.F_BLOCK_SWIZZLED if swizzled else 0)
+            | (kernels.F_BLOCK_UE8M0 if ue8m0 else 0))
 
 
 def swizzled_count(rows: int, cols: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels, ops
-from ._blockscale import check_fused_quant_args
+from ._blockscale import block_flags, check_fused_quant_args, output_specs
 from ._checks import FP8, check_fused_args, reference_add_rmsnorm
 
 
@@ -40,23 +40,27 @@ class FusedNormOps:
 
     def _all_reduce_add_rmsnorm_quant(self, x, residual, weight, eps: float, fmt: str, global_scale,
                                       swizzled: bool, ue8m0: bool):
-        """torch.ops.ubnext.all_reduce_add_rmsnorm_quant's implementation: the fused op on its path
-        (or fallback), then the block quantiser on its normed output, so that q and scales are by
-        construction ``quantize`` of that output (the "fusion changes no bit" rule). Checked before
-        the collective, so that every rank refuses alike."""
+        """torch.ops.ubnext.all_reduce_add_rmsnorm_quant's implementation, returning ``(q, residual_out,
+        scales)``: one kernel, whose row output quantises each normed vector where it computes it, with
+        the standalone quantizer's own device code (csrc/device/norm.cuh store_row_out, blockscale.cuh
+        quantize_block_vals), so that q and scales are bitwise ``quantize`` of the unquantised call's
+        ``out`` (the "fusion changes no bit" rule). Past the pool the add + RMSNorm kernel does the
+        same after torch.distributed's sum; without kernels, torch's ops then ``quantize``. Checked
+        before the collective, so that every rank refuses alike."""
         check_fused_quant_args(x, residual, weight, eps, fmt, global_scale, swizzled, ue8m0)
-        out, residual_out = self._all_reduce_add_rmsnorm(x, residual, weight, eps)
-        q, scales = self._quantize_blocks(out, fmt, global_scale, swizzled, ue8m0)
-        return q, residual_out, scales
+        return self._all_reduce_add_rmsnorm(x, residual, weight, eps, block=(fmt, global_scale, swizzled, ue8m0))
 
     def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float, scale: torch.Tensor | None = None, fp8: bool = False):
+                                eps: float, scale: torch.Tensor | None = None, fp8: bool = False,
+                                block: tuple | None = None):
         """The fused op itself: torch.ops.ubnext.all_reduce_add_rmsnorm's implementation, returning
-        ``(out, residual_out)``, and with ``fp8`` all_reduce_add_rmsnorm_fp8's, returning
-        ``(out, residual_out, scale_inv)``."""
+        ``(out, residual_out)``; with ``fp8`` all_reduce_add_rmsnorm_fp8's, returning
+        ``(out, residual_out, scale_inv)``; with ``block`` = (fmt, global_scale, swizzled, ue8m0)
+        (checked by the caller) the block-scaled form's, returning ``(q, residual_out, scales)``."""
+        block_bits = block_flags(block[0], block[2], block[3]) if block else 0
         try:
             signature = ("all_reduce_add_rmsnorm", x.shape, x.dtype, residual.shape, residual.dtype, weight.shape,
-                         weight.dtype, eps, fp8, scale is None, self._algo)
+                         weight.dtype, eps, fp8, scale is None, block_bits, self._algo)
         except AttributeError:  # not a tensor (an operator passes None through): say which
             check_fused_args(x, residual, weight, eps, fp8, scale)
             raise
@@ -69,12 +73,12 @@ class FusedNormOps:
             self._check_device("x residual weight", x, residual, weight)
         self._check_usable()
         if self._debug:
-            self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), fp8))
+            self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), fp8, block_bits))
         if call is None:  # a remembered signature has more than one rank and elements to reduce
             if self.world_size == 1 or x.numel() == 0:
                 self.last_path = "torch"
-                return self._fused_in_torch(x, residual, weight, eps, scale, fp8)
-            flags = kernels.F_FUSED_NORM
+                return self._fused_in_torch(x, residual, weight, eps, scale, fp8, block)
+            flags = kernels.F_FUSED_NORM | block_bits
             if fp8:
                 flags |= kernels.F_FP8_STATIC if scale is not None else kernels.F_FP8_PER_TOKEN
             call = self._call_for(signature, x.shape, x.dtype, hidden=x.shape[-1], eps=eps, flags=flags)
@@ -85,7 +89,7 @@ class FusedNormOps:
             # residual to it before the one rounding, as the kernel paths do
             summed = self._rank_order_sum(x.reshape(-1), torch.float32).view(x.shape)
             if call.norm is None:
-                return self._fused_in_torch(summed, residual, weight, eps, scale, fp8)
+                return self._fused_in_torch(summed, residual, weight, eps, scale, fp8, block)
             self.last_path = f"{self.last_path}+norm"
             launch, inp = call.norm, summed
         elif launch is None:
@@ -94,7 +98,7 @@ class FusedNormOps:
             reduced = torch.empty(x.shape, dtype=torch.float32, device=x.device)
             self._all_reduce_by(call, x.float(), reduced)
             if call.norm is None:
-                return self._fused_in_torch(reduced, residual, weight, eps, scale, fp8)
+                return self._fused_in_torch(reduced, residual, weight, eps, scale, fp8, block)
             # past the pool: the add + RMSNorm (+FP8) kernel on torch.distributed's sum, the fused
             # paths' row math in one kernel instead of torch's separate ops
             self.last_path = f"{self.last_path}+norm"  # what reduced it (torch_symm may hand over to torch)
@@ -104,6 +108,12 @@ class FusedNormOps:
             # overwrite their input, so x is always staged (never the caller's x)
             inp = x if path == "lamport" else self._pool.staging(x.shape, x.dtype).copy_(x)
         residual_out = torch.empty_like(residual)
+        if block:
+            (q_shape, q_dtype), (s_shape, s_dtype) = output_specs(x, block[0], block[2])
+            q = torch.empty(q_shape, dtype=q_dtype, device=x.device)
+            scales = torch.empty(s_shape, dtype=s_dtype, device=x.device)
+            self._launch(launch, inp, q, residual, residual_out, weight, block[1], scales)
+            return q, residual_out, scales
         if not fp8:
             out = torch.empty_like(x)
             self._launch(launch, inp, out, residual, residual_out, weight)
@@ -116,9 +126,11 @@ class FusedNormOps:
         self._launch(launch, inp, out, residual, residual_out, weight, scale, scale_inv)
         return out, residual_out, scale_inv
 
-    @staticmethod
-    def _fused_in_torch(reduced, residual, weight, eps, scale, fp8):
-        """add + RMSNorm (+FP8) of an already reduced x, in torch, as the fused op returns it."""
+    def _fused_in_torch(self, reduced, residual, weight, eps, scale, fp8, block=None):
+        """add + RMSNorm (+FP8) of an already reduced x, in torch, as the fused op returns it; a
+        block-scaled form quantises the normed output with ``quantize``, the fused kernels' arithmetic."""
         outputs = reference_add_rmsnorm(reduced, residual, weight, eps, FP8 if fp8 else residual.dtype, scale)
+        if block:
+            q, scales = self._quantize_blocks(outputs[0], *block)
+            return q, outputs[1], scales
         return outputs if fp8 else outputs[:2]
-

@@ -14,7 +14,7 @@ import math
 import torch
 
 from . import kernels, ops, plan  # noqa: F401 - ops defines the torch.ops.ubnext operators called here
-from ._blockscale import F_SWIZZLED, F_UE8M0, check_quantize_block_args, output_specs, quantize_reference
+from ._blockscale import block_flags, check_quantize_block_args, output_specs, quantize_reference
 from ._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
 from ._executor import GPU_BLOCK, Call
 
@@ -156,7 +156,7 @@ class QuantizeOps:
             self._check_device("x", x)
         self._check_usable()
         n, k = x.numel(), x.shape[-1]
-        flags = (F_SWIZZLED if swizzled else 0) | (F_UE8M0 if ue8m0 else 0)
+        flags = block_flags(None, swizzled, ue8m0)
         signature = ("quantize_" + fmt, n, x.dtype, k, flags)
         call = self._calls.get(signature)
         if call is None:

@@ -15,19 +15,21 @@
 //   scale = nvfp4_scale(amax, gs) / mxfp8_scale(amax) / group_scale(amax, ue8m0)
 //   codes = nvfp4_codes(y, scale) / mxfp8_codes(y, scale) / quantize_fp8(y, scale) (norm.cuh)
 //   the group's first lane (lane % L == 0) stores the scale at scale_index(row, block, ...).
+// quantize_block_vals does all of it for one vector; the standalone kernel and norm.cuh's row output
+// (the fused form: one kernel, the row's y quantised where it is computed) both call it.
 // The arithmetic is the references' own, operation by operation, in fp32 with true divisions and no
 // add after a multiply (nothing to contract into an FMA), so nvcc and the emulator's g++ agree.
 #pragma once
 
 #include "platform.cuh"
+#include "desc.cuh"
 #include "vec.cuh"
 #include "reduce.cuh"
-#include "norm.cuh"
 
-// Formats (kernel flags above the UBNEXT_F_* bits of desc.cuh, which every kernel shares).
-#define UBX_BQ_SWIZZLED (1 << 16)  // scales in to_blocked's 128x4-tile layout, padding zeroed
-#define UBX_BQ_UE8M0 (1 << 17)     // fp8_group128: each scale rounded up to a power of two
-
+// The formats are kernel flags (desc.cuh UBNEXT_F_BLOCK_*): the standalone kernels' names say the format
+// and read only SWIZZLED / UE8M0; the fused kernels read the format field too.
+#define UBX_FP8_E4M3_MAX 448.0f
+#define UBX_FP8_SCALE_TINY 1e-12f
 #define UBX_NVFP4_BLOCK 16
 #define UBX_MXFP8_BLOCK 32
 #define UBX_GROUP_BLOCK 128
@@ -42,6 +44,17 @@
 #define UBX_E8M0_INF 0xFEu
 
 namespace ubx {
+
+// ---------------------------------------------------------------- e4m3 with one scale (norm.cuh's FP8 forms)
+// q_j = e4m3(y_j / div), saturating to +-448. True division, as in the torch reference `y / scale_inv`.
+template <int V>
+UBX_DEV void quantize_fp8(const float (&y)[V], float div, uint8_t (&q)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    q[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y[j] / div, __NV_SATFINITE, __NV_E4M3));
+}
+
+UBX_DEV float per_token_scale_inv(float amax) { return nan_max(amax / UBX_FP8_E4M3_MAX, UBX_FP8_SCALE_TINY); }
 
 // ---------------------------------------------------------------- the block's amax
 template <int V>
@@ -196,6 +209,97 @@ UBX_DEV int64_t scale_index(int64_t row, int64_t col, int64_t ncols, bool swizzl
 #endif
 }
 
+// ---------------------------------------------------------------- one vector's share of its block
+enum class BlockFormat { kNvfp4, kMxfp8, kGroup128 };
+
+template <BlockFormat F>
+struct FormatTraits;
+template <>
+struct FormatTraits<BlockFormat::kNvfp4> {
+  static constexpr int kBlock = UBX_NVFP4_BLOCK;
+};
+template <>
+struct FormatTraits<BlockFormat::kMxfp8> {
+  static constexpr int kBlock = UBX_MXFP8_BLOCK;
+};
+template <>
+struct FormatTraits<BlockFormat::kGroup128> {
+  static constexpr int kBlock = UBX_GROUP_BLOCK;
+};
+
+UBX_DEV int block_of(int flags) {
+  const int f = flags & UBNEXT_F_BLOCK_FMT_MASK;
+  return f == UBNEXT_F_BLOCK_NVFP4 ? UBX_NVFP4_BLOCK : f == UBNEXT_F_BLOCK_MXFP8 ? UBX_MXFP8_BLOCK : UBX_GROUP_BLOCK;
+}
+
+template <int V>
+UBX_DEV void store_e2m1(void* out, int64_t gi, const uint8_t (&p)[V / 2]) {
+  uint8_t* at = reinterpret_cast<uint8_t*>(out) + gi * (V / 2);
+  if constexpr (V == 8) {
+    UBX_VECTOR_STORE(at, 4, "NVFP4 vector store");
+    *reinterpret_cast<uint32_t*>(at) = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
+                                       ((uint32_t)p[3] << 24);
+  } else {
+    UBX_VECTOR_STORE(at, 2, "NVFP4 vector store");
+    *reinterpret_cast<uint16_t*>(at) = static_cast<uint16_t>(p[0] | (p[1] << 8));
+  }
+}
+
+// Vector gi (V values y of T's vector, elements [gi*V, gi*V + V) of rows of `hidden`): the block's amax over
+// its lanes, the scale, the codes into `out` (q) and the scale into `scales` by the block's first lane.
+// Every lane of the warp calls it (lanes_max is a shuffle); `live` false: a lane without a vector, which
+// passes 0 and stores nothing. Lanes l..l+L-1 (l % L == 0) must hold one block's vectors in order, which
+// holds when lane t holds vector w0 + t of a row (or of the tensor) with w0 a multiple of 32.
+// gs: NVFP4's global scale (null: the single-level form).
+template <typename T, BlockFormat F>
+UBX_DEV void quantize_block_vals(const float (&y)[DType<T>::kElems], bool live, int64_t gi, void* out, void* scales,
+                                 const float* gs, int hidden, int flags) {
+  constexpr int V = DType<T>::kElems;
+  constexpr int B = FormatTraits<F>::kBlock;
+  constexpr int L = B / V;  // lanes per block
+  const float amax = lanes_max(live ? vec_amax<V>(y) : 0.f, L);
+  if (!live) return;
+  const int64_t e0 = gi * V, row = e0 / hidden, col = (e0 - row * hidden) / B, ncols = hidden / B;
+  const bool first = (threadIdx.x % L) == 0;
+  const int64_t at = scale_index(row, col, ncols, (flags & UBNEXT_F_BLOCK_SWIZZLED) != 0);
+  if constexpr (F == BlockFormat::kNvfp4) {
+    const Nvfp4Scale s = nvfp4_scale(amax, gs);
+    uint8_t p[V / 2];
+    nvfp4_codes<V>(y, s, p);
+    store_e2m1<V>(out, gi, p);
+    if (first) reinterpret_cast<uint8_t*>(scales)[at] = s.code;
+  } else if constexpr (F == BlockFormat::kMxfp8) {
+    const Mxfp8Scale s = mxfp8_scale(amax);
+    uint8_t q[V];
+    mxfp8_codes<V>(y, s, q);
+    store_fp8<V>(out, gi, e0 + V, q);
+    if (first) reinterpret_cast<uint8_t*>(scales)[at] = s.code;
+  } else {
+    const float s = group_scale(amax, (flags & UBNEXT_F_BLOCK_UE8M0) != 0);
+    uint8_t q[V];
+    quantize_fp8<V>(y, s, q);
+    store_fp8<V>(out, gi, e0 + V, q);
+    if (first) reinterpret_cast<float*>(scales)[at] = s;
+  }
+}
+
+// The same, with the format from the flags' format field (the fused kernels: one kernel for every format).
+template <typename T>
+UBX_DEV void quantize_block_vals_of(const float (&y)[DType<T>::kElems], bool live, int64_t gi, void* out,
+                                    void* scales, const float* gs, int hidden, int flags) {
+  switch (flags & UBNEXT_F_BLOCK_FMT_MASK) {
+    case UBNEXT_F_BLOCK_NVFP4:
+      quantize_block_vals<T, BlockFormat::kNvfp4>(y, live, gi, out, scales, gs, hidden, flags);
+      break;
+    case UBNEXT_F_BLOCK_MXFP8:
+      quantize_block_vals<T, BlockFormat::kMxfp8>(y, live, gi, out, scales, gs, hidden, flags);
+      break;
+    default:
+      quantize_block_vals<T, BlockFormat::kGroup128>(y, live, gi, out, scales, gs, hidden, flags);
+      break;
+  }
+}
+
 UBX_DEV int64_t swizzled_scale_count(int64_t rows, int64_t ncols) {
   return ((rows + 127) >> 7) * 128 * (((ncols + 3) >> 2) * 4);
 }
@@ -210,6 +314,15 @@ UBX_DEV void zero_swizzle_padding(uint8_t* scales, int64_t rows, int64_t ncols, 
     const int64_t col = k < tail_rows ? k % pcols : ncols + (k - tail_rows) % (pcols - ncols);
     scales[scale_index(row, col, ncols, true)] = 0;
   }
+}
+
+// The swizzled padding of a call with a block-scaled output in the flags' format field (a fused kernel),
+// zeroed once over the grid. fp8_group128's fp32 scales are never swizzled.
+UBX_DEV void zero_block_padding_of(int flags, void* scales, int64_t rows, int hidden) {
+  const int f = flags & UBNEXT_F_BLOCK_FMT_MASK;
+  if (f == 0 || f == UBNEXT_F_BLOCK_GROUP128 || !(flags & UBNEXT_F_BLOCK_SWIZZLED) || scales == nullptr) return;
+  zero_swizzle_padding(reinterpret_cast<uint8_t*>(scales), rows, hidden / block_of(flags), global_tid(),
+                       global_threads());
 }
 
 }  // namespace ubx

@@ -14,6 +14,16 @@
 #define UBNEXT_F_FP8_STATIC 2
 #define UBNEXT_F_FP8_PER_TOKEN 4
 #define UBNEXT_F_MULTICAST 8
+/* A block-scaled output of the fused norm (issue 28; csrc/device/blockscale.cuh): a two-bit format field
+ * (out = q, scale = NVFP4's global scale or null, scale_inv = the block scales), the scales' to_blocked
+ * layout, and fp8_group128's power-of-two scales. The standalone quantize kernels name their format and
+ * read SWIZZLED and UE8M0 only. In the low 16 bits, so that the call headers compare them across ranks. */
+#define UBNEXT_F_BLOCK_FMT_MASK 0x30
+#define UBNEXT_F_BLOCK_NVFP4 0x10
+#define UBNEXT_F_BLOCK_MXFP8 0x20
+#define UBNEXT_F_BLOCK_GROUP128 0x30
+#define UBNEXT_F_BLOCK_SWIZZLED 0x40
+#define UBNEXT_F_BLOCK_UE8M0 0x80
 /* The plain nvls_twoshot / nvls_lamport sum their portion by unicast loads in rank order (fp32, one
  * rounding: slices.cuh sum_over_ranks) instead of multimem.ld_reduce, keeping the multicast broadcast:
  * the batch-invariant mode's form of them (issue 26). Bit 15, the top of the 16 flag bits that every

@@ -18,6 +18,9 @@
 //         q_j = e4m3_satfinite(y_j / scale[0]);  scale_inv[0] := scale[0]     FP8_STATIC
 //         a = max_j |y_j|; scale_inv[row] = max(a / 448, 1e-12); q_j = e4m3_satfinite(y_j / scale_inv[row])
 //                                       FP8_PER_TOKEN (wins over FP8_STATIC if both are set)
+//         q, scales of y in a block-scaled format (NVFP4, MXFP8, fp8_group128): blockscale.cuh's
+//                                       quantize_block_vals, the standalone quantizer's own code on the
+//                                       same rounded y       BLOCK_FMT field (wins over both FP8 flags)
 // y is rounded to T before quantising (for fp32 that is a no-op), so the per-token amax is taken from
 // exactly the values that are quantised, and a torch reference "rmsnorm in T, then quantise" matches.
 // tiny = 1e-12 (not FLT_MIN): an all-zero row gets scale_inv = 1e-12 and q = 0; avoiding FLT_MIN keeps
@@ -48,9 +51,8 @@
 #include "reduce.cuh"
 #include "ptx.cuh"
 #include "barrier.cuh"
+#include "blockscale.cuh"
 
-#define UBX_FP8_E4M3_MAX 448.0f
-#define UBX_FP8_SCALE_TINY 1e-12f
 // Per-block row cache (dtype bits of r, then of y) in shared memory: 2048 x 16 B = 32 KB, i.e. rows up
 // to hidden 16384 (bf16/fp16) or 8192 (fp32). Longer rows recompute instead (see norm_row).
 #define UBX_ROW_CACHE_VECS 2048
@@ -59,26 +61,30 @@
 
 namespace ubx {
 
-enum { kOutDtype = 0, kOutFp8Static = 1, kOutFp8Token = 2 };
+enum { kOutDtype = 0, kOutFp8Static = 1, kOutFp8Token = 2, kOutBlock = 3 };
 
 UBX_DEV bool uses_rows(int flags) {
-  return (flags & (UBNEXT_F_FUSED_NORM | UBNEXT_F_FP8_STATIC | UBNEXT_F_FP8_PER_TOKEN)) != 0;
+  return (flags & (UBNEXT_F_FUSED_NORM | UBNEXT_F_FP8_STATIC | UBNEXT_F_FP8_PER_TOKEN | UBNEXT_F_BLOCK_FMT_MASK)) != 0;
 }
 // Host contract of row mode (the host checks before launching): whole vectors per row, whole rows. All
 // ranks see the same arguments, so a kernel that returns when this fails leaves every rank untouched.
 template <typename T>
 UBX_DEV bool row_shape_ok(int n, int hidden, int flags) {
   return !uses_rows(flags) || (hidden > 0 && hidden % DType<T>::kElems == 0 && n % hidden == 0 &&
-                               UBX_SSQ_SUPER_VECS % blockDim.x == 0);
+                               UBX_SSQ_SUPER_VECS % blockDim.x == 0 && blockDim.x % 32 == 0 &&
+                               (!(flags & UBNEXT_F_BLOCK_FMT_MASK) || hidden % block_of(flags) == 0));
 }
 UBX_DEV int out_mode(int flags) {
-  return (flags & UBNEXT_F_FP8_PER_TOKEN) ? kOutFp8Token : (flags & UBNEXT_F_FP8_STATIC) ? kOutFp8Static : kOutDtype;
+  return (flags & UBNEXT_F_BLOCK_FMT_MASK) ? kOutBlock
+         : (flags & UBNEXT_F_FP8_PER_TOKEN) ? kOutFp8Token
+         : (flags & UBNEXT_F_FP8_STATIC)    ? kOutFp8Static
+                                            : kOutDtype;
 }
 
 struct RowParams {
   const void* residual;  // T[n] or null (used only with FUSED_NORM)
   const void* weight;    // T[hidden] (FUSED_NORM only)
-  const float* scale;    // static FP8 dequant scale (FP8_STATIC only)
+  const float* scale;    // static FP8 dequant scale (FP8_STATIC), NVFP4's global scale or null (block formats)
   int hidden;
   float eps;
   int flags;
@@ -90,8 +96,8 @@ template <typename T>
 struct GlobalSink {
   void* residual_out;  // T[n] or null; may alias the residual input (each element is read before written,
                        // by the same thread)
-  void* out;           // T[n], or n e4m3 bytes
-  float* scale_inv;    // per-token: float[n / hidden]
+  void* out;           // T[n], or n e4m3 bytes, or n / 2 e2m1 bytes (NVFP4)
+  float* scale_inv;    // per-token: float[n / hidden]; block formats: the block scales (bytes, or fp32)
   int64_t n;
 
   UBX_DEV bool has_res() const { return residual_out != nullptr; }
@@ -107,7 +113,40 @@ struct GlobalSink {
     store_fp8<DType<T>::kElems>(out, gi, n, q);
   }
   UBX_DEV void store_scale_inv(int64_t row, float s) const { scale_inv[row] = s; }
+  // Block formats: vector gi's share of its block (all lanes of the warp call it; blockscale.cuh).
+  UBX_DEV void store_out_blocks(int64_t gi, bool live, const float (&y)[DType<T>::kElems], const RowParams& p) const {
+    quantize_block_vals_of<T>(y, live, gi, out, scale_inv, p.scale, p.hidden, p.flags);
+  }
 };
+
+// What a row kernel writes once per call before its rows, over the whole grid: a static FP8 output's
+// scale_inv (the dequant scale itself), a swizzled block-scale layout's padding zeros.
+UBX_DEV void row_outputs_begin(int flags, const float* scale, float* scale_inv, int64_t nrows, int hidden) {
+  if ((flags & UBNEXT_F_FP8_STATIC) && !(flags & (UBNEXT_F_FP8_PER_TOKEN | UBNEXT_F_BLOCK_FMT_MASK)) &&
+      blockIdx.x == 0 && threadIdx.x == 0 && scale_inv != nullptr)
+    scale_inv[0] = scale[0];
+  zero_block_padding_of(flags, scale_inv, nrows, hidden);
+}
+
+// Stores the normed vector i of a row: y (floats, rounded to T) and yp (packed), in the output form of
+// `mode` other than per-token FP8 (norm_row's pass 3). Every lane of the warp calls it, `live` false for a
+// lane without a vector: the block formats' amax is a shuffle over lanes.
+template <typename T, class Sink>
+UBX_DEV void store_row_out(int mode, const RowParams& p, const Sink& sink, int64_t gi, bool live, const uint4& yp,
+                           const float (&y)[DType<T>::kElems], float sdiv) {
+  constexpr int V = DType<T>::kElems;
+  if (mode == kOutBlock) {
+    sink.store_out_blocks(gi, live, y, p);
+  } else if (!live) {
+    return;
+  } else if (mode == kOutDtype) {
+    sink.store_out(gi, yp);
+  } else {
+    uint8_t q[V];
+    quantize_fp8<V>(y, sdiv, q);
+    sink.store_out_fp8(gi, q);
+  }
+}
 
 // ---------------------------------------------------------------- per-vector pieces
 // x := T(x + residual) (or T(x) without residual), returned packed; x holds the rounded floats.
@@ -150,16 +189,6 @@ template <typename T>
 UBX_DEV uint4 norm_vec(const uint4& r, float rms, const void* weight, int iw, float (&y)[DType<T>::kElems]) {
   return norm_vec_w<T>(r, rms, weight != nullptr, weight != nullptr ? load_whole_vec(weight, iw) : uint4{}, y);
 }
-
-// q_j = e4m3(y_j / div), saturating to +-448. True division, as in the torch reference `y / scale_inv`.
-template <int V>
-UBX_DEV void quantize_fp8(const float (&y)[V], float div, uint8_t (&q)[V]) {
-#pragma unroll
-  for (int j = 0; j < V; ++j)
-    q[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y[j] / div, __NV_SATFINITE, __NV_E4M3));
-}
-
-UBX_DEV float per_token_scale_inv(float amax) { return nan_max(amax / UBX_FP8_E4M3_MAX, UBX_FP8_SCALE_TINY); }
 
 // ---------------------------------------------------------------- the sum of squares (order: above)
 // q_i of one vector of rounded r.
@@ -263,19 +292,19 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
   if (fail != 0.f) return false;
   const float rms = fused ? rms_of(ssq, p.hidden, p.eps) : 1.f;
 
-  // Pass 2: normalise; store (dtype / static FP8) or take the row amax (per-token FP8).
+  // Pass 2: normalise; store (dtype, static FP8, block formats) or take the row amax (per-token FP8).
+  // Warp-uniform trips (i0: the warp's first vector), since the block formats' amax is a shuffle.
   const float sdiv = (mode == kOutFp8Static) ? p.scale[0] : 1.f;
   float amax = 0.f;
-  for (int i = threadIdx.x; i < nv; i += blockDim.x) {
-    float y[V];
-    const uint4 yp = norm_vec<T>(r_of(i), rms, weight, i, y);
-    if (mode == kOutDtype) {
-      sink.store_out(g0 + i, yp);
-    } else if (mode == kOutFp8Static) {
-      uint8_t q[V];
-      quantize_fp8<V>(y, sdiv, q);
-      sink.store_out_fp8(g0 + i, q);
-    } else {
+  for (int i0 = threadIdx.x - lane; i0 < nv; i0 += blockDim.x) {
+    const int i = i0 + lane;
+    const bool live = i < nv;
+    float y[V] = {};
+    uint4 yp = make_uint4(0u, 0u, 0u, 0u);
+    if (live) yp = norm_vec<T>(r_of(i), rms, weight, i, y);
+    if (mode != kOutFp8Token) {
+      store_row_out<T>(mode, p, sink, g0 + i, live, yp, y, sdiv);
+    } else if (live) {
 #pragma unroll
       for (int j = 0; j < V; ++j) amax = nan_max(amax, fabsf(y[j]));
       if (cached) cache[i] = yp;  // pass 3 quantises exactly these bits
@@ -462,17 +491,16 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
   const float rms = fused ? rms_of(ssq, p.hidden, p.eps) : 1.f;
 
   const float sdiv = (mode == kOutFp8Static) ? p.scale[0] : 1.f;
-  for (int i = rp.lo + static_cast<int>(threadIdx.x), k = 0; i < rp.hi; i += blockDim.x, ++k) {
-    float y[V];
-    const uint4 yp = norm_vec_w<T>(cache[i - rp.lo], rms, has_w,
-                                   k < K ? pre.w_at(k) : (has_w ? load_whole_vec(p.weight, i) : uint4{}), y);
-    if (mode == kOutDtype) {
-      sink.store_out(g0 + i, yp);
-    } else {
-      uint8_t q[V];
-      quantize_fp8<V>(y, sdiv, q);
-      sink.store_out_fp8(g0 + i, q);
-    }
+  // warp-uniform trips, as norm_row's pass 2 (rp.lo is a multiple of 32 vectors)
+  for (int i0 = rp.lo + static_cast<int>(threadIdx.x) - lane, k = 0; i0 < rp.hi; i0 += blockDim.x, ++k) {
+    const int i = i0 + lane;
+    const bool live = i < rp.hi;
+    float y[V] = {};
+    uint4 yp = make_uint4(0u, 0u, 0u, 0u);
+    if (live)
+      yp = norm_vec_w<T>(cache[i - rp.lo], rms, has_w,
+                         k < K ? pre.w_at(k) : (has_w ? load_whole_vec(p.weight, i) : uint4{}), y);
+    store_row_out<T>(mode, p, sink, g0 + i, live, yp, y, sdiv);
   }
   return true;
 }

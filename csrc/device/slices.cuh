@@ -187,9 +187,6 @@ UBX_DEV const void* row_phase_residual(const void* residual) { return UBX_OWNER_
 // Bytes each rank's slot of a Lamport buffer holds for this message.
 UBX_DEV uint64_t slice_slot_bytes(const Slices& s) { return static_cast<uint64_t>(s.nrows * s.cv) * 16u; }
 
-UBX_DEV int64_t global_tid() { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
-UBX_DEV int64_t global_threads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
-
 // Rows of block b (rows b, b + G, b + 2G, ...).
 UBX_DEV int64_t rows_of_block(int64_t nrows) {
   const int64_t b = blockIdx.x, g = gridDim.x;
@@ -290,9 +287,7 @@ template <typename T, class Src>
 UBX_DEV void rows_phase(Src& src, int64_t nrows, const void* residual, void* residual_out, const void* weight,
                         const float* scale, float* scale_inv, void* out, int64_t n, int hidden, float eps,
                         int flags, uint4* cache, float* scratch) {
-  if ((flags & UBNEXT_F_FP8_STATIC) && !(flags & UBNEXT_F_FP8_PER_TOKEN) && blockIdx.x == 0 &&
-      threadIdx.x == 0 && scale_inv != nullptr)
-    scale_inv[0] = scale[0];  // static: the returned scale_inv IS the dequant scale, written once
+  row_outputs_begin(flags, scale, scale_inv, nrows, hidden);
   const RowParams rp{residual, weight, scale, hidden, eps, flags};
   const GlobalSink<T> sink{residual_out, out, scale_inv, n};
   for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)

@@ -19,6 +19,9 @@ union F32Bits {
   float f;
   uint32_t u;
 };
+UBX_DEV int64_t global_tid() { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
+UBX_DEV int64_t global_threads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
 UBX_DEV float u32_as_f32(uint32_t u) {
   F32Bits b;
   b.u = u;

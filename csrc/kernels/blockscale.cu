@@ -4,12 +4,12 @@
 // Kernels: ubnext_quantize_{nvfp4,mxfp8,fp8_group128}_{bf16,fp16,fp32}, with the one ABI parameter list
 // (docs/ARCHITECTURE.md): in (x, n elements of T, rows of `hidden` = K), out (q), scale (NVFP4's
 // one-element fp32 global scale, or null), scale_inv (the block scales), n, hidden, flags
-// (UBX_BQ_SWIZZLED, UBX_BQ_UE8M0). desc, residual, residual_out, weight and eps are unused: local, no
+// (UBNEXT_F_BLOCK_SWIZZLED, UBNEXT_F_BLOCK_UE8M0). desc, residual, residual_out, weight and eps are unused: local, no
 // peer, nothing waits, so the grid is the work's (no residency cap).
 //   nvfp4        q: n / 2 bytes, two e2m1 per byte, the even element low; scales: e4m3, one per 16.
 //   mxfp8        q: n e4m3 bytes; scales: e8m0, one per 32.
-//   fp8_group128 q: n e4m3 bytes; scales: fp32, one per 128 (UBX_BQ_UE8M0: powers of two).
-// Scales are row-major [n / K, K / block], or (UBX_BQ_SWIZZLED, nvfp4 and mxfp8) in to_blocked's layout
+//   fp8_group128 q: n e4m3 bytes; scales: fp32, one per 128 (UBNEXT_F_BLOCK_UE8M0: powers of two).
+// Scales are row-major [n / K, K / block], or (UBNEXT_F_BLOCK_SWIZZLED, nvfp4 and mxfp8) in to_blocked's layout
 // with its padding zeroed by this kernel.
 //
 // Each thread keeps kInFlight 16-byte loads in flight: vector gi = w0 + lane + u * stride, so for every
@@ -22,83 +22,11 @@
 #include "../device/entry.cuh"
 #include "../device/vec.cuh"
 #include "../device/reduce.cuh"
-#include "../device/norm.cuh"
-#include "../device/slices.cuh"
 #include "../device/blockscale.cuh"
 
 namespace ubx {
 
-enum class BlockFormat { kNvfp4, kMxfp8, kGroup128 };
-
-template <BlockFormat F>
-struct FormatTraits;
-template <>
-struct FormatTraits<BlockFormat::kNvfp4> {
-  static constexpr int kBlock = UBX_NVFP4_BLOCK;
-  typedef uint8_t Scale;
-};
-template <>
-struct FormatTraits<BlockFormat::kMxfp8> {
-  static constexpr int kBlock = UBX_MXFP8_BLOCK;
-  typedef uint8_t Scale;
-};
-template <>
-struct FormatTraits<BlockFormat::kGroup128> {
-  static constexpr int kBlock = UBX_GROUP_BLOCK;
-  typedef float Scale;
-};
-
 constexpr int kBlockInFlight = 4;
-
-template <int V>
-UBX_DEV void store_e2m1(void* out, int64_t gi, const uint8_t (&p)[V / 2]) {
-  uint8_t* at = reinterpret_cast<uint8_t*>(out) + gi * (V / 2);
-  if constexpr (V == 8) {
-    UBX_VECTOR_STORE(at, 4, "NVFP4 vector store");
-    *reinterpret_cast<uint32_t*>(at) = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
-                                       ((uint32_t)p[3] << 24);
-  } else {
-    UBX_VECTOR_STORE(at, 2, "NVFP4 vector store");
-    *reinterpret_cast<uint16_t*>(at) = static_cast<uint16_t>(p[0] | (p[1] << 8));
-  }
-}
-
-// One vector's share of its block: the block's amax over its lanes, the scale, the codes, and the
-// scale's store by the block's first lane. Every lane of the warp calls it (`live` false: a lane past
-// the tensor, which passes 0 to the shuffle and stores nothing).
-template <typename T, BlockFormat F>
-UBX_DEV void quantize_block_vec(const uint4& v, bool live, int64_t gi, void* out, void* scales, const float* gs,
-                                int hidden, int flags) {
-  constexpr int V = DType<T>::kElems;
-  constexpr int B = FormatTraits<F>::kBlock;
-  constexpr int L = B / V;  // lanes per block
-  float y[V];
-  unpack<T>(v, y);
-  const float amax = lanes_max(live ? vec_amax<V>(y) : 0.f, L);
-  if (!live) return;
-  const int64_t e0 = gi * V, row = e0 / hidden, col = (e0 - row * hidden) / B, ncols = hidden / B;
-  const bool first = (threadIdx.x % L) == 0;
-  const int64_t at = scale_index(row, col, ncols, (flags & UBX_BQ_SWIZZLED) != 0);
-  if constexpr (F == BlockFormat::kNvfp4) {
-    const Nvfp4Scale s = nvfp4_scale(amax, gs);
-    uint8_t p[V / 2];
-    nvfp4_codes<V>(y, s, p);
-    store_e2m1<V>(out, gi, p);
-    if (first) reinterpret_cast<uint8_t*>(scales)[at] = s.code;
-  } else if constexpr (F == BlockFormat::kMxfp8) {
-    const Mxfp8Scale s = mxfp8_scale(amax);
-    uint8_t q[V];
-    mxfp8_codes<V>(y, s, q);
-    store_fp8<V>(out, gi, e0 + V, q);
-    if (first) reinterpret_cast<uint8_t*>(scales)[at] = s.code;
-  } else {
-    const float s = group_scale(amax, (flags & UBX_BQ_UE8M0) != 0);
-    uint8_t q[V];
-    quantize_fp8<V>(y, s, q);
-    store_fp8<V>(out, gi, e0 + V, q);
-    if (first) reinterpret_cast<float*>(scales)[at] = s;
-  }
-}
 
 template <typename T, BlockFormat F>
 UBX_DEV void quantize_blocks(const void* in, void* out, const float* gs, void* scales, int n, int hidden,
@@ -119,10 +47,12 @@ UBX_DEV void quantize_blocks(const void* in, void* out, const float* gs, void* s
 #pragma unroll
     for (int u = 0; u < kBlockInFlight; ++u) {
       const int64_t gi = w0 + lane + u * stride;
-      quantize_block_vec<T, F>(v[u], gi < nv, gi, out, scales, gs, hidden, flags);
+      float y[V];
+      unpack<T>(v[u], y);
+      quantize_block_vals<T, F>(y, gi < nv, gi, out, scales, gs, hidden, flags);
     }
   }
-  if (F != BlockFormat::kGroup128 && (flags & UBX_BQ_SWIZZLED))
+  if (F != BlockFormat::kGroup128 && (flags & UBNEXT_F_BLOCK_SWIZZLED))
     zero_swizzle_padding(reinterpret_cast<uint8_t*>(scales), nrows, hidden / B, global_tid(), stride);
 }
 

@@ -260,9 +260,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
       store_vec<T>(out, gi, n, pack<T>(x));
     }
   } else {
-    if ((flags & UBNEXT_F_FP8_STATIC) && !(flags & UBNEXT_F_FP8_PER_TOKEN) && blockIdx.x == 0 &&
-        threadIdx.x == 0 && scale_inv != nullptr)
-      scale_inv[0] = scale[0];  // static: the returned scale_inv IS the dequant scale, written once
+    row_outputs_begin(flags, scale, scale_inv, nrows, hidden);
     const GlobalSink<T> sink{residual_out, out, scale_inv, static_cast<int64_t>(n)};
     if (split > 1) {
       if (part.active) (void)norm_row_part<T>(rp, part, pre, src, sink, s_cache, s_red, d, UBNEXT_OP_LAMPORT);

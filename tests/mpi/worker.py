@@ -1114,7 +1114,7 @@ def case_quantize_blocks():
     (tests/unit/test_blockscale.py ties that reference to torchao): every format and dtype, M of 1, 7,
     129 and 200, swizzled scales with padding rows (M 7, 129, 200) and columns (K 1040: 65 NVFP4
     scales a row), NaN, inf and zero blocks."""
-    from ubnext._blockscale import quantize_reference
+    from ubnext._blockscale import BLOCKS, block_flags, quantize_reference
     from ubnext._checks import FP8_MAX
 
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -1143,8 +1143,7 @@ def case_quantize_blocks():
         assert not len(bad), f"{what}: q differs at {bad[:5].tolist()}: {q.cpu().view(torch.uint8)[tuple(bad[0])]} vs {q_ref.view(torch.uint8)[tuple(bad[0])]} x {x[tuple(bad[0])]}"
         assert torch.equal(scales.cpu().view(torch.uint8), s_ref.view(torch.uint8)), f"{what}: scales differ"
         path = "torch" if MODE == "torch" else "quantize_" + fmt
-        assert COMM._calls[("quantize_" + fmt, m * k, dtype, k, (1 << 16 if swizzled else 0) | (
-            1 << 17 if ue8m0 else 0))].path == path, what
+        assert COMM._calls[("quantize_" + fmt, m * k, dtype, k, block_flags(None, swizzled, ue8m0))].path == path, what
 
 
 # (fmt, swizzled, ue8m0, two-level NVFP4) of the fused block-scaled forms
@@ -1159,7 +1158,7 @@ def check_fused_quant(comm, tokens: int, hidden: int, seed: int) -> str:
     of that call's normed output, and bitwise the torch reference of it (which no kernel build
     touches, so a broken nibble order or swizzle shows even where both sides would share it).
     Returns the path the calls took (every call must take the same one)."""
-    from ubnext._blockscale import quantize_reference
+    from ubnext._blockscale import BLOCKS, quantize_reference
     from ubnext._checks import FP8_MAX
 
     n, dtype = dist.get_world_size(), torch.bfloat16
@@ -1170,6 +1169,8 @@ def check_fused_quant(comm, tokens: int, hidden: int, seed: int) -> str:
     out, residual_out, _ = comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6)
     path = comm.last_path
     for fmt, swizzled, ue8m0, two_level in FUSED_QUANT_FORMS:
+        if hidden % BLOCKS[fmt]:
+            continue  # refused (case_fused_quant): K must be a multiple of the block
         gs = torch.tensor([float(out.float().abs().amax()) / (FP8_MAX * 6)]).to(device()) if two_level else None
         q, res_q, scales = comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, quant=fmt, global_scale=gs,
                                                        swizzled=swizzled, ue8m0=ue8m0)
@@ -1185,10 +1186,16 @@ def check_fused_quant(comm, tokens: int, hidden: int, seed: int) -> str:
     return path
 
 
+# (M, K) of the fused forms: one row split over CTAs (Lamport), rows whose last warp is partial (K 1040:
+# 130 bf16 vectors; a multiple of NVFP4's block only), and the swizzled layout's padding rows (129 and
+# 200 rows: two 128-row tiles, the second mostly padding)
+FUSED_QUANT_SHAPES = ((1, 8192), (7, 1040), (129, 1024), (200, 1024))
+
+
 def case_fused_quant():
-    """The fused block-scaled forms (issue 28) on every forced fused path, at M of 1 and 3, hidden
-    2048 (a multiple of every block), and past the pool (torch.distributed's sum, then the norm
-    kernel); the refusals: quant with out_dtype or scale, K not a multiple of the block."""
+    """The fused block-scaled forms (issue 28), one kernel each, on every forced fused path at the
+    FUSED_QUANT_SHAPES, and past the pool (torch.distributed's sum, then the norm kernel); the
+    refusals: quant with out_dtype or scale, K not a multiple of the block."""
     global COMM
     hidden = 2048
     x = torch.zeros(2, 1040, dtype=torch.bfloat16, device=device())
@@ -1203,14 +1210,15 @@ def case_fused_quant():
         else:
             raise AssertionError(f"{kwargs} was not refused")
     if MODE == "torch":
-        check_fused_quant(COMM, 3, hidden, seed=41)
+        check_fused_quant(COMM, 7, 1040, seed=41)
+        check_fused_quant(COMM, 129, 1024, seed=41)
         return
     for path in FUSED_PATHS:
         COMM._algo = path
-        for tokens in (1, 3):
-            ran = check_fused_quant(COMM, tokens, hidden, seed=40 + tokens)
+        for tokens, k in FUSED_QUANT_SHAPES:
+            ran = check_fused_quant(COMM, tokens, k, seed=40 + tokens)
             if COMM.pool.has_multicast or not path.startswith("nvls"):
-                assert ran == path, (path, ran)
+                assert ran == path, (path, tokens, k, ran)
     COMM._algo = None
     main = COMM
     COMM = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=128)  # a small pool: "past the pool" is cheap

@@ -61,6 +61,10 @@ def test_descriptor_field_order_matches_header():
         assert f"#define UBNEXT_F_{flag} {getattr(kernels, 'F_' + flag)}" in text
     assert f"#define UBNEXT_F_RANK_ORDER {kernels.F_RANK_ORDER:#x}" in text
     assert kernels.F_RANK_ORDER <= 0xffff, "the call headers compare the low 16 flag bits only"
+    for flag in ("FMT_MASK", "NVFP4", "MXFP8", "GROUP128", "SWIZZLED", "UE8M0"):
+        value = getattr(kernels, "F_BLOCK_" + flag)
+        assert f"#define UBNEXT_F_BLOCK_{flag} {value:#x}" in text, flag
+        assert value <= 0xffff, "the call headers compare the low 16 flag bits only"
     packed = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=6, mc_base=7,
                             layout=pool.PoolLayout(2, 4096, 8192), peer_bases=[100, 200])
     assert len(packed) == pool.DESC_STRUCT_BYTES == 8 * (16 + pool.MAX_RANKS) <= pool.DESC_BYTES

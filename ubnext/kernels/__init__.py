@@ -88,6 +88,13 @@ F_FP8_STATIC = 2
 F_FP8_PER_TOKEN = 4
 F_MULTICAST = 8
 F_RANK_ORDER = 0x8000
+# a block-scaled output (issue 28): the format field, the scales' to_blocked layout, power-of-two scales
+F_BLOCK_FMT_MASK = 0x30
+F_BLOCK_NVFP4 = 0x10
+F_BLOCK_MXFP8 = 0x20
+F_BLOCK_GROUP128 = 0x30
+F_BLOCK_SWIZZLED = 0x40
+F_BLOCK_UE8M0 = 0x80
 
 
 def kernel_name(algo: str, dtype: str) -> str:
