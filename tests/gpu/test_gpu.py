@@ -28,7 +28,9 @@ CASES = ["allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "pool"
          # two communicators' kernels in flight at once, opposite orders: the grid cap's residency rule
          "two_comms_two_streams",
          # issue 26: the batch-invariant mode, and its CUDA-graph replays
-         "batch_invariant", "batch_invariant_graph"]
+         "batch_invariant", "batch_invariant_graph",
+         # issue 28: the fused block-scaled forms, one kernel each, bitwise quantize of the unquantised output
+         "fused_quant"]
 
 
 def test_every_kernel_loads_on_this_gpu():

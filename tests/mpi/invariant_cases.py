@@ -160,11 +160,14 @@ def check_reduce_scatter(comm) -> None:
                 assert_same_bits(out, want, f"reduce_scatter {comm.last_path} {dtype} {op} shard={shard}")
 
 
-def _fused_rows(comm, x, residual, weight, fp8: bool):
-    """The fused op's outputs as per-row tensors: (out, residual_out[, scale_inv per row])."""
-    if fp8:
+def _fused_rows(comm, x, residual, weight, form: str | None):
+    """The fused op's outputs as per-row tensors: (out, residual_out[, scale_inv per row]); ``form``:
+    None (the dtype), "fp8" (per token) or a block-scaled format (issue 28; row-major scales)."""
+    if form == "fp8":
         out, res, scale_inv = comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, out_dtype=FP8)
         return out, res, scale_inv
+    if form:
+        return comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, quant=form)
     out, res, _ = comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6)
     return out, res
 
@@ -187,19 +190,19 @@ class FusedRows:
         self.residual = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
         self.weight = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype)
         self.probes = [0, rows // 2, rows - 1][: self.PROBES]
-        self.alone: dict[tuple[int, bool], tuple] = {}
+        self.alone: dict[tuple[int, str | None], tuple] = {}
 
-    def call(self, idx: torch.Tensor, fp8: bool):
+    def call(self, idx: torch.Tensor, form: str | None):
         d = self.comm.device
-        return _fused_rows(self.comm, self.x[idx].to(d), self.residual[idx].to(d), self.weight.to(d), fp8)
+        return _fused_rows(self.comm, self.x[idx].to(d), self.residual[idx].to(d), self.weight.to(d), form)
 
-    def check(self, count: int, seed: int, fp8: bool, what: str) -> None:
+    def check(self, count: int, seed: int, form: str | None, what: str) -> None:
         """One call of ``count`` tokens holding every probe at a position fixed by ``seed``."""
         forced, self.comm._algo = self.comm._algo, None  # alone: the automatic choice (Lamport)
         try:
             for k in self.probes:
-                if (k, fp8) not in self.alone:
-                    self.alone[(k, fp8)] = tuple(t.cpu() for t in self.call(torch.tensor([k]), fp8))
+                if (k, form) not in self.alone:
+                    self.alone[(k, form)] = tuple(t.cpu() for t in self.call(torch.tensor([k]), form))
         finally:
             self.comm._algo = forced
         gen = torch.Generator().manual_seed(seed)
@@ -208,15 +211,15 @@ class FusedRows:
         where = torch.randperm(count, generator=gen)[: min(count, len(self.probes))]
         for p, k in zip(where.tolist(), self.probes):
             idx[p] = k
-        got = self.call(idx, fp8)
+        got = self.call(idx, form)
         path = self.comm.last_path
         bits = b"".join(t.cpu().contiguous().view(torch.uint8).numpy().tobytes() for t in got)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, bits)
         assert all(b == everyone[0] for b in everyone), f"fused {path} {count} tokens: the ranks' outputs differ"
         for p, k in zip(where.tolist(), self.probes):
-            for i, (g, a) in enumerate(zip(got, self.alone[(k, fp8)])):
-                assert_same_bits(g[p], a[0], f"{what} ({path}) {self.dtype} fp8={fp8} {count} tokens: token {k} "
+            for i, (g, a) in enumerate(zip(got, self.alone[(k, form)])):
+                assert_same_bits(g[p], a[0], f"{what} ({path}) {self.dtype} form={form} {count} tokens: token {k} "
                                  f"at position {p}, output {i}, against the token alone")
 
 
@@ -228,7 +231,7 @@ def _fused_counts(comm, dtype: torch.dtype) -> dict[str, int]:
 
 def check_fused(comm, paths: tuple[str, ...]) -> None:
     """Row invariance of the fused op across counts, positions and the given forced paths, each
-    token against itself alone; FP8 per token too."""
+    token against itself alone; FP8 per token and the block-scaled formats too."""
     for dtype in DTYPES:
         counts = _fused_counts(comm, dtype)
         rows = FusedRows(comm, counts["torch"] + 8, dtype, seed=dtype.itemsize)
@@ -239,11 +242,14 @@ def check_fused(comm, paths: tuple[str, ...]) -> None:
                    "nvls_lamport": counts["lamport"]}.get(path, counts["torch"])
             for count in sorted({1, 2, 5, counts["lamport"], counts["twoshot"], counts["torch"]}):
                 if count <= top:
-                    rows.check(count, seed=count, fp8=False, what=f"fused {path}")
+                    rows.check(count, seed=count, form=None, what=f"fused {path}")
                     if path != "auto":
                         _expect_path(comm, path, count * HIDDEN * dtype.itemsize, dtype, True, HIDDEN)
-            rows.check(min(top, 5), seed=11, fp8=True, what=f"fused {path}")
-            rows.check(top, seed=12, fp8=True, what=f"fused {path}")
+            rows.check(min(top, 5), seed=11, form="fp8", what=f"fused {path}")
+            rows.check(top, seed=12, form="fp8", what=f"fused {path}")
+            # the block-scaled forms (issue 28): a token's q and scales are its own too
+            for seed, form in enumerate(("nvfp4", "mxfp8", "fp8_group128")):
+                rows.check(top if seed % 2 == 0 else min(top, 5), seed=13 + seed, form=form, what=f"fused {path}")
     comm._algo = None
 
 

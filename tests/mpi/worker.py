@@ -1152,7 +1152,7 @@ FUSED_QUANT_FORMS = (("nvfp4", True, False, True), ("nvfp4", False, False, False
                      ("fp8_group128", False, False, False))
 
 
-def check_fused_quant(comm, tokens: int, hidden: int, seed: int) -> str:
+def check_fused_quant(comm, tokens: int, hidden: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> str:
     """Issue 28's "fusion changes no bit": for each block-scaled form, all_reduce_add_rmsnorm(...,
     quant=fmt) gives residual_out bitwise the unquantised call's, and q / scales bitwise comm.quantize
     of that call's normed output, and bitwise the torch reference of it (which no kernel build
@@ -1161,9 +1161,7 @@ def check_fused_quant(comm, tokens: int, hidden: int, seed: int) -> str:
     from ubnext._blockscale import BLOCKS, quantize_reference
     from ubnext._checks import FP8_MAX
 
-    n, dtype = dist.get_world_size(), torch.bfloat16
-    inputs = [T.rank_input(r, tokens * hidden, dtype, seed) for r in range(n)]
-    x = inputs[dist.get_rank()].view(tokens, hidden).to(device())
+    x = T.rank_input(dist.get_rank(), tokens * hidden, dtype, seed).view(tokens, hidden).to(device())
     residual = T.rank_input(99, tokens * hidden, dtype, seed).view(tokens, hidden).to(device())
     weight = (1 + 0.1 * T.rank_input(98, hidden, torch.float64, seed)).to(dtype).to(device())
     out, residual_out, _ = comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6)
@@ -1174,7 +1172,7 @@ def check_fused_quant(comm, tokens: int, hidden: int, seed: int) -> str:
         gs = torch.tensor([float(out.float().abs().amax()) / (FP8_MAX * 6)]).to(device()) if two_level else None
         q, res_q, scales = comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, quant=fmt, global_scale=gs,
                                                        swizzled=swizzled, ue8m0=ue8m0)
-        what = f"{path} {fmt} {tokens}x{hidden} swizzled={swizzled} ue8m0={ue8m0} global_scale={two_level}"
+        what = f"{path} {fmt} {tokens}x{hidden} {dtype} swizzled={swizzled} ue8m0={ue8m0} global_scale={two_level}"
         assert comm.last_path == path, (what, comm.last_path)
         assert torch.equal(res_q.view(torch.uint8), residual_out.view(torch.uint8)), f"{what}: residual_out differs"
         q_alone, s_alone = comm.quantize(out, fmt, global_scale=gs, swizzled=swizzled, ue8m0=ue8m0)
@@ -1186,10 +1184,12 @@ def check_fused_quant(comm, tokens: int, hidden: int, seed: int) -> str:
     return path
 
 
-# (M, K) of the fused forms: one row split over CTAs (Lamport), rows whose last warp is partial (K 1040:
-# 130 bf16 vectors; a multiple of NVFP4's block only), and the swizzled layout's padding rows (129 and
-# 200 rows: two 128-row tiles, the second mostly padding)
-FUSED_QUANT_SHAPES = ((1, 8192), (7, 1040), (129, 1024), (200, 1024))
+# (M, K, dtype) of the fused forms: one row split over CTAs (Lamport), rows whose last warp is partial
+# (K 1040: 130 bf16 vectors; a multiple of NVFP4's block only), the swizzled layout's padding rows (129
+# and 200 rows: two 128-row tiles, the second mostly padding), and the other dtypes (fp32: 4 values per
+# vector, so a block spans twice the lanes)
+FUSED_QUANT_SHAPES = ((1, 8192, torch.bfloat16), (7, 1040, torch.bfloat16), (129, 1024, torch.bfloat16),
+                      (200, 1024, torch.bfloat16), (3, 2048, torch.float16), (2, 4096, torch.float32))
 
 
 def case_fused_quant():
@@ -1215,10 +1215,10 @@ def case_fused_quant():
         return
     for path in FUSED_PATHS:
         COMM._algo = path
-        for tokens, k in FUSED_QUANT_SHAPES:
-            ran = check_fused_quant(COMM, tokens, k, seed=40 + tokens)
+        for tokens, k, dtype in FUSED_QUANT_SHAPES:
+            ran = check_fused_quant(COMM, tokens, k, seed=40 + tokens, dtype=dtype)
             if COMM.pool.has_multicast or not path.startswith("nvls"):
-                assert ran == path, (path, tokens, k, ran)
+                assert ran == path, (path, tokens, k, dtype, ran)
     COMM._algo = None
     main = COMM
     COMM = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=128)  # a small pool: "past the pool" is cheap
