@@ -87,8 +87,11 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             why[path] = NOT_RANK_ORDER
         elif path.startswith("nvls") and not pool.has_multicast:
             why[path] = "the pool has no multicast address"
-        elif path in ("lamport", "nvls_lamport") and nbytes > pool.lamport_capacity:
-            why[path] = f"{nbytes} bytes exceed the Lamport slot ({pool.lamport_capacity} bytes{_sizing(pool)}"
+        elif path in ("lamport", "nvls_lamport") and lamport_bytes_needed(
+                path, nbytes, fused, pool.world_size, batch_invariant) > pool.lamport_capacity:
+            needed = lamport_bytes_needed(path, nbytes, fused, pool.world_size, batch_invariant)
+            what = f"{nbytes} bytes" if needed == nbytes else f"{nbytes} bytes ({needed} in its push form's slot)"
+            why[path] = f"{what} exceed the Lamport slot ({pool.lamport_capacity} bytes{_sizing(pool)}"
         elif path != "lamport" and nbytes > pool.staging_bytes and not (
                 in_place_pool and path in IN_PLACE_PATHS):
             # a pool tensor reduced in place by a two-shot kernel already sits where the kernel
@@ -108,6 +111,16 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
         why["torch_symm"] = None
     why["torch"] = None
     return why
+
+
+def lamport_bytes_needed(path: str, nbytes: int, fused: bool, world_size: int, batch_invariant: bool) -> int:
+    """The bytes of one Lamport slot (less its header) that a call of ``path`` fills: the message for
+    ``lamport``, and at most the message for ``nvls_lamport``; the batch-invariant mode's plain
+    ``nvls_lamport`` (its push form, csrc/kernels/nvls.cu) holds each rank's portion twice, received
+    and broadcast: 2 x 16 x ceil(vectors / N), a quarter of the message at 8 ranks."""
+    if path == "nvls_lamport" and batch_invariant and not fused:
+        return 2 * 16 * -(-(-(-nbytes // 16)) // world_size)
+    return nbytes
 
 
 def _sizing(pool: PoolView) -> str:

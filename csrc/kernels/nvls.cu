@@ -106,6 +106,7 @@
 #include "../device/norm.cuh"
 #include "../device/slices.cuh"
 #include "../device/lamport_rotation.cuh"
+#include "../device/lamport_poll.cuh"
 
 namespace ubx {
 
@@ -298,6 +299,146 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
 }
 
 // ---------------------------------------------------------------- nvls_lamport
+// Flat mode, after the broadcast: every owner's item j of this thread (j = global thread index, grid-
+// strided; the same mapping as the exchange), polled in our copy of the Lamport buffer (slot r's item j
+// at data0 + r * slot + 16 j: every word ready) and written to out. False on a timeout (reported).
+template <typename T>
+UBX_DEV bool poll_portions_flat(const ubnext_comm_desc* d, const uint8_t* data0, uint64_t slot, const Slices& sl,
+                                uint32_t nranks, void* out, int n) {
+  bool failed = false;
+  for (int64_t j = global_tid(); j < sl.cv && !failed; j += global_threads()) {
+    // Every owner's item j: issue all loads first, then wait for the ones not yet there.
+    constexpr int kPeers = 8;
+    for (uint32_t r0 = 0; r0 < nranks && !failed; r0 += kPeers) {
+      uint4 v[kPeers];  // zeroed: only entries with a valid index are loaded / used
+      for (int u = 0; u < kPeers; ++u) v[u] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int u = 0; u < kPeers; ++u) {
+        const uint32_t r = r0 + u;
+        if (r < nranks && static_cast<int64_t>(r) * sl.cv + j < sl.nv)
+          v[u] = ld_volatile_v4(data0 + r * slot + static_cast<uint64_t>(j) * 16u);
+      }
+#pragma unroll
+      for (int u = 0; u < kPeers; ++u) {
+        const uint32_t r = r0 + u;
+        const int64_t gi = static_cast<int64_t>(r) * sl.cv + j;
+        if (r < nranks && gi < sl.nv && !failed) {
+          if (!is_ready(v[u]) && !poll_ready_v4(data0 + r * slot + static_cast<uint64_t>(j) * 16u, v[u], d,
+                                                UBNEXT_OP_NVLS_LAMPORT, r)) {
+            failed = true;
+          } else {
+            store_vec<T>(out, gi, n, v[u]);
+          }
+        }
+      }
+    }
+  }
+  return !failed;
+}
+
+// ---------------------------------------------------------------- nvls_lamport, push form
+// The batch-invariant mode's plain nvls_lamport (UBNEXT_F_RANK_ORDER, flat; issue 26): a rank-order sum
+// without nvls_lamport's barrier and its load round trip. The pull form (rank-order unicast loads of the
+// peers' `in` after a barrier) costs 5 hops; this one 2, with the same bytes.
+// Slot s of every rank's copy of Lamport buffer b = k % 3 (lamport_rotation.cuh), cv = ceil(nv / N):
+//   [0, H)                 rank s's call header (H = UBNEXT_LAMPORT_HEADER_BYTES), multicast by rank s
+//   [H, H + 16 cv)         owner s's reduced portion, multicast by s into every copy (the broadcast)
+//   [H + 16 cv, H + 32 cv) on rank j's copy: rank s's values of portion j, stored by s (the push)
+//   1. push: thread t loads its items j (t, t + G, ...) of EVERY owner's portion of `in` (sanitised:
+//      -0 -> +0, so no word is the sentinel) and stores owner s's item j at slot [rank], H + 16 (cv + j)
+//      of rank s's copy (relaxed .sys stores, peers first, our own last); thread 0 of block 0 multicasts
+//      our call header into slot [rank].
+//   2. re-poison our copy of the previous call's buffer while the peers' data is in flight.
+//   3. thread 0 of block 0 compares every peer's header with ours (lamport.cu's check); every thread
+//      polls its items j of OUR portion in every slot's receive region, sums them in fp32 in rank order
+//      0..N-1 from +0 (lamport_poll.cuh LamportSrc: the Lamport one-shot's sum, bit for bit), rounds
+//      once to T, sanitises and multicasts the vector into slot [rank], H + 16 j of every copy.
+//   4. every thread polls its items j of every owner's broadcast in our copy and writes out.
+//   5. the last block records H + 32 cv bytes per slot for the re-poison of the next call but one.
+// Deadlock freedom: thread t waits only for thread t of every rank (the same grid on every rank), which
+// pushes before it waits (step 3), and then for thread t's broadcast of every owner, which follows only
+// that owner's step-3 wait; no cycle, and no wait on another block: any grid is safe.
+// The rotation's argument (lamport_rotation.cuh, "a word seen is a store landed") holds as for
+// lamport.cu: every word of our copy written in a call is polled by us in that call (our portion's
+// receive slots, every owner's broadcast, every peer's header), but our own header, which nobody reads.
+// No fence between the multicast store of step 3 and the unicast poll of our own broadcast slot in
+// step 4: the poll validates itself, as lamport.cu's does (its comment gives the argument).
+// Known deviation: a sum that rounds to -0 (possible only where fp16's range underflows) is stored as
+// +0, since the broadcast word must not be the sentinel; the rank-order reference keeps the -0.
+// Contract: flat (no row flags); `in` and `out` anywhere (only this rank reads `in`), not overlapping
+// the pool's Lamport buffers; H + 32 cv <= desc->lamport_slot_bytes (the host checks: ubnext/plan.py
+// lamport_bytes_needed), else every rank returns at once, touching nothing.
+template <typename T>
+UBX_DEV void nvls_lamport_push(const ubnext_comm_desc* d, const void* in, void* out, int n, int hidden, int flags) {
+  constexpr int V = DType<T>::kElems;
+  constexpr int kOwners = 8;  // loads of `in` in flight before the first push store
+  const uint32_t rank = static_cast<uint32_t>(d->rank);
+  const uint32_t nranks = static_cast<uint32_t>(d->nranks);
+  const Slices sl = message_slices<T>(n, hidden, flags, nranks);
+  const uint64_t slot = d->lamport_slot_bytes;
+  const uint64_t recv_off = UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(sl.cv) * 16u;
+  const uint64_t bytes_used = recv_off + static_cast<uint64_t>(sl.cv) * 16u;
+  if (sl.rows || bytes_used > slot) return;  // host contract
+  const uint32_t aborted = abort_flag(d);  // tested after the first loads of `in` (lamport.cu)
+
+  const LamportRot rot = lamport_rot_begin(d);  // before this block's done increment (step 5)
+  const uint64_t buf_off = lamport_buffer_off(d, rot.b);
+  const uint8_t* my_buf = rot.own + buf_off;  // our copy of buffer b, slot 0
+  const uint64_t mc_slot = static_cast<uint64_t>(d->mc_base) + buf_off + static_cast<uint64_t>(rank) * slot;
+  const uint64_t my_recv = buf_off + static_cast<uint64_t>(rank) * slot + recv_off;  // in every rank's copy
+
+  // ---- 1. push
+  for (int64_t j = global_tid(); j < sl.cv; j += global_threads()) {
+    for (uint32_t i0 = 0; i0 < nranks; i0 += kOwners) {
+      uint4 v[kOwners];
+#pragma unroll
+      for (uint32_t u = 0; u < kOwners; ++u) {
+        const uint32_t s = (rank + 1u + i0 + u) % nranks;  // peers first, our own portion last
+        const int64_t gi = static_cast<int64_t>(s) * sl.cv + j;
+        v[u] = i0 + u < nranks && gi < sl.nv ? sanitize<T>(load_vec<T>(in, gi, n)) : make_uint4(0u, 0u, 0u, 0u);
+      }
+      if (aborted != 0u) break;
+#pragma unroll
+      for (uint32_t u = 0; u < kOwners; ++u) {
+        const uint32_t s = (rank + 1u + i0 + u) % nranks;
+        if (i0 + u < nranks && static_cast<int64_t>(s) * sl.cv + j < sl.nv)
+          st_relaxed_sys_v4(reinterpret_cast<void*>(static_cast<uint64_t>(d->peer_base[s]) + my_recv +
+                                                    static_cast<uint64_t>(j) * 16u), v[u]);
+      }
+    }
+  }
+  // no word of a header is the sentinel: op != 0, and n, hidden < 2^31
+  const uint4 header = make_uint4(UBNEXT_OP_NVLS_LAMPORT | (DType<T>::kCode << 8) |
+                                      ((static_cast<uint32_t>(flags) & 0xffffu) << 16),
+                                  static_cast<uint32_t>(n), static_cast<uint32_t>(hidden), 0u);
+  const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;
+  if (header_thread && aborted == 0u) multimem_st_v4(reinterpret_cast<void*>(mc_slot), header);
+  if (aborted != 0u) adopt_abort(d, aborted);
+
+  // ---- 2. re-poison our copy of the previous call's buffer
+  lamport_repoison(d, rot);
+
+  // ---- 3. header check; our portion: poll, sum in rank order, broadcast
+  LamportSrc<T> headers{my_buf + UBNEXT_LAMPORT_HEADER_BYTES, slot, nranks, d, timeout_ns(d), aborted != 0u};
+  LamportSrc<T> recv{my_buf + recv_off, slot, nranks, d, timeout_ns(d), aborted != 0u};
+  headers.op = recv.op = UBNEXT_OP_NVLS_LAMPORT;
+  if (header_thread && !recv.failed && !lamport_headers_match(headers, header, rank)) recv.failed = true;
+  for (int64_t j = global_tid(); j < sl.cv && static_cast<int64_t>(rank) * sl.cv + j < sl.nv;
+       j += global_threads()) {
+    float acc[V];
+    if (!recv(j, acc)) break;  // timed out or aborted (reported): still finish below
+    multimem_st_v4(reinterpret_cast<void*>(mc_slot + UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(j) * 16u),
+                   sanitize<T>(pack<T>(acc)));
+  }
+
+  // ---- 4. every owner's broadcast: poll, write out
+  if (!recv.failed) (void)poll_portions_flat<T>(d, my_buf + UBNEXT_LAMPORT_HEADER_BYTES, slot, sl, nranks, out, n);
+
+  // ---- 5. finish (also after a timeout: the done counter must count every block)
+  lamport_rot_finish(rot, bytes_used);
+  griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap)
+}
+
 template <typename T>
 UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, const void* residual,
                           void* residual_out, const void* weight, const float* scale, float* scale_inv, int n,
@@ -305,6 +446,10 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
+  if (sums_in_rank_order(flags) && !uses_rows(flags)) {  // the plain rank-order form: no barrier (above)
+    nvls_lamport_push<T>(d, in, out, n, hidden, flags);
+    return;
+  }
   RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_LAMPORT, DType<T>::kCode, n, hidden, flags, in);  // early: its loads overlap the setup below
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
@@ -343,35 +488,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
 
     // ---- poll our copy of buffer b, write out (or the row math)
     if (!sl.rows) {
-      bool failed = false;
-      for (int64_t j = global_tid(); j < sl.cv && !failed; j += global_threads()) {
-        // Every owner's item j: issue all loads first, then wait for the ones not yet there.
-        constexpr int kPeers = 8;
-        for (uint32_t r0 = 0; r0 < nranks && !failed; r0 += kPeers) {
-          uint4 v[kPeers];  // zeroed: only entries with a valid index are loaded / used
-          for (int u = 0; u < kPeers; ++u) v[u] = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-          for (int u = 0; u < kPeers; ++u) {
-            const uint32_t r = r0 + u;
-            if (r < nranks && static_cast<int64_t>(r) * sl.cv + j < sl.nv)
-              v[u] = ld_volatile_v4(my_buf + r * slot + static_cast<uint64_t>(j) * 16u);
-          }
-#pragma unroll
-          for (int u = 0; u < kPeers; ++u) {
-            const uint32_t r = r0 + u;
-            const int64_t gi = static_cast<int64_t>(r) * sl.cv + j;
-            if (r < nranks && gi < sl.nv && !failed) {
-              if (!is_ready(v[u]) &&
-                  !poll_ready_v4(my_buf + r * slot + static_cast<uint64_t>(j) * 16u, v[u], d,
-                                 UBNEXT_OP_NVLS_LAMPORT, r)) {
-                failed = true;
-              } else {
-                store_vec<T>(out, gi, n, v[u]);
-              }
-            }
-          }
-        }
-      }
+      (void)poll_portions_flat<T>(d, my_buf, slot, sl, nranks, out, n);
     } else {
       LamportSliceSrc<T> src{my_buf, slot, sl, d, false};
       rows_phase<T>(src, sl.nrows, row_phase_residual(residual), residual_out, weight, scale, scale_inv, out, n,

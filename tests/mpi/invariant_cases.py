@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import ubnext
 from ubnext._checks import FP8
+from ubnext.plan import lamport_bytes_needed
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HIDDEN = 256  # the fused cases' rows: 512 bytes in bf16
@@ -107,14 +108,20 @@ def check_refusals(mode: str, comm) -> None:
             comm._algo = None
     if _multicast(comm):
         # past the Lamport slot nvls_oneshot precedes nvls_twoshot when a last-bit difference across
-        # ranks is allowed: the mode skips it, saying why, and keeps the rank-order nvls_twoshot
+        # ranks is allowed: the mode skips it, saying why, and keeps a rank-order NVLS path (nvls_twoshot,
+        # or nvls_lamport's push form where it fits: it holds 2/N of the message per slot)
         comm._allow_nondeterministic, allowed = True, comm._allow_nondeterministic
+        nbytes = comm.pool_stats()["staging_bytes"]
         try:
-            text = comm.explain(torch.empty(comm.pool_stats()["staging_bytes"] // 4, device=comm.device))
+            text = comm.explain(torch.empty(nbytes // 4, device=comm.device))
         finally:
             comm._allow_nondeterministic = allowed
-        assert text.startswith("nvls_twoshot:") and "not nvls_oneshot: multimem.ld_reduce sums in the switch's order" \
-            in text, text
+        push_fits = lamport_bytes_needed("nvls_lamport", nbytes, False, dist.get_world_size(), True) \
+            <= comm.pool.lamport_capacity
+        chosen = "nvls_lamport" if push_fits else "nvls_twoshot"
+        assert text.startswith(chosen + ":"), text
+        if not push_fits:
+            assert "not nvls_oneshot: multimem.ld_reduce sums in the switch's order" in text, text
 
 
 def _multicast(comm) -> bool:

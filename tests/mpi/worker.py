@@ -686,8 +686,10 @@ def case_timeout():
     if MODE == "torch":
         return
     os.environ["UBNEXT_TIMEOUT"] = "2"
-    for algo in ("lamport", "nvls_twoshot", "twoshot", "nvls_lamport", "nvls_oneshot"):
-        comm = ubnext.Communicator(emulate=(MODE == "emulator"), max_hidden=1024, algo=algo)
+    # (path, batch-invariant mode): the mode's plain nvls_lamport is its own protocol (the push form)
+    for algo, invariant in (("lamport", False), ("nvls_twoshot", False), ("twoshot", False), ("nvls_lamport", False),
+                            ("nvls_oneshot", False), ("nvls_lamport", True)):
+        comm = ubnext.Communicator(emulate=(MODE == "emulator"), max_hidden=1024, algo=algo, batch_invariant=invariant)
         x = torch.ones(1024, device=device())
         comm.all_reduce(x)  # everyone in: creates the pool
         dist.barrier()  # every rank out of that call before rank 1 stays away (see case_mismatch)
@@ -2462,11 +2464,16 @@ def case_mismatch():
     }
     checked = []
     try:
-        for algo in ("lamport", "twoshot", "nvls_twoshot", "nvls_lamport", "nvls_oneshot"):
+        # (path, batch-invariant mode): the mode's plain nvls_lamport is its push form, whose headers
+        # travel in the Lamport buffer (csrc/kernels/nvls.cu); its fused rows are the barrier form, so a
+        # fused call against a plain one there is two protocols, which end in the timeout instead
+        for algo, invariant in (("lamport", False), ("twoshot", False), ("nvls_twoshot", False),
+                                ("nvls_lamport", False), ("nvls_oneshot", False), ("nvls_lamport", True)):
             for what, (first, other, field) in variants.items():
-                if algo == "nvls_oneshot" and what in ("hidden", "op"):
-                    continue  # never fused (its ranks may differ in the last bits)
-                comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo)
+                if (algo == "nvls_oneshot" or invariant) and what in ("hidden", "op"):
+                    continue  # never fused (its ranks may differ in the last bits), or fused: another form
+                comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo,
+                                           batch_invariant=invariant)
                 plain(torch.bfloat16, 1024)(comm)  # every rank alike: creates the pool
                 # every rank out of that call before any makes the mismatched one: the abort it causes
                 # is sticky, so a rank still inside the call before (descheduled; its peers were free to
@@ -2477,7 +2484,7 @@ def case_mismatch():
                     comm.close()
                     break  # this pool cannot run it (no multicast): no variant can
                 outcome, took = call_outcome(first if rank == 0 else other, comm)
-                where = f"{algo}, {what} differs, rank {rank}"
+                where = f"{algo} (batch_invariant={invariant}), {what} differs, rank {rank}"
                 assert "with different arguments" in outcome, f"{where}: {outcome}"
                 assert f"with {field} " in outcome and "but rank" in outcome, f"{where}: {outcome}"
                 assert took < bound_s / 3, f"{where}: the mismatch took {took:.1f} s to raise"
