@@ -6,7 +6,8 @@
 //                                           multimem.st, per-block barriers around it
 //   ubnext_nvls_oneshot_{...}              every rank multimem.ld_reduces the whole message
 //   ubnext_nvls_lamport_{...}              two-shot whose broadcast lands in the pre-poisoned Lamport
-//                                           buffers and is polled, instead of a final barrier
+//                                           buffers and is polled, instead of a final barrier; plain
+//                                           with UBNEXT_F_RANK_ORDER: its push form (no barrier at all)
 //
 // Addresses: a pool pointer p of this rank has the multicast address mc_base + (p - peer_base[rank])
 // (barrier.cuh: mc_addr). `in` must lie in this rank's pool data arena for all three kernels.
@@ -138,7 +139,8 @@ UBX_DEV bool nvls_args_ok(const ubnext_comm_desc* d, int n, int hidden, int flag
 // two-shot's and Lamport's bits), for fused rows always and for a plain call when the host asks with
 // UBNEXT_F_RANK_ORDER; the broadcast stays multicast. Cost: the owner loads (N-1)/N of the message over
 // NVLink instead of the switch delivering 1/N reduced; the model counts the flagged form on its own
-// (ubnext/_costmodel.py). nvls_oneshot has no such form: every rank would load the whole message from
+// (ubnext/_costmodel.py). The plain flagged nvls_lamport does not load: its ranks push the portions to
+// their owners instead (nvls_lamport_push, below: 2 hops, no barrier). nvls_oneshot has no such form: every rank would load the whole message from
 // every peer, the unicast one-shot's (Lamport's) traffic without its single hop.
 // UBNEXT_BREAK_RANK_ORDER_IGNORED (test-only) ignores the flag: the plain call ld_reduces, whose order
 // the emulator's chaos mode shuffles, and the mode's rank-order reference must see it (3+ ranks).

@@ -46,16 +46,18 @@ PINNED_MULTICAST = {
     ("all_reduce", "nvls_twoshot", 65536): (4, 6, 2, 8256),
     ("all_reduce", "twoshot", 65536): (4, 6, 2, 32832),
     # issue 26: the batch-invariant mode's plain NVLS two-shot paths (/ro: UBNEXT_F_RANK_ORDER), which sum
-    # their portion by unicast loads of every rank's copy in rank order instead of multimem.ld_reduce:
-    # the same CTAs (at 4 ranks the unicast two-shot's grid equals NCCL's ceil(16 / 4)), hops and
+    # in rank order instead of by multimem.ld_reduce. nvls_twoshot/ro: by unicast loads of every rank's
+    # copy: the same CTAs (at 4 ranks the unicast two-shot's grid equals NCCL's ceil(16 / 4)), hops and
     # fences as the default's form (a load round trip either way), and a CTA's bytes up by the N-1
-    # peers' share it loads (nvls_twoshot at 16384: 4 x 4096 loaded, 4096 stored, 64 of barrier,
-    # against 4096 ld_reduced)
-    ("all_reduce", "nvls_lamport/ro", 2048): (1, 5, 1, 8768),
+    # peers' share it loads (at 16384: 4 x 4096 loaded, 4096 stored, 64 of barrier, against 4096
+    # ld_reduced). nvls_lamport/ro: the push form (csrc/kernels/nvls.cu nvls_lamport_push): 2 hops (the
+    # push, the multicast of the sum), no barrier, no fence; a CTA's bytes up by its pushes, the poll of
+    # its receive slots and the re-poison of both regions (at 16384: 118,912)
+    ("all_reduce", "nvls_lamport/ro", 2048): (1, 2, 0, 14976),
     ("all_reduce", "nvls_twoshot/ro", 2048): (1, 6, 2, 2624),
-    ("all_reduce", "nvls_lamport/ro", 16384): (1, 5, 1, 69696),
+    ("all_reduce", "nvls_lamport/ro", 16384): (1, 2, 0, 118912),
     ("all_reduce", "nvls_twoshot/ro", 16384): (1, 6, 2, 20544),
-    ("all_reduce", "nvls_lamport/ro", 65536): (4, 5, 1, 69696),
+    ("all_reduce", "nvls_lamport/ro", 65536): (4, 2, 0, 118912),
     ("all_reduce", "nvls_twoshot/ro", 65536): (4, 6, 2, 20544),
     # the Lamport fused op splits a row over 8 CTAs at 1 token (norm.cuh's row split: 1/8 of the bytes
     # per CTA, the same single hop); at 4 tokens its 32 CTAs are past the measured grids (derived, see

@@ -72,15 +72,22 @@ def test_torch_symm_runs_only_when_asked_for():
 def test_the_batch_invariant_mode_never_plans_a_switch_reduction(nbytes, fused):
     """Issue 26: the mode's choice is the default's without the paths that reduce in the switch
     (nvls_oneshot; torch's symmetric op); one of them forced is an error naming the mode, not a
-    fallback. The two NVLS two-shot paths stay, plain and fused: they sum in rank order by unicast
-    loads (fused rows always; plain calls under the flag the mode sets)."""
+    fallback. The two NVLS two-shot paths stay, plain and fused: they sum in rank order (fused rows
+    always; plain calls under the flag the mode sets). Where the default's nvls_lamport does not fit
+    the Lamport slot, the mode's plain one (its push form, 2/N of the message per slot) may: the
+    mode then takes it, the path the model orders first (4 MB at 8 ranks)."""
     layout = plan_layout(8, 8192)
     view = plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True)
     default = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True)
     mode = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True, batch_invariant=True)
     kept = ("nvls_twoshot", "nvls_lamport")
     assert mode.path in ("lamport", "twoshot", "torch") + kept, mode
-    if default.path != "nvls_oneshot":
+    push_fits = not fused and plan.lamport_bytes_needed("nvls_lamport", nbytes, False, view.world_size, True) \
+        <= view.lamport_capacity < nbytes
+    order = plan.auto_order(nbytes, fused, True, True, view.world_size)
+    if push_fits and default.path in order and order.index("nvls_lamport") < order.index(default.path):
+        assert mode.path == "nvls_lamport", mode
+    elif default.path != "nvls_oneshot":
         assert mode.path == default.path
     else:
         assert ("nvls_oneshot", plan.NOT_RANK_ORDER) in mode.skipped
