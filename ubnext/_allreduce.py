@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import _cuda, kernels, ops, plan
 from ._checks import check_all_reduce_args, check_linear_args
-from ._executor import Call, Launch
+from ._executor import Call, Launch, reads_own_input_only
 from .pool import TORCH_SYMM_SEGMENT, NoRoom
 from .pool.layout import _align
 
@@ -78,8 +78,8 @@ class AllReduceOps:
 
     def _all_reduce_by(self, call: Call, x: torch.Tensor, out: torch.Tensor) -> None:
         path = call.path
-        if path == "lamport":
-            self._launch(call.launch, x, out)
+        if path in ("lamport", "nvls_lamport") and reads_own_input_only(path, call.launch.scalars[3]):
+            self._launch(call.launch, x, out)  # x anywhere, in place too: no peer reads it
         elif path in plan.IN_PLACE_PATHS:
             self._in_place(call.launch, x, out)
         elif path in ("nvls_oneshot", "nvls_lamport"):

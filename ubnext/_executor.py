@@ -98,6 +98,14 @@ def _kernel_name(algo: str, dtype: torch.dtype) -> str:
     return kernels.kernel_name(algo, "u8" if dtype == torch.uint8 else DTYPE_CODES[dtype])
 
 
+def reads_own_input_only(algo: str, flags: int) -> bool:
+    """Whether a launch reads only this rank's ``in``, each vector before the thread that reads it
+    writes ``out``: ``in`` may then lie anywhere, unaligned ones staged locally, and be ``out`` (the
+    Lamport one-shot; nvls_lamport's plain push form, the batch-invariant mode's, csrc/kernels/nvls.cu)."""
+    return algo == "lamport" or (algo == "nvls_lamport" and bool(flags & kernels.F_RANK_ORDER)
+                                 and not flags & (kernels.F_FUSED_NORM | kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN))
+
+
 class Launch(NamedTuple):
     """One call signature's kernel launch, made once (Executor._launch_for): which kernel, its
     grid, its descriptor and scalar arguments, raw for the emulator and laid out for the driver, so
@@ -235,7 +243,7 @@ class Executor:
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if (p_in | p_res | p_res_out | p_w) % 16 or p_out % how.out_align:
             copy_back = []
-            if how.algo != "lamport" and _misaligned(inp):
+            if not reads_own_input_only(how.algo, how.scalars[3]) and _misaligned(inp):
                 raise AssertionError(f"{how.algo}: pool input at {p_in:#x} is not 16-byte aligned")
             staged = self._aligned_copies(inp, out, residual, residual_out, weight, copy_back)
             p_in, p_out, p_res, p_res_out, p_w = (_ptr(t) for t in staged)  # `staged` is held: the kernel reads the copies

@@ -367,8 +367,9 @@ UBX_DEV bool poll_portions_flat(const ubnext_comm_desc* d, const uint8_t* data0,
 // step 4: the poll validates itself, as lamport.cu's does (its comment gives the argument).
 // Known deviation: a sum that rounds to -0 (possible only where fp16's range underflows) is stored as
 // +0, since the broadcast word must not be the sentinel; the rank-order reference keeps the -0.
-// Contract: flat (no row flags); `in` and `out` anywhere (only this rank reads `in`), not overlapping
-// the pool's Lamport buffers; H + 32 cv <= desc->lamport_slot_bytes (the host checks: ubnext/plan.py
+// Contract: flat (no row flags); `in` and `out` anywhere (only this rank reads `in`, each vector by the
+// thread that writes that vector of `out`, after it read it: in == out is allowed), not overlapping the
+// pool's Lamport buffers; H + 32 cv <= desc->lamport_slot_bytes (the host checks: ubnext/plan.py
 // lamport_bytes_needed), else every rank returns at once, touching nothing.
 template <typename T>
 UBX_DEV void nvls_lamport_push(const ubnext_comm_desc* d, const void* in, void* out, int n, int hidden, int flags) {

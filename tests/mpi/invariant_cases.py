@@ -143,6 +143,16 @@ def check_all_reduce(comm) -> None:
                 assert_same_bits(out, rank_order(inputs, dtype), f"all_reduce {path}->{comm.last_path} {dtype} n={numel}")
                 _expect_path(comm, path, numel * e, dtype, fused=False)
     comm._algo = None
+    if _multicast(comm):
+        # nvls_lamport's push form reads only this rank's x (csrc/kernels/nvls.cu): reduced in place, and
+        # from a misaligned view (staged locally), with no staging copy for its peers
+        comm._algo = "nvls_lamport"
+        inputs = [spread_input(r, 1000, torch.bfloat16, 5) for r in range(n)]
+        x = torch.zeros(1001, dtype=torch.bfloat16, device=comm.device)[1:]
+        x.copy_(inputs[rank])
+        assert comm.all_reduce(x, out=x) is x and comm.last_path == "nvls_lamport", comm.last_path
+        assert_same_bits(x, rank_order(inputs, torch.bfloat16), "all_reduce nvls_lamport in place, misaligned")
+        comm._algo = None
     if comm.pool is not None:
         # a pool tensor reduced in place past the staging region: a two-shot kernel where it lies
         numel = staging // 4 + 8 * n + 3
