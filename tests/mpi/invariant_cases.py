@@ -152,6 +152,15 @@ def check_all_reduce(comm) -> None:
         x.copy_(inputs[rank])
         assert comm.all_reduce(x, out=x) is x and comm.last_path == "nvls_lamport", comm.last_path
         assert_same_bits(x, rank_order(inputs, torch.bfloat16), "all_reduce nvls_lamport in place, misaligned")
+        # the push form and the Lamport one-shot share the three buffers' rotation: alternate them with
+        # changing sizes (each call re-poisons what the one before wrote, whatever its form and size)
+        for k in range(60):
+            comm._algo = ("nvls_lamport", "lamport")[k % 2]
+            numel = (97, 1500, 8, 2048, 333)[k % 5] * (1 + k % 3)  # within the small pool's Lamport slot
+            inputs = [spread_input(r, numel, torch.float32, 100 + k) for r in range(n)]
+            out = comm.all_reduce(inputs[rank].to(comm.device))
+            assert comm.last_path == comm._algo, (k, comm.last_path)
+            assert_same_bits(out, rank_order(inputs, torch.float32), f"rotation soak call {k} {comm._algo} n={numel}")
         comm._algo = None
     if comm.pool is not None:
         # a pool tensor reduced in place past the staging region: a two-shot kernel where it lies
