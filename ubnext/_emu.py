@@ -73,7 +73,8 @@ BREAKS = {
     "swizzle": "UBNEXT_BREAK_SWIZZLE",
     "no_pdl_wait": "UBNEXT_BREAK_NO_PDL_WAIT",
 }
-CXXFLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
+# -g1: line tables for backtraces, at a quarter less compile time than -g (the suite builds ~120 objects)
+CXXFLAGS = ("-std=c++20", "-O2", "-g1", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")
 MAX_RANKS = 16
 MAX_GRID = 256  # UBNEXT_EMU_MAX_GRID: count mode launches the GPU's grids (up to 128 blocks, and some room)

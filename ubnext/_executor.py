@@ -103,7 +103,8 @@ def reads_own_input_only(algo: str, flags: int) -> bool:
     writes ``out``: ``in`` may then lie anywhere, unaligned ones staged locally, and be ``out`` (the
     Lamport one-shot; nvls_lamport's plain push form, the batch-invariant mode's, csrc/kernels/nvls.cu)."""
     return algo == "lamport" or (algo == "nvls_lamport" and bool(flags & kernels.F_RANK_ORDER)
-                                 and not flags & (kernels.F_FUSED_NORM | kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN))
+                                 and not flags & (kernels.F_FUSED_NORM | kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN
+                                                  | kernels.F_BLOCK_FMT_MASK))
 
 
 class Launch(NamedTuple):

@@ -93,9 +93,10 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             what = f"{nbytes} bytes" if needed == nbytes else f"{nbytes} bytes ({needed} in its push form's slot)"
             why[path] = f"{what} exceed the Lamport slot ({pool.lamport_capacity} bytes{_sizing(pool)}"
         elif path != "lamport" and nbytes > pool.staging_bytes and not (
-                in_place_pool and path in IN_PLACE_PATHS):
+                in_place_pool and path in IN_PLACE_PATHS) and not pushes(path, fused, batch_invariant):
             # a pool tensor reduced in place by a two-shot kernel already sits where the kernel
-            # reduces it; every other call is staged
+            # reduces it; the push form reads only this rank's x, wherever it is; every other call
+            # is staged
             why[path] = f"{nbytes} bytes exceed the pool's staging region ({pool.staging_bytes} bytes{_sizing(pool)}"
         elif path == "nvls_oneshot" and fused:
             why[path] = "nvls_oneshot does not promise identical bits, which the fused norm needs"
@@ -118,9 +119,16 @@ def lamport_bytes_needed(path: str, nbytes: int, fused: bool, world_size: int, b
     ``lamport``, and at most the message for ``nvls_lamport``; the batch-invariant mode's plain
     ``nvls_lamport`` (its push form, csrc/kernels/nvls.cu) holds each rank's portion twice, received
     and broadcast: 2 x 16 x ceil(vectors / N), a quarter of the message at 8 ranks."""
-    if path == "nvls_lamport" and batch_invariant and not fused:
+    if pushes(path, fused, batch_invariant):
         return 2 * 16 * -(-(-(-nbytes // 16)) // world_size)
     return nbytes
+
+
+def pushes(path: str, fused: bool, batch_invariant: bool) -> bool:
+    """Whether a call runs nvls_lamport's push form (the batch-invariant mode's plain nvls_lamport,
+    kernel flag UBNEXT_F_RANK_ORDER): it reads only this rank's x, so it is never staged
+    (ubnext/_executor.py reads_own_input_only says the same of its launch)."""
+    return path == "nvls_lamport" and batch_invariant and not fused
 
 
 def _sizing(pool: PoolView) -> str:

@@ -27,9 +27,10 @@
 // sync[LAMPORT_BYTES + b], resets the done counter and advances sync[LAMPORT_CALL]. The counter lives in
 // device memory and is only touched by the kernel, so a captured CUDA graph replays correctly.
 //
-// Shared meaning of sync[LAMPORT_BYTES + b]: bytes that call wrote into EACH of the nranks slots of
-// buffer b (lamport: the message; nvls_lamport: its per-rank slice, see slices.cuh). Re-poisoning writes
-// the sentinel over that many bytes of every slot.
+// Shared meaning of sync[LAMPORT_BYTES + b]: bytes from the start of EACH of the nranks slots of buffer b
+// that call wrote (lamport: the 16-byte call header and the message; nvls_lamport: its per-rank slice,
+// see slices.cuh; its push form: the header, the broadcast slice and the received slice, 16 + 32 cv,
+// csrc/kernels/nvls.cu). Re-poisoning writes the sentinel over that many bytes of every slot.
 //
 // Ordering ("why" for each):
 //   - Re-poison -> reuse two calls later: the poison stores target our OWN memory and are published at

@@ -51,8 +51,8 @@ constexpr AlgoTraits kAlgos[kNumAlgos] = {
 // another) can each hold SMs on one rank while waiting for blocks that the other holds back on a peer,
 // if the ranks made their kernels resident in opposite orders. The rule: such a kernel's default grid
 // is at most half the SMs, min(SMs, UBNEXT_MAX_BLOCKS) / 2. Why it holds: one CTA of any ubnext kernel
-// fits an empty SM (coresident >= SMs, checked at launch: the heaviest, 256 threads at up to 234
-// registers (Lamport on sm_100) = 59904 of 65536 registers and 33 KB of static shared memory of 228 KB, is one CTA per SM on
+// fits an empty SM (coresident >= SMs, checked at launch: the heaviest, 256 threads at up to 232
+// registers (Lamport on sm_100, 2026-11-26) = 59392 of 65536 registers and 33 KB of static shared memory of 228 KB, is one CTA per SM on
 // sm_90 and sm_100), so a kernel of g <= SMs / 2 CTAs touches at most SMs / 2 SMs, which leaves at least
 // SMs / 2 empty SMs for the other kernel's g' <= SMs / 2 CTAs: both are resident at once on every rank,
 // whatever order each rank's scheduler took them in, and each completes. Other work on the device

@@ -365,8 +365,11 @@ UBX_DEV bool poll_portions_flat(const ubnext_comm_desc* d, const uint8_t* data0,
 // receive slots, every owner's broadcast, every peer's header), but our own header, which nobody reads.
 // No fence between the multicast store of step 3 and the unicast poll of our own broadcast slot in
 // step 4: the poll validates itself, as lamport.cu's does (its comment gives the argument).
-// Known deviation: a sum that rounds to -0 (possible only where fp16's range underflows) is stored as
-// +0, since the broadcast word must not be the sentinel; the rank-order reference keeps the -0.
+// The sum is sanitised before its broadcast, as a formality: it is never -0. Every input is a multiple of
+// T's smallest subnormal, so the fp32 sum (from +0) is either exactly +0 or at least that subnormal in
+// magnitude, which rounds to a nonzero T.
+// UBNEXT_BREAK_RANK_ORDER_IGNORED (test-only; nvls_twoshot's plain form ld_reduces instead, above): the
+// owner sums the slots in the order N-1..0, and the mode's rank-order reference must see it (3+ ranks).
 // Contract: flat (no row flags); `in` and `out` anywhere (only this rank reads `in`, each vector by the
 // thread that writes that vector of `out`, after it read it: in == out is allowed), not overlapping the
 // pool's Lamport buffers; H + 32 cv <= desc->lamport_slot_bytes (the host checks: ubnext/plan.py
@@ -391,7 +394,7 @@ UBX_DEV void nvls_lamport_push(const ubnext_comm_desc* d, const void* in, void* 
   const uint64_t my_recv = buf_off + static_cast<uint64_t>(rank) * slot + recv_off;  // in every rank's copy
 
   // ---- 1. push
-  for (int64_t j = global_tid(); j < sl.cv; j += global_threads()) {
+  for (int64_t j = global_tid(); j < sl.cv && aborted == 0u; j += global_threads()) {
     for (uint32_t i0 = 0; i0 < nranks; i0 += kOwners) {
       uint4 v[kOwners];
 #pragma unroll
@@ -400,7 +403,7 @@ UBX_DEV void nvls_lamport_push(const ubnext_comm_desc* d, const void* in, void* 
         const int64_t gi = static_cast<int64_t>(s) * sl.cv + j;
         v[u] = i0 + u < nranks && gi < sl.nv ? sanitize<T>(load_vec<T>(in, gi, n)) : make_uint4(0u, 0u, 0u, 0u);
       }
-      if (aborted != 0u) break;
+      if (aborted != 0u) break;  // tested after the loads, which overlap the flag's
 #pragma unroll
       for (uint32_t u = 0; u < kOwners; ++u) {
         const uint32_t s = (rank + 1u + i0 + u) % nranks;
@@ -429,7 +432,20 @@ UBX_DEV void nvls_lamport_push(const ubnext_comm_desc* d, const void* in, void* 
   for (int64_t j = global_tid(); j < sl.cv && static_cast<int64_t>(rank) * sl.cv + j < sl.nv;
        j += global_threads()) {
     float acc[V];
+#if !defined(UBNEXT_BREAK_RANK_ORDER_IGNORED)
     if (!recv(j, acc)) break;  // timed out or aborted (reported): still finish below
+#else
+    for (int e = 0; e < V; ++e) acc[e] = 0.f;
+    for (uint32_t p = nranks; p-- > 0u && !recv.failed;) {  // test-only: the order N-1..0
+      const uint8_t* at = recv.buf + j * 16 + p * slot;
+      uint4 v = ld_volatile_v4(at);
+      if (!is_ready(v) && !recv.wait(at, v, p)) recv.failed = true;
+      float f[V];
+      unpack<T>(v, f);
+      for (int e = 0; e < V; ++e) acc[e] += f[e];
+    }
+    if (recv.failed) break;
+#endif
     multimem_st_v4(reinterpret_cast<void*>(mc_slot + UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(j) * 16u),
                    sanitize<T>(pack<T>(acc)));
   }
@@ -449,7 +465,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
-  if (sums_in_rank_order(flags) && !uses_rows(flags)) {  // the plain rank-order form: no barrier (above)
+  if ((flags & UBNEXT_F_RANK_ORDER) && !uses_rows(flags)) {  // the plain rank-order form: no barrier (above)
     nvls_lamport_push<T>(d, in, out, n, hidden, flags);
     return;
   }

@@ -476,3 +476,23 @@ def test_messages_of_2_gib_or_more_never_reach_a_kernel():
     assert plan.choose(just_below, 2, False, 0, view, in_place_pool=True).path != "torch"
     with pytest.raises(OverflowError, match="does not fit in 32 bits"):
         _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-4:], (1 << 31, 0, 0.0, 0))
+
+
+def test_the_push_form_fits_by_its_slot_not_the_staging_region():
+    """Issue 26: the batch-invariant mode's plain nvls_lamport (its push form) holds 2/N of the message
+    per Lamport slot and reads only this rank's x, never staged: at 8 ranks the default pool (a 2 MB
+    slot, a 4 MB staging region) runs it to 8 MB, where the default's paths leave the kernels past
+    4 MB. The fused op's nvls_lamport is the barrier form (a whole row portion per slot, staged)."""
+    layout = plan_layout(8, 8192)
+    view = plan.PoolView(None, True, layout.lamport_capacity, layout.staging_bytes, "gpu", True, world_size=8)
+    fits = layout.lamport_capacity // 32 * 8 * 16  # the most whole vectors whose 1/8 shares fit twice
+    assert layout.staging_bytes < fits <= plan.KERNEL_MAX_BYTES
+    mode = plan.capabilities(fits, 2, False, 0, view, batch_invariant=True)
+    assert mode["nvls_lamport"] is None, mode["nvls_lamport"]
+    assert "staging region" in plan.capabilities(fits, 2, False, 0, view)["nvls_twoshot"]
+    too_big = plan.capabilities(fits + 8 * 16, 2, False, 0, view, batch_invariant=True)["nvls_lamport"]
+    assert too_big.startswith(f"{fits + 128} bytes ({plan.lamport_bytes_needed('nvls_lamport', fits + 128, False, 8, True)} "
+                              "in its push form's slot) exceed the Lamport slot"), too_big
+    assert plan.choose(fits, 2, False, 0, view, batch_invariant=True).path == "nvls_lamport"
+    assert plan.choose(fits, 2, False, 0, view).path == "torch"
+    assert "Lamport slot" in plan.capabilities(fits, 2, True, 8192, view, batch_invariant=True)["nvls_lamport"]
