@@ -163,14 +163,21 @@ def check_all_reduce(comm) -> None:
             assert_same_bits(out, rank_order(inputs, torch.float32), f"rotation soak call {k} {comm._algo} n={numel}")
         comm._algo = None
     if comm.pool is not None:
-        # a pool tensor reduced in place past the staging region: a two-shot kernel where it lies
+        # a pool tensor reduced in place past the staging region: a two-shot kernel where it lies, or
+        # (chosen where it fits, and forced away from) nvls_lamport's push form, which stages nothing
         numel = staging // 4 + 8 * n + 3
-        inputs = [spread_input(r, numel, torch.float32, 3) for r in range(n)]
-        x = comm.empty(numel, dtype=torch.float32)
-        x.copy_(inputs[rank])
-        assert comm.all_reduce(x, out=x) is x
-        assert_same_bits(x, rank_order(inputs, torch.float32), f"all_reduce in place in the pool ({comm.last_path})")
-        assert comm.last_path == ("nvls_twoshot" if _multicast(comm) else "twoshot"), comm.last_path
+        twoshot = "nvls_twoshot" if _multicast(comm) else "twoshot"
+        push_fits = _multicast(comm) and lamport_bytes_needed("nvls_lamport", numel * 4, False, n, True) <= cap
+        for forced in ((None, twoshot) if push_fits else (None,)):
+            comm._algo = forced
+            inputs = [spread_input(r, numel, torch.float32, 3) for r in range(n)]
+            x = comm.empty(numel, dtype=torch.float32)
+            x.copy_(inputs[rank])
+            assert comm.all_reduce(x, out=x) is x
+            assert_same_bits(x, rank_order(inputs, torch.float32), f"all_reduce in place in the pool ({comm.last_path})")
+            assert comm.last_path == (forced or ("nvls_lamport" if push_fits else twoshot)), comm.last_path
+            del x
+        comm._algo = None
 
 
 def check_reduce_scatter(comm) -> None:
