@@ -174,6 +174,14 @@ def _options(arch: str, defines: tuple[str, ...]) -> list[bytes]:
 
 def _nvrtc_compile(fname: str, arch: str, want: str, defines: tuple[str, ...] = ()) -> tuple[bytes, str]:
     """Compile csrc/kernels/<fname>; ``want`` is "cubin" or "ptx". Returns (image, log)."""
+    images, log = _nvrtc_images(fname, arch, (want,), defines)
+    return images[want], log
+
+
+def _nvrtc_images(fname: str, arch: str, wants: tuple[str, ...],
+                  defines: tuple[str, ...] = ()) -> tuple[dict[str, bytes], str]:
+    """One NVRTC compile of csrc/kernels/<fname>, and each image of ``wants`` ("cubin", "ptx": a
+    compile for a real architecture keeps its PTX too) with the program log."""
     from cuda.bindings import nvrtc
 
     from .._cuda import CudaError, check
@@ -193,22 +201,30 @@ def _nvrtc_compile(fname: str, arch: str, want: str, defines: tuple[str, ...] = 
         log_text = log.decode(errors="replace").rstrip("\x00 \n")
         if int(status) != 0:
             raise CudaError(f"NVRTC failed to compile {fname} for {arch}:\n{log_text}")
-        if want == "cubin":
-            size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            image = bytearray(size)
-            check(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
-        else:
-            size = check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-            image = bytearray(size)
-            check(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
-        return bytes(image), log_text
+        images = {}
+        for want in wants:
+            if want == "cubin":
+                size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+                image = bytearray(size)
+                check(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+            else:
+                size = check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+                image = bytearray(size)
+                check(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
+            images[want] = bytes(image)
+        return images, log_text
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
 def compile_ptx(fname: str, arch: str = "sm_90") -> str:
-    """PTX text of a kernel file (for the ABI test; never loaded)."""
-    image, _ = _nvrtc_compile(fname, arch, "ptx")
+    """PTX text of a kernel file (for the ABI test; never loaded): the one its cached cubin was built
+    from (compile_kernels keeps it, same source, options and NVRTC), else compiled now."""
+    ptx_path = _cubin_path(fname, arch).with_suffix(".ptx")
+    if ptx_path.exists() and is_cached(fname, arch):
+        image = ptx_path.read_bytes()
+    else:
+        image, _ = _nvrtc_compile(fname, arch, "ptx")
     return image.rstrip(b"\x00").decode()
 
 
@@ -290,11 +306,13 @@ def compile_kernels(fname: str, arch: str) -> tuple[bytes, list[KernelResources]
         cached = _read_cached(cubin_path)
         if cached is not None:
             return cached
-        image, log = _nvrtc_compile(fname, arch, "cubin")
+        images, log = _nvrtc_images(fname, arch, ("cubin", "ptx"))
+        image = images["cubin"]
         resources = parse_ptxas_log(log, arch)
-        # Atomic publish, the JSON last: a reader that sees both files sees whole files.
+        # Atomic publish, the JSON last: a reader that sees it sees whole files (the PTX: compile_ptx).
         info = json.dumps([r.__dict__ for r in resources]).encode()
-        for path, data in ((cubin_path, image), (cubin_path.with_suffix(".json"), info)):
+        for path, data in ((cubin_path, image), (cubin_path.with_suffix(".ptx"), images["ptx"]),
+                           (cubin_path.with_suffix(".json"), info)):
             fd, tmp = tempfile.mkstemp(dir=path.parent)
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
