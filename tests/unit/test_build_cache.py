@@ -25,13 +25,13 @@ def test_ranks_that_miss_the_cache_together_compile_once(tmp_path, monkeypatch):
     monkeypatch.setenv("UBNEXT_CACHE_DIR", str(tmp_path))
     compiles = []
 
-    def slow_compile(fname, arch, want, defines=()):
+    def slow_compile(fname, arch, wants, defines=()):
         compiles.append(fname)
         time.sleep(0.5)
-        return b"CUBIN" + fname.encode(), ""
+        return {want: want.upper().encode() + fname.encode() for want in wants}, ""
 
     monkeypatch.setattr(kernels, "nvrtc_version", lambda: "13.0")
-    monkeypatch.setattr(kernels, "_nvrtc_compile", slow_compile)
+    monkeypatch.setattr(kernels, "_nvrtc_images", slow_compile)
     results = []
     threads = [threading.Thread(target=lambda: results.append(kernels.compile_kernels("lamport.cu", "sm_90")))
                for _ in range(4)]
@@ -42,6 +42,8 @@ def test_ranks_that_miss_the_cache_together_compile_once(tmp_path, monkeypatch):
     assert compiles == ["lamport.cu"], compiles
     assert [image for image, _ in results] == [b"CUBINlamport.cu"] * 4
     assert kernels.is_cached("lamport.cu", "sm_90") and not kernels.is_cached("nvls.cu", "sm_90")
+    # the compile's PTX is kept beside its cubin: the ABI test reads it instead of compiling again
+    assert kernels.compile_ptx("lamport.cu", "sm_90") == "PTXlamport.cu" and compiles == ["lamport.cu"]
 
 
 @pytest.mark.parametrize("driver_cuda,nvrtc_major,ok", [
