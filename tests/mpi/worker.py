@@ -689,6 +689,9 @@ def case_timeout():
     # (path, batch-invariant mode): the mode's plain nvls_lamport is its own protocol (the push form)
     for algo, invariant in (("lamport", False), ("nvls_twoshot", False), ("twoshot", False), ("nvls_lamport", False),
                             ("nvls_oneshot", False), ("nvls_lamport", True)):
+        # every rank out of the last communicator's close (the late rank's can take longer) before the
+        # next one's creation, whose agreement waits only UBNEXT_TIMEOUT for the slowest rank
+        dist.barrier()
         comm = ubnext.Communicator(emulate=(MODE == "emulator"), max_hidden=1024, algo=algo, batch_invariant=invariant)
         x = torch.ones(1024, device=device())
         comm.all_reduce(x)  # everyone in: creates the pool
