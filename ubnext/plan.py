@@ -87,9 +87,8 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             why[path] = NOT_RANK_ORDER
         elif path.startswith("nvls") and not pool.has_multicast:
             why[path] = "the pool has no multicast address"
-        elif path in ("lamport", "nvls_lamport") and lamport_bytes_needed(
-                path, nbytes, fused, pool.world_size, batch_invariant) > pool.lamport_capacity:
-            needed = lamport_bytes_needed(path, nbytes, fused, pool.world_size, batch_invariant)
+        elif path in ("lamport", "nvls_lamport") and (needed := lamport_bytes_needed(
+                path, nbytes, fused, pool.world_size, batch_invariant)) > pool.lamport_capacity:
             what = f"{nbytes} bytes" if needed == nbytes else f"{nbytes} bytes ({needed} in its push form's slot)"
             why[path] = f"{what} exceed the Lamport slot ({pool.lamport_capacity} bytes{_sizing(pool)}"
         elif path != "lamport" and nbytes > pool.staging_bytes and not (
