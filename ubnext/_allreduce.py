@@ -66,7 +66,7 @@ class AllReduceOps:
         if self._debug:
             self._check_same_across_ranks(("all_reduce", tuple(x.shape), str(x.dtype), in_place_pool))
         if call is None:  # a remembered signature has more than one rank and elements to reduce
-            if self.world_size == 1 or x.numel() == 0:
+            if self._copy_at_world_size_1 or x.numel() == 0:
                 self.last_path = "torch"
                 return out if in_place else out.copy_(x)
             call = self._call_for(signature, x.shape, x.dtype, in_place_pool=in_place_pool)

@@ -65,7 +65,7 @@ class ExchangeOps:
         in_pool = self._in_pool_aligned(out)
         if self._debug:
             self._check_same_across_ranks(("all_gather", nbytes, in_pool))
-        if self.world_size == 1 or nbytes == 0:
+        if self._copy_at_world_size_1 or nbytes == 0:
             self.last_path = "torch"
             out.view(-1).copy_(x.view(-1))
             return
@@ -103,7 +103,7 @@ class ExchangeOps:
         in_pool = self._in_pool_aligned(x)
         if self._debug:
             self._check_same_across_ranks(("reduce_scatter", n, str(x.dtype), factor, in_pool))
-        if self.world_size == 1:
+        if self._copy_at_world_size_1:
             self.last_path = "torch"
             out.view(-1).copy_(x.view(-1).float().mul(factor) if factor != 1.0 else x.view(-1))
             return

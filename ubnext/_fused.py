@@ -75,7 +75,7 @@ class FusedNormOps:
         if self._debug:
             self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), fp8, block_bits))
         if call is None:  # a remembered signature has more than one rank and elements to reduce
-            if self.world_size == 1 or x.numel() == 0:
+            if self._copy_at_world_size_1 or x.numel() == 0:
                 self.last_path = "torch"
                 return self._fused_in_torch(x, residual, weight, eps, scale, fp8, block)
             flags = kernels.F_FUSED_NORM | block_bits

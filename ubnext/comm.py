@@ -75,6 +75,9 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        # one rank has nothing to reduce: its ops copy, unless the one-GPU check asks for the kernel paths
+        # (UBNEXT_WORLD1_KERNELS, a test seam: a one-rank pool runs every unicast kernel on one GPU)
+        self._copy_at_world_size_1 = self.world_size == 1 and not envs.get("UBNEXT_WORLD1_KERNELS")
         emulate = envs.get("UBNEXT_EMULATE") if emulate is None else bool(emulate)
         self._sm_count = 0  # GPUs (and count mode): the grid bound, agreed at pool creation
         self._device_index = 0  # GPUs only: the launch's device

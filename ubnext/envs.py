@@ -171,6 +171,9 @@ VARIABLES: dict[str, Var] = {
             "ubnext.nn, ubnext.fsdp) and any made without batch_invariant=: every allreduce and "
             "reduce-scatter sums the ranks in rank order in fp32 on every path and size, never "
             "through multimem.ld_reduce, so a token's outputs do not depend on the batch around it."),
+        Var("UBNEXT_WORLD1_KERNELS", _bool, False, "0|1",
+            "TEST ONLY (the one-GPU check, tests/gpu_check): a one-rank communicator runs its ops through "
+            "the kernel paths instead of copying, so that one GPU can run every unicast kernel."),
         Var("UBNEXT_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
             "debug|info|warning|error", "Level of the 'ubnext' logger."),
     )
