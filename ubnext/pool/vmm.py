@@ -249,18 +249,46 @@ class VmmBackend(_Backend):
         """In the documented order: unbind our memory from the multicast object before it is
         unmapped (cuMulticastUnbind), unmap the ranges from `first_range` on, last mapped first
         (the multicast range, mapped last, before the memory bound to it), free them, release
-        `handles`."""
-        drv = self._drv
-        if self._mc is not None and self._mc_bound:
-            drv.cuMulticastUnbind(self._mc, self._dev, 0, self.size)
-        for va, size in reversed(self._mapped[first_range:]):
-            drv.cuMemUnmap(va, size)
-        for va, size in reversed(self._reserved[first_range:]):
-            drv.cuMemAddressFree(va, size)
-        for h in handles:
-            drv.cuMemRelease(h)
+        `handles`. In the device's primary context (the one the memory was made in), whichever
+        context the calling thread has: a deferred release runs at another pool's creation or
+        close, on any thread. It never raises: it also runs where an exception is already on its
+        way (a failed set-up) and at the end of a pool's life, where nobody could act on one; so
+        every failing call is logged, named with its status, and the rest still go (a failure left
+        silent would leak the memory unseen)."""
+        from .._cuda import CudaError, primary_context
+
+        try:
+            with contextlib.ExitStack() as context:
+                try:
+                    context.enter_context(primary_context(self.device.index))
+                except CudaError as exc:
+                    log.warning("ubnext vmm pool: %s; releasing the pool's memory in the thread's own context", exc)
+                self._release_calls(first_range, handles)
+        except CudaError as exc:  # popping the context, after every release call was made
+            log.warning("ubnext vmm pool: %s after releasing the pool's memory", exc)
         del self._mapped[first_range:], self._reserved[first_range:]
         self._mc, self._mc_bound, self.mc_base = None, False, 0
+
+    def _release_calls(self, first_range: int, handles: list) -> None:
+        drv = self._drv
+        if self._mc is not None and self._mc_bound:
+            _log_failure(drv.cuMulticastUnbind(self._mc, self._dev, 0, self.size), "cuMulticastUnbind")
+        for va, size in reversed(self._mapped[first_range:]):
+            _log_failure(drv.cuMemUnmap(va, size), f"cuMemUnmap({va:#x}, {size})")
+        for va, size in reversed(self._reserved[first_range:]):
+            _log_failure(drv.cuMemAddressFree(va, size), f"cuMemAddressFree({va:#x}, {size})")
+        for h in handles:
+            _log_failure(drv.cuMemRelease(h), "cuMemRelease")
+
+
+def _log_failure(result, what: str) -> None:
+    """Log a release call's failure (cuda.bindings' ``(status, ...)``) instead of raising it."""
+    from .._cuda import CudaError, check
+
+    try:
+        check(result, what)
+    except CudaError as exc:
+        log.warning("ubnext vmm pool: %s; that part of the pool's memory may stay allocated until the process exits", exc)
 
 
 class _MulticastFailed(PoolSetupError):
