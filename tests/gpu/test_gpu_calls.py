@@ -1,7 +1,8 @@
 """GPU-only calls whose rule only a GPU can show, one GPU, no ranks (docs/TESTING.md lists every
 GPU-only call and where it is tested): the probe and the arch against torch's view of the device,
 the pinned error word written by a kernel through its device address, and torch.as_tensor over a
-cuMem mapping of ubnext's own VMM backend (a one-rank pool), released after its last view. Written
+cuMem mapping of ubnext's own VMM backend (a one-rank pool), released at the next pool creation or
+close after its last view (the deferred release, ubnext/pool/_backend.py). Written
 without a GPU at hand: their first run is scripts/gpu_check.sh on a GPU node."""
 
 import gc
@@ -40,8 +41,10 @@ def test_a_kernel_writes_the_pinned_error_word_through_its_device_address():
 def test_torch_wraps_a_cumem_mapping_and_the_pool_goes_with_its_last_view():
     """ubnext's VMM backend on one rank: cuMemCreate, export and import of its own fd, map, set
     access (and a multicast object where the GPU has one); torch.as_tensor over the mapping is a
-    CUDA tensor at the mapped address that kernels read and write; close() releases the memory only
-    after the last view has gone."""
+    CUDA tensor at the mapped address that kernels read and write; close() never releases the memory
+    while a view is alive, and the last view's death only queues the release (a finaliser may run
+    while another thread captures a CUDA graph, where unmapping would break it): the next pool
+    creation or close does it (tests/unit/test_pool_lifetime.py is the emulator's copy)."""
     from ubnext import pool
 
     backend = pool.VmmBackend(4 << 20, 0, 1, torch.device("cuda", 0), lambda obj: [obj])
@@ -56,4 +59,6 @@ def test_torch_wraps_a_cumem_mapping_and_the_pool_goes_with_its_last_view():
     assert view.sum().item() == 2.0 * view.numel()
     del view
     gc.collect()
-    assert backend.released
+    assert not backend.released, "released by the last view's finaliser, not at the next pool creation or close"
+    pool.VmmBackend(4 << 20, 0, 1, torch.device("cuda", 0), lambda obj: [obj]).close()
+    assert backend.released, "the memory outlived its last view and the next close"
