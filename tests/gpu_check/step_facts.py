@@ -20,17 +20,11 @@ def _package_version(name: str) -> dict:
         return skipped(f"{name} is not installed")
 
 
-def _verdict() -> str:
-    from ubnext import _cuda
+def verdict() -> str:
+    """The driver gate's verdict (issue 36 R8), as ``python -m ubnext.info`` says it first."""
+    from ubnext import _cuda, kernels
 
-    if hasattr(_cuda, "driver_verdict"):
-        return _cuda.driver_verdict()
-    if not _cuda.gpu_available():  # pragma: no cover - until driver_verdict lands
-        return f"no GPU: {_cuda.no_gpu_reason()}"
-    from ubnext import kernels
-
-    problem = _cuda.driver_problem(_cuda.driver_version(), int(kernels.nvrtc_version().split(".")[0]))
-    return problem or "driver OK"
+    return _cuda.driver_verdict(kernels.nvrtc_version)
 
 
 def run(ctx: Context) -> dict:
@@ -38,7 +32,7 @@ def run(ctx: Context) -> dict:
 
     from ubnext import _cuda, kernels
 
-    verdict = _verdict()
+    gate = verdict()
     figures = {
         "torch": figure(torch.__version__, "version", "torch.__version__"),
         "torch_cuda": figure(torch.version.cuda, "version", "torch.version.cuda") if torch.version.cuda
@@ -67,6 +61,6 @@ def run(ctx: Context) -> dict:
         why = f"no GPU ({_cuda.no_gpu_reason()})"
         for name in ("driver_cuda", "device", "arch", "sm_count", "gpu_count", "driver"):
             figures[name] = skipped(why)
-    return result("pass", verdict=verdict, rehearsal=ctx.rehearse,
+    return result("pass", verdict=gate, rehearsal=ctx.rehearse,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   host=platform.node(), figures=figures)

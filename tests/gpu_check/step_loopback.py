@@ -1,0 +1,242 @@
+"""``loopback``: N = 2, 4 and 8 virtual ranks in one process on the one GPU (tests/gpu_check/loopback.py),
+the real unicast kernels concurrently for ``ROUNDS`` rounds each (Lamport plain and fused, the row split
+included, the two-shot, the all-gather and the reduce-scatter), bitwise against the rank-order reference
+and across ranks; a forced mismatch and a forced timeout surface as ubnext's errors; once under
+compute-sanitizer (memcheck, racecheck) at N = 2.
+
+This is GPU memory ordering between concurrent grids on one device, not NVLink.
+
+Rehearsal: the emulator runs one launch at a time per process (``g_launch_mutex`` in csrc/emu/sched.cpp,
+workers indexed by block, one own rank per registered region), so N virtual ranks cannot run in one
+process there. Teaching it concurrent launches was decided against for this change: every launch-level
+structure of the emulator (its workers, its traffic and count records, its region ownership) is
+per-process today, and the mpi tier already runs these kernels with ranks as processes, normal and under
+chaos. The rehearsal builds every case's inputs and references at N = 2, 4 and 8 and checks that the
+comparison passes the reference and fails a one-bit change, runs each round's glue against
+``loopback.RecordingRanks`` (CPU rows; each launch checked and recorded, not run), then reports ``skip``
+saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from tests.gpu_check.common import ROOT, Context, figure, result, skipped
+
+RANK_COUNTS = (2, 4, 8)
+SANITIZER_TOOLS = ("memcheck", "racecheck")
+SANITIZER_ROUNDS = 3
+REHEARSAL_REASON = ("the emulator runs one launch at a time per process (csrc/emu/sched.cpp g_launch_mutex): "
+                    "concurrent virtual ranks need a GPU; the rehearsal built every case's inputs and references "
+                    "at N = 2, 4, 8 and checked the comparison both ways")
+
+
+def _rehearse() -> dict:
+    import torch
+
+    from tests.gpu_check import loopback as L
+
+    for n in RANK_COUNTS:
+        for case in L.CASES:
+            xs = L.inputs(case, n, 0)
+            want = L.reference(case, xs, 0)
+            if L.compare(want, want) is not None:
+                return result("fail", f"{case.name} N={n}: the reference does not compare equal to itself")
+            first = want[0][0] if isinstance(want[0], tuple) else want[0]
+            flipped = first.clone()
+            flipped.view(torch.uint8)[0] ^= 1
+            bad = [(flipped, *w[1:]) if isinstance(w, tuple) else flipped for w in want[:1]] + want[1:]
+            if L.compare(bad, want) is None:
+                return result("fail", f"{case.name} N={n}: a flipped bit went unnoticed")
+    launches = 0
+    for n in RANK_COUNTS:  # the GPU run's glue, whole, with launches checked and recorded instead of run
+        for case in L.CASES:
+            vr = L.RecordingRanks(n, timeout_s=5.0)
+            _round(vr, case, 0, vr.max_blocks())
+            launches += len(vr.launches)
+            if len(vr.launches) != n:
+                return result("fail", f"{case.name} N={n}: {len(vr.launches)} launches, not {n}")
+    vr = L.RecordingRanks(2, timeout_s=1.0)
+    case = L.CASES[0]
+    _round(vr, case, 0, vr.max_blocks(), numel_of_rank=lambda r: case.numel if r == 0 else case.numel // 2)
+    _round(vr, case, 0, vr.max_blocks(), ranks=[0])
+    if [launch[3][0] for launch in vr.launches] != [case.numel, case.numel // 2, case.numel]:
+        return result("fail", f"the forced cases launched {vr.launches}")
+    return result("skip", REHEARSAL_REASON, cases=[c.name for c in L.CASES], rank_counts=list(RANK_COUNTS),
+                  figures={"recorded_launches": figure(launches, "launches", "RecordingRanks (rehearsal)")})
+
+
+def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=None) -> list:
+    """One call of ``case`` on every virtual rank; returns what each rank holds afterwards."""
+    import torch
+
+    from tests.gpu_check import loopback as L
+    from ubnext import kernels
+    from ubnext._executor import GPU_BLOCK, launch_geometry
+
+    n, dev = vr.n, vr.device
+    xs = [x.to(dev) for x in L.inputs(case, n, round_)]
+    elem = xs[0].element_size()
+    name = kernels.kernel_name(case.algo, "u8" if case.algo == "allgather" else "bf16")
+    pointers, outputs = [], []
+    if case.algo == "lamport":
+        numel = case.numel
+        tokens = numel // L.HIDDEN if case.fused else 0
+        grid, block = launch_geometry("lamport", numel, elem, tokens, case.fused, n, GPU_BLOCK, max_blocks)
+        scalars = (numel, L.HIDDEN if case.fused else 0, L.EPS if case.fused else 0.0,
+                   kernels.F_FUSED_NORM if case.fused else 0)
+        residual, weight = (t.to(dev) for t in L.norm_operands(round_))
+        rows = numel // L.HIDDEN
+        for r in range(n):
+            out = torch.empty_like(xs[r])
+            if case.fused:
+                res = residual.repeat(rows)
+                res_out = torch.empty_like(res)
+                pointers.append((xs[r].data_ptr(), out.data_ptr(), res.data_ptr(), res_out.data_ptr(),
+                                 weight.data_ptr(), 0, 0))
+                outputs.append((out, res_out, res))
+            else:
+                pointers.append((xs[r].data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0))
+                outputs.append(out)
+        if numel_of_rank is not None:  # a forced mismatch: one rank calls with another count
+            scalars_of = [(numel_of_rank(r), *scalars[1:]) for r in range(n)]
+    elif case.algo == "twoshot":
+        grid, block = launch_geometry("twoshot", case.numel, elem, 0, False, n, GPU_BLOCK, max_blocks)
+        scalars = (case.numel, 0, 0.0, 0)
+        for r in range(n):
+            stage = vr.staging(r, case.numel * elem, xs[r].dtype).copy_(xs[r])
+            pointers.append((stage.data_ptr(), stage.data_ptr(), 0, 0, 0, 0, 0))
+            outputs.append(stage)
+    elif case.algo == "allgather":
+        nbytes = case.numel * elem
+        grid, block = launch_geometry("allgather", nbytes, 1, 0, False, n, GPU_BLOCK, max_blocks)
+        scalars = (nbytes, 0, 0.0, 0)
+        for r in range(n):
+            target = vr.staging(r, n * nbytes, torch.uint8)
+            target[r * nbytes:(r + 1) * nbytes].copy_(xs[r].view(torch.uint8))
+            pointers.append((target.data_ptr() + r * nbytes, target.data_ptr(), 0, 0, 0, 0, 0))
+            outputs.append(target)
+    else:  # reduce_scatter
+        shard = case.numel // n
+        grid, block = launch_geometry("reduce_scatter", shard, elem, 0, False, n, GPU_BLOCK, max_blocks)
+        scalars = (shard, 0, 1.0, 0)
+        for r in range(n):
+            src = vr.staging(r, case.numel * elem, xs[r].dtype).copy_(xs[r])
+            out = torch.empty(shard, dtype=xs[r].dtype, device=dev)
+            pointers.append((src.data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0))
+            outputs.append(out)
+    vr.synchronize()  # the inputs, written on the default stream, before the ranks' streams read them
+    vr.launch(name, grid, block, scalars if numel_of_rank is None else scalars_of, pointers, ranks=ranks)
+    if case.fused:
+        return [(o[0], o[1]) for o in outputs], xs
+    return outputs, xs
+
+
+def _soak(rounds: int, rank_counts=RANK_COUNTS) -> dict:
+    from tests.gpu_check import loopback as L
+
+    report, failures = {}, []
+    for n in rank_counts:
+        vr = L.VirtualRanks(n, timeout_s=5.0)
+        for case in L.CASES:
+            why = None
+            for round_ in range(rounds):
+                got, xs = _round(vr, case, round_, vr.max_blocks())
+                error = vr.error()
+                why = error or L.compare(got, L.reference(case, [x.cpu() for x in xs], round_))
+                if why:
+                    why = f"round {round_}: {why}"
+                    break
+            report[f"{case.name} N={n}"] = why or f"pass ({rounds} rounds)"
+            if why:
+                failures.append(f"{case.name} N={n} {why}")
+                vr = L.VirtualRanks(n, timeout_s=5.0)  # a failed call leaves the rows' protocol state behind
+    return {"cases": report, "failures": failures}
+
+
+def _forced_errors() -> dict:
+    """A count mismatch and a missing peer, each on fresh rows: ubnext's own error, naming the cause."""
+    from tests.gpu_check import loopback as L
+
+    case = L.CASES[0]
+    out = {}
+    vr = L.VirtualRanks(2, timeout_s=2.0)
+    _round(vr, case, 0, vr.max_blocks(), numel_of_rank=lambda r: case.numel if r == 0 else case.numel // 2)
+    error = vr.error() or ""
+    out["mismatch"] = ("pass: " + error[:300]) if "different arguments" in error else f"fail: got {error or 'no error'}"
+    vr = L.VirtualRanks(2, timeout_s=1.0)
+    _round(vr, case, 0, vr.max_blocks(), ranks=[0])
+    error = vr.error() or ""
+    out["timeout"] = ("pass: " + error[:300]) if "timed out" in error and "peer 1" in error else \
+        f"fail: got {error or 'no error'}"
+    return out
+
+
+def _sanitized(ctx: Context) -> dict:
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        return {t: skipped("compute-sanitizer is not on PATH") for t in SANITIZER_TOOLS}
+    out = {}
+    for name in SANITIZER_TOOLS:
+        command = [tool, "--tool", name, "--error-exitcode", "99", sys.executable, "-m",
+                   "tests.gpu_check.step_loopback", "--sanitized-run"]
+        try:
+            proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                  env=dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32"))
+        except subprocess.TimeoutExpired:
+            out[name] = skipped("ran past 60 s: the tool may serialise the concurrent kernels, which then wait "
+                                "on each other")
+            continue
+        text = proc.stdout + proc.stderr
+        if proc.returncode == 0:
+            out[name] = figure(0, "errors", f"compute-sanitizer --tool {name}, N = 2, {SANITIZER_ROUNDS} rounds per case",
+                               tail=text[-800:])
+        elif "timed out" in text:
+            out[name] = skipped(f"the ranks timed out under {name}: the tool serialises concurrent kernels "
+                                f"({text[-400:]})")
+        elif proc.returncode == 99:
+            out[name] = {"status": "fail", "reason": f"{name} reported errors", "tail": text[-3000:]}
+        else:
+            out[name] = skipped(f"{name} or the runtime refused (exit {proc.returncode}): {text[-600:]}")
+    return out
+
+
+def run(ctx: Context) -> dict:
+    if ctx.rehearse:
+        return _rehearse()
+    from tests.gpu_check import loopback as L
+
+    L.raise_max_connections()  # before torch makes the CUDA context
+    import torch
+
+    if not torch.cuda.is_available():
+        return result("skip", "no GPU")
+    soak = _soak(ROUNDS)
+    forced = _forced_errors()
+    sanitizer = _sanitized(ctx)
+    failures = soak["failures"] + [f"forced {k}: {v}" for k, v in forced.items() if v.startswith("fail")]
+    failures += [f"{k}: {v['reason']}" for k, v in sanitizer.items() if v.get("status") == "fail"]
+    fields = dict(note="concurrent grids on one GPU: real GPU memory ordering, not NVLink", cases=soak["cases"],
+                  forced=forced, sanitizer=sanitizer, max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+    if failures:
+        return result("fail", "; ".join(failures[:10]), **fields)
+    return result("pass", **fields)
+
+
+def _sanitized_run() -> int:
+    """The run compute-sanitizer wraps: every case at N = 2 for a few rounds."""
+    from tests.gpu_check import loopback as L
+
+    L.raise_max_connections()
+    soak = _soak(SANITIZER_ROUNDS, rank_counts=(2,))
+    print("\n".join(f"{k}: {v}" for k, v in soak["cases"].items()))
+    return 1 if soak["failures"] else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--sanitized-run"]:
+        sys.exit(_sanitized_run())
+    sys.exit("usage: python -m tests.gpu_check.step_loopback --sanitized-run")
