@@ -14,7 +14,7 @@ import contextlib
 import functools
 import struct
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ __all__ = [
     "check",
     "driver",
     "driver_problem",
+    "driver_verdict",
     "driver_version",
     "launch",
     "pack_kernel_args",
@@ -141,6 +142,24 @@ def driver_problem(driver_cuda: int, nvrtc_major: int) -> str | None:
             f"are compiled by NVRTC {nvrtc_major}, whose cubins need a driver for CUDA {nvrtc_major}.0 "
             f"({branch} or newer). Fix: upgrade the driver to {branch} or newer. Until then ubnext "
             "uses torch.distributed (NCCL)")
+
+
+def driver_verdict(nvrtc_version: Callable[[], str]) -> str:
+    """One line on whether this node's driver runs ubnext's kernels, the first thing a node check
+    says (``python -m ubnext.info``, the one-GPU check): ``driver OK: ...``, ``driver PROBLEM: <why,
+    and the fix>`` (every op then falls back to NCCL), ``no GPU: <reason>``, or ``driver unchecked:
+    <what failed>``. ``nvrtc_version`` is ``kernels.nvrtc_version`` (this module sits below the
+    kernel registry), asked only where there is a GPU: without one, NVRTC does not matter."""
+    if not gpu_available():
+        return f"no GPU: {no_gpu_reason()}"
+    try:
+        driver_cuda, nvrtc_major = driver_version(), int(nvrtc_version().split(".")[0])
+    except Exception as exc:  # noqa: BLE001 - the verdict says what could not be read instead of stopping
+        return f"driver unchecked: {type(exc).__name__}: {exc}"
+    problem = driver_problem(driver_cuda, nvrtc_major)
+    if problem:
+        return f"driver PROBLEM: {problem}"
+    return f"driver OK: CUDA {format_cuda_version(driver_cuda)} driver loads NVRTC {nvrtc_major} cubins"
 
 
 @functools.lru_cache(maxsize=64)

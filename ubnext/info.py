@@ -1,6 +1,8 @@
 """``python -m ubnext.info``: what ubnext finds on this node, and what it will do with it.
 
-Run it on a node before anything else. It reports the versions (torch, CUDA, driver, NVRTC),
+Run it on a node before anything else. Its first line is the driver's verdict
+(``_cuda.driver_verdict``: whether ubnext's kernels can run here, or why every op falls back to
+NCCL, or that there is no GPU). It then reports the versions (torch, CUDA, driver, NVRTC),
 the GPUs with their P2P and multicast support (through cuda-python), the pool backend ubnext
 would choose, whether cubins are cached for the GPU's architecture, whether the CPU emulator
 builds, and which path each message size would take for a given world size. It needs no
@@ -18,7 +20,7 @@ import sys
 from typing import Callable
 
 from . import __version__, envs, kernels, plan
-from ._cuda import check, driver, format_cuda_version, gpu_available, no_gpu_reason
+from ._cuda import check, driver, driver_verdict, format_cuda_version, gpu_available, no_gpu_reason
 from ._sources import CSRC
 from .pool import plan_layout
 
@@ -80,6 +82,8 @@ def report(world_size: int, hidden: int, build_emulator: bool) -> str:
 
     lines: list[str] = []
     add = lines.append
+    # first: whether ubnext's kernels can run here at all (an old driver sends every op to NCCL)
+    add(driver_verdict(kernels.nvrtc_version))
     add(f"ubnext {__version__} ({os.path.dirname(__file__)}); kernel sources: {CSRC}"
         + ("" if (CSRC / "kernels").is_dir() else "  MISSING"))
     add("")
@@ -90,11 +94,9 @@ def report(world_size: int, hidden: int, build_emulator: bool) -> str:
     add(f"  NVRTC          {_try(kernels.nvrtc_version)}")
     has_gpu = gpu_available()
     if has_gpu:
-        from ._cuda import driver_problem, driver_version
+        from ._cuda import driver_version
 
-        drv = driver_version()
-        problem = _try(lambda: driver_problem(drv, int(kernels.nvrtc_version().split('.')[0])) or "")
-        add(f"  driver         supports CUDA {format_cuda_version(drv)}" + (f"  PROBLEM: {problem}" if problem else ""))
+        add(f"  driver         {_try(lambda: 'supports CUDA ' + format_cuda_version(driver_version()))}")
     else:
         add("  driver         none in use (no GPU)")
     add("")
