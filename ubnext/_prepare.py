@@ -72,6 +72,33 @@ def setup_serial(group) -> int:
     return next(_setup_serials.setdefault(group.group_name, itertools.count()))
 
 
+def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bool = True) -> str | None:
+    """Check in under ``<prefix>/<rank>`` in the default store and wait, for ``timeout_s`` at most, for
+    every rank of ``world_size`` to check in too: None when they all did, else why not (``waited ... for
+    rank(s) [...] of the group, which never reached it``). One verdict per prefix, the first proposal to
+    reach the store (``go`` or ``abandon``): ``go`` only comes from a rank that saw every rank check in,
+    so a rank arriving just after a peer gave up is told so and gives up too, instead of going on while
+    its peers have stopped. ``wait=False`` checks in for the peers' sake and returns None at once.
+    The once-per-communicator agreements (``Preparation._setup_allgather``, ``Communicator.close``)
+    use it: two store writes and a wait each, never on the hot path."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{prefix}/{rank}", "1")
+    if not wait:
+        return None
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+        proposal = "go"  # every rank checked in
+    except RuntimeError:  # the store's timeout (DistStoreError)
+        proposal = "abandon"
+    if store.compare_set(f"{prefix}/verdict", "", proposal).decode() == "go":
+        return None
+    if proposal == "go":  # this rank saw everyone, but only after a peer had given up
+        return f"reached the step only after a peer had given up waiting for it ({timeout_s:g} s)"
+    missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    return f"waited {timeout_s:g} s for rank(s) {missing} of the group, which never reached it"
+
+
 class Preparation:
     """The Communicator's pool and kernels, made once, collectively."""
 
@@ -98,27 +125,10 @@ class Preparation:
             # vote must raise at once instead of waiting out the timeout again
             raise self._setup_failed
         self._setup_steps += 1
-        store = dist.distributed_c10d._get_default_store()
         prefix = f"ubnext/setup/{self.group.group_name}/{self._setup_serial}/{self._setup_steps}"
-        store.set(f"{prefix}/{self.rank}", "1")
-        timeout_s = _lifecycle.kernel_timeout_s(self.group, self.device)
-        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
-        try:
-            store.wait(keys, timedelta(seconds=timeout_s))
-            proposal = "go"  # every rank checked in
-        except RuntimeError:  # the store's timeout (DistStoreError)
-            proposal = "abandon"
-        # One verdict per step, the first proposal to reach the store: "go" only comes from a rank that
-        # saw every rank check in, so no rank is left alone in the all-gather, nor raises while its
-        # peers enter it (a rank arriving just after a peer gave up reads "abandon" and raises too).
-        verdict = store.compare_set(f"{prefix}/verdict", "", proposal).decode()
-        if verdict == "go":
+        why = check_in(prefix, self.rank, self.world_size, _lifecycle.kernel_timeout_s(self.group, self.device))
+        if why is None:
             return self._allgather(obj)
-        if proposal == "go":  # this rank saw everyone, but only after a peer had given up
-            why = f"reached the step only after a peer had given up waiting for it ({timeout_s:g} s)"
-        else:
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
-            why = f"waited {timeout_s:g} s for rank(s) {missing} of the group, which never reached it"
         self._setup_failed = UbnextError(
             f"ubnext: while {step}, rank {self.rank} {why} (UBNEXT_TIMEOUT, else the process group's timeout): "
             "every rank must create the communicator and make the same first call (or comm.prepare())")

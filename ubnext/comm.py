@@ -28,6 +28,8 @@ step is logged once per communicator with its reason.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -39,11 +41,13 @@ from ._exchange import ExchangeOps
 from ._executor import GRID_CAP, Call, Executor
 from ._fused import FusedNormOps
 from ._planning import Planner
-from ._prepare import Preparation, setup_serial
+from ._prepare import Preparation, check_in, setup_serial
 from ._quantize import QuantizeOps
 from .errors import UbnextError, UbnextTimeoutError
 from .plan import PATHS, Plan
 from .pool import SymmetricPool
+
+log = logging.getLogger("ubnext")
 
 __all__ = [
     "Communicator",
@@ -138,37 +142,80 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # leaving on an error is a departure: its peers may never close (the error may be theirs)
+            self._release()
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self) -> None:
-        """Release the pool (collective: every rank calls it). A peer that calls the communicator
-        after this rank closed it raises at once (a departed peer), instead of waiting out the timeout."""
-        self._release()
+        """Release the pool (collective: every rank calls it). This rank finishes its work and marks
+        itself departed in every peer's pool (a peer that calls the communicator after this rank
+        closed it raises at once, instead of waiting out the timeout), then waits for every rank to
+        reach close() before its pool goes (docs/ARCHITECTURE.md, "Closing agrees across ranks"), for
+        the kernels' timeout at most: past it the pool goes all the same and UbnextTimeoutError names
+        the ranks that never came. No word to the peers when the pool was never made (no op ran), and
+        no wait when this communicator has failed (an abort, a set-up step that gave up), whose peers
+        may have left for good."""
+        self._release(agree=True)
 
-    def _release(self) -> None:
+    def _release(self, agree: bool = False) -> None:
         """Release the pool and drop the process group: a held group keeps gloo's worker
-        threads alive into interpreter finalisation (ubnext/_lifecycle.py says why that aborts)."""
+        threads alive into interpreter finalisation (ubnext/_lifecycle.py says why that aborts).
+        ``agree``: close()'s agreement; the departure paths (interpreter exit, ``__exit__`` on an
+        exception) leave without it, so that a rank's peers need not be there."""
         if self._closed:
             return
         self._closed = True
+        failure = None
         try:
-            if self._pool is not None:
+            pool = self._pool
+            if pool is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 # this rank's work is done: a peer still waiting for it (it called once more, or this
                 # rank is leaving early: an exception, interpreter exit) raises within 100 ms
-                self._pool.announce_departure()
-                self._pool.close()
+                pool.announce_departure()
+                if agree and self.world_size > 1:
+                    failure = self._agree_on_teardown(pool)
+                pool.close()
         finally:
             self._pool = None
             self._calls.clear()
             self._symm_buffers.clear()
             self.group = None
+        if failure is not None:
+            raise failure
+
+    def _agree_on_teardown(self, pool: SymmetricPool) -> UbnextError | None:
+        """close()'s agreement: check in under this communicator's close key in the process group's
+        store and wait for every rank's (``_prepare.check_in``), bounded by the kernels' timeout as the
+        ranks agreed on it at pool creation. Past the bound, the error to raise once the pool is gone
+        (the teardown goes on: a rank that waited that long for its peers has nothing left to wait
+        for, and a raise is what tells the program that its ranks closed differently). A failed
+        communicator checks in without waiting: a peer that left on an error never checks in."""
+        if not dist.is_initialized():  # the process group, and its store, destroyed before close()
+            log.warning("ubnext: closing %r after its process group was destroyed: no agreement with the "
+                        "peers before its pool goes", self)
+            return None
+        failed = bool(self._broken or pool.err_view[0])
+        try:
+            why = check_in(f"ubnext/close/{self.group.group_name}/{self._setup_serial}", self.rank,
+                           self.world_size, pool.timeout_s, wait=not failed)
+        except RuntimeError as exc:  # the store is unreachable: its server's rank has exited, say
+            return UbnextError(f"ubnext: while closing the communicator, rank {self.rank} could not reach the "
+                               f"process group's store ({type(exc).__name__}: {exc}); its pool was released all the same")
+        if why is None:
+            return None
+        return UbnextTimeoutError(
+            f"ubnext: while closing the communicator, rank {self.rank} {why} (UBNEXT_TIMEOUT, else the process "
+            "group's timeout); its pool was released all the same: every rank must close() it, or leave "
+            "(an exception out of its with-block, interpreter exit) without waiting for the others")
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, mode={self.mode})"
