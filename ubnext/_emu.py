@@ -72,7 +72,11 @@ BREAKS = {
     "nvfp4_nibble_order": "UBNEXT_BREAK_NVFP4_NIBBLE_ORDER",
     "swizzle": "UBNEXT_BREAK_SWIZZLE",
     "no_pdl_wait": "UBNEXT_BREAK_NO_PDL_WAIT",
+    # not a break: the Lamport one-shot's per-phase stamps (csrc/device/stamps.cuh, tests/gpu_check/stamps.py)
+    "stamps": "UBNEXT_STAMPS",
 }
+# what a test-only build adds to the flags: an object's key leaves it out (_object_key)
+_BUILD_FLAGS = frozenset(f"-D{macro}" for macro in BREAKS.values() if macro)
 # -g1: line tables for backtraces, at a quarter less compile time than -g (the suite builds ~120 objects)
 CXXFLAGS = ("-std=c++20", "-O2", "-g1", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
             "-Wno-unused-function", "-DUBNEXT_EMULATOR")
@@ -139,13 +143,13 @@ def _build_key(cxx: str, flags: Sequence[str]) -> str:
 
 def _object_key(cxx: str, flags: Sequence[str], src: Path, lang: Sequence[str]) -> str:
     """What an object file depends on: its preprocessed text (every header it includes, every macro
-    it sees, a test-only break among them), the other flags and the compiler. A break macro that a
-    translation unit never sees leaves its key, so the broken builds share that object."""
+    it sees, a test-only build's macro among them), the other flags and the compiler. A test-only macro
+    that a translation unit never sees leaves its key, so those builds share that object."""
     proc = subprocess.run([cxx, *flags, *lang, "-E", str(src)], capture_output=True)
     if proc.returncode != 0:
         raise EmulatorError(f"g++ -E failed on {src.relative_to(CSRC.parent)}:\n{proc.stderr.decode()[-8000:]}")
     h = hashlib.sha256(proc.stdout)
-    h.update("\0".join(f for f in flags if not f.startswith("-DUBNEXT_BREAK_")).encode())
+    h.update("\0".join(f for f in flags if f not in _BUILD_FLAGS).encode())
     h.update(_compiler_version(cxx).encode())
     return h.hexdigest()[:20]
 

@@ -145,13 +145,14 @@ VARIABLES: dict[str, Var] = {
                                      "twoshot_drop_peer", "allgather_short_push", "no_lamport_header_check",
                                      "no_departure_check", "extra_fence", "twoshot_reverse_order", "nvfp4_nibble_order", "swizzle",
                                      "no_pdl_wait", "ssq_block_order", "two_roundings", "row_split_no_arrival",
-                                     "rank_order_ignored"), "",
+                                     "rank_order_ignored", "stamps"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
             "no_proxy_fence_nvls_twoshot|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_departure_check|extra_fence|"
             "twoshot_reverse_order|nvfp4_nibble_order|swizzle|no_pdl_wait|ssq_block_order|two_roundings|row_split_no_arrival|"
-            "rank_order_ignored",
+            "rank_order_ignored|stamps",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
-            "tests catch it."),
+            "tests catch it; or, 'stamps', with the Lamport one-shot's per-phase time stamps "
+            "(csrc/device/stamps.cuh)."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),
             "directory path", "Where compiled cubins and the emulator library are cached."),
         Var("UBNEXT_PDL", _bool, True, "0|1",

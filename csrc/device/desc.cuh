@@ -88,6 +88,13 @@ typedef struct ubnext_comm_desc {
  * {code, op, peer, field, mine, theirs, 0, 0} of the failure rank r detected. */
 #define UBNEXT_SYNC_ABORT_RECORD 256
 #define UBNEXT_SYNC_BARRIER_EPOCH 64 /* [UBNEXT_MAX_BLOCKS], local */
+/* Test-only (the build UBNEXT_STAMPS, csrc/device/stamps.cuh; tests/gpu_check/stamps.py decodes it), local:
+ * [UBNEXT_STAMP_COUNT] 64-bit %globaltimer stamps of this rank's last stamped Lamport call, each phase where
+ * thread 0 of CTA 0 passed it. Words 384..1023 are otherwise unused; the record starts 8-byte aligned. The
+ * normal build never reads or writes it. */
+#define UBNEXT_SYNC_STAMPS 512
+#define UBNEXT_STAMP_COUNT (5 + UBNEXT_MAX_RANKS) /* entry, wait, push, row exchange, exit; then one per slot */
+#define UBNEXT_SYNC_STAMPS_END 576
 #define UBNEXT_SYNC_BARRIER_FLAG 1024 /* [UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS], peers write */
 /* The fused row split (norm.cuh, norm_row_part), local: a counter per token row, and the rows' sum-of-
  * squares partials (one fp32 per 32 vectors of a row), written and read by the CTAs sharing a row. */

@@ -21,6 +21,9 @@ struct LamportSrc {
   uint64_t limit_ns;
   bool failed;
   uint32_t op = UBNEXT_OP_LAMPORT;  // the op a timeout or mismatch report names
+#if defined(UBNEXT_STAMPS)
+  uint64_t* slot_stamps = nullptr;  // test-only (stamps.cuh): the stamping thread's slot stamps, first vector only
+#endif
 
   // Slow path: spin on one slot until ready. On timeout (or the peer's departure) report it, which
   // aborts the communicator; stop when it is aborted (barrier.cuh), so that a dead peer costs one
@@ -68,6 +71,9 @@ struct LamportSrc {
             for (int e = 0; e < V; ++e) acc[e] = 0.f;
             return false;
           }
+#if defined(UBNEXT_STAMPS)
+          if (slot_stamps != nullptr) slot_stamps[p0 + j] = globaltimer_ns();
+#endif
           float f[V];
           unpack<T>(v[j], f);
           // Rank order 0..N-1, starting from +0: 0 + s_0 == s_0 exactly (no -0 after sanitising).
@@ -76,6 +82,9 @@ struct LamportSrc {
         }
       }
     }
+#if defined(UBNEXT_STAMPS)
+    slot_stamps = nullptr;
+#endif
     return true;
   }
 };

@@ -52,6 +52,7 @@
 #include "ptx.cuh"
 #include "barrier.cuh"
 #include "blockscale.cuh"
+#include "stamps.cuh"
 
 // Per-block row cache (dtype bits of r, then of y) in shared memory: 2048 x 16 B = 32 KB, i.e. rows up
 // to hidden 16384 (bf16/fp16) or 8192 (fp32). Longer rows recompute instead (see norm_row).
@@ -476,6 +477,7 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
 #endif
     const WaitResult r = wait_flag_reached(d, count, static_cast<uint32_t>(rp.nparts), timeout_ns(d), rank);
     if (r != kArrived) report_wait_failure(d, r, op, rank);
+    if (op == UBNEXT_OP_LAMPORT) UBX_STAMP(d, kStampRowExchange);  // test-only build (stamps.cuh)
     scratch[0] = r == kArrived ? 0.f : 1.f;
   }
   __syncthreads();

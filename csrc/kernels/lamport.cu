@@ -49,6 +49,7 @@
 #include "../device/norm.cuh"
 #include "../device/lamport_rotation.cuh"
 #include "../device/lamport_poll.cuh"
+#include "../device/stamps.cuh"
 
 namespace ubx {
 
@@ -121,6 +122,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
     for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
       for (int i = threadIdx.x; i < nv_row; i += blockDim.x) push(row * nv_row + i);
   }
+  UBX_STAMP(d, kStampPush);  // test-only build UBNEXT_STAMPS (stamps.cuh), as the other UBX_STAMPs
   const RowParams rp{residual, weight, scale, hidden, eps, flags};
   RowPrefetch<T> pre;  // residual and weight, in flight while the peers' data is (split rows)
   if (split > 1) pre.load(rp, part);
@@ -148,6 +150,9 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 
   // ---- 3. poll, reduce, write
   LamportSrc<T> src{rot.own + buf_off + UBNEXT_LAMPORT_HEADER_BYTES, slot, nranks, d, timeout_ns(d), aborted != 0u};
+#if defined(UBNEXT_STAMPS)
+  if (is_stamp_thread()) src.slot_stamps = stamp_record(d) + kStampSlot0;
+#endif
   if (header_thread && !src.failed && !lamport_headers_match(src, header, rank)) src.failed = true;
   if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) {
@@ -168,6 +173,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 
   // ---- 4. finish: the last block advances the rotation (also after a timeout)
   lamport_rot_finish(rot, UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(nvec) * 16u);
+  UBX_STAMP(d, kStampExit);
   griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)
 }
 
@@ -175,7 +181,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 
 #define UBX_LAMPORT_ENTRY(NAME, T)                                                                      \
   UBX_KERNEL(NAME) {                                                                                    \
-    ::ubx::kernel_begin();                                                                              \
+    UBX_STAMPED_KERNEL_BEGIN(&desc); /* kernel_begin, and the entry stamps of the test-only build */    \
     ::ubx::lamport_allreduce<T>(&desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, \
                                 eps, flags);                                                            \
   }

@@ -11,6 +11,10 @@ the emulator and runs the cases named on the command line:
              parked thread's stores must drain (no deadlock), still unordered in chaos mode
   timeout    rank 0 waits for rank 1, which never comes: the error names op, rank and peer within
              the timeout; then rank 1 does come (a host write to rank 0's pool) and the wait ends
+  stamps     the Lamport one-shot built with its per-phase stamps (UBNEXT_STAMPS, csrc/device/stamps.cuh):
+             plain (unicast and multicast push) and fused (row split and one CTA per row) calls leave in
+             each rank's sync region stamps that decode in program order (tests/gpu_check/stamps.py); the
+             normal build leaves the record untouched
   --chaos    chaos mode for every case
 """
 
@@ -207,7 +211,72 @@ def case_timeout(emu, pool, chaos):
     COMM.Barrier()
 
 
-CASES = {"multicast": case_multicast, "litmus": case_litmus, "parked": case_parked, "timeout": case_timeout}
+LAMPORT_OFF = DATA_OFF + (1 << 18)  # the stamps case's Lamport buffers: past the other cases' data
+LAMPORT_SLOT = 1 << 15
+SENTINEL = -0x80000000  # the Lamport "not yet written" word (-0.0f)
+F_FUSED_NORM, F_MULTICAST = 1, 8  # UBNEXT_F_* (desc.cuh)
+
+
+def _lamport(emu, pool, err, dtype, n, hidden, grid, flags):
+    """One Lamport one-shot call of this rank (64-thread blocks), inputs that differ per rank; returns
+    (in, out) as the kernel saw them."""
+    kernel = {np.float32: "ubnext_lamport_fp32", np.uint16: "ubnext_lamport_bf16"}[dtype]
+    rng = np.random.default_rng(7 + RANK)
+    values = rng.standard_normal(n).astype(np.float32)
+    x = values if dtype is np.float32 else bf16_round(values)
+    out = np.zeros(n, dtype)
+    fused = {}
+    if flags & F_FUSED_NORM:
+        fused = {"residual": bf16_round(rng.standard_normal(n).astype(np.float32)), "residual_out": np.zeros(n, dtype),
+                 "weight": bf16_round(np.ones(hidden, np.float32)), "eps": 1e-6}
+    desc = pool.desc(timeout_ns=int(20e9), err_ptr=err.__array_interface__["data"][0], sync_off=0,
+                     lamport_off=LAMPORT_OFF, lamport_slot_bytes=LAMPORT_SLOT)
+    emu.launch(kernel, grid, 64, kargs(desc=desc, out=out, n=n, hidden=hidden, flags=flags, **{"in": x}, **fused))
+    check(not err.any(), f"{kernel} flags={flags} failed: error words {list(err)}")
+    return x, out
+
+
+def case_stamps(emu, pool, chaos):
+    from tests.gpu_check import stamps
+
+    own_sync = pool.own[:DATA_OFF]
+    own_sync[:] = 0
+    pool.own[LAMPORT_OFF:LAMPORT_OFF + 3 * NRANKS * LAMPORT_SLOT].view(np.int32)[:] = SENTINEL
+    err = np.zeros(8, np.uint32)
+    COMM.Barrier()
+    stamped = _emu.load(stamps.EMU_BUILD)
+    handle = stamped.register(RANK, NRANKS, pool.bases, POOL_BYTES, pool.mc)
+    try:
+        # the normal build first: it computes the same sum and never touches the record
+        x, out = _lamport(emu, pool, err, np.float32, 1024, 0, 2, 0)
+        sums = COMM.allgather(x)
+        check(np.array_equal(out, reduce_in_order(sums)), "the normal build's sum is wrong")
+        check(not own_sync[stamps.OFFSET:stamps.OFFSET + stamps.RECORD_BYTES].any(),
+              "the normal build wrote into the stamp record")
+        calls = [  # what, dtype, n, hidden, grid, flags, row split
+            ("plain", np.float32, 1024, 0, 2, 0, False),
+            ("plain multicast", np.float32, 1024, 0, 2, F_MULTICAST, False),
+            # one row of 1024 vectors over 4 CTAs: norm.cuh's row split (4 parts of 8 groups)
+            ("fused, row split", np.uint16, 8192, 8192, 4, F_FUSED_NORM, True),
+            # two rows, two CTAs: one CTA per row
+            ("fused, a CTA per row", np.uint16, 2 * 1024, 1024, 2, F_FUSED_NORM, False),
+        ]
+        for what, dtype, n, hidden, grid, flags, row_split in calls:
+            x, out = _lamport(stamped, pool, err, dtype, n, hidden, grid, flags)
+            if not flags & F_FUSED_NORM:
+                check(np.array_equal(out, reduce_in_order(COMM.allgather(x))), f"{what}: the stamped build's sum is wrong")
+            record = stamps.decode(bytes(own_sync), NRANKS)
+            problems = stamps.order_problems(record, row_split=row_split)
+            check(not problems, f"{what}: stamps {record}: {problems}")
+            if RANK == 0:
+                print(f"emu_worker stamps {what}: ns after entry {stamps.since_entry(record)}", flush=True)
+    finally:
+        COMM.Barrier()
+        stamped.unregister(handle)
+
+
+CASES = {"multicast": case_multicast, "litmus": case_litmus, "parked": case_parked, "timeout": case_timeout,
+         "stamps": case_stamps}
 
 
 def main(argv):

@@ -26,3 +26,15 @@ def test_emulator_across_ranks(mpi, np, chaos):
     assert_mpi_ok(proc)
     for case in ("multicast", "litmus", "parked", "timeout"):
         assert f"emu_worker {case} chaos={chaos} np={np}: ok" in proc.stdout, proc.stdout
+
+
+@pytest.mark.mpi
+def test_stamped_lamport_phases_decode_in_order(mpi):
+    """The Lamport one-shot's per-phase stamps (the test-only build UBNEXT_STAMPS, csrc/device/stamps.cuh)
+    at 2 ranks: every rank's record, read back from its sync region by tests/gpu_check/stamps.py (what the
+    one-GPU check decodes), is complete and in program order for plain and fused calls, the row split's
+    exchange included; the normal build leaves the record untouched. A few seconds."""
+    _emu.build("stamps")  # once here, not by both ranks
+    proc = mpi(2, WORKER, "stamps", timeout=120)
+    assert_mpi_ok(proc)
+    assert "emu_worker stamps chaos=False np=2: ok" in proc.stdout, proc.stdout

@@ -23,7 +23,8 @@ def _gxx(*defines: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("defines", [(), ("UBNEXT_BREAK_SKIP_REPOISON",), ("UBNEXT_BREAK_NO_RELEASE",)])
+@pytest.mark.parametrize("defines", [(), ("UBNEXT_BREAK_SKIP_REPOISON",), ("UBNEXT_BREAK_NO_RELEASE",),
+                                     ("UBNEXT_STAMPS",)])  # the per-phase stamps (stamps.cuh)
 def test_lamport_compiles_as_emulator_host_code(defines):
     proc = _gxx(*defines)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -24,6 +24,9 @@ DESC_FIELDS = (
 )
 LAMPORT_HEADER_BYTES = 16  # UBNEXT_LAMPORT_HEADER_BYTES: a Lamport slot holds the call header, then data
 SYNC_DEPARTED = 16  # UBNEXT_SYNC_DEPARTED: sync word [r] set once rank r has left (barrier.cuh)
+# UBNEXT_SYNC_STAMPS .. UBNEXT_SYNC_STAMPS_END: sync words of the test-only build UBNEXT_STAMPS, the Lamport
+# one-shot's per-phase time stamps (csrc/device/stamps.cuh; tests/gpu_check/stamps.py decodes them)
+SYNC_STAMPS = range(512, 576)
 ERR_WORDS = 8  # UBNEXT_ERR_WORDS: {code, op, rank, peer, field, mine, theirs, 0}
 SENTINEL_WORD = -0x80000000  # 0x80000000 as int32: -0.0f, the Lamport "not yet written" mark
 
