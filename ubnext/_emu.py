@@ -94,9 +94,10 @@ class EmulatorError(RuntimeError):
 
 
 def _sources() -> list[Path]:
-    """Translation units of the library: the runtime, its self-test kernels, every kernel."""
+    """Translation units of the library: the runtime, its self-test kernels, every kernel, and the
+    one-GPU check's probes (csrc/probes: test-only kernels, run here to check what they compute)."""
     return (sorted((CSRC / "emu").glob("*.cpp")) + sorted((CSRC / "emu").glob("*.cu"))
-            + sorted((CSRC / "kernels").glob("*.cu")))
+            + sorted((CSRC / "kernels").glob("*.cu")) + sorted((CSRC / "probes").glob("*.cu")))
 
 
 def _include_dirs() -> list[Path]:
