@@ -266,12 +266,18 @@ def _compute_major(device_index: int) -> int:
 
 
 def kernel_handle(kernel):
-    """A cuda.core kernel's driver handle (``handle`` since cuda.core 0.4, ``_handle`` before; a
-    CUkernel from cuLibraryLoadData) as the CUfunction that cuLaunchKernelEx takes (the driver accepts a
+    """A cuda.core kernel's driver handle (``kernel_address``: a CUkernel from cuLibraryLoadData) as
+    the CUfunction that cuLaunchKernelEx takes (the driver accepts a
     CUkernel in its place): made once, since the binding converts an object of the declared type faster
     than an int."""
+    return driver().CUfunction(kernel_address(kernel))
+
+
+def kernel_address(kernel) -> int:
+    """A cuda.core kernel's driver handle (a CUkernel) as an int: ``handle`` since cuda.core 0.4,
+    ``_handle`` before."""
     handle = getattr(kernel, "handle", None)
-    return driver().CUfunction(int(handle if handle is not None else kernel._handle))
+    return int(handle if handle is not None else kernel._handle)
 
 
 @functools.lru_cache(maxsize=None)

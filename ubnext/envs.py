@@ -155,6 +155,10 @@ VARIABLES: dict[str, Var] = {
             "(csrc/device/stamps.cuh)."),
         Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),
             "directory path", "Where compiled cubins and the emulator library are cached."),
+        Var("UBNEXT_CUBIN_DIR", str, None, "directory path",
+            "A folder of cubins exported by `python -m ubnext.kernels export`: used before the cache and "
+            "before compiling, whenever its source hash matches and the driver accepts that NVRTC major "
+            "(for a machine that cannot compile the kernels itself)."),
         Var("UBNEXT_PDL", _bool, True, "0|1",
             "Programmatic dependent launch: on sm_90 and later, launch every kernel with the "
             "programmatic-stream-serialization attribute, so that its launch and prologue overlap the "

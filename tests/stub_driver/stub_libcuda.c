@@ -2,7 +2,9 @@
  * CUDA_SUCCESS with fake handles, and a launch records what it was given. With it on
  * LD_LIBRARY_PATH, cuda.bindings and cuda.core load and run their real code up to the driver call,
  * so that ubnext's launch path (ubnext/_cuda.py) is executed and its host time measured without a
- * GPU (tests/unit/test_stub_driver.py, python -m ubnext.bench --host --launch driver).
+ * GPU (tests/unit/test_stub_driver.py, python -m ubnext.bench --host --launch driver). What the driver
+ * tells about a kernel (its parameters, registers, occupancy) comes from globals a test sets, for
+ * ubnext.kernels.kernel_report.
  *
  * Build: tests/stub_driver/__init__.py (gcc -O2 -shared -fPIC -o libcuda.so.1 stub_libcuda.c -ldl).
  * STUB_TRACE=1 prints every cuGetProcAddress lookup and every stub call to stderr.
@@ -170,12 +172,98 @@ API CUresult cuLibraryLoadFromFile(void **lib, const char *f, void *jo, void *jo
     *lib = FAKE_LIB; return 0;
 }
 API CUresult cuLibraryUnload(void *lib) { (void)lib; T(); return 0; }
-API CUresult cuLibraryGetKernel(void **k, void *lib, const char *name) { (void)lib; (void)name; T(); *k = FAKE_KERNEL; return 0; }
+/* Kernels by name: cuLibraryGetKernel gives each name its own handle (FAKE_KERNEL + 16 * its index in
+ * kernel_names), and cuKernelGetFunction the function of the same index (FAKE_FUNC + 16 * index), so that
+ * the stub can answer one kernel differently from the others (stub_odd_kernel). */
+#define MAX_KERNELS 128
+static char kernel_names[MAX_KERNELS][128];
+static int n_kernels = 0;
+static int func_loaded[MAX_KERNELS];
+static int kernel_index(const void *handle, const void *base) {
+    uintptr_t delta = (uintptr_t)handle - (uintptr_t)base;
+    return delta % 16 == 0 && delta / 16 < (uintptr_t)n_kernels ? (int)(delta / 16) : -1;
+}
+API CUresult cuLibraryGetKernel(void **k, void *lib, const char *name) {
+    (void)lib; T();
+    int i = 0;
+    while (i < n_kernels && strcmp(kernel_names[i], name)) i++;
+    if (i == n_kernels) {
+        if (n_kernels == MAX_KERNELS) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+        snprintf(kernel_names[n_kernels++], sizeof kernel_names[0], "%s", name);
+    }
+    *k = (char *)FAKE_KERNEL + 16 * i;
+    return 0;
+}
 API CUresult cuLibraryGetModule(void **m, void *lib) { (void)lib; T(); *m = FAKE_MOD; return 0; }
-API CUresult cuKernelGetFunction(void **f, void *k) { (void)k; T(); *f = FAKE_FUNC; return 0; }
+
+/* What the tests read and set through ctypes about loading and inspecting kernels:
+ * stub_func_load_count      cuFuncLoad calls; cuFuncIsLoaded answers LOADED for a function loaded so
+ * stub_last_function_ctx    the context current at the last cuKernelGetFunction (whose function it gives)
+ * stub_num_regs, stub_local_bytes  cuFuncGetAttribute's NUM_REGS and LOCAL_SIZE_BYTES for every kernel
+ * stub_occupancy            cuOccupancyMaxActiveBlocksPerMultiprocessor's answer for every kernel;
+ *                           stub_last_occupancy_block the block size it was last asked about
+ * stub_param_sizes          (above) every kernel's parameters for cuKernelGetParamInfo too
+ * stub_odd_kernel           one kernel's name: it gets stub_odd_param_sizes (when its first entry is not
+ *                           0) and stub_odd_occupancy (when not negative) instead */
+unsigned long long stub_func_load_count = 0;
+void *stub_last_function_ctx = NULL;
+int stub_num_regs = 32;
+int stub_local_bytes = 0;
+int stub_occupancy = 8;
+int stub_last_occupancy_block = 0;
+char stub_odd_kernel[128];
+unsigned stub_odd_param_sizes[16];
+int stub_odd_occupancy = -1;
+
+static int is_odd(int index) { return index >= 0 && stub_odd_kernel[0] && !strcmp(kernel_names[index], stub_odd_kernel); }
+
+API CUresult cuKernelGetFunction(void **f, void *k) {
+    T();
+    int i = kernel_index(k, FAKE_KERNEL);
+    stub_last_function_ctx = CURRENT_CTX;
+    *f = (char *)FAKE_FUNC + 16 * (i < 0 ? 0 : i);
+    return 0;
+}
+API CUresult cuFuncLoad(void *f) {
+    T();
+    int i = kernel_index(f, FAKE_FUNC);
+    stub_func_load_count++;
+    if (i >= 0) func_loaded[i] = 1;
+    return 0;
+}
+API CUresult cuFuncIsLoaded(int *state, void *f) {
+    T();
+    int i = kernel_index(f, FAKE_FUNC);
+    *state = i >= 0 && func_loaded[i]; /* CU_FUNCTION_LOADING_STATE_LOADED 1, UNLOADED 0 */
+    return 0;
+}
+/* Each parameter at its natural alignment (8 at most), as the compiler lays them out; past the last one
+ * CUDA_ERROR_INVALID_VALUE, as the driver answers. */
+API CUresult cuKernelGetParamInfo(void *k, size_t index, size_t *offset, size_t *size) {
+    T();
+    const unsigned *sizes = is_odd(kernel_index(k, FAKE_KERNEL)) && stub_odd_param_sizes[0] ? stub_odd_param_sizes
+                                                                                              : stub_param_sizes;
+    size_t at = 0;
+    for (size_t i = 0; i < 16 && sizes[i]; i++) {
+        size_t align = sizes[i] >= 8 ? 8 : sizes[i];
+        at = (at + align - 1) / align * align;
+        if (i == index) {
+            if (offset) *offset = at;
+            if (size) *size = sizes[i];
+            return 0;
+        }
+        at += sizes[i];
+    }
+    return 1; /* CUDA_ERROR_INVALID_VALUE */
+}
 API CUresult cuKernelGetLibrary(void **l, void *k) { (void)k; T(); *l = FAKE_LIB; return 0; }
 API CUresult cuKernelGetAttribute(int *v, int a, void *k, CUdevice d) { (void)a; (void)k; (void)d; T(); *v = 0; return 0; }
-API CUresult cuKernelGetName(const char **n, void *k) { (void)k; T(); *n = "k"; return 0; }
+API CUresult cuKernelGetName(const char **n, void *k) {
+    T();
+    int i = kernel_index(k, FAKE_KERNEL);
+    *n = i >= 0 ? kernel_names[i] : "k";
+    return 0;
+}
 API CUresult cuModuleLoadData(void **m, const void *img) {
     (void)img; T(); stub_last_load_ctx = CURRENT_CTX; *m = FAKE_MOD; return 0;
 }
@@ -184,7 +272,21 @@ API CUresult cuModuleLoadDataEx(void **m, const void *img, unsigned n, void *o, 
 }
 API CUresult cuModuleGetFunction(void **f, void *m, const char *name) { (void)m; (void)name; T(); *f = FAKE_FUNC; return 0; }
 API CUresult cuModuleUnload(void *m) { (void)m; T(); return 0; }
-API CUresult cuFuncGetAttribute(int *v, int a, void *f) { (void)a; (void)f; T(); *v = 0; return 0; }
+API CUresult cuFuncGetAttribute(int *v, int a, void *f) {
+    (void)f; T();
+    switch (a) {
+    case 4: *v = stub_num_regs; break;    /* CU_FUNC_ATTRIBUTE_NUM_REGS */
+    case 3: *v = stub_local_bytes; break; /* CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES */
+    default: *v = 0; break;
+    }
+    return 0;
+}
+API CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, void *f, int block, size_t dynamic_smem) {
+    (void)dynamic_smem; T();
+    stub_last_occupancy_block = block;
+    *blocks = is_odd(kernel_index(f, FAKE_FUNC)) && stub_odd_occupancy >= 0 ? stub_odd_occupancy : stub_occupancy;
+    return 0;
+}
 
 API CUresult cuStreamGetCtx(void *s, CUcontext *c) { (void)s; T(); *c = FAKE_CTX; return 0; }
 API CUresult cuStreamGetCtx_v2(void *s, CUcontext *c, void **gc) { (void)s; T(); *c = FAKE_CTX; if (gc) *gc = NULL; return 0; }

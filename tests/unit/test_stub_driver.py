@@ -6,7 +6,9 @@ GPU would otherwise run."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,8 +17,17 @@ from pathlib import Path
 import pytest
 
 from tests import stub_driver
+from ubnext import kernels, pool
 
 ROOT = Path(__file__).resolve().parents[2]
+
+# Every kernel's parameter sizes as the driver would read them from a cubin built from KERNEL_SIGNATURE
+# (the stub cannot read cubins): the descriptor by value, 8-byte pointers, 4-byte scalars
+ABI_SIZES_INTO_STUB = textwrap.dedent("""
+    sizes = (ctypes.c_uint * 16).in_dll(stub, "stub_param_sizes")
+    for i, (_, kind) in enumerate(kernels.KERNEL_SIGNATURE):
+        sizes[i] = {"desc": pool.DESC_STRUCT_BYTES, "ptr": 8}.get(kind, 4)
+""")
 
 SCRIPT = textwrap.dedent("""
     import ctypes, struct, sys, threading
@@ -27,9 +38,7 @@ SCRIPT = textwrap.dedent("""
 
     stub = ctypes.CDLL("libcuda.so.1")
     assert hasattr(stub, "stub_launch_count"), "libcuda.so.1 is not the stub"
-    sizes = (ctypes.c_uint * 16).in_dll(stub, "stub_param_sizes")
-    for i, (_, kind) in enumerate(kernels.KERNEL_SIGNATURE):
-        sizes[i] = {"desc": pool.DESC_STRUCT_BYTES, "ptr": 8}.get(kind, 4)
+""") + ABI_SIZES_INTO_STUB + textwrap.dedent("""
     recorded = lambda name, kind=ctypes.c_void_p: kind.in_dll(stub, name).value
     check = lambda result: result[0] == 0 or (_ for _ in ()).throw(RuntimeError(result))
     check(driver().cuInit(0))
@@ -106,7 +115,8 @@ LOAD_SCRIPT = textwrap.dedent("""
     check = lambda result: result[0] == 0 or (_ for _ in ()).throw(RuntimeError(result))
     drv = driver()
     check(drv.cuInit(0))
-    kernels.compile_kernels = lambda fname, arch: (b"\\x7fELF not a cubin", [])  # NVRTC crashes on the stub
+    # NVRTC crashes on the stub; the stub does not read the cubin
+    kernels.cubin_for = lambda fname, arch: kernels.Cubin(fname, arch, b"\\x7fELF not a cubin", (), "13.0", "compiled")
     primary = int(drv.cuDevicePrimaryCtxRetain(drv.cuDeviceGet(0)[1])[1])
     current = lambda: int(drv.cuCtxGetCurrent()[1])
     loaded_in = lambda: ctypes.c_void_p.in_dll(stub, "stub_last_load_ctx").value
@@ -146,11 +156,120 @@ def test_kernel_loading_leaves_the_callers_context(stub_dir):
     assert result.returncode == 0 and "stub load ok" in result.stdout, result.stdout + result.stderr
 
 
-def _run_with_stub(stub_dir, script: str, **env) -> subprocess.CompletedProcess:
+REPORT_SCRIPT = textwrap.dedent("""
+    import ctypes, json, sys
+    from pathlib import Path
+    from ubnext import kernels, pool
+    from ubnext._cuda import driver
+
+    stub = ctypes.CDLL("libcuda.so.1")
+    assert hasattr(stub, "stub_func_load_count"), "libcuda.so.1 is not the stub"
+""") + ABI_SIZES_INTO_STUB + textwrap.dedent("""
+    csrc, odd, compiling = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "compile"
+    kernels.CSRC = csrc  # the test's copy: an edit of the checkout meanwhile cannot change the source hash
+    stub_int = lambda name: ctypes.c_int.in_dll(stub, name)
+    stub_int("stub_num_regs").value, stub_int("stub_local_bytes").value = 40, 16
+    if odd != "none":  # one kernel the driver answers differently for
+        (ctypes.c_char * 128).in_dll(stub, "stub_odd_kernel").value = b"ubnext_nvls_twoshot_fp16"
+    if odd == "param_size":  # n (parameter 8) as 8 bytes
+        odd_sizes = (ctypes.c_uint * 16).in_dll(stub, "stub_odd_param_sizes")
+        odd_sizes[:] = sizes[:]
+        odd_sizes[8] = 8
+    if odd == "occupancy":
+        stub_int("stub_odd_occupancy").value = 0
+
+    def fake_nvrtc(fname, arch, wants, defines=()):  # NVRTC crashes on the stub; the stub does not read cubins
+        assert compiling, f"{fname} compiled, not taken from the cache or the carried folder"
+        return {want: b"\\x7fELF not a cubin" for want in wants}, ""
+
+    kernels._nvrtc_images = fake_nvrtc
+    drv = driver()
+    drv.cuInit(0)
+    rows = kernels.kernel_report(0, block=512)
+    kernels.load_all(0)  # a second preparation loads nothing again
+    print(json.dumps({
+        "rows": rows, "problems": kernels.report_problems(rows),
+        "func_loads": ctypes.c_ulonglong.in_dll(stub, "stub_func_load_count").value,
+        "function_ctx": ctypes.c_void_p.in_dll(stub, "stub_last_function_ctx").value,
+        "primary": int(drv.cuDevicePrimaryCtxRetain(drv.cuDeviceGet(0)[1])[1]),
+        "occupancy_block": stub_int("stub_last_occupancy_block").value,
+        "nvrtc": kernels.nvrtc_version(),
+    }))
+""")
+
+
+def _report(stub_dir, csrc: Path, odd: str = "none", compiling: bool = False, **env) -> dict:
+    """kernel_report and report_problems of a process under the stub driver."""
+    result = _run_with_stub(stub_dir, REPORT_SCRIPT, **env, argv=(str(csrc), odd, "compile" if compiling else "-"))
+    assert result.returncode == 0, result.stdout + result.stderr[-5000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.fixture
+def csrc_copy(tmp_path):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(kernels.CSRC, csrc)
+    return csrc
+
+
+def test_load_all_loads_every_kernel_at_once_and_the_report_is_clean(stub_dir, tmp_path, csrc_copy):
+    """R1: load_all loads each kernel it may launch into the device's primary context itself
+    (cuKernelGetFunction with that context current, then cuFuncLoad once per kernel, not again at a
+    second preparation), and kernel_report shows what the driver says of each: loaded, the
+    parameter sizes of KERNEL_SIGNATURE, registers, local memory and occupancy at the block asked
+    for, the NVRTC that built the cubin and where it came from; report_problems finds nothing."""
+    names = [name for names in kernels.sources().values() for name in names]
+    cache = str(tmp_path / "cache")
+    report = _report(stub_dir, csrc_copy, compiling=True, UBNEXT_CACHE_DIR=cache)
+    assert report["problems"] == [], report["problems"]
+    rows = report["rows"]
+    assert [row["name"] for row in rows] == names
+    assert report["func_loads"] == len(names), "cuFuncLoad once per kernel"
+    assert report["function_ctx"] == report["primary"], "the kernels' functions are not the primary context's"
+    assert report["occupancy_block"] == 512
+    abi = [pool.DESC_STRUCT_BYTES] + [8] * 7 + [4] * 4  # the descriptor by value, 7 pointers, 4 scalars
+    for row in rows:
+        assert row["file"] == kernels.ALGOS[row["name"][len("ubnext_"):].rsplit("_", 1)[0]]
+        assert (row["arch"], row["origin"], row["nvrtc"]) == ("sm_90", "compiled", report["nvrtc"]), row
+        assert row["loaded"] and row["param_sizes"] == abi and row["abi_param_sizes"] == abi, row
+        assert (row["registers"], row["local_bytes"], row["block"], row["max_blocks_per_sm"]) == (40, 16, 512, 8), row
+    again = _report(stub_dir, csrc_copy, UBNEXT_CACHE_DIR=cache)
+    assert {row["origin"] for row in again["rows"]} == {"cache"} and again["problems"] == []
+
+
+def test_the_report_names_the_carried_cubins_nvrtc(stub_dir, tmp_path, csrc_copy, monkeypatch):
+    """Cubins exported elsewhere (NVRTC 12.8, faked) load from UBNEXT_CUBIN_DIR without a compile or the
+    cache, and each row names the NVRTC that built its cubin, not this machine's."""
+    monkeypatch.setattr(kernels, "CSRC", csrc_copy)
+    monkeypatch.setenv("UBNEXT_CACHE_DIR", str(tmp_path / "export-cache"))
+    monkeypatch.setattr(kernels, "nvrtc_version", lambda: "12.8")
+    monkeypatch.setattr(kernels, "_nvrtc_images", lambda fname, arch, wants, defines=():
+                        ({want: b"\x7fELF not a cubin" for want in wants}, ""))
+    kernels.export_cubins(tmp_path / "carried", ["sm_90"])
+    report = _report(stub_dir, csrc_copy, UBNEXT_CACHE_DIR=str(tmp_path / "empty-cache"),
+                     UBNEXT_CUBIN_DIR=str(tmp_path / "carried"))
+    assert {(row["origin"], row["nvrtc"]) for row in report["rows"]} == {("carried", "12.8")}
+    assert report["problems"] == []
+
+
+@pytest.mark.parametrize("odd,why", [("param_size", "parameter sizes"), ("occupancy", "occupancy 0")])
+def test_report_problems_names_the_kernel_the_driver_disagrees_on(stub_dir, tmp_path, csrc_copy, odd, why):
+    """The driver reports, for one kernel, a parameter of another size than KERNEL_SIGNATURE's (n as
+    8 bytes), or no block of 512 threads per SM: report_problems gives one message, naming that
+    kernel and what is wrong."""
+    report = _report(stub_dir, csrc_copy, odd, compiling=True, UBNEXT_CACHE_DIR=str(tmp_path / "cache"))
+    assert len(report["problems"]) == 1, report["problems"]
+    message = report["problems"][0]
+    assert message.startswith("ubnext_nvls_twoshot_fp16 (nvls.cu, sm_90") and why in message, message
+    if odd == "param_size":
+        assert "first at parameter 8, n" in message, message
+
+
+def _run_with_stub(stub_dir, script: str, argv: tuple[str, ...] = (), **env) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, LD_LIBRARY_PATH=f"{stub_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
                     PYTHONPATH=str(ROOT), **env)
-    return subprocess.run([sys.executable, "-c", script], env=full_env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-c", script, *argv], env=full_env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
 
 
 PROBE_SCRIPT = textwrap.dedent("""

@@ -1,14 +1,16 @@
 """``python -m ubnext.kernels build``: compile every kernel ahead of time (no GPU needed) and
-print each kernel's registers, spills and shared memory; fills the cubin cache."""
+print each kernel's registers, spills and shared memory; fills the cubin cache.
+
+``python -m ubnext.kernels export --arch sm_90 --to DIR``: the same cubins, built here, written to
+DIR with a manifest, for a machine that cannot compile them (UBNEXT_CUBIN_DIR=DIR there)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from . import CSRC, _cache_dir, compile_kernels, nvrtc_version, sources
+from . import CSRC, MANIFEST, _cache_dir, build_many, export_cubins, nvrtc_version, sources
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,23 +19,31 @@ def main(argv: list[str] | None = None) -> int:
     build = sub.add_parser("build", help="compile every kernel ahead of time (no GPU needed)")
     build.add_argument("--arch", nargs="+", default=["sm_90", "sm_100"])
     build.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills")
+    export = sub.add_parser("export", help="write every kernel file's cubin and a manifest to a folder "
+                                           "(UBNEXT_CUBIN_DIR of a machine that cannot compile them)")
+    export.add_argument("--arch", nargs="+", required=True)
+    export.add_argument("--to", type=Path, required=True, help="the folder (created when missing)")
     args = parser.parse_args(argv)
 
     files = sources()
     if not files:
         print("no kernel sources found under", CSRC / "kernels")
         return 1
+    if args.cmd == "export":
+        exported = export_cubins(args.to, args.arch)
+        for fname, archs in sorted(exported.items()):
+            for arch in args.arch:
+                entry = archs[arch]
+                print(f"{entry['cubin']:28} {fname:18} {arch:7} NVRTC {entry['nvrtc']} sources {entry['source_hash']}")
+        print(f"manifest: {args.to / MANIFEST}")
+        return 0
     print(f"NVRTC {nvrtc_version()}; cache {_cache_dir()}")
     print(f"{'kernel':32} {'arch':7} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} {'smem':>6}")
     spills = 0
-    jobs = [(fname, arch) for fname in sorted(files) for arch in args.arch]
-    # one NVRTC compile per file and architecture, as many at once as there are cores: NVRTC
-    # releases the GIL while it compiles, and the cache publishes each cubin atomically
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        built = dict(zip(jobs, pool.map(lambda job: compile_kernels(*job), jobs)))
+    built = build_many([(fname, arch) for fname in sorted(files) for arch in args.arch])
     for fname, names in sorted(files.items()):
         for arch in args.arch:
-            _, resources = built[fname, arch]
+            resources = built[fname, arch].resources
             found = {r.name for r in resources}
             missing = [n for n in names if n not in found]
             if missing:
@@ -48,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {spills} bytes of register spills")
         return 1
     return 0
-
-
 
 
 if __name__ == "__main__":
