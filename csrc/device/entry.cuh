@@ -30,7 +30,19 @@ namespace ubx {
 // schedule the prologue's arithmetic on parameters around it (in SASS the wait, ACQBULK, comes after a
 // few constant-bank loads and before any global one). UBNEXT_BREAK_NO_PDL_WAIT (test-only) leaves it
 // out; the emulator then fails the launch at the kernel's first memory access.
+//
+// UBNEXT_BREAK_EARLY_TRIGGER (test-only, ONE RANK only: tests/gpu/test_gpu_pdl.py) triggers the dependents
+// here, before this kernel has read or written anything, so that on a GPU the next kernel of a PDL chain
+// really starts early: with the wait it must still read finished inputs; with NO_PDL_WAIT too, it reads
+// them unwritten. Never with peers: the no-deadlock argument of the grid cap (csrc/host/launch_rules.h,
+// pair_grid_cap) needs every kernel to trigger only after its last wait on a peer, so that a dependent
+// parked in griddepcontrol.wait holds SMs only while its primary waits on nobody; an early dependent can
+// hold the SMs that another communicator's kernel, on which a peer's kernel waits, needs. The emulator
+// serialises launches, so it has no such build.
 UBX_DEV void kernel_begin() {
+#if defined(UBNEXT_BREAK_EARLY_TRIGGER)
+  griddep_launch_dependents();
+#endif
 #if !defined(UBNEXT_BREAK_NO_PDL_WAIT)
   griddep_wait();
 #endif
