@@ -86,14 +86,27 @@ static void record_launch(void *f, void *stream, unsigned grid, unsigned block, 
 /* What a test may change, from the environment of the process that loads the stub:
  * STUB_INIT_ERROR=<CUresult>  what cuInit returns (100: CUDA_ERROR_NO_DEVICE, a driver without a GPU)
  * STUB_DEVICE_COUNT=<n>       what cuDeviceGetCount reports (default 1)
- * STUB_COMPUTE_CAPABILITY=M.m the device's compute capability (default 9.0) */
+ * STUB_COMPUTE_CAPABILITY=M.m the device's compute capability (default 9.0)
+ * STUB_PARAM_SIZES=a,b,...    every kernel's parameter sizes (stub_param_sizes, below), read by cuInit: for a
+ *                             process that cannot set them through ctypes before it asks (a whole program) */
 static int env_int(const char *name, int fallback) {
     const char *v = getenv(name);
     return v && *v ? atoi(v) : fallback;
 }
 static CUresult init_error = 0; /* cuInit's, returned again by every call that needs it, as the driver does */
 
-API CUresult cuInit(unsigned int f) { (void)f; T(); init_error = env_int("STUB_INIT_ERROR", 0); return init_error; }
+extern unsigned stub_param_sizes[16];
+API CUresult cuInit(unsigned int f) {
+    (void)f; T();
+    init_error = env_int("STUB_INIT_ERROR", 0);
+    const char *sizes = getenv("STUB_PARAM_SIZES");
+    for (int i = 0; sizes && *sizes && i < 16; i++) {
+        char *end;
+        stub_param_sizes[i] = (unsigned)strtoul(sizes, &end, 10);
+        sizes = *end == ',' ? end + 1 : NULL;
+    }
+    return init_error;
+}
 API CUresult cuDriverGetVersion(int *v) { T(); *v = 13000; return 0; }
 API CUresult cuDeviceGetCount(int *n) {
     T();

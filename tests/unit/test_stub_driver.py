@@ -156,15 +156,20 @@ def test_kernel_loading_leaves_the_callers_context(stub_dir):
     assert result.returncode == 0 and "stub load ok" in result.stdout, result.stdout + result.stderr
 
 
+# KERNEL_SIGNATURE's sizes, written out: the descriptor by value, 7 pointers, 4 scalars
+ABI_SIZES = [pool.DESC_STRUCT_BYTES] + [8] * 7 + [4] * 4
+
 REPORT_SCRIPT = textwrap.dedent("""
-    import ctypes, json, sys
+    import ctypes, json, os, sys
     from pathlib import Path
     from ubnext import kernels, pool
     from ubnext._cuda import driver
 
     stub = ctypes.CDLL("libcuda.so.1")
     assert hasattr(stub, "stub_func_load_count"), "libcuda.so.1 is not the stub"
-""") + ABI_SIZES_INTO_STUB + textwrap.dedent("""
+    sizes = (ctypes.c_uint * 16).in_dll(stub, "stub_param_sizes")
+    if "STUB_PARAM_SIZES" not in os.environ:  # else cuInit sets them
+""") + textwrap.indent(ABI_SIZES_INTO_STUB, "    ") + textwrap.dedent("""
     csrc, odd, compiling = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "compile"
     kernels.CSRC = csrc  # the test's copy: an edit of the checkout meanwhile cannot change the source hash
     stub_int = lambda name: ctypes.c_int.in_dll(stub, name)
@@ -227,11 +232,10 @@ def test_load_all_loads_every_kernel_at_once_and_the_report_is_clean(stub_dir, t
     assert report["func_loads"] == len(names), "cuFuncLoad once per kernel"
     assert report["function_ctx"] == report["primary"], "the kernels' functions are not the primary context's"
     assert report["occupancy_block"] == 512
-    abi = [pool.DESC_STRUCT_BYTES] + [8] * 7 + [4] * 4  # the descriptor by value, 7 pointers, 4 scalars
     for row in rows:
         assert row["file"] == kernels.ALGOS[row["name"][len("ubnext_"):].rsplit("_", 1)[0]]
         assert (row["arch"], row["origin"], row["nvrtc"]) == ("sm_90", "compiled", report["nvrtc"]), row
-        assert row["loaded"] and row["param_sizes"] == abi and row["abi_param_sizes"] == abi, row
+        assert row["loaded"] and row["param_sizes"] == ABI_SIZES and row["abi_param_sizes"] == ABI_SIZES, row
         assert (row["registers"], row["local_bytes"], row["block"], row["max_blocks_per_sm"]) == (40, 16, 512, 8), row
     again = _report(stub_dir, csrc_copy, UBNEXT_CACHE_DIR=cache)
     assert {row["origin"] for row in again["rows"]} == {"cache"} and again["problems"] == []
@@ -246,8 +250,10 @@ def test_the_report_names_the_carried_cubins_nvrtc(stub_dir, tmp_path, csrc_copy
     monkeypatch.setattr(kernels, "_nvrtc_images", lambda fname, arch, wants, defines=():
                         ({want: b"\x7fELF not a cubin" for want in wants}, ""))
     kernels.export_cubins(tmp_path / "carried", ["sm_90"])
+    # the sizes through the environment this time, as a whole program under the stub gets them
+    abi = ",".join(str(size) for size in ABI_SIZES)
     report = _report(stub_dir, csrc_copy, UBNEXT_CACHE_DIR=str(tmp_path / "empty-cache"),
-                     UBNEXT_CUBIN_DIR=str(tmp_path / "carried"))
+                     UBNEXT_CUBIN_DIR=str(tmp_path / "carried"), STUB_PARAM_SIZES=abi)
     assert {(row["origin"], row["nvrtc"]) for row in report["rows"]} == {("carried", "12.8")}
     assert report["problems"] == []
 
