@@ -13,6 +13,10 @@ thread of CTA 0 rather than a record per CTA; csrc/device/desc.cuh, UBNEXT_SYNC_
 
 The emulator builds the same define as ``ubnext._emu.load("stamps")`` (UBNEXT_EMU_BREAK=stamps);
 tests/mpi/emu_worker.py's case ``stamps`` runs it at 2 ranks.
+
+%globaltimer counts ns, but how often it moves is the GPU's (steps of about a microsecond have been
+reported on some): phases shorter than its step read as 0 ns apart. Read the step off before trusting a
+short phase (the smallest nonzero difference over many calls' stamps).
 """
 
 from __future__ import annotations
