@@ -616,6 +616,7 @@ def _local_section(ctx: Context, comm, figures: dict, details: dict) -> None:
 
     shape = LOCAL_SHAPE_REHEARSE if ctx.rehearse else LOCAL_SHAPE
     cases = _local_cases(comm, shape)
+    assert tuple(cases) == LOCAL_OPS
     if ctx.rehearse:
         ran = {}
         for op, (call, read, alt, what, alt_read) in cases.items():
@@ -692,6 +693,7 @@ def _graph_section(ctx: Context, comm, figures: dict, details: dict) -> None:
     out = torch.empty_like(x)
     fns = {"all_reduce": lambda: comm.all_reduce(x, out=out),
            "all_reduce_add_rmsnorm": lambda: comm.all_reduce_add_rmsnorm(x, residual, weight, EPS)}
+    assert tuple(fns) == GRAPH_OPS
     busy = _GpuBusy()
     shape = f"{SHAPE[0]}x{SHAPE[1]} bf16, world 1"
     problems = []
