@@ -161,13 +161,14 @@ class VirtualRanks:
         return self.row(rank)[off:off + nbytes].view(dtype)
 
     def launch(self, name: str, grid: int, block: int, scalars: tuple, pointers: list[tuple],
-               ranks: list[int] | None = None) -> None:
+               ranks: list[int] | None = None, kernel=None) -> None:
         """One launch per rank (``ranks``: a subset, to leave a peer missing), each on its own stream,
         without PDL (nothing precedes them), then wait for all of them. ``scalars``: (n, hidden, eps,
         flags), or a list of them, one per rank (a forced mismatch)."""
         from ubnext import _cuda, kernels
 
-        kernel = _cuda.kernel_handle(kernels.load_kernel(name, 0))  # load_kernel keeps the object
+        # load_kernel keeps the object; ``kernel``: a handle of another build (the stamped one), kept by the caller
+        kernel = kernel if kernel is not None else _cuda.kernel_handle(kernels.load_kernel(name, 0))
         for r in (range(self.n) if ranks is None else ranks):
             mine = scalars[r] if isinstance(scalars, list) else scalars
             packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(mine):], mine)
@@ -175,6 +176,11 @@ class VirtualRanks:
             config = _cuda.launch_config(grid, block, self.streams[r].cuda_stream, False)
             _cuda.launch(kernel, config, params.address(pointers[r]), 0)
         self.synchronize()
+
+    def sync_region(self, rank: int) -> bytes:
+        """A rank's sync region as it is now (after a launch has ended)."""
+        off = self.layout.sync_off
+        return self.row(rank)[off:off + P.SYNC_BYTES].cpu().numpy().tobytes()
 
     def error(self) -> str | None:
         """ubnext's error for the first rank whose error word is set, else None."""
@@ -207,7 +213,7 @@ class RecordingRanks(VirtualRanks):
     def max_blocks(self) -> int:
         return max(1, self.H100_SMS // self.n)
 
-    def launch(self, name, grid, block, scalars, pointers, ranks=None):
+    def launch(self, name, grid, block, scalars, pointers, ranks=None, kernel=None):
         from ubnext import _cuda, kernels
 
         if not any(name in names for names in kernels.sources().values()):

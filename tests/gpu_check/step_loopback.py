@@ -69,7 +69,7 @@ def _rehearse() -> dict:
                   figures={"recorded_launches": figure(launches, "launches", "RecordingRanks (rehearsal)")})
 
 
-def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=None) -> list:
+def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=None, kernel=None) -> list:
     """One call of ``case`` on every virtual rank; returns what each rank holds afterwards."""
     import torch
 
@@ -129,7 +129,8 @@ def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=Non
             pointers.append((src.data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0))
             outputs.append(out)
     vr.synchronize()  # the inputs, written on the default stream, before the ranks' streams read them
-    vr.launch(name, grid, block, scalars if numel_of_rank is None else scalars_of, pointers, ranks=ranks)
+    vr.launch(name, grid, block, scalars if numel_of_rank is None else scalars_of, pointers, ranks=ranks,
+              kernel=kernel)
     if case.fused:
         return [(o[0], o[1]) for o in outputs], xs
     return outputs, xs
@@ -155,6 +156,57 @@ def _soak(rounds: int, rank_counts=RANK_COUNTS) -> dict:
                 failures.append(f"{case.name} N={n} {why}")
                 vr = L.VirtualRanks(n, timeout_s=5.0)  # a failed call leaves the rows' protocol state behind
     return {"cases": report, "failures": failures}
+
+
+STAMPED_CASES = ("lamport_16k", "lamport_fused_1x8192")
+STAMP_RANKS = (2, 8)
+STAMP_ROUNDS = 20
+
+
+def _stamps() -> dict:
+    """Per-phase stamps (the test-only build UBNEXT_STAMPS, tests/gpu_check/stamps.py) of the 16 KB
+    allreduce and the fused 1 x 8192 on virtual ranks: per phase, the median over rounds and ranks of the
+    ns after the entry stamp, with the stamps' order checked. The calibrated model's per-phase figures
+    (issue 38) come from here; %globaltimer's step bounds how short a phase can read."""
+    import statistics
+
+    from tests.gpu_check import loopback as L
+    from tests.gpu_check import stamps as S
+    from ubnext import _cuda
+
+    image = S.compile_stamped("lamport.cu", _cuda.device_arch(0))
+    with _cuda.primary_context(0):
+        code = _cuda.core().ObjectCode.from_cubin(image)
+        kernel_object = code.get_kernel("ubnext_lamport_bf16")
+    kernel = _cuda.kernel_handle(kernel_object)  # code and kernel_object stay referenced until we return
+    figures, problems = {}, []
+    for n in STAMP_RANKS:
+        vr = L.VirtualRanks(n, timeout_s=5.0)
+        for case in (c for c in L.CASES if c.name in STAMPED_CASES):
+            phases: dict[str, list[int]] = {}
+            for round_ in range(STAMP_ROUNDS):
+                got, xs = _round(vr, case, round_, vr.max_blocks(), kernel=kernel)
+                why = vr.error() or L.compare(got, L.reference(case, [x.cpu() for x in xs], round_))
+                if why:
+                    problems.append(f"stamped {case.name} N={n} round {round_}: {why}")
+                    break
+                for r in range(n):
+                    stamps = S.decode(vr.sync_region(r), n)
+                    problems += [f"{case.name} N={n} rank {r}: {p}" for p in
+                                 S.order_problems(stamps, row_split=case.fused)][:1]
+                    relative = S.since_entry(stamps)
+                    slots = [ns for ns in relative.pop("slots") if ns is not None]
+                    if slots:  # the first and the last peer's data seen
+                        relative.update(first_slot_ready=min(slots), last_slot_ready=max(slots))
+                    for phase, ns in relative.items():
+                        if ns is not None:
+                            phases.setdefault(phase, []).append(int(ns))
+            for phase, values in phases.items():
+                figures[f"{case.name}.N{n}.{phase}"] = figure(
+                    statistics.median(values), "ns after entry",
+                    f"%globaltimer stamps (UBNEXT_STAMPS build), thread 0 of CTA 0, median of {len(values)} "
+                    f"(rounds x ranks), virtual ranks on one GPU")
+    return {"figures": figures, "problems": problems}
 
 
 def _forced_errors() -> dict:
@@ -216,11 +268,17 @@ def run(ctx: Context) -> dict:
         return result("skip", "no GPU")
     soak = _soak(ROUNDS)
     forced = _forced_errors()
+    try:
+        stamped = _stamps()
+    except Exception as exc:  # noqa: BLE001 - the stamps are figures: their failure is reported, the rest stands
+        stamped = {"figures": {"stamps": skipped(f"{type(exc).__name__}: {exc}")}, "problems": []}
     sanitizer = _sanitized(ctx)
     failures = soak["failures"] + [f"forced {k}: {v}" for k, v in forced.items() if v.startswith("fail")]
+    failures += stamped["problems"]
     failures += [f"{k}: {v['reason']}" for k, v in sanitizer.items() if v.get("status") == "fail"]
     fields = dict(note="concurrent grids on one GPU: real GPU memory ordering, not NVLink", cases=soak["cases"],
-                  forced=forced, sanitizer=sanitizer, max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+                  forced=forced, sanitizer=sanitizer, figures=stamped["figures"],
+                  max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
     if failures:
         return result("fail", "; ".join(failures[:10]), **fields)
     return result("pass", **fields)
