@@ -50,6 +50,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _abi_param_sizes() -> str:
+    """The collective kernels' parameter sizes in the ABI's order, as STUB_PARAM_SIZES takes them."""
+    from ubnext import kernels, pool
+
+    sizes = {"desc": pool.DESC_STRUCT_BYTES, "ptr": 8, "i32": 4, "f32": 4}
+    return ",".join(str(sizes[kind]) for _, kind in kernels.KERNEL_SIGNATURE)
+
+
 def _step_env(name: str, args: argparse.Namespace, out: Path, stub_dir: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
@@ -61,6 +69,9 @@ def _step_env(name: str, args: argparse.Namespace, out: Path, stub_dir: Path | N
         env["GPU_CHECK_STUB_DIR"] = str(stub_dir)
         if name in STUB_DRIVER_STEPS:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(stub_dir), env.get("LD_LIBRARY_PATH", "")) if p)
+            # the stub answers the ABI's parameter sizes, unless a test asks for a wrong one (and
+            # STUB_OCCUPANCY for its occupancy)
+            env.setdefault("STUB_PARAM_SIZES", _abi_param_sizes())
     return env
 
 

@@ -96,9 +96,11 @@ static int env_int(const char *name, int fallback) {
 static CUresult init_error = 0; /* cuInit's, returned again by every call that needs it, as the driver does */
 
 extern unsigned stub_param_sizes[16];
+extern int stub_occupancy;
 API CUresult cuInit(unsigned int f) {
     (void)f; T();
     init_error = env_int("STUB_INIT_ERROR", 0);
+    stub_occupancy = env_int("STUB_OCCUPANCY", stub_occupancy); /* a whole program's answer, as STUB_PARAM_SIZES */
     const char *sizes = getenv("STUB_PARAM_SIZES");
     for (int i = 0; sizes && *sizes && i < 16; i++) {
         char *end;
