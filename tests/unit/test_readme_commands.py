@@ -22,7 +22,7 @@ README = (ROOT / "README.md").read_text()
 BLOCKS = {
     ("bash", "scripts/test.sh    # the whole test suite: kernels compile, unit, mpi (-np 2/4), C, GPU tiers"):
         (".ci/run", "scripts/test.sh"),
-    ("text", "ubnext 0.1.0 (<checkout>/ubnext); kernel sources: <checkout>/csrc"):
+    ("text", "no GPU: torch is a CPU build"):  # the driver gate's verdict comes first (issue 36 R8)
         ("tests/unit/test_info.py", "def test_readme_sample_is_what_info_prints"),
 }
 # the python blocks, told apart by their third line, each with the function that extracts and runs it
@@ -66,7 +66,8 @@ RUN_BY = {  # command -> (file that runs it, text there that shows it does)
 }
 # needs what CI lacks, so CI cannot run it; the reason is the entry
 NOT_IN_CI = {
-    "scripts/gpu_check.sh": "runs the GPU tier and the benchmark on a GPU node; the GPU tier skips here",
+    "scripts/gpu_check.sh": "runs the one-GPU check, then the multi-GPU tier and the benchmark, on a GPU node; "
+                            "its rehearsal (--rehearse) runs in CI: tests/mpi/test_gpu_check_rehearsal.py",
     "scripts/floor_check.sh": "opt-in: installs the floor versions of cuda-core, cuda-bindings and numpy into "
                               "build/floor-venv from the package index; docs/TESTING.md gives its last result",
 }
