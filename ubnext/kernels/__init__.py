@@ -27,7 +27,6 @@ import logging
 import os
 import re
 import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
