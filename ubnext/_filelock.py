@@ -9,9 +9,9 @@ import os
 import time
 from pathlib import Path
 
-# NVRTC took 107 s for nvls.cu alone on a loaded 2-core machine (and the build compiles the files
-# side by side), the emulator build about a minute: a holder that keeps the lock for longer than
-# this is stuck, not slow.
+# NVRTC took 107 s for nvls.cu alone on a loaded 2-core machine (every sm_90 file, side by side,
+# 36 s on a quiet one), the emulator build about a minute: a holder that keeps the lock for longer
+# than this is stuck, not slow.
 BUILD_LOCK_TIMEOUT_S = 600.0
 _POLL_S = 0.05
 
