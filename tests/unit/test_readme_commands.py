@@ -38,6 +38,9 @@ RUN_HERE = {
     "python -m ubnext.info --no-build": [sys.executable, "-m", "ubnext.info", "--no-build"],
 }
 RUN_BY = {  # command -> (file that runs it, text there that shows it does)
+    "python -m ubnext.kernels export": ("tests/unit/test_build_cache.py", 'kernels_main(["export", "--arch", "sm_90", "--to"'),
+    "python -m ubnext.kernels export --arch sm_90 --to DIR": (
+        "tests/unit/test_build_cache.py", 'kernels_main(["export", "--arch", "sm_90", "--to"'),
     # with --mode ubnext (emulator) and gloo, small: the GPU modes need NCCL
     "python scripts/fsdp_step_bench.py --mode nccl|torch_symm|ubnext": ("tests/mpi/test_host_bench.py",
                                                                         "def test_fsdp_step_bench_runs_as_gpu_check_runs_it"),
