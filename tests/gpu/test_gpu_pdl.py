@@ -96,7 +96,7 @@ def builds(one_rank_pool):
             else:
                 image, _ = kernels.compile_kernels("lamport.cu", arch)
             with _cuda.primary_context(0):
-                code = _cuda.core().ObjectCode.from_cubin(image)
+                code = kernels.object_code(image)
                 kernel = code.get_kernel(KERNEL)
             build = made[defines] = Build(code, kernel, _cuda.kernel_handle(kernel))
             one_rank_pool.reset()

@@ -20,12 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-from tests.gpu_check.common import ROOT, STEPS, log, result, write_json
+from tests.gpu_check.common import ROOT, STEPS, log, result, run_bounded, write_json
 
 # Each step's own bound on the device, in seconds: about twice the issue's estimate, so that a slow
 # step fails alone instead of eating the next one's time. `kernels` may compile when no cubins are
 # carried (nvls.cu is the long pole).
-STEP_TIMEOUT_S = {"facts": 30, "kernels": 240, "gpu_tests": 180, "world1": 120, "loopback": 120,
+STEP_TIMEOUT_S = {"facts": 30, "kernels": 240, "gpu_tests": 180, "world1": 120, "loopback": 200,
                   "ranks2": 240, "timings": 150, "probes": 60}
 # The kernels' wait bound in every step: a lost peer shows in seconds, not in the group's 30 minutes.
 STEP_UBNEXT_TIMEOUT_S = "5"
@@ -40,7 +40,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="run on the CPU: the emulator and the stub driver stand in for the GPU")
     parser.add_argument("--only", default="", help=f"comma-separated steps to run (of {', '.join(STEPS)})")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "build" / "gpu_check"))
-    parser.add_argument("--budget", type=float, default=540.0,
+    parser.add_argument("--budget", type=float, default=480.0,
                         help="seconds for the whole run: a step that cannot get its own bound is skipped")
     args = parser.parse_args(argv)
     args.steps = [s for s in args.only.split(",") if s] or list(STEPS)
@@ -58,13 +58,14 @@ def _abi_param_sizes() -> str:
     return ",".join(str(sizes[kind]) for _, kind in kernels.KERNEL_SIGNATURE)
 
 
-def _step_env(name: str, args: argparse.Namespace, out: Path, stub_dir: Path | None) -> dict[str, str]:
+def _step_env(name: str, args: argparse.Namespace, out: Path, stub_dir: Path | None,
+              timeout_s: float | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("UBNEXT_CACHE_DIR", str(ROOT / "build" / "cache"))
     env.update({"UBNEXT_TIMEOUT": STEP_UBNEXT_TIMEOUT_S, "PYTHONUNBUFFERED": "1",
                 "GPU_CHECK_REHEARSE": "1" if args.rehearse else "0", "GPU_CHECK_OUT": str(out),
-                "GPU_CHECK_STEP_TIMEOUT": str(STEP_TIMEOUT_S[name])})
+                "GPU_CHECK_STEP_TIMEOUT": str(timeout_s or STEP_TIMEOUT_S[name])})
     if stub_dir is not None:
         env["GPU_CHECK_STUB_DIR"] = str(stub_dir)
         if name in STUB_DRIVER_STEPS:
@@ -79,15 +80,10 @@ def _run_step(name: str, args: argparse.Namespace, out: Path, stub_dir: Path | N
     result_path = out / f".{name}.json"
     result_path.unlink(missing_ok=True)
     start = time.monotonic()
-    try:
-        proc = subprocess.run([sys.executable, "-m", "tests.gpu_check.step", name, str(result_path)],
-                              cwd=ROOT, env=_step_env(name, args, out, stub_dir), timeout=timeout_s,
-                              capture_output=True, text=True, start_new_session=True)
-        output = proc.stdout + proc.stderr
-        crashed = None if proc.returncode == 0 else f"the step's process exited with status {proc.returncode}"
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
-        crashed = f"timed out after {timeout_s:g} s"
+    status, output = run_bounded([sys.executable, "-m", "tests.gpu_check.step", name, str(result_path)], timeout_s,
+                                 cwd=ROOT, env=_step_env(name, args, out, stub_dir, timeout_s))
+    crashed = (f"timed out after {timeout_s:g} s" if status is None else
+               None if status == 0 else f"the step's process exited with status {status}")
     seconds = round(time.monotonic() - start, 1)
     with open(out / "gpu_check.log", "a") as fh:
         fh.write(f"\n===== {name} ({seconds} s)\n{output}")
@@ -119,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.log").write_text("")
+    if not args.only:  # a rerun of some steps adds to the first run's log
+        (out / "gpu_check.log").write_text("")
     json_path = out / "gpu_check.json"
     stub_dir = None
     if args.rehearse:

@@ -101,9 +101,8 @@ def measure(device_index: int) -> dict[str, dict]:
 
     arch = _cuda.device_arch(device_index)
     image, _ = _compile(arch)
-    core = _cuda.core()
     with _cuda.primary_context(device_index):
-        code = core.ObjectCode.from_cubin(image)
+        code = kernels.object_code(image)
         kernel = code.get_kernel(KERNEL)
     handle = _cuda.kernel_handle(kernel)  # `code` and `kernel` stay referenced until the last launch returns
     device = torch.device("cuda", device_index)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -34,6 +36,13 @@ class Context:
     out: Path  # where the step may leave a file (at most 8 files come back from the device)
     timeout_s: float  # this step's own bound; its subprocesses get less
     stub_dir: Path | None = None  # rehearse: the folder holding the stub libcuda.so.1
+    result_path: Path | None = None  # where the step's result goes (tests/gpu_check/step.py)
+
+    def save_partial(self, outcome: dict) -> None:
+        """Write what a long step has so far: if it is killed at its bound, the harness keeps this
+        (marked ``fail`` with the cause) instead of losing everything."""
+        if self.result_path is not None:
+            write_json(self.result_path, outcome)
 
     @classmethod
     def from_env(cls) -> "Context":
@@ -84,3 +93,18 @@ def write_json(path: Path, obj: Any) -> None:
 
 def log(message: str) -> None:
     print(f"[gpu_check] {message}", file=sys.stderr, flush=True)
+
+
+def run_bounded(command: list[str], timeout_s: float, **kwargs) -> tuple[int | None, str]:
+    """Run ``command`` in a session of its own; past ``timeout_s`` kill its whole process group (torchrun's
+    workers, pytest's children, the program under compute-sanitizer), so nothing outlives the step on the
+    GPU. Returns (exit status, or None when killed; stdout and stderr together)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, output

@@ -17,7 +17,9 @@ def main(argv: list[str]) -> int:
     if name not in STEPS:
         raise SystemExit(f"unknown step {name!r}; the steps are {', '.join(STEPS)}")
     try:
-        outcome = importlib.import_module(f"tests.gpu_check.step_{name}").run(Context.from_env())
+        ctx = Context.from_env()
+        ctx.result_path = result_path
+        outcome = importlib.import_module(f"tests.gpu_check.step_{name}").run(ctx)
     except BaseException as exc:  # noqa: BLE001 - the step's verdict, whatever went wrong
         outcome = crash_result(exc)
     write_json(result_path, outcome)

@@ -6,11 +6,10 @@ chains. In the rehearsal (no GPU) every test skips, saying why: the step is a ``
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-from tests.gpu_check.common import ROOT, Context, figure, result
+from tests.gpu_check.common import ROOT, Context, figure, result, run_bounded
 
 
 def _outcomes(junit_path) -> dict[str, str]:
@@ -25,15 +24,16 @@ def _outcomes(junit_path) -> dict[str, str]:
 
 def run(ctx: Context) -> dict:
     junit = ctx.out / ".gpu_tests.xml"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                           "tests/gpu"], cwd=ROOT, capture_output=True, text=True, timeout=ctx.timeout_s - 10)
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    status, output = run_bounded([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                                  f"--junitxml={junit}", "tests/gpu"], ctx.timeout_s - 10, cwd=ROOT)
+    lines = output.strip().splitlines()
     summary = lines[-1] if lines else "(no output)"
     outcomes = _outcomes(junit) if junit.exists() else {}
     junit.unlink(missing_ok=True)
     counts = {kind: sum(1 for o in outcomes.values() if o.startswith(kind)) for kind in ("passed", "failure", "error", "skipped")}
     figures = {kind: figure(n, "tests", "pytest --junitxml") for kind, n in counts.items()}
-    if proc.returncode not in (0, 5) or counts["failure"] or counts["error"]:
+    if status not in (0, 5) or counts["failure"] or counts["error"]:
+        summary = summary if status is not None else f"killed after {ctx.timeout_s - 10:g} s ({summary})"
         return result("fail", f"pytest tests/gpu: {summary}", figures=figures, tests=outcomes,
                       output_tail="\n".join(lines[-60:]))
     if counts["passed"] == 0:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
-from tests.gpu_check.common import ROOT, Context, figure, result
+from tests.gpu_check.common import ROOT, Context, figure, result, run_bounded
 
 # tests/mpi/worker.py's cases that need no multicast and no second GPU
 GPU_CASES = ("allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "pool", "bad_input", "misaligned",
@@ -36,18 +35,14 @@ def run(ctx: Context) -> dict:
                    UBNEXT_POOL_BACKEND="vmm")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(WORKER), mode, *cases]
-    try:
-        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=ctx.timeout_s - 10)
-    except subprocess.TimeoutExpired as exc:
-        tail = ((exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace"))[-4000:]
-        return result("fail", f"the 2-rank job ran past {ctx.timeout_s - 10:g} s", output_tail=tail)
-    output = proc.stdout + proc.stderr
+    status, output = run_bounded(command, ctx.timeout_s - 10, cwd=ROOT, env=env)
     passed = re.findall(rf"{mode} (\w+): ok \(([\d.]+) s\)", output)
     seconds = {name: float(s) for name, s in passed}
     figures = {"cases_passed": figure(len(seconds), "cases", "tests/mpi/worker.py's 'ok' lines, rank 0")}
     missing = [c for c in cases if c not in seconds]
-    if proc.returncode != 0 or missing:
-        return result("fail", f"exit status {proc.returncode}; not ok: {', '.join(missing) or 'none'}",
+    if status != 0 or missing:
+        why = f"ran past {ctx.timeout_s - 10:g} s" if status is None else f"exit status {status}"
+        return result("fail", f"{why}; not ok: {', '.join(missing) or 'none'}",
                       cases=list(cases), seconds=seconds, figures=figures, output_tail=output[-4000:])
     return result("pass", mode=mode, cases=list(cases), seconds=seconds, figures=figures,
                   note=("time-sliced processes on one GPU: correctness, not speed" if not ctx.rehearse else

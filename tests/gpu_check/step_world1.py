@@ -124,6 +124,9 @@ def _path_cases(path: str, emulate: bool) -> dict:
         pool = comm.pool
         if pool is None:
             return {"status": "fail", "reason": f"no pool: {comm.pool_stats()['reason']}"}
+        wanted, got = os.environ.get("UBNEXT_POOL_BACKEND"), comm.pool_stats()["backend"]
+        if wanted not in (None, "auto", got):  # a backend that failed falls back with only a log line
+            return {"status": "fail", "reason": f"asked for the {wanted} pool, got {got}"}
         if path.startswith("nvls") and not pool.has_multicast:
             return skipped("the pool has no multicast address (cuMulticastCreate with one device is refused)")
         recorder = _Recorder(comm)
@@ -219,6 +222,12 @@ def run(ctx: Context) -> dict:
             failures += [f"{backend} {group} {case}: {why}" for case, why in cases.items() if why]
             report[backend][group] = {case: why or "pass" for case, why in cases.items()}
     figures = {"cases": figure(ran, "cases", "ops compared bitwise with their torch reference")}
+    for backend in backends:  # what one GPU must run whatever its multicast: never a vacuous pass
+        failures += [f"{backend} {group}: {report[backend][group].get('reason')}"
+                     for group in ("lamport", "twoshot", "local_and_exchange")
+                     if report[backend][group].get("status") == "skip"]
+    if ran == 0:
+        failures.append("no case ran")
     if failures:
         return result("fail", "; ".join(failures[:20]), figures=figures, backends=report)
     return result("pass", figures=figures, backends=report)

@@ -152,6 +152,13 @@ def _include_dirs() -> list[Path]:
         toolkit = Path("/usr/local/cuda/include")
         if (toolkit / "cuda_bf16.h").exists():
             dirs.append(toolkit)
+    if not any((d / "nv" / "target").exists() for d in dirs):
+        # cuda_bf16.h includes <nv/target>, which CUDA 13 ships with CCCL: the nvidia-cuda-cccl wheel here,
+        # the toolkit's include/cccl on a machine that has only the toolkit (the borrowed GPU's image)
+        for cccl in (Path("/usr/local/cuda/include/cccl"), *Path("/usr/local/cuda/targets").glob("*/include/cccl")):
+            if (cccl / "nv" / "target").exists():
+                dirs.append(cccl)
+                break
     return dirs
 
 
@@ -472,6 +479,15 @@ def _nvrtc_major(version: str) -> int:
     return int(version.split(".")[0])
 
 
+def object_code(image: bytes):
+    """A cuda.core ObjectCode of a cubin, in either cuda.core layout (``from_cubin`` since 0.2); load it in
+    the primary context (``_cuda.primary_context``) and keep it referenced while its kernels are used."""
+    from .._cuda import core
+
+    mod = core()
+    return mod.ObjectCode.from_cubin(image) if hasattr(mod.ObjectCode, "from_cubin") else mod.ObjectCode(image, "cubin")
+
+
 def load_all(device_index: int) -> None:
     """Load every kernel a communicator may launch into the device's primary context, each loaded
     at once (cuFuncLoad), not at its first launch (the communicator's preparation step; raises
@@ -523,17 +539,16 @@ def _load_file(cubin: Cubin, device_index: int) -> None:
     context at once (cuKernelGetFunction, then cuFuncLoad). cuda.core loads through
     cuLibraryLoadData, whose kernels the driver otherwise loads into a context at their first
     launch."""
-    from .._cuda import check, core, driver, driver_version, kernel_address, primary_context
+    from .._cuda import check, driver, driver_version, kernel_address, primary_context
 
     drv = driver()
     eager = _driver_loads_eagerly(driver_version())
-    mod = core()
     records = []
     # cuda.core loads modules into the current context: the device's primary context, the one
     # torch uses, so kernels and torch's tensors share an address space; the caller's own context
     # is current again afterwards
     with primary_context(device_index):
-        obj = mod.ObjectCode.from_cubin(cubin.image) if hasattr(mod.ObjectCode, "from_cubin") else mod.ObjectCode(cubin.image, "cubin")
+        obj = object_code(cubin.image)
         for name in sources()[cubin.fname]:
             kernel = obj.get_kernel(name)
             function = check(drv.cuKernelGetFunction(drv.CUkernel(kernel_address(kernel))), f"cuKernelGetFunction({name})")
