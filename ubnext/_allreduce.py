@@ -43,7 +43,8 @@ class AllReduceOps:
         return ops.all_reduce_out(x, out, self.key)
 
     def _all_reduce(self, x: torch.Tensor, out: torch.Tensor, call: Call | None = None) -> torch.Tensor:
-        """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x.
+        """The allreduce itself (torch.ops.ubnext.all_reduce's implementation); ``out`` may be x (an out
+        the caller gave that partly overlaps x is refused before, by all_reduce_out: check_out_overlap).
         A caller that made x and out itself, fresh and contiguous, passes their signature's
         ``call`` (as _linear_all_reduce does): the signature's checks are then its word."""
         in_place = in_place_pool = False

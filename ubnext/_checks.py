@@ -119,6 +119,53 @@ def check_reduce_scatter_args(x: torch.Tensor, out: torch.Tensor | None, world_s
                              f"({tuple(out.shape)}, {out.dtype})")
 
 
+def check_out_overlap(op: str, x: torch.Tensor, out: torch.Tensor, x_slot: int | None = 0, *,
+                      by_storage: bool = False) -> None:
+    """Refuses an ``out`` that shares memory with ``x`` anywhere but where ``op`` lets x lie in it:
+    as out's slice number ``x_slot`` of x's size (0: all_reduce's in-place form, out being x; the rank:
+    all_gather's in-place form, x as this rank's slice of out, which FSDP2 passes), or nowhere (None:
+    reduce_scatter). An out that partly overlaps x is written while this rank or its peers still read
+    x: wrong sums that change from run to run. A ValueError names ``op`` and both byte ranges (offsets
+    in their storage, the same on every rank). The operators call it before anything collective, so
+    every rank refuses alike, and only for an out the caller gave.
+
+    Real tensors are compared by address: a few integer comparisons per call. Fake and meta tensors
+    (tracing, shape inference) have no addresses (a fake one's is 0, a meta one's its offset from 0
+    whatever its storage): ``by_storage`` compares their storages and their offsets in them instead.
+    Something that is not a tensor passes, for the op's argument checks to name."""
+    try:
+        if by_storage:
+            if x.untyped_storage()._cdata != out.untyped_storage()._cdata:
+                return
+            x_start, out_start = x.storage_offset() * x.element_size(), out.storage_offset() * out.element_size()
+        else:
+            x_start, out_start = x.data_ptr(), out.data_ptr()
+        if not (x_start < out_start + out.nbytes and out_start < x_start + x.nbytes
+                and (x_slot is None or x_start - out_start != x_slot * x.nbytes)):
+            return
+    except AttributeError:
+        return
+    x_at = None if x_slot is None else x_slot * x.nbytes
+    # refused, unless the ranges only touch (an empty tensor) or a tensor is strided: the op's
+    # contiguity check names that, and the hull of a strided tensor is not the memory it uses
+    if not (x.nbytes and out.nbytes and x.is_contiguous() and out.is_contiguous()):
+        return
+    shared = by_storage or x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    base = x.untyped_storage().data_ptr() if shared and not by_storage else 0
+    where = "of one storage" if shared else "in memory"
+    x_from, out_from = x_start - base, out_start - base
+    if x_at is None:
+        rule = "out must not overlap x"
+    elif x_at == 0 and x.nbytes == out.nbytes:
+        rule = "out must be x itself (the in-place form) or memory disjoint from x"
+    else:
+        rule = (f"x may lie in out only as bytes [{x_at}, {x_at + x.nbytes}) of out (the in-place form), "
+                "else out must be memory disjoint from x")
+    raise ValueError(f"{op}: out {'partly ' if x_at is not None else ''}overlaps x: x is bytes "
+                     f"[{x_from}, {x_from + x.nbytes}) and out bytes [{out_from}, {out_from + out.nbytes}) {where}; "
+                     f"{rule}")
+
+
 def reduce_factor(op, world_size: int) -> float:
     """The factor a reduce-scatter applies to its sum: ``op`` is "sum", "avg", a number, or a
     torch.distributed ReduceOp (SUM, AVG, or PREMUL_SUM(factor), as FSDP2 passes)."""

@@ -56,7 +56,8 @@ class ExchangeOps:
         return call
 
     def _all_gather(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """torch.ops.ubnext.all_gather(_out)'s implementation."""
+        """torch.ops.ubnext.all_gather(_out)'s implementation (the _out operator has refused an out that
+        partly overlaps x: check_out_overlap)."""
         check_all_gather_args(x, out, self.world_size)
         if x.device != self.device or out.device != self.device:
             self._check_device("x out", x, out)
@@ -91,13 +92,11 @@ class ExchangeOps:
         gather(out.view(-1), x.reshape(-1), group=self.group)
 
     def _reduce_scatter(self, x: torch.Tensor, out: torch.Tensor, factor: float) -> None:
-        """torch.ops.ubnext.reduce_scatter(_out)'s implementation."""
+        """torch.ops.ubnext.reduce_scatter(_out)'s implementation (the _out operator has refused an out
+        that overlaps x: check_out_overlap)."""
         check_reduce_scatter_args(x, out, self.world_size)
         if x.device != self.device or out.device != self.device:
             self._check_device("x out", x, out)
-        if (out.data_ptr() < x.data_ptr() + x.numel() * x.element_size()
-                and x.data_ptr() < out.data_ptr() + out.numel() * out.element_size()):
-            raise ValueError("reduce_scatter: out must not overlap x")
         self._check_usable()
         n, elem = out.numel(), x.element_size()
         in_pool = self._in_pool_aligned(x)

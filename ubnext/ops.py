@@ -24,8 +24,8 @@ import torch
 
 from . import _lifecycle
 from ._blockscale import check_fused_quant_args, check_quantize_block_args, output_specs
-from ._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_same_device,
-                     check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
+from ._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_out_overlap,
+                     check_same_device, check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
 
 __all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for",
            "rmsnorm_backward"]
@@ -70,6 +70,8 @@ def _all_reduce_impl(x, comm, torch_symm_op=""):
 
 
 def _all_reduce_out_impl(x, out, comm):
+    if out is not x:  # the same object is the in-place form: nothing to compare
+        check_out_overlap("all_reduce", x, out)
     communicator_for(comm)._all_reduce(x, out)
 
 
@@ -107,7 +109,9 @@ def _all_gather_impl(x, comm):
 
 
 def _all_gather_out_impl(x, out, comm):
-    communicator_for(comm)._all_gather(x, out)
+    c = communicator_for(comm)
+    check_out_overlap("all_gather", x, out, c.rank)
+    c._all_gather(x, out)
 
 
 def _reduce_scatter_impl(x, factor, comm):
@@ -119,6 +123,7 @@ def _reduce_scatter_impl(x, factor, comm):
 
 
 def _reduce_scatter_out_impl(x, out, factor, comm):
+    check_out_overlap("reduce_scatter", x, out, None)
     communicator_for(comm)._reduce_scatter(x, out, factor)
 
 
@@ -156,6 +161,7 @@ def _(x, comm, torch_symm_op=""):
 def _(x, out, comm):
     check_all_reduce_args(x, out)
     check_same_device("x out", x, out)
+    check_out_overlap("all_reduce", x, out, by_storage=True)
 
 
 @torch.library.register_fake("ubnext::linear_all_reduce", lib=_lib)
@@ -198,7 +204,9 @@ def _(x, comm):
 @torch.library.register_fake("ubnext::all_gather_out", lib=_lib)
 def _(x, out, comm):
     check_same_device("x out", x, out)
-    check_all_gather_args(x, out, _world_size(comm))
+    c = communicator_for(comm)
+    check_all_gather_args(x, out, c.world_size)
+    check_out_overlap("all_gather", x, out, c.rank, by_storage=True)
 
 
 @torch.library.register_fake("ubnext::reduce_scatter", lib=_lib)
@@ -212,6 +220,7 @@ def _(x, factor, comm):
 def _(x, out, factor, comm):
     check_same_device("x out", x, out)
     check_reduce_scatter_args(x, out, _world_size(comm))
+    check_out_overlap("reduce_scatter", x, out, None, by_storage=True)
 
 
 @torch.library.register_fake("ubnext::quantize_fp8", lib=_lib)

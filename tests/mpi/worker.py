@@ -676,7 +676,47 @@ def case_bad_input():
     bad = torch.ones(4 + dist.get_rank(), device=device())
     expect_error(ValueError, lambda: debug.all_reduce(bad), "ranks called with different arguments")
     debug.close()
+    check_overlapping_out_refused()
     check_allreduce(100, torch.float32, seed=1)  # still usable afterwards
+
+
+def check_overlapping_out_refused():
+    """Issue 40 W1: an out that partly overlaps x (the kernels wrote it while the peers still read x:
+    wrong sums in 2 runs of 3) is refused with the same error on every rank, before anything
+    collective, so no rank is left waiting; the in-place form and disjoint views of one buffer reduce."""
+    n, rank, world = 1024, dist.get_rank(), dist.get_world_size()
+    buf = torch.zeros(2 * n, device=device())
+    for (x0, x1), (o0, o1) in (((0, n), (n // 2, n + n // 2)), ((n // 2, n + n // 2), (0, n)), ((0, n), (8, n + 8))):
+        buf[x0:x1].fill_(rank + 1)
+        try:
+            COMM.all_reduce(buf[x0:x1], out=buf[o0:o1])
+            message = None
+        except ValueError as exc:
+            message = str(exc)
+        messages = gather(message)
+        assert message and message.startswith(f"all_reduce: out partly overlaps x: x is bytes [{x0 * 4}, {x1 * 4}) "
+                                              f"and out bytes [{o0 * 4}, {o1 * 4})"), messages
+        assert messages == [message] * world, f"the ranks refused differently: {messages}"
+    total = world * (world + 1) / 2
+    buf[:n].fill_(rank + 1)
+    COMM.all_reduce(buf[:n], out=buf[n:])  # disjoint, adjacent: the kernel path the refused calls would take
+    assert MODE == "torch" or COMM.last_path != "torch", COMM.last_path
+    assert (buf[n:] == total).all() and (buf[:n] == rank + 1).all()
+    COMM.all_reduce(buf[:n], out=buf.view(2, n)[0])  # another view of x's memory: the in-place form
+    assert (buf[:n] == total).all()
+    # all_gather: x may lie in out only as this rank's slice (FSDP2's in-place form)
+    big = torch.zeros((world + 1) * n, device=device())
+    out = big[:world * n]
+    expect_error(ValueError, lambda: COMM.all_gather(big[rank * n + 8:(rank + 1) * n + 8], out=out),
+                 "all_gather: out partly overlaps x")
+    other = (rank + 1) % world
+    expect_error(ValueError, lambda: COMM.all_gather(big[other * n:(other + 1) * n], out=out),
+                 "all_gather: out partly overlaps x")
+    COMM.all_gather(out[rank * n:(rank + 1) * n].fill_(rank + 1), out=out)
+    assert torch.equal(out.view(world, n)[:, 0].cpu(), torch.arange(1, world + 1, dtype=out.dtype)), out
+    # reduce_scatter: no in-place form (the peers read all of x); out must not overlap it
+    expect_error(ValueError, lambda: COMM.reduce_scatter(out, out=out[rank * n:(rank + 1) * n]),
+                 "reduce_scatter: out overlaps x")
 
 
 # -- timeout ------------------------------------------------------------------------------------
