@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ops, plan  # noqa: F401 - ops defines the torch.ops.ubnext operators called here
+from . import ops, plan
 from ._checks import check_all_gather_args, check_reduce_scatter_args, reduce_factor
 from ._executor import Call
 
@@ -24,23 +24,25 @@ class ExchangeOps:
         may be a pool tensor (``comm.empty``, or ubnext.fsdp's allocate): the peers then write
         straight into it; otherwise the result passes through the pool's staging region, and a
         result larger than that takes torch.distributed. Whether ``out`` is a pool tensor is an
-        argument of the call: every rank passes the same kind (``UBNEXT_DEBUG=1`` compares it)."""
+        argument of the call: every rank passes the same kind (``UBNEXT_DEBUG=1`` compares it).
+        Differentiable without ``out``: the gradient of ``x`` is the reduce-scatter (sum) of the
+        output's gradient, as torch's functional all-gather's."""
         if out is None:
-            return torch.ops.ubnext.all_gather(x, self.key)
-        torch.ops.ubnext.all_gather_out(x, out, self.key)
-        return out
+            return ops.all_gather(x, self.key)
+        return ops.all_gather_out(x, out, self.key)
 
     def reduce_scatter(self, x: torch.Tensor, *, op="sum", out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's shard of the sum over the ranks: ``x`` is ``world_size`` equal shards along
         its first dimension, and rank r gets ``factor * sum_ranks(shard r)``, summed in fp32 (in
         rank order, rounded once) whatever the dtype. ``op``: "sum", "avg", a factor, or a
         torch.distributed ReduceOp (SUM, AVG, PREMUL_SUM(f)). ``x`` may be a pool tensor, read by
-        the peers where it lies; otherwise it is staged as for ``all_gather``."""
+        the peers where it lies; otherwise it is staged as for ``all_gather``. Differentiable without
+        ``out``: the gradient of ``x`` is the all-gather of the output's gradient times the factor
+        (torch's functional reduce-scatter's for "sum"; it refuses "avg" at backward)."""
         factor = reduce_factor(op, self.world_size)
         if out is None:
-            return torch.ops.ubnext.reduce_scatter(x, factor, self.key)
-        torch.ops.ubnext.reduce_scatter_out(x, out, factor, self.key)
-        return out
+            return ops.reduce_scatter(x, factor, self.key)
+        return ops.reduce_scatter_out(x, out, factor, self.key)
 
     def _exchange_call(self, signature: tuple, algo: str, dtype: torch.dtype, n: int, nbytes: int, in_pool: bool,
                        factor: float = 0.0) -> Call:

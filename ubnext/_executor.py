@@ -20,6 +20,7 @@ import torch
 from . import _cuda, envs, kernels
 from ._checks import DTYPE_CODES, FP8
 from .errors import CLOSED, UbnextError, kernel_error
+from .pool.layout import DESC_STRUCT_BYTES
 
 log = logging.getLogger("ubnext")
 
@@ -32,6 +33,10 @@ GPU_BLOCK = 256
 
 # Kernels whose blocks never wait on another block: the rest get at most half the SMs (gpu_max_blocks).
 LOCAL_KERNELS = frozenset({"add_rmsnorm", "quantize_fp8", "quantize"})
+# The descriptor of a local kernel that sizes its own grid (the quantisers, ubnext/_quantize.py): they
+# read none of it (csrc/kernels/quantize.cu, blockscale.cu), so they launch without the pool, whose
+# creation is collective: a local op never waits for a peer, even as one rank's first call.
+LOCAL_DESC = bytes(DESC_STRUCT_BYTES)
 
 
 def gpu_max_blocks(algo: str, sm_count: int, world_size: int, fused: bool, nvls_ctas: int = 16,
@@ -211,17 +216,20 @@ class Executor:
 
     def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int,
                     geometry: tuple[int, int] | None = None) -> Launch:
-        """``geometry``: (grid, block) of a local kernel that sizes its own (ubnext/_quantize.py)."""
-        grid, block = geometry or self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden),
-                                                 bool(flags & kernels.F_RANK_ORDER),
-                                                 not flags & kernels.F_FP8_PER_TOKEN)
-        if algo in ("lamport", "allgather") and self._pool.has_multicast:
-            flags |= kernels.F_MULTICAST
+        """``geometry``: (grid, block) of a local kernel that sizes its own (ubnext/_quantize.py); it gets
+        LOCAL_DESC, and needs no pool."""
+        if geometry is None:
+            grid, block = self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden),
+                                         bool(flags & kernels.F_RANK_ORDER), not flags & kernels.F_FP8_PER_TOKEN)
+            desc = self._pool.desc
+            if algo in ("lamport", "allgather") and self._pool.has_multicast:
+                flags |= kernels.F_MULTICAST
+        else:
+            (grid, block), desc = geometry, LOCAL_DESC
         scalars = (n, hidden, float(eps), flags)
         packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(scalars):], scalars)
         fp8_out = flags & (kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN)
         name = _kernel_name(algo, dtype)
-        desc = self._pool.desc
         if self.mode == "gpu":
             return Launch(algo, name, grid, block, 8 if fp8_out else 16, scalars, desc,
                           _cuda.pdl_enabled(self._device_index), _cuda.KernelParams(desc, packed),
@@ -257,17 +265,19 @@ class Executor:
     def _run(self, how: Launch, pointers: tuple) -> None:
         """Launch one kernel with its seven pointers (kernels.KERNEL_SIGNATURE's order, after the
         descriptor), on the emulator or the GPU; the emulator's launch is synchronous, so its error
-        word is read here."""
+        word is read here. Without a pool (a local kernel before it exists) there is no error word:
+        a local kernel never writes one."""
         pool = self._pool
         if self.mode == "emulator":
             self._emu.launch(how.name, how.grid, how.block,
                              list(zip(_SIGNATURE_KINDS, (how.desc, *pointers, *how.scalars))),
-                             timeout_s=pool.timeout_s, pdl=how.pdl)
-            if pool.err_view[0]:
+                             timeout_s=pool.timeout_s if pool is not None else None, pdl=how.pdl)
+            if pool is not None and pool.err_view[0]:
                 self._raise_kernel_error(pool)
             return
         if self._capturing:  # since this op's _check_usable, as self._stream
-            pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
+            if pool is not None:
+                pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
             done = None  # a graph's kernels are ordered by whoever replays it
         else:
             done = self._launch_done
@@ -277,7 +287,7 @@ class Executor:
                      how.params.address(pointers), self._device_index, done)
         if self._debug and not self._capturing:  # a synchronisation would break the capture
             torch.cuda.synchronize(self.device)
-            if pool.err_view[0]:
+            if pool is not None and pool.err_view[0]:
                 self._raise_kernel_error(pool)
 
     def _pool_reads_done(self) -> None:

@@ -102,6 +102,10 @@ def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bo
 class Preparation:
     """The Communicator's pool and kernels, made once, collectively."""
 
+    # this rank's kernels, built or loaded once (_prepare_kernels), and why they cannot be if so
+    _kernels_tried = False
+    _kernels_problem: str | None = None
+
     def register_hidden(self, hidden: int) -> None:
         """Size the pool for rows of ``hidden`` elements (call before the first op)."""
         if hidden <= 0:
@@ -268,7 +272,15 @@ class Preparation:
                 "node's GPUs and pick one with torch.cuda.set_device(local_rank))")
 
     def _prepare_kernels(self) -> str | None:
-        """Build or load every kernel this communicator may launch; None, or why it cannot."""
+        """Build or load every kernel this communicator may launch, once: for the pool's agreement, or
+        before it for a local op (ubnext/_quantize.py), which must not wait for a peer. None, or why
+        this rank cannot."""
+        if not self._kernels_tried:
+            self._kernels_tried = True
+            self._kernels_problem = self._load_kernels()
+        return self._kernels_problem
+
+    def _load_kernels(self) -> str | None:
         try:
             if self.mode == "emulator":
                 from . import _emu

@@ -4,7 +4,9 @@ quantize_fp8_reference), and the block-scaled formats of the GEMMs after a norm 
 NVFP4, MXFP8, per-token-group FP8; ubnext/_blockscale.py, docs/QUANTIZE.md).
 
 ``QuantizeOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
-(Planner), ``_pool`` and ``key``.
+(Planner), ``mode``, ``_pool_error``, ``_capturing``, ``_kernels_tried`` and ``key``. Local, as
+documented: no peer, and never the pool's collective set-up either (``_local_call``), so a
+quantisation may be any rank's first call.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import math
 
 import torch
 
-from . import kernels, ops, plan  # noqa: F401 - ops defines the torch.ops.ubnext operators called here
+from . import kernels, ops, plan
 from ._blockscale import block_flags, check_quantize_block_args, output_specs, quantize_reference
 from ._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
 from ._executor import GPU_BLOCK, Call
+from .errors import UbnextError
 
 # Above this many bytes, one scale over the whole tensor is not left to one CTA (the kernel's row is
 # one block's work): the amax comes first, from torch's own reduction over every SM, and the kernel
@@ -73,15 +76,40 @@ class QuantizeOps:
         that ``x ~= q.float() * scale_inv`` (per row: ``scale_inv[:, None]``). ``scaling``: "row"
         (one scale per row of the last dimension), "tensor" (one for the whole tensor), or
         "static" (``scale``: a one-element fp32 tensor, returned as scale_inv). Local: no peer is
-        involved. Scales per row are ``max(amax / 448, 1e-12)``; values saturate to +-448. One scale
-        for a tensor past ONE_CTA_BYTES: its amax comes from torch's reduction first, and the kernel
-        quantises with it as a static scale over the whole grid (the same bits)."""
+        involved. No gradient: an ``x`` that requires grad is refused in grad mode. Scales per row
+        are ``max(amax / 448, 1e-12)``; values saturate to +-448. One scale for a tensor past
+        ONE_CTA_BYTES: its amax comes from torch's reduction first, and the kernel quantises with it
+        as a static scale over the whole grid (the same bits)."""
         if scaling not in ("row", "tensor", "static"):
             raise ValueError(f"scaling must be 'row', 'tensor' or 'static', got {scaling!r}")
         if (scaling == "static") != (scale is not None):
             raise ValueError("scale is required with scaling='static' and meaningless otherwise")
         hidden = x.shape[-1] if scaling == "row" and x.dim() else x.numel()
-        return torch.ops.ubnext.quantize_fp8(x, hidden, scale, self.key)
+        return ops.quantize_fp8(x, hidden, scale, self.key)
+
+    def _local_call(self, signature: tuple, algo: str, label: str, x: torch.Tensor, hidden: int, flags: int,
+                    static: bool, problem: str | None = None) -> Call:
+        """The path and launch of a quantisation signature, made once and remembered: the kernel
+        where this rank's kernels load, else the torch reference (the same bits; ``problem``: the
+        call's own reason for it). Made without the pool or a peer (a zeroed descriptor, the kernels
+        loaded here: Preparation._prepare_kernels), so a local op never enters the collective
+        set-up, whichever rank calls it first."""
+        if self._capturing and not self._kernels_tried:  # gpu mode: this call is captured (_check_usable)
+            raise UbnextError(
+                "ubnext: this communicator's first quantisation is inside CUDA graph capture, but loading its "
+                "kernels synchronises the device, which a capture cannot contain: call comm.prepare(), or the "
+                "quantisation once, before capturing")
+        n = x.numel()
+        problem = problem or (self._pool_error if self.mode == "torch" else self._prepare_kernels()) or (
+            plan.TOO_LARGE if n * x.element_size() > plan.KERNEL_MAX_BYTES else None)
+        if problem:
+            self._log_once(algo, f"{label} runs in torch: {problem}")
+        launch = None if problem else self._launch_for(algo, x.dtype, n, hidden, 0.0, flags,
+                                                       self._local_geometry(n, x.element_size(), hidden, static))
+        call = Call("torch" if problem else algo, launch)
+        if len(self._calls) < 4096:
+            self._calls[signature] = call
+        return call
 
     def _local_geometry(self, n: int, elem: int, hidden: int, static: bool) -> tuple[int, int]:
         if self.mode == "emulator" and not self._count_geometry:
@@ -110,18 +138,9 @@ class QuantizeOps:
         signature = ("quantize_fp8", n, x.dtype, hidden, flags)
         call = self._calls.get(signature)
         if call is None:
-            view = self._pool_view()
-            problem = view.unavailable or (
-                plan.TOO_LARGE if n * x.element_size() > plan.KERNEL_MAX_BYTES else None) or (
-                None if whole_vectors else f"rows of {hidden} {x.dtype} elements are not whole 16-byte vectors")
-            if problem:
-                self._log_once("quantize_fp8", f"quantize_fp8 runs in torch: {problem}")
-            launch = None if problem else self._launch_for(
-                "quantize_fp8", x.dtype, n, hidden, 0.0, flags,
-                self._local_geometry(n, x.element_size(), hidden, scale is not None))
-            call = Call("torch" if problem else "quantize_fp8", launch)
-            if len(self._calls) < 4096:
-                self._calls[signature] = call
+            call = self._local_call(signature, "quantize_fp8", "quantize_fp8", x, hidden, flags, scale is not None,
+                                    None if whole_vectors else
+                                    f"rows of {hidden} {x.dtype} elements are not whole 16-byte vectors")
         if call.launch is None:
             q, scale_inv = quantize_fp8_reference(x, hidden, scale)
             return q, scale_inv
@@ -135,7 +154,8 @@ class QuantizeOps:
     def quantize(self, x: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None,
                  swizzled: bool = False, ue8m0: bool = False):
         """``(q, scales)``: ``x`` (bf16, fp16 or fp32, rows of its last dimension K) in a block-scaled
-        format for the next GEMM, written by one kernel; local, no peer. ``fmt``:
+        format for the next GEMM, written by one kernel; local, no peer; no gradient (an ``x`` that
+        requires grad is refused in grad mode). ``fmt``:
 
         - ``"nvfp4"``: ``q`` uint8 ``[..., K/2]`` (two e2m1 per byte, the even element low), ``scales``
           e4m3 ``[..., K/16]``; ``global_scale`` (one-element fp32) for the two-level form;
@@ -146,7 +166,7 @@ class QuantizeOps:
         ``swizzled=True`` (nvfp4, mxfp8) gives the scales 1-D in torchao's ``to_blocked`` layout,
         padding included. Bitwise torchao's ``nvfp4_quantize`` / ``to_mx(..., RCEIL)`` (docs/QUANTIZE.md);
         ``ubnext._blockscale.quantize_reference`` is the same arithmetic in torch."""
-        return torch.ops.ubnext.quantize(x, fmt, global_scale, bool(swizzled), bool(ue8m0), self.key)
+        return ops.quantize(x, fmt, global_scale, bool(swizzled), bool(ue8m0), self.key)
 
     def _quantize_blocks(self, x: torch.Tensor, fmt: str, global_scale, swizzled: bool, ue8m0: bool):
         """torch.ops.ubnext.quantize's implementation: the kernel (csrc/kernels/blockscale.cu) where
@@ -159,19 +179,8 @@ class QuantizeOps:
         flags = block_flags(None, swizzled, ue8m0)
         signature = ("quantize_" + fmt, n, x.dtype, k, flags)
         call = self._calls.get(signature)
-        if call is None:
-            view = self._pool_view()
-            problem = view.unavailable or (
-                plan.TOO_LARGE if n * x.element_size() > plan.KERNEL_MAX_BYTES else None)
-            if problem:
-                self._log_once("quantize", f"quantize({fmt}) runs in torch: {problem}")
-                launch = None
-            else:  # flat over the grid, one trip of IN_FLIGHT vectors per thread, as the static FP8 mode
-                launch = self._launch_for("quantize_" + fmt, x.dtype, n, k, 0.0, flags,
-                                          self._local_geometry(n, x.element_size(), k, True))
-            call = Call("torch" if problem else "quantize_" + fmt, launch)
-            if len(self._calls) < 4096:
-                self._calls[signature] = call
+        if call is None:  # flat over the grid, one trip of IN_FLIGHT vectors per thread, as the static FP8 mode
+            call = self._local_call(signature, "quantize_" + fmt, f"quantize({fmt})", x, k, flags, True)
         if call.launch is None:
             return quantize_reference(x, fmt, global_scale, swizzled, ue8m0)
         (q_shape, q_dtype), (s_shape, s_dtype) = output_specs(x, fmt, swizzled)

@@ -13,7 +13,9 @@ which costs a few microseconds less per call on the host.
 
 Autograd is attached by the Python entry points at the end of this module, only when a gradient
 is wanted: the gradient of an allreduce of partial sums is the identity; the fused norm's
-backward is recomputed in closed form from the saved ``residual_out``.
+backward is recomputed in closed form from the saved ``residual_out``; all-gather and
+reduce-scatter are each other's adjoint, as in torch's functional collectives. The quantisers and
+the out= forms refuse an input that requires grad (``not_differentiable``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from ._blockscale import check_fused_quant_args, check_quantize_block_args, outp
 from ._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_out_overlap,
                      check_same_device, check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
 
-__all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "communicator_for",
-           "rmsnorm_backward"]
+__all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "all_gather",
+           "all_gather_out", "reduce_scatter", "reduce_scatter_out", "quantize_fp8", "quantize", "communicator_for",
+           "rmsnorm_backward", "not_differentiable"]
 
 _lib = torch.library.Library("ubnext", "DEF")  # noqa: TOR901 - the operators are defined here once
 _lib.define("all_reduce(Tensor x, str comm, str torch_symm_op='') -> Tensor")
@@ -243,7 +246,9 @@ def _(x, fmt, global_scale, swizzled, ue8m0, comm):
 # Autograd lives in the Python entry points below, not in the dispatcher: a Python autograd
 # kernel (torch.library.register_autograd) runs on every call, grad or not, and costs about
 # 6 us of host time per call here; these Functions run only when a gradient is wanted. Calling
-# torch.ops.ubnext.* directly on tensors that require grad gives outputs whose backward raises.
+# torch.ops.ubnext.* directly on tensors that require grad gives outputs that require grad and whose
+# backward leaves the inputs' grad None (torch's autograd-not-implemented fallback: a warning only):
+# call the entry points.
 
 
 def _requires_grad(t) -> bool:
@@ -274,6 +279,19 @@ _LINEAR_ALL_REDUCE = _dispatcher_callable("linear_all_reduce")
 _FUSED = _dispatcher_callable("all_reduce_add_rmsnorm")
 _FUSED_FP8 = _dispatcher_callable("all_reduce_add_rmsnorm_fp8")
 _FUSED_QUANT = _dispatcher_callable("all_reduce_add_rmsnorm_quant")
+_ALL_GATHER = _dispatcher_callable("all_gather")
+_ALL_GATHER_OUT = _dispatcher_callable("all_gather_out")
+_REDUCE_SCATTER = _dispatcher_callable("reduce_scatter")
+_REDUCE_SCATTER_OUT = _dispatcher_callable("reduce_scatter_out")
+_QUANTIZE_FP8 = _dispatcher_callable("quantize_fp8")
+_QUANTIZE = _dispatcher_callable("quantize")
+
+
+def not_differentiable(what: str, instead: str) -> RuntimeError:
+    """The error of an entry point whose output has no gradient (a quantised output, an out= form),
+    called in grad mode on an input that requires one: refused, rather than an output that requires
+    grad and whose backward leaves the input's grad None."""
+    return RuntimeError(f"{what} is not differentiable; call it under torch.no_grad() or {instead}")
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -300,6 +318,39 @@ class _LinearAllReduceGrad(torch.autograd.Function):
         grad_x = grad.matmul(weight)
         grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
         return grad_x, grad_w, None
+
+
+class _AllGatherGrad(torch.autograd.Function):
+    """torch's functional collectives' rule (all_gather_into_tensor's backward): the gradient of an
+    all-gather is the reduce-scatter (sum) of the output's gradient, each rank its own shard."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _ALL_GATHER[0](x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad.contiguous(), 1.0, ctx.comm), None
+
+
+class _ReduceScatterGrad(torch.autograd.Function):
+    """Rank r's output is ``factor`` x the sum of every rank's shard r, so the gradient of each rank's
+    input is ``factor`` x the all-gather of the output's gradient: torch's functional collectives'
+    backward (reduce_scatter_tensor's all-gather) for "sum", scaled by 1/world for "avg" and by f for
+    PREMUL_SUM(f). (torch's functional reduce_scatter refuses "avg" at backward, and
+    torch.distributed.nn.functional.reduce_scatter gives "avg" the sum's gradient: the world size too
+    large.)"""
+
+    @staticmethod
+    def forward(ctx, x, factor, comm):
+        ctx.factor, ctx.comm = factor, comm
+        return _REDUCE_SCATTER[0](x, factor, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered = all_gather(grad.contiguous(), ctx.comm)
+        return (gathered if ctx.factor == 1.0 else gathered * ctx.factor), None, None
 
 
 def rmsnorm_backward(r: torch.Tensor, weight: torch.Tensor, eps: float, grad_y: torch.Tensor):
@@ -362,8 +413,7 @@ def all_reduce(x: torch.Tensor, comm: str, torch_symm_op: str = "") -> torch.Ten
 def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tensor:
     """Allreduce into ``out`` (which may be ``x``); like torch's out= variants, not differentiable."""
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(out)):
-        raise RuntimeError("all_reduce(..., out=...) does not support automatic differentiation; "
-                           "call it without out= to get a gradient")
+        raise not_differentiable("all_reduce(..., out=...)", "without out= to get a gradient")
     packet, direct = _ALL_REDUCE_OUT
     (packet if _is_compiling() else direct)(x, out, comm)
     return out
@@ -409,8 +459,60 @@ def _fused_quant(x, residual, weight, eps: float, comm: str, out_dtype, scale, q
         raise ValueError(f"quant={quant!r} writes its own output format and scales: it excludes out_dtype and "
                          "scale (the per-token / static FP8 form); pass one or the other")
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(residual) or _requires_grad(weight)):
-        raise RuntimeError(f"the quantised ({quant}) output of ubnext's fused norm is not differentiable; "
-                           "call it under torch.no_grad() or without quant=")
+        raise not_differentiable(f"the quantised ({quant}) output of ubnext's fused norm", "without quant=")
     packet, direct = _FUSED_QUANT
     return (packet if _is_compiling() else direct)(x, residual, weight, eps, quant, global_scale, swizzled, ue8m0,
                                                    comm)
+
+
+def all_gather(x: torch.Tensor, comm: str) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along the first dimension; its gradient reduce-scatters the
+    output's (_AllGatherGrad)."""
+    if torch.is_grad_enabled() and _requires_grad(x):
+        return _AllGatherGrad.apply(x, comm)
+    packet, direct = _ALL_GATHER
+    return (packet if _is_compiling() else direct)(x, comm)
+
+
+def all_gather_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tensor:
+    """All-gather into ``out``; like torch's out= variants, not differentiable."""
+    if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(out)):
+        raise not_differentiable("all_gather(..., out=...)", "without out= to get a gradient")
+    packet, direct = _ALL_GATHER_OUT
+    (packet if _is_compiling() else direct)(x, out, comm)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, factor: float, comm: str) -> torch.Tensor:
+    """This rank's shard of ``factor`` x the sum over the ranks; its gradient all-gathers the
+    output's, times ``factor`` (_ReduceScatterGrad)."""
+    if torch.is_grad_enabled() and _requires_grad(x):
+        return _ReduceScatterGrad.apply(x, factor, comm)
+    packet, direct = _REDUCE_SCATTER
+    return (packet if _is_compiling() else direct)(x, factor, comm)
+
+
+def reduce_scatter_out(x: torch.Tensor, out: torch.Tensor, factor: float, comm: str) -> torch.Tensor:
+    """Reduce-scatter into ``out``; like torch's out= variants, not differentiable."""
+    if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(out)):
+        raise not_differentiable("reduce_scatter(..., out=...)", "without out= to get a gradient")
+    packet, direct = _REDUCE_SCATTER_OUT
+    (packet if _is_compiling() else direct)(x, out, factor, comm)
+    return out
+
+
+def quantize_fp8(x: torch.Tensor, hidden: int, scale: Optional[torch.Tensor], comm: str):
+    """(q, scale_inv) in e4m3; no gradient (a quantised output has none)."""
+    if torch.is_grad_enabled() and _requires_grad(x):
+        raise not_differentiable("comm.quantize_fp8's e4m3 output", "on x.detach()")
+    packet, direct = _QUANTIZE_FP8
+    return (packet if _is_compiling() else direct)(x, hidden, scale, comm)
+
+
+def quantize(x: torch.Tensor, fmt: str, global_scale: Optional[torch.Tensor], swizzled: bool, ue8m0: bool,
+             comm: str):
+    """(q, scales) in a block-scaled format; no gradient (a quantised output has none)."""
+    if torch.is_grad_enabled() and _requires_grad(x):
+        raise not_differentiable(f"comm.quantize's {fmt} output", "on x.detach()")
+    packet, direct = _QUANTIZE
+    return (packet if _is_compiling() else direct)(x, fmt, global_scale, swizzled, ue8m0, comm)

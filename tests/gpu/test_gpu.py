@@ -21,7 +21,7 @@ CASES = ["allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "pool"
          "linear", "compile", "cuda_graph", "misaligned", "fp8_nan", "divergent", "uneven_history",
          "header_race", "kernel_failure", "timeout", "late_rank", "selftest", "subgroups", "in_place_past_staging", "linear_dense", "tp_checkpoint",
          "all_gather", "reduce_scatter", "quantize_fp8", "quantize_blocks", "fsdp", "fsdp_odd_shards", "fsdp_fp8", "fsdp_fp8_gemm",
-         "exchange_compile",
+         "exchange_compile", "exchange_grad", "local_first",
          # the host path (contexts, streams, graphs, lifetimes): only a GPU shows these
          "second_comm", "threads", "streams", "capture_first_use", "close_live", "device_mix",
          "capture_empty", "other_device_thread", "torch_symm_prefill", "pool_gc_skew", "fsdp_steady", "fused_past_pool",

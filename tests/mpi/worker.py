@@ -1306,6 +1306,45 @@ def case_quantize_fp8():
             assert COMM._calls[signature].path == ("torch" if MODE == "torch" else "quantize_fp8"), signature
 
 
+def case_local_first():
+    """Issue 40 H1: the quantisers are local, as documented: as the first calls of a fresh communicator,
+    on rank 0 alone while its peers make no ubnext call, they return at once with the kernels' bits
+    (the kernels loaded on that rank, no pool made) instead of waiting in the pool's collective set-up
+    until the timeout; then every rank goes on as usual, the same quantisation included."""
+    from ubnext._blockscale import quantize_reference
+    from ubnext._checks import quantize_fp8_reference
+
+    rank, bound_s = dist.get_rank(), 30.0
+    x = T.rank_input(0, 8 * 256, torch.float32, 61).mul(20).to(torch.bfloat16).view(8, 256)
+    q_want, s_want = quantize_fp8_reference(x, 256, None)
+    q4_want, s4_want = quantize_reference(x, "nvfp4", None, True, False)
+
+    def quantize_and_check(comm):
+        q, scale_inv = comm.quantize_fp8(x.to(device()))
+        q4, scales4 = comm.quantize(x.to(device()), "nvfp4", swizzled=True)
+        assert torch.equal(q.cpu().view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(scale_inv.cpu(), s_want)
+        assert torch.equal(q4.cpu(), q4_want) and torch.equal(scales4.cpu().view(torch.uint8), s4_want.view(torch.uint8))
+        kernel = "torch" if MODE == "torch" else "quantize_fp8"
+        assert [c.path for k, c in comm._calls.items() if k[0] == "quantize_fp8"] == [kernel], comm._calls
+
+    # the kernels built or loaded in this process first, on every rank: a cold build is not what this times
+    COMM.prepare()
+    with kernel_timeout(bound_s):
+        comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=1024)
+        if rank == 0:
+            start = time.monotonic()
+            quantize_and_check(comm)
+            took = time.monotonic() - start
+            assert comm._pool is None, "a local op made the pool"
+            assert took < bound_s / 3, f"rank 0's first (local) calls took {took:.1f} s"
+            log(f"local_first: rank 0 quantised alone in {took:.2f} s")
+        dist.barrier()  # the peers made no ubnext call until rank 0 was done
+        got = comm.all_reduce(torch.ones(64, device=device()))
+        assert torch.equal(got.cpu(), torch.full((64,), float(dist.get_world_size())))
+        quantize_and_check(comm)
+        comm.close()
+
+
 def case_exchange_compile():
     """all_gather, reduce_scatter, quantize_fp8 and quantize (NVFP4, swizzled) under
     torch.compile(fullgraph=True), default backend: no graph break, and the same bits as eager."""
@@ -1325,6 +1364,61 @@ def case_exchange_compile():
     for got, want in zip(compiled(x, big), step(x, big)):
         assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
         assert torch.equal(got, want), "compiled exchange ops differ from eager"
+
+
+def case_exchange_grad():
+    """Issue 40 W2: all_gather and reduce_scatter differentiate, each the other's adjoint: x.grad is
+    the gradient of the sum of every rank's loss, from torch's autograd over the whole computation in
+    fp64 (every rank's inputs and loss weights are known to all); where the group is gloo, also that
+    of torch's functional collectives (all_gather_single_autograd, and reduce_scatter_single_autograd
+    for "sum": torch refuses "avg" at backward). Each rank weights the outputs differently, so a
+    gradient that ignored the peers' weights, or the factor of "avg" / PREMUL_SUM, differs. Small
+    integers: every sum is exact, so the gradients are bitwise, factors aside (two roundings). The
+    backward runs on ubnext's collectives (last_path)."""
+    import torch.distributed._functional_collectives as funcol
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    rows, cols = 4, 16
+
+    def ints(shape, seed, r):
+        return torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed * 1009 + r)).double()
+
+    for dtype in (torch.float32, torch.bfloat16):
+        # all_gather: rank r's loss is sum(all_gather(x) * w_r)
+        xs = [ints((rows, cols), 1, r).requires_grad_() for r in range(n)]
+        ws = [ints((n * rows, cols), 2, r) for r in range(n)]
+        sum((torch.cat(xs) * w).sum() for w in ws).backward()
+        x = xs[rank].detach().to(dtype).to(device()).requires_grad_()
+        gathered = COMM.all_gather(x)
+        assert torch.equal(gathered.double().cpu(), torch.cat(xs).detach()), "all_gather: forward"
+        (gathered * ws[rank].to(dtype).to(device())).sum().backward()
+        assert x.grad is not None and x.grad.dtype == dtype, f"all_gather {dtype}: grad {x.grad}"
+        assert torch.equal(x.grad.double().cpu(), xs[rank].grad), f"all_gather {dtype}: grad"
+        expect_path(("reduce_scatter",))  # the backward's
+        if x.device.type == "cpu" and dist.get_backend(COMM.group) == "gloo":
+            ref = xs[rank].detach().float().requires_grad_()
+            (funcol.all_gather_single_autograd(ref, 0, COMM.group) * ws[rank].float()).sum().backward()
+            assert torch.equal(x.grad.float(), ref.grad), f"all_gather {dtype}: not torch's functional gradient"
+        # reduce_scatter: rank r's loss is sum(reduce_scatter(x) * v_r)
+        for op in ("sum", "avg", dist.ReduceOp.PREMUL_SUM(0.25)):
+            factor = ubnext._checks.reduce_factor(op, n)
+            xs = [ints((n * rows, cols), 3, r).requires_grad_() for r in range(n)]
+            vs = [ints((rows, cols), 4, r) for r in range(n)]
+            sum((factor * sum(xr[r * rows:(r + 1) * rows] for xr in xs) * vs[r]).sum() for r in range(n)).backward()
+            x = xs[rank].detach().to(dtype).to(device()).requires_grad_()
+            (COMM.reduce_scatter(x, op=op) * vs[rank].to(dtype).to(device())).sum().backward()
+            assert x.grad is not None and x.grad.dtype == dtype, f"reduce_scatter {op} {dtype}: grad {x.grad}"
+            want = xs[rank].grad
+            err = (x.grad.double().cpu() - want).abs()
+            # an exact integer times the factor in dtype: two roundings at most, the factor's and the
+            # product's (none for a power of two)
+            assert not (err > 2 * T.UNIT_ROUNDOFF[dtype] * want.abs()).any(), \
+                f"reduce_scatter {op} {dtype}: grad max err {err.max():.3g}"
+            expect_path(("allgather",))  # the backward's
+            if op == "sum" and x.device.type == "cpu" and dist.get_backend(COMM.group) == "gloo":
+                ref = xs[rank].detach().float().requires_grad_()
+                (funcol.reduce_scatter_single_autograd(ref, "sum", 0, COMM.group) * vs[rank].float()).sum().backward()
+                assert torch.equal(x.grad.float(), ref.grad), f"reduce_scatter {dtype}: not torch's functional gradient"
 
 
 # -- FSDP2 (ubnext.fsdp) -------------------------------------------------------------------------
@@ -3265,6 +3359,17 @@ def case_capture_first_use():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.all(out == dist.get_world_size()), "a replay after close() lost the pool"
+    # a local quantisation as the first use (issue 40 H1: it loads this rank's kernels, no pool): refused too
+    local = ubnext.Communicator(max_hidden=1024)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            local.quantize_fp8(x)
+    except ubnext.UbnextError as exc:
+        assert "comm.prepare()" in str(exc), str(exc)
+    else:
+        raise AssertionError("a first quantisation inside capture was accepted")
+    local.close()
 
 
 def case_device_mix():

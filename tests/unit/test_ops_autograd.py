@@ -1,10 +1,14 @@
-"""The fused op's closed-form RMSNorm backward against autograd in float64; and the Python
-entry points attach autograd only when a gradient is wanted."""
+"""The fused op's closed-form RMSNorm backward against autograd in float64; the Python entry
+points attach autograd only when a gradient is wanted; and those whose output has no gradient
+refuse an input that requires one. (The gradients of the collectives themselves need peers: the
+worker's case exchange_grad, at 2, 3 and 4 ranks.)"""
 
+import pytest
 import torch
 
 from ubnext import ops
 from ubnext._checks import rmsnorm
+from tests.unit.test_misuse import _bare_communicator
 
 
 def test_rmsnorm_backward_matches_autograd():
@@ -40,10 +44,11 @@ def _recorders(monkeypatch):
     pair = lambda *args: (args[0], args[0])  # noqa: E731 - (out, residual_out)
     triple = lambda *args: (args[0], args[0], args[0])  # noqa: E731 - (out, residual_out, scale_inv)
     for name, result in (("_ALL_REDUCE", lambda *a: a[0]), ("_LINEAR_ALL_REDUCE", lambda *a: a[0]),
-                         ("_FUSED", pair)):
+                         ("_FUSED", pair), ("_ALL_GATHER", lambda *a: a[0]), ("_REDUCE_SCATTER", lambda *a: a[0])):
         monkeypatch.setattr(ops, name, (recorder(name + " packet", result), recorder(name + " direct", result)))
     for name, result in (("_AllReduceGrad", lambda *a: a[0]), ("_LinearAllReduceGrad", lambda *a: a[0]),
-                         ("_FusedGrad", triple)):
+                         ("_FusedGrad", triple), ("_AllGatherGrad", lambda *a: a[0]),
+                         ("_ReduceScatterGrad", lambda *a: a[0])):
         monkeypatch.setattr(getattr(ops, name), "apply", recorder(name, result))
     return seen
 
@@ -59,12 +64,16 @@ def test_entry_points_take_autograd_only_when_a_gradient_is_wanted(monkeypatch):
         ops.all_reduce(a, "k")
         ops.linear_all_reduce(a, torch.ones(8, 8), "k")
         ops.all_reduce_add_rmsnorm(a, x, weight, 1e-6, "k")
+        ops.all_gather(a, "k")
+        ops.reduce_scatter(a, 0.5, "k")
 
+    direct = ["_ALL_REDUCE direct", "_LINEAR_ALL_REDUCE direct", "_FUSED direct", "_ALL_GATHER direct",
+              "_REDUCE_SCATTER direct"]
     calls(x, w)
-    assert seen == ["_ALL_REDUCE direct", "_LINEAR_ALL_REDUCE direct", "_FUSED direct"]
+    assert seen == direct
     seen.clear()
     calls(xg, w)
-    assert seen == ["_AllReduceGrad", "_LinearAllReduceGrad", "_FusedGrad"]
+    assert seen == ["_AllReduceGrad", "_LinearAllReduceGrad", "_FusedGrad", "_AllGatherGrad", "_ReduceScatterGrad"]
     seen.clear()
     ops.all_reduce_add_rmsnorm(x, x, w.requires_grad_(), 1e-6, "k")  # the norm weight alone
     assert seen == ["_FusedGrad"]
@@ -72,7 +81,7 @@ def test_entry_points_take_autograd_only_when_a_gradient_is_wanted(monkeypatch):
         seen.clear()
         with mode():
             calls(xg, w)
-        assert seen == ["_ALL_REDUCE direct", "_LINEAR_ALL_REDUCE direct", "_FUSED direct"], mode
+        assert seen == direct, mode
 
 
 def test_entry_points_call_the_packet_while_compiling(monkeypatch):
@@ -84,14 +93,60 @@ def test_entry_points_call_the_packet_while_compiling(monkeypatch):
     ops.all_reduce(x, "k")
     ops.linear_all_reduce(x, torch.ones(8, 8), "k")
     ops.all_reduce_add_rmsnorm(x, x, torch.ones(8), 1e-6, "k")
-    assert seen == ["_ALL_REDUCE packet", "_LINEAR_ALL_REDUCE packet", "_FUSED packet"]
+    ops.all_gather(x, "k")
+    ops.reduce_scatter(x, 1.0, "k")
+    assert seen == ["_ALL_REDUCE packet", "_LINEAR_ALL_REDUCE packet", "_FUSED packet", "_ALL_GATHER packet",
+                    "_REDUCE_SCATTER packet"]
 
 
 def test_the_direct_callable_is_the_packets_own():
     """What the entry points call in eager mode is what torch.ops.ubnext.<op>(...) forwards to."""
-    for name in ("all_reduce", "all_reduce_out", "linear_all_reduce", "all_reduce_add_rmsnorm",
-                 "all_reduce_add_rmsnorm_fp8"):
-        packet, direct = getattr(ops, {"all_reduce": "_ALL_REDUCE", "all_reduce_out": "_ALL_REDUCE_OUT",
-                                       "linear_all_reduce": "_LINEAR_ALL_REDUCE", "all_reduce_add_rmsnorm": "_FUSED",
-                                       "all_reduce_add_rmsnorm_fp8": "_FUSED_FP8"}[name])
+    for name, attribute in (("all_reduce", "_ALL_REDUCE"), ("all_reduce_out", "_ALL_REDUCE_OUT"),
+                            ("linear_all_reduce", "_LINEAR_ALL_REDUCE"), ("all_reduce_add_rmsnorm", "_FUSED"),
+                            ("all_reduce_add_rmsnorm_fp8", "_FUSED_FP8"), ("all_gather", "_ALL_GATHER"),
+                            ("all_gather_out", "_ALL_GATHER_OUT"), ("reduce_scatter", "_REDUCE_SCATTER"),
+                            ("reduce_scatter_out", "_REDUCE_SCATTER_OUT"), ("quantize_fp8", "_QUANTIZE_FP8"),
+                            ("quantize", "_QUANTIZE")):
+        packet, direct = getattr(ops, attribute)
         assert packet is getattr(torch.ops.ubnext, name) and direct is packet._op
+
+
+# communicator methods whose output has no gradient: the quantisers (issue 40 W2, C14) and the out= forms
+NOT_DIFFERENTIABLE = {
+    "quantize_fp8": (lambda c, x: c.quantize_fp8(x), "comm.quantize_fp8's e4m3 output", "on x.detach()"),
+    "quantize nvfp4": (lambda c, x: c.quantize(x, "nvfp4", swizzled=True), "comm.quantize's nvfp4 output",
+                       "on x.detach()"),
+    "all_gather out": (lambda c, x: c.all_gather(x, out=torch.empty(8, 64, device="meta")), "all_gather(..., out=...)",
+                       "without out= to get a gradient"),
+    "reduce_scatter out": (lambda c, x: c.reduce_scatter(x, out=torch.empty(2, 64, device="meta")),
+                           "reduce_scatter(..., out=...)", "without out= to get a gradient"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(NOT_DIFFERENTIABLE))
+def test_an_input_that_requires_grad_is_refused_where_no_gradient_exists(what):
+    """Refused in grad mode, with the error the fused op's quant= form gives (ops.not_differentiable),
+    rather than outputs marked requires_grad whose backward leaves x.grad None (torch only warns that
+    no autograd kernel was registered). Under no_grad, or detached, the call goes through (meta
+    tensors: the fake implementation answers, and the refusal needs no communicator)."""
+    call, what_it_is, instead = NOT_DIFFERENTIABLE[what]
+    comm = _bare_communicator()
+    x = torch.empty(4, 64, device="meta", requires_grad=True)
+    with pytest.raises(RuntimeError) as refused:
+        call(comm, x)
+    assert str(refused.value) == str(ops.not_differentiable(what_it_is, instead))
+    assert str(refused.value).startswith(f"{what_it_is} is not differentiable; call it under torch.no_grad() or")
+    if what.startswith("quantize"):  # the out= forms' fakes look the communicator up
+        with torch.no_grad():
+            outputs = call(comm, x)
+        assert not any(t.requires_grad for t in outputs)
+        call(comm, x.detach())
+
+
+def test_the_fused_quant_form_refuses_with_the_same_error():
+    """One message for every refusal (ops.not_differentiable): the fused op's quant= form's."""
+    x = torch.empty(4, 64, device="meta", requires_grad=True)
+    with pytest.raises(RuntimeError) as refused:
+        ops.all_reduce_add_rmsnorm(x, x.detach(), torch.ones(64, device="meta"), 1e-6, "k", quant="nvfp4")
+    assert str(refused.value) == str(ops.not_differentiable("the quantised (nvfp4) output of ubnext's fused norm",
+                                                            "without quant="))
