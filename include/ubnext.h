@@ -290,7 +290,9 @@ typedef struct ubnext_rmsnorm_args {
 /* The fused op above with `algo` LAMPORT, NVLS_TWOSHOT, NVLS_LAMPORT or TWOSHOT (NVLS_ONESHOT
  * gives UNSUPPORTED: ranks could normalise different bits). Buffers as ubnext_rmsnorm_args_t
  * says; `args` itself is read during the call only. Collective (args.count, hidden, eps and fp8
- * equal on every rank), stream-ordered, capturable, with the error rules of ubnext_allreduce. */
+ * equal on every rank: the kernels compare all four, a difference is a mismatch reported through
+ * ubnext_take_kernel_error; residual, weight and a static scale's value must be equal too, and are not
+ * compared), stream-ordered, capturable, with the error rules of ubnext_allreduce. */
 UBNEXT_API ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* launch,
                                                         ubnext_algo_t algo, ubnext_dtype_t dtype,
                                                         const ubnext_rmsnorm_args_t* args);

@@ -61,6 +61,7 @@ BREAKS = {
     "twoshot_drop_peer": "UBNEXT_BREAK_TWOSHOT_DROP_PEER",
     "allgather_short_push": "UBNEXT_BREAK_ALLGATHER_SHORT_PUSH",
     "no_lamport_header_check": "UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK",
+    "no_eps_check": "UBNEXT_BREAK_NO_EPS_CHECK",
     "no_departure_check": "UBNEXT_BREAK_NO_DEPARTURE_CHECK",
     "extra_fence": "UBNEXT_BREAK_EXTRA_FENCE",
     "ssq_block_order": "UBNEXT_BREAK_SSQ_BLOCK_ORDER",

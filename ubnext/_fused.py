@@ -14,6 +14,33 @@ from ._blockscale import block_flags, check_fused_quant_args, output_specs
 from ._checks import FP8, check_fused_args, reference_add_rmsnorm
 
 
+# Why each value the debug check compares must be the same on every rank (_check_fused_call_across_ranks).
+_SAME_EVERYWHERE = {
+    "eps": "every rank must pass the same eps",
+    "static FP8 scale": "every rank must quantise with the same scale, or each returns its own FP8 values",
+    "NVFP4 global scale": "every rank must quantise with the same global scale, or each returns its own values",
+    "residual": ("in tensor parallelism the residual stream is replicated, so every rank must pass the same "
+                 "residual: the one-shot paths add each rank's own (the ranks' outputs then differ), the two-shot "
+                 "paths each element's owner's (the outputs then match no rank's residual)"),
+    "weight": "the RMSNorm weight is replicated: every rank must pass the same one",
+}
+_CHECKSUMMED = {"residual": "checksums of its bits: ", "weight": "checksums of its bits: "}
+_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32}
+
+
+def bits_checksum(t: torch.Tensor) -> int:
+    """An exact checksum of a 16- or 32-bit tensor's bits (UBNEXT_DEBUG): each element's bit pattern times its
+    position + 1, summed in int64 (wrapping, so the same on every device and in any order). Equal tensors
+    give equal sums; a changed or moved element goes unseen only where the differences cancel mod 2^64."""
+    bits = t.reshape(-1).view(_INT_OF_WIDTH[t.element_size()]).to(torch.int64)
+    return int((bits * torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)).sum())
+
+
+def _value_text(scale: torch.Tensor | None) -> str | None:
+    """A one-element scale's value as text (repr: equal texts, equal fp32 values; NaN equals NaN)."""
+    return None if scale is None else repr(float(scale.reshape(-1)[0]))
+
+
 class FusedNormOps:
     """The Communicator's fused norm."""
 
@@ -73,7 +100,7 @@ class FusedNormOps:
             self._check_device("x residual weight", x, residual, weight)
         self._check_usable()
         if self._debug:
-            self._check_same_across_ranks(("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), fp8, block_bits))
+            self._check_fused_call_across_ranks(x, residual, weight, eps, fp8, block_bits, scale, block)
         if call is None:  # a remembered signature has more than one rank and elements to reduce
             if self._copy_at_world_size_1 or x.numel() == 0:
                 self.last_path = "torch"
@@ -125,6 +152,32 @@ class FusedNormOps:
             scale_inv = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)  # one per token
         self._launch(launch, inp, out, residual, residual_out, weight, scale, scale_inv)
         return out, residual_out, scale_inv
+
+    def _check_fused_call_across_ranks(self, x, residual, weight, eps, fp8: bool, block_bits: int, scale,
+                                       block) -> None:
+        """UBNEXT_DEBUG: before the call runs, its signature and the values each rank passes that must be
+        the same on every rank, in one all-gather: eps (the kernels compare it too, csrc/device/barrier.cuh,
+        but not the torch paths), the static FP8 scale's and the NVFP4 global scale's values, and exact
+        checksums of the residual and of the norm weight. Different ones would give each rank its own
+        answer, silently. Inside a CUDA graph capture the values are left out: reading them would
+        synchronise the device."""
+        values = not self._capturing
+        fields = (("arguments", ("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), fp8, block_bits)),
+                  ("eps", float(eps)),
+                  ("static FP8 scale", _value_text(scale) if values else None),
+                  ("NVFP4 global scale", _value_text(block[1] if block else None) if values else None),
+                  ("residual", bits_checksum(residual) if values else None),
+                  ("weight", bits_checksum(weight) if values else None))
+        seen = self._allgather(tuple(value for _, value in fields))
+        for i, (name, _) in enumerate(fields):
+            per_rank = [s[i] for s in seen]
+            if all(v == per_rank[0] for v in per_rank):
+                continue
+            detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(per_rank))
+            if i == 0:
+                raise ValueError(f"ubnext: ranks called with different arguments ({detail})")
+            raise ValueError(f"ubnext: ranks called all_reduce_add_rmsnorm with different arguments: {name} differs "
+                             f"({_CHECKSUMMED.get(name, '')}{detail}); {_SAME_EVERYWHERE[name]}")
 
     def _fused_in_torch(self, reduced, residual, weight, eps, scale, fp8, block=None):
         """add + RMSNorm (+FP8) of an already reduced x, in torch, as the fused op returns it; a

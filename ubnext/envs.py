@@ -143,11 +143,12 @@ VARIABLES: dict[str, Var] = {
         Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
                                      "single_header_slot", "no_abort_check", "no_proxy_fence_nvls_twoshot",
                                      "twoshot_drop_peer", "allgather_short_push", "no_lamport_header_check",
-                                     "no_departure_check", "extra_fence", "twoshot_reverse_order", "nvfp4_nibble_order", "swizzle",
+                                     "no_eps_check", "no_departure_check", "extra_fence", "twoshot_reverse_order", "nvfp4_nibble_order", "swizzle",
                                      "no_pdl_wait", "ssq_block_order", "two_roundings", "row_split_no_arrival",
                                      "rank_order_ignored", "stamps"), "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
-            "no_proxy_fence_nvls_twoshot|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_departure_check|extra_fence|"
+            "no_proxy_fence_nvls_twoshot|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_eps_check|"
+            "no_departure_check|extra_fence|"
             "twoshot_reverse_order|nvfp4_nibble_order|swizzle|no_pdl_wait|ssq_block_order|two_roundings|row_split_no_arrival|"
             "rank_order_ignored|stamps",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
@@ -166,7 +167,8 @@ VARIABLES: dict[str, Var] = {
             "it touches memory). 0 launches in plain stream order (the C API's equivalent is the launch "
             "flag UBNEXT_LAUNCH_NO_PDL)."),
         Var("UBNEXT_DEBUG", _bool, False, "0|1",
-            "Check shapes across ranks and synchronise after every call to surface kernel "
+            "Check shapes across ranks (and the fused op's eps, static FP8 or NVFP4 global scale, and "
+            "checksums of its residual and weight) and synchronise after every call to surface kernel "
             "errors at the call that caused them."),
         Var("UBNEXT_ALLOW_NONDETERMINISTIC", _bool, False, "0|1",
             "Let the automatic choice pick nvls_oneshot, whose results may differ in the last "

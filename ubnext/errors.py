@@ -3,11 +3,14 @@ turned into the message a user reads. A leaf: it imports no other ubnext module.
 
 from __future__ import annotations
 
+import struct
+
 _OP_NAMES = {1: "lamport", 2: "nvls_oneshot", 3: "nvls_twoshot", 4: "nvls_lamport", 5: "twoshot", 6: "allgather",
              7: "reduce_scatter"}
 # csrc/device/desc.cuh: error codes and the call header's words
 ERR_TIMEOUT, ERR_MISMATCH, ERR_PEER_LEFT = 1, 2, 3
-_HEADER_FIELDS = {0: "op/dtype/flags", 1: "element count", 2: "hidden size", 3: "in offset"}
+# (field 4, UBNEXT_HDR_EPS: a fused call's RMSNorm eps, its fp32 bits; barrier.cuh header_eps)
+_HEADER_FIELDS = {0: "op/dtype/flags", 1: "element count", 2: "hidden size", 3: "in offset", 4: "eps"}
 _HEADER_DTYPES = {1: "bf16", 2: "fp16", 3: "fp32", 4: "bytes"}
 
 
@@ -30,7 +33,20 @@ def _header_value(field: int, value: int) -> str:
         return f"({_OP_NAMES.get(value & 0xFF, value & 0xFF)}, {dtype}, flags {value >> 16:#x})"
     if field == 3:
         return f"+{value * 16:#x}"
+    if field == 4:
+        return _f32_text(value)
     return str(value)
+
+
+def _f32_text(bits: int) -> str:
+    """An fp32 given by its bits, in the fewest digits that give those bits back (the eps a caller wrote,
+    1e-05 rather than 9.99999974738e-06)."""
+    value = struct.unpack("<f", struct.pack("<I", bits))[0]
+    for digits in range(1, 10):
+        text = f"{value:.{digits}g}"
+        if struct.pack("<f", float(text)) == struct.pack("<I", bits):
+            return text
+    return repr(value)
 
 
 

@@ -34,11 +34,27 @@
 // UBNEXT_BREAK_SKIP_BARRIER (test-only) signals but never waits (no step 4).
 // UBNEXT_BREAK_NO_HEADER_CHECK (test-only) publishes call headers but never compares them;
 // UBNEXT_BREAK_SINGLE_HEADER_SLOT (test-only) uses one header slot set instead of two.
+// UBNEXT_BREAK_NO_EPS_CHECK (test-only) publishes a fused call's eps but never compares it (here and in
+// lamport_poll.cuh): ranks with different eps then each return their own norm.
 //
 // Call headers: a kernel that reads its peers' `in` at its own offset opens the barrier with its
 // call header (call_header); the first sync writes it next to the signal, and after the wait each
 // lane p compares peer p's header with ours. A difference is reported as UBNEXT_ERR_MISMATCH
 // naming the field and both values, and the barrier fails on every rank.
+//
+// A fused call's eps (issue 40 W3): the rows' norm uses it, and ranks that pass different ones (the call
+// is otherwise the same) would each return their own answer. It has no room in the header's four words:
+// kind, count, hidden and the `in` offset each need their 32 bits (a fused call's `in` may lie anywhere
+// in the arena for a C caller), and folding it into one of them by XOR would still catch a difference but
+// could not name both values (the word's other half may differ too). So block 0 alone publishes it, one
+// more word beside its header, in UBNEXT_SYNC_CALL_EPS[parity][rank] of every peer (desc.cuh: 32 words,
+// where the region had room; one per block would take 16 KiB more), under the same release as its signal,
+// and lane p of block 0 compares peer p's after the header. Block 0 suffices, as the Lamport one-shot's
+// one header thread does: every rank compares every peer, so each rank's block 0 sees a difference and
+// reports it, which aborts the communicator; the other blocks, whose headers matched, move only what a
+// matching call moves (eps changes no address), and stop at their next wait or return, and every rank
+// raises the mismatch. Cost (fused calls only): one 4-byte store per peer (or one multicast store) and one
+// local load per peer in block 0, beside the header's: no hop, no byte counted as data.
 //
 // Sticky abort. A timeout or a header mismatch aborts the communicator on every rank: the rank that
 // detects it writes its failure into record [rank] of every rank's sync region and then sets each rank's
@@ -72,6 +88,7 @@
 #include "platform.cuh"
 #include "desc.cuh"
 #include "ptx.cuh"
+#include "vec.cuh"
 
 #ifndef UBX_ABORT_POLL_NS
 #define UBX_ABORT_POLL_NS 50000ull /* a waiting thread reads the local abort flag once per 50 us */
@@ -214,6 +231,26 @@ UBX_DEV uint4 call_header(uint32_t op, uint32_t dtype, int n, int hidden, int fl
                     static_cast<uint32_t>(hidden), static_cast<uint32_t>(off >> 4));
 }
 
+// The eps word of a call header (desc.cuh UBNEXT_HDR_EPS): a fused call's RMSNorm eps as its fp32 bits,
+// else 0 (a plain call's eps is unused, and callers pass whatever they like). -0 goes as +0: both give the
+// same norm (ssq / hidden + eps is never -0), the hosts accept both, and 0x80000000 is the Lamport
+// sentinel, which no header word may be.
+UBX_DEV uint32_t header_eps(float eps, int flags) {
+  if ((flags & UBNEXT_F_FUSED_NORM) == 0) return 0u;
+  const uint32_t bits = f32_as_u32(eps);
+  return bits == 0x80000000u ? 0u : bits;
+}
+
+// The header slot set (0 or 1) of the barrier that reaches `epoch` (desc.cuh: why two).
+UBX_DEV uint32_t header_parity(uint32_t epoch) {
+#if !defined(UBNEXT_BREAK_SINGLE_HEADER_SLOT)
+  return epoch & 1u;
+#else
+  (void)epoch;
+  return 0u;  // test-only broken build: one slot set, overwritten by a rank a call ahead
+#endif
+}
+
 // Wrap-safe "a has reached b".
 UBX_DEV bool epoch_reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
 
@@ -286,6 +323,8 @@ struct RankBarrier {
   uint32_t op;
   // call header, published with the first signal and compared after the first wait
   bool header_pending;
+  bool eps_pending;       // block 0 of a fused call: the eps word goes beside the header (see above)
+  uint32_t eps;           // header_eps of this call
   uint4 header;
   void* header_out;       // the signalling lane's target for our header (multicast or peer p's copy)
   const void* header_in;  // lane p: our copy of peer p's header for this block
@@ -296,6 +335,8 @@ UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op, const u
   br.d = d;
   br.op = op;
   br.header_pending = header != nullptr;
+  br.eps_pending = false;
+  br.eps = 0u;
   br.header = header ? *header : make_uint4(0u, 0u, 0u, 0u);
   br.header_out = nullptr;
   br.header_in = nullptr;
@@ -328,11 +369,7 @@ UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op, const u
     br.limit_ns = timeout_ns(d);
     if (br.header_pending) {
       // the slot set of the epoch the first sync will reach (desc.cuh: why two)
-#if !defined(UBNEXT_BREAK_SINGLE_HEADER_SLOT)
-      const uint32_t set = ((br.epoch + 1u) & 1u) * UBNEXT_MAX_BLOCKS;
-#else
-      const uint32_t set = 0u;  // test-only broken build: one slot set, overwritten by a rank a call ahead
-#endif
+      const uint32_t set = header_parity(br.epoch + 1u) * UBNEXT_MAX_BLOCKS;
       const uint32_t hslot = UBNEXT_SYNC_CALL_HEADER + ((set + b) * UBNEXT_MAX_RANKS + rank) * 4;
       if (mc != 0) {
         if (lane == 0) br.header_out = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(mc + d->sync_off)) + hslot;
@@ -347,11 +384,20 @@ UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op, const u
 }
 
 // The barrier of a kernel that reads its peers' `in` at its own offset: its first sync compares call
-// headers (see call_header).
+// headers (see call_header), and in block 0 of a fused call the eps word (see "A fused call's eps"; the
+// exchanges, never fused, leave eps out).
 UBX_DEV RankBarrier barrier_open_checked(const ubnext_comm_desc* d, uint32_t op, uint32_t dtype, int n, int hidden,
-                                        int flags, const void* in) {
+                                        int flags, const void* in, float eps = 0.f) {
   const uint4 header = call_header(op, dtype, n, hidden, flags, d, in);
-  return barrier_open(d, op, &header);
+  RankBarrier br = barrier_open(d, op, &header);
+  br.eps_pending = blockIdx.x == 0 && (flags & UBNEXT_F_FUSED_NORM) != 0;
+  br.eps = header_eps(eps, flags);
+  return br;
+}
+
+// Word [parity][rank] of UBNEXT_SYNC_CALL_EPS, from a sync region's base.
+UBX_DEV uint32_t call_eps_word(uint32_t parity, uint32_t rank) {
+  return UBNEXT_SYNC_CALL_EPS + parity * UBNEXT_MAX_RANKS + rank;
 }
 
 // Steps 2-4 of the protocol for lane `lane` of warp 0 (and the call-header check); 1 if it failed.
@@ -363,6 +409,14 @@ UBX_DEV uint32_t barrier_signal_and_wait(RankBarrier& br, uint32_t lane) {
       multimem_st_v4(br.header_out, br.header);
     else
       st_relaxed_sys_v4(br.header_out, br.header);
+    if (br.eps_pending) {  // the same lanes, to the same ranks: our word [parity][rank]
+      const uint32_t w = call_eps_word(header_parity(epoch), static_cast<uint32_t>(br.d->rank));
+      if (br.d->mc_base != 0)
+        multimem_st_relaxed_u32(reinterpret_cast<uint32_t*>(static_cast<uint64_t>(br.d->mc_base + br.d->sync_off)) + w,
+                                br.eps);
+      else
+        st_relaxed_sys_u32(sync_words(br.d, lane) + w, br.eps);
+    }
   }
   if (br.signal != nullptr) {
 #if !defined(UBNEXT_BREAK_NO_RELEASE)
@@ -370,8 +424,8 @@ UBX_DEV uint32_t barrier_signal_and_wait(RankBarrier& br, uint32_t lane) {
       // No fence.proxy.alias after the multicast signal (issue 24 A; it cost one MEMBAR.SC + CCTL.IVALL,
       // about an NVLink round trip, per barrier). A proxy fence orders one thread's accesses to the SAME
       // bytes through two virtual aliases (PTX ISA, "Proxies"); this lane never reads through unicast
-      // what it writes through multicast: it writes slot [b][rank] and our header slot, and the polls
-      // (lanes p != rank) read slots [b][p] and peer p's header slot, other bytes. Across ranks, a
+      // what it writes through multicast: it writes slot [b][rank], our header slot and eps word, and the
+      // polls (lanes p != rank) read slots [b][p] and peer p's header slot and eps word, other bytes. Across ranks, a
       // multicast release seen by a peer's unicast acquire is the pairing NCCL's NVLS barrier uses with
       // no proxy fence (nccl_device lsa_barrier: multimem.red.release.sys, then ld.acquire of its own
       // inbox). Data a block stored through multicast and reads back through unicast after a barrier
@@ -412,9 +466,22 @@ UBX_DEV uint32_t barrier_signal_and_wait(RankBarrier& br, uint32_t lane) {
         break;
       }
     }
+#if !defined(UBNEXT_BREAK_NO_EPS_CHECK)
+    // peer p's eps word came with the same signal (block 0 of a fused call; the headers matched, so the
+    // peer's call is fused too and published it)
+    if (!failed && br.eps_pending) {
+      const uint32_t me = static_cast<uint32_t>(br.d->rank);
+      const uint32_t eps_theirs = ld_relaxed_sys_u32(sync_words(br.d, me) + call_eps_word(header_parity(epoch), lane));
+      if (eps_theirs != br.eps) {
+        report_error(br.d, UBNEXT_ERR_MISMATCH, br.op, lane, UBNEXT_HDR_EPS, br.eps, eps_theirs);
+        failed = 1;
+      }
+    }
+#endif
   }
 #endif
   br.header_pending = false;
+  br.eps_pending = false;
   br.header_out = nullptr;
   br.header_in = nullptr;
 #else

@@ -73,7 +73,9 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_SYNC_LAMPORT_CALL 0
 #define UBNEXT_SYNC_LAMPORT_BLOCKS_DONE 1
 #define UBNEXT_SYNC_LAMPORT_BYTES 2 /* [3] */
-/* A Lamport one-shot slot starts with the pushing rank's call header (lamport.cu), then the data. */
+/* A Lamport one-shot slot starts with the pushing rank's call header (lamport.cu), then the data. Its
+ * words: UBNEXT_HDR_KIND, _COUNT, _HIDDEN, then the eps word (lamport_poll.cuh, lamport_call_header),
+ * where a barrier header has the `in` offset. */
 #define UBNEXT_LAMPORT_HEADER_BYTES 16
 /* Sticky abort (barrier.cuh): 0, or 1 + the rank whose failure aborted the communicator. Any rank
  * sets it in every rank's sync region (plain release stores; every writer writes a valid value). */
@@ -87,10 +89,16 @@ typedef struct ubnext_comm_desc {
 /* [UBNEXT_MAX_RANKS][8] words: record [r] is written only by rank r, before it sets ABORT:
  * {code, op, peer, field, mine, theirs, 0, 0} of the failure rank r detected. */
 #define UBNEXT_SYNC_ABORT_RECORD 256
+/* [2][UBNEXT_MAX_RANKS] words, peers write: the eps word of a fused call (UBNEXT_HDR_EPS), published by
+ * block 0 of every barrier kernel with its call header and compared by block 0 only (barrier.cuh says why
+ * the header's four words have no room for it and why block 0 suffices). The first index is the parity of
+ * block 0's barrier epoch, as for the headers. */
+#define UBNEXT_SYNC_CALL_EPS 384
+#define UBNEXT_SYNC_CALL_EPS_END 416
 #define UBNEXT_SYNC_BARRIER_EPOCH 64 /* [UBNEXT_MAX_BLOCKS], local */
 /* Test-only (the build UBNEXT_STAMPS, csrc/device/stamps.cuh; tests/gpu_check/stamps.py decodes it), local:
  * [UBNEXT_STAMP_COUNT] 64-bit %globaltimer stamps of this rank's last stamped Lamport call, each phase where
- * thread 0 of CTA 0 passed it. Words 384..1023 are otherwise unused; the record starts 8-byte aligned. The
+ * thread 0 of CTA 0 passed it. Words 416..1023 are otherwise unused; the record starts 8-byte aligned. The
  * normal build never reads or writes it. */
 #define UBNEXT_SYNC_STAMPS 512
 #define UBNEXT_STAMP_COUNT (5 + UBNEXT_MAX_RANKS) /* entry, wait, push, row exchange, exit; then one per slot */
@@ -111,6 +119,9 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_HDR_COUNT 1     /* n */
 #define UBNEXT_HDR_HIDDEN 2    /* hidden */
 #define UBNEXT_HDR_IN_OFFSET 3 /* offset of `in` from the pool base, in 16-byte units */
+/* A fused call's RMSNorm eps, as its fp32 bits (barrier.cuh header_eps; 0 for a plain call): word 3 of a
+ * Lamport header, the UBNEXT_SYNC_CALL_EPS word beside a barrier header. */
+#define UBNEXT_HDR_EPS 4
 /* dtype codes in a call header */
 #define UBNEXT_HDR_DTYPE_BF16 1
 #define UBNEXT_HDR_DTYPE_FP16 2

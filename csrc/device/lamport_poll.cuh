@@ -89,10 +89,20 @@ struct LamportSrc {
   }
 };
 
+// A Lamport slot's call header: barrier.cuh's call_header with its last word the eps word (header_eps: a
+// fused call's eps, else 0) instead of the `in` offset, which a Lamport kernel does not need (no rank reads
+// another's `in`). That word was 0 before eps went there: LAMPORT_HEADER_BYTES keeps its meaning, and the
+// header costs nothing more. No word is the sentinel: op != 0, n and hidden < 2^31, and header_eps sends
+// -0 as +0.
+UBX_DEV uint4 lamport_call_header(uint32_t op, uint32_t dtype, int n, int hidden, int flags, float eps) {
+  return make_uint4(op | (dtype << 8) | ((static_cast<uint32_t>(flags) & 0xffffu) << 16), static_cast<uint32_t>(n),
+                    static_cast<uint32_t>(hidden), header_eps(eps, flags));
+}
+
 // Thread 0 of block 0: every peer's call header in our buffer equals ours, else report the first
-// differing word (UBNEXT_HDR_*) as a mismatch. The headers are loaded back to back, kBatch at a time
-// (one round trip, as LamportSrc's slots), then checked. False if a header differs, did not come, or
-// the communicator was aborted.
+// differing word (UBNEXT_HDR_*, the last one as UBNEXT_HDR_EPS) as a mismatch. The headers are loaded
+// back to back, kBatch at a time (one round trip, as LamportSrc's slots), then checked. False if a
+// header differs, did not come, or the communicator was aborted.
 template <typename T>
 UBX_DEV bool lamport_headers_match(const LamportSrc<T>& src, const uint4& mine, uint32_t rank) {
 #if !defined(UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK)
@@ -110,9 +120,14 @@ UBX_DEV bool lamport_headers_match(const LamportSrc<T>& src, const uint4& mine, 
       if (!is_ready(h[j]) && !src.wait(headers + p * src.slot_bytes, h[j], p)) return false;
       const uint32_t m[4] = {mine.x, mine.y, mine.z, mine.w};
       const uint32_t t[4] = {h[j].x, h[j].y, h[j].z, h[j].w};
-      for (uint32_t f = 0; f < 4; ++f) {
+#if !defined(UBNEXT_BREAK_NO_EPS_CHECK)
+      constexpr uint32_t kWords = 4;
+#else
+      constexpr uint32_t kWords = 3;  // test-only broken build: the eps word is pushed but never compared
+#endif
+      for (uint32_t f = 0; f < kWords; ++f) {
         if (m[f] != t[f]) {
-          report_error(src.desc, UBNEXT_ERR_MISMATCH, src.op, p, f, m[f], t[f]);
+          report_error(src.desc, UBNEXT_ERR_MISMATCH, src.op, p, f == 3 ? UBNEXT_HDR_EPS : f, m[f], t[f]);
           return false;
         }
       }

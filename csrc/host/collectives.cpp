@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "device/desc.cuh"
@@ -417,6 +418,17 @@ ubnext_status_t check_input_dtype(ubnext_dtype_t dtype) {
   return UBNEXT_STATUS_SUCCESS;
 }
 
+// An fp32 given by its bits (a call header's eps word), in the fewest digits that give those bits back:
+// 1e-05 as the caller wrote it, not 9.99999975e-06.
+void f32_text(char* buf, size_t size, uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  for (int digits = 1; digits <= 9; ++digits) {
+    std::snprintf(buf, size, "%.*g", digits, static_cast<double>(value));
+    if (std::strtof(buf, nullptr) == value) return;
+  }
+}
+
 }  // namespace
 }  // namespace ubnext
 
@@ -735,6 +747,14 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
     return fail(UBNEXT_STATUS_PEER_LEFT,
                 "%s%s: rank %u stopped waiting for peer %u, which has left (closed its communicator or "
                 "exited)", aborted, name, rank, peer);
+  }
+  if (code == UBNEXT_ERR_MISMATCH && w[4] == UBNEXT_HDR_EPS) {  // a fused call's eps, as fp32 bits
+    char mine[32], theirs[32];
+    f32_text(mine, sizeof mine, w[5]);
+    f32_text(theirs, sizeof theirs, w[6]);
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
+                "%s%s: ranks made different calls: rank %u has eps %s but rank %u has eps %s; every rank "
+                "must pass the same eps", aborted, name, rank, mine, peer, theirs);
   }
   if (code == UBNEXT_ERR_MISMATCH) {
     static const char* const fields[4] = {"op/dtype/flags", "count", "hidden", "in offset (16-byte units)"};

@@ -25,10 +25,10 @@
 // partials (after their polls): norm.cuh argues why that cannot deadlock and why the grid must be
 // co-resident (at most one block per SM, as the launch geometry gives).
 //
-// Call header: thread 0 of block 0 pushes this rank's call header (op, dtype, flags, n, hidden:
-// barrier.cuh's call_header without the `in` offset, which Lamport does not need) into vector 0 of its
-// slot beside its first data, then loads every peer's at once and compares them before its own data. A
-// peer whose header differs is reported as UBNEXT_ERR_MISMATCH, which aborts the communicator: every
+// Call header: thread 0 of block 0 pushes this rank's call header (op, dtype, flags, n, hidden and a fused
+// call's eps: lamport_poll.cuh's lamport_call_header) into vector 0 of its slot beside its first data,
+// then loads every peer's at once and compares them before its own data. A peer whose header differs
+// is reported as UBNEXT_ERR_MISMATCH, which aborts the communicator: every
 // rank compares every peer, so each rank raises the mismatch, and a thread waiting for data its peer
 // will never send (another count) leaves at the abort instead of at the timeout. One writer per header
 // word, as for data words, so the rotation's argument (lamport_rotation.cuh: a word seen is a store
@@ -102,10 +102,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
     if (aborted != 0u) return;
     store_everywhere(my_data_off + static_cast<uint64_t>(gi) * 16u, v);
   };
-  // no word of a header is the sentinel: op != 0, and n, hidden < 2^31
-  const uint4 header = make_uint4(UBNEXT_OP_LAMPORT | (DType<T>::kCode << 8) |
-                                      ((static_cast<uint32_t>(flags) & 0xffffu) << 16),
-                                  static_cast<uint32_t>(n), static_cast<uint32_t>(hidden), 0u);
+  const uint4 header = lamport_call_header(UBNEXT_OP_LAMPORT, DType<T>::kCode, n, hidden, flags, eps);
   const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;  // its one writer and reader (above)
   if (header_thread && aborted == 0u) store_everywhere(my_off, header);
   // Row mode: one CTA per row, or a row shared by `split` CTAs (norm.cuh, the row split).

@@ -212,7 +212,7 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   const uint64_t out_off = reinterpret_cast<uint64_t>(out) - static_cast<uint64_t>(d->peer_base[d->rank]);
   const int header_hidden = direct ? static_cast<int>(static_cast<uint32_t>(out_off >> 4)) : hidden;
   RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_TWOSHOT, DType<T>::kCode, n, header_hidden, flags,
-                                        in);  // early: its loads overlap the setup below
+                                        in, eps);  // early: its loads overlap the setup below
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
   const Slices sl = message_slices<T>(n, hidden, flags, nranks);
@@ -273,7 +273,7 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
-  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_ONESHOT, DType<T>::kCode, n, hidden, flags, in);  // early: its loads overlap the setup below
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_ONESHOT, DType<T>::kCode, n, hidden, flags, in, eps);  // early: its loads overlap the setup below
   const uint64_t mc_in = mc_addr(d, in);
   const int64_t nvec = (static_cast<int64_t>(n) + V - 1) / V;  // last one may be partial
 
@@ -413,10 +413,7 @@ UBX_DEV void nvls_lamport_push(const ubnext_comm_desc* d, const void* in, void* 
       }
     }
   }
-  // no word of a header is the sentinel: op != 0, and n, hidden < 2^31
-  const uint4 header = make_uint4(UBNEXT_OP_NVLS_LAMPORT | (DType<T>::kCode << 8) |
-                                      ((static_cast<uint32_t>(flags) & 0xffffu) << 16),
-                                  static_cast<uint32_t>(n), static_cast<uint32_t>(hidden), 0u);
+  const uint4 header = lamport_call_header(UBNEXT_OP_NVLS_LAMPORT, DType<T>::kCode, n, hidden, flags, 0.f);  // flat: no eps
   const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;
   if (header_thread && aborted == 0u) multimem_st_v4(reinterpret_cast<void*>(mc_slot), header);
   if (aborted != 0u) adopt_abort(d, aborted);
@@ -469,7 +466,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
     nvls_lamport_push<T>(d, in, out, n, hidden, flags);
     return;
   }
-  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_LAMPORT, DType<T>::kCode, n, hidden, flags, in);  // early: its loads overlap the setup below
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_LAMPORT, DType<T>::kCode, n, hidden, flags, in, eps);  // early: its loads overlap the setup below
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
   const Slices sl = message_slices<T>(n, hidden, flags, nranks);

@@ -60,7 +60,7 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!barrier_kernel_args_ok<T>(n, hidden, flags)) return;
-  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_TWOSHOT, DType<T>::kCode, n, hidden, flags, in);  // early: its loads overlap the setup below
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_TWOSHOT, DType<T>::kCode, n, hidden, flags, in, eps);  // early: its loads overlap the setup below
 
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);

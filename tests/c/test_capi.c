@@ -477,6 +477,14 @@ static void test_kernel_error(void) {
          "twoshot: ranks made different calls: rank 0 has in offset (16-byte units) 768 but rank 2 has 256");
   CHECK(g_err_word[0] == 0 && g_err_word[4] == 0 && g_err_word[5] == 0 && g_err_word[6] == 0);
 
+  /* A fused call's eps (issue 40 W3): the words are fp32 bits, read as the values the callers passed. */
+  post_kernel_error(UBNEXT_ERR_MISMATCH, UBNEXT_OP_LAMPORT, 1, 0);
+  g_err_word[4] = UBNEXT_HDR_EPS;
+  g_err_word[5] = 0x358637bdu; /* 1e-6f */
+  g_err_word[6] = 0x3727c5acu; /* 1e-5f */
+  EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_INVALID_ARGUMENT,
+         "lamport: ranks made different calls: rank 1 has eps 1e-06 but rank 0 has eps 1e-05");
+
   /* A rank that stopped because a peer aborted the communicator reports the peer's failure. */
   post_kernel_error(UBNEXT_ERR_TIMEOUT, UBNEXT_OP_LAMPORT, 2, 1);
   g_err_word[7] = 1;

@@ -213,6 +213,20 @@ def test_call_header_checks_add_no_hop(plain_at_2):
             assert checked[key][:3] == unchecked[key][:3], (break_name, key, checked[key], unchecked[key])
 
 
+FUSED = frozenset(("all_reduce_add_rmsnorm", path) for path in ("lamport", "twoshot", "nvls_twoshot", "nvls_lamport"))
+
+
+def test_eps_check_adds_no_hop_and_no_byte():
+    """A fused call's eps (issue 40 W3), compared with and without the check on every fused path: the same
+    CTAs, hops, fences and bytes. In the Lamport header it took a word that was 0; beside a barrier header
+    it is one 4-byte word per peer, published by block 0 with its first signal: latency the hops count,
+    no data byte."""
+    checked = _counts(_costmodel.run(2, quick=True, only=FUSED))
+    unchecked = _counts(_costmodel.run(2, quick=True, only=FUSED, env={"UBNEXT_EMU_BREAK": "no_eps_check"}))
+    assert checked == unchecked and {path for _, path, _ in checked} == {path for _, path in FUSED}, (checked,
+                                                                                                    unchecked)
+
+
 def test_bench_model_command():
     """`python -m ubnext.bench --model` as README.md and docs/PERF.md write it, here at 2 ranks and
     the smallest sizes: one JSON object per line, with the keys the issue names, and the planner's

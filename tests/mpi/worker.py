@@ -2571,12 +2571,14 @@ def call_outcome(call, comm) -> tuple[str, float]:
 
 
 def case_mismatch():
-    """Ranks whose calls differ (dtype, element count, hidden size, plain against fused) raise a
-    mismatch error on every rank, in the call itself (the emulator's launch is synchronous), naming
-    the differing field and both ranks' values: on every kernel path, never a result and never a
+    """Ranks whose calls differ (dtype, element count, hidden size, plain against fused, a fused call's
+    eps) raise a mismatch error on every rank, in the call itself (the emulator's launch is synchronous),
+    naming the differing field and both ranks' values: on every kernel path, never a result and never a
     timeout. Rank 0 makes one call, every other rank the other. The Lamport one-shot compares the
     call headers its peers push beside their data (csrc/kernels/lamport.cu); the barrier kernels
-    compare theirs at the first barrier."""
+    compare theirs at the first barrier, and block 0's eps word beside it (csrc/device/barrier.cuh).
+    First, UBNEXT_DEBUG's comparison of the values no kernel compares (any mode)."""
+    check_debug_compares_fused_values()
     if MODE == "torch":
         return
     rank = dist.get_rank()
@@ -2587,11 +2589,11 @@ def case_mismatch():
     def plain(dtype, numel):
         return lambda comm: comm.all_reduce(torch.ones(numel, dtype=dtype, device=device()))
 
-    def fused(tokens, hidden):
+    def fused(tokens, hidden, eps=1e-6):
         def call(comm):
             x = torch.ones(tokens, hidden, dtype=torch.bfloat16, device=device())
             return comm.all_reduce_add_rmsnorm(x, torch.zeros_like(x), torch.ones(hidden, dtype=x.dtype,
-                                                                                     device=device()))
+                                                                                     device=device()), eps)
         return call
 
     variants = {  # what differs: (rank 0's call, the other ranks' call, the field the error names)
@@ -2599,6 +2601,8 @@ def case_mismatch():
         "count": (plain(torch.bfloat16, 1024), plain(torch.bfloat16, 2048), "element count"),
         "hidden": (fused(4, 256), fused(2, 512), "hidden size"),
         "op": (fused(4, 256), plain(torch.bfloat16, 1024), "op/dtype/flags"),
+        # issue 40 W3: without the check each rank returns its own norm
+        "eps": (fused(4, 256, eps=1e-5), fused(4, 256, eps=1e-6), "eps"),
     }
     checked = []
     try:
@@ -2608,7 +2612,7 @@ def case_mismatch():
         for algo, invariant in (("lamport", False), ("twoshot", False), ("nvls_twoshot", False),
                                 ("nvls_lamport", False), ("nvls_oneshot", False), ("nvls_lamport", True)):
             for what, (first, other, field) in variants.items():
-                if (algo == "nvls_oneshot" or invariant) and what in ("hidden", "op"):
+                if (algo == "nvls_oneshot" and what in ("hidden", "op", "eps")) or (invariant and what in ("hidden", "op")):
                     continue  # never fused (its ranks may differ in the last bits), or fused: another form
                 comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo,
                                            batch_invariant=invariant)
@@ -2625,6 +2629,8 @@ def case_mismatch():
                 where = f"{algo} (batch_invariant={invariant}), {what} differs, rank {rank}"
                 assert "with different arguments" in outcome, f"{where}: {outcome}"
                 assert f"with {field} " in outcome and "but rank" in outcome, f"{where}: {outcome}"
+                if what == "eps":  # both values, as the caller wrote them
+                    assert "eps 1e-05" in outcome and "eps 1e-06" in outcome, f"{where}: {outcome}"
                 assert took < bound_s / 3, f"{where}: the mismatch took {took:.1f} s to raise"
                 outcomes = gather(outcome)
                 assert all("with different arguments" in o for o in outcomes), f"{where}: {outcomes}"
@@ -2636,8 +2642,50 @@ def case_mismatch():
         else:
             os.environ["UBNEXT_TIMEOUT"] = previous
     assert ("lamport", "dtype") in checked and ("twoshot", "count") in checked, checked
+    assert ("lamport", "eps") in checked and ("twoshot", "eps") in checked, checked
     if rank == 0:
         log(f"mismatch: {len(checked)} (path, field) pairs raised on every rank")
+
+
+def check_debug_compares_fused_values():
+    """Issue 40 W3: with UBNEXT_DEBUG=1 the fused op's values that must be the same on every rank and
+    that no kernel compares (a static FP8 scale, the residual, the norm weight; eps, which only the
+    kernel paths compare) are compared across ranks before the call runs: a difference on rank 0 raises
+    the same ValueError on every rank, naming the value and each rank's, where each rank would have
+    returned its own answer. The residual differs by two swapped elements: a plain sum of its bits would
+    not see that."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ["UBNEXT_DEBUG"] = "1"
+    try:
+        debug = ubnext.Communicator(emulate=(MODE == "emulator"), max_hidden=1024)
+    finally:
+        del os.environ["UBNEXT_DEBUG"]
+    x = torch.ones(4, 256, dtype=torch.bfloat16, device=device())
+    residual = (torch.arange(x.numel(), device=device()) % 7).to(x.dtype).view(x.shape)
+    weight = torch.ones(256, dtype=x.dtype, device=device())
+    swapped = residual.clone()
+    swapped[0, 0], swapped[0, 1] = residual[0, 1], residual[0, 0]
+    fp8 = dict(out_dtype=torch.float8_e4m3fn, scale=torch.tensor([0.5], device=device()))
+    cases = {  # what rank 0 passes differently -> (rank 0's arguments, the others', what the error shows)
+        "eps": ((residual, weight, 1e-5), (residual, weight, 1e-6), {}, {}, "rank 0: 1e-05, rank 1: 1e-06"),
+        "static FP8 scale": ((residual, weight, 1e-6), (residual, weight, 1e-6),
+                             dict(fp8, scale=torch.tensor([0.25], device=device())), fp8, "rank 0: 0.25, rank 1: 0.5"),
+        "residual": ((swapped, weight, 1e-6), (residual, weight, 1e-6), {}, {}, "checksums of its bits: rank 0: "),
+        "weight": ((residual, 2 * weight, 1e-6), (residual, weight, 1e-6), {}, {}, "checksums of its bits: rank 0: "),
+    }
+    for name, (first, other, first_kw, other_kw, shown) in cases.items():
+        args, kwargs = (first, first_kw) if rank == 0 else (other, other_kw)
+        try:
+            debug.all_reduce_add_rmsnorm(x, *args, **kwargs)
+            message = "returned a result"
+        except ValueError as exc:
+            message = str(exc)
+        messages = gather(message)
+        assert messages == [messages[0]] * world, f"{name} differs: the ranks did not all raise alike: {messages}"
+        assert f"with different arguments: {name} differs (" in message and shown in message, f"{name}: {message}"
+    out = debug.all_reduce_add_rmsnorm(x, residual, weight)[0]  # the same everywhere: runs, the same on every rank
+    assert_identical_across_ranks(out, "the fused op under UBNEXT_DEBUG")
+    debug.close()
 
 
 @contextlib.contextmanager

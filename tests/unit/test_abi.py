@@ -2,6 +2,7 @@
 the Python launcher passes, and Python packs the descriptor in desc.cuh's field order."""
 
 import re
+import struct
 
 import pytest
 
@@ -70,3 +71,15 @@ def test_descriptor_field_order_matches_header():
     assert len(packed) == pool.DESC_STRUCT_BYTES == 8 * (16 + pool.MAX_RANKS) <= pool.DESC_BYTES
     from ubnext import _emu
     assert _emu.DESC_BYTES == pool.DESC_STRUCT_BYTES  # the emulator binding passes as many bytes by value
+
+
+def test_header_fields_match_header():
+    """The call-header words' numbers (desc.cuh UBNEXT_HDR_*) are the mismatch error's fields, eps as the
+    fifth (issue 40 W3), and a mismatch of eps reads as the values the callers wrote."""
+    text = (kernels.CSRC / "device" / "desc.cuh").read_text()
+    for name, field in (("KIND", 0), ("COUNT", 1), ("HIDDEN", 2), ("IN_OFFSET", 3), ("EPS", 4)):
+        assert re.search(rf"#define UBNEXT_HDR_{name} {field}\b", text), name
+    assert errors._HEADER_FIELDS[4] == "eps"
+    bits = {eps: int.from_bytes(struct.pack("<f", eps), "little") for eps in (1e-5, 1e-6)}
+    message = str(errors.kernel_error([errors.ERR_MISMATCH, 5, 1, 0, 4, bits[1e-6], bits[1e-5], 0], 5.0, 1))
+    assert "rank 1 with eps 1e-06 but rank 0 with eps 1e-05" in message, message

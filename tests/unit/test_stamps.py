@@ -26,9 +26,10 @@ def test_the_record_is_where_and_what_csrc_says():
     names = [re.sub(r"\s*=.*", "", n).strip() for n in enum.split(",")]
     snake = [re.sub(r"(?<!^)([A-Z])", r"_\1", n[len("kStamp"):]).lower() for n in names]
     assert tuple(snake) == stamps.PHASES + ("slot0",)
-    # inside the sync region, clear of the words the protocols use (desc.cuh: the abort records end at 384,
-    # the barrier flags start at 1024)
-    assert 384 <= layout.SYNC_STAMPS.start and layout.SYNC_STAMPS.stop <= 1024 and stamps.OFFSET % 8 == 0
+    # inside the sync region, clear of the words the protocols use (desc.cuh: the barrier kernels' eps words
+    # end at 416, the barrier flags start at 1024)
+    eps_end = int(re.search(r"#define UBNEXT_SYNC_CALL_EPS_END (\d+)\n", DESC).group(1))
+    assert eps_end <= layout.SYNC_STAMPS.start and layout.SYNC_STAMPS.stop <= 1024 and stamps.OFFSET % 8 == 0
 
 
 def _region(values: dict, slots: list[int]) -> bytes:
