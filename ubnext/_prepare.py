@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -72,13 +73,49 @@ def setup_serial(group) -> int:
     return next(_setup_serials.setdefault(group.group_name, itertools.count()))
 
 
-def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bool = True) -> str | None:
+# check_in's ``departed``: how long a departed peer has to check in (a closing rank announces its
+# departure just before it checks in) before the wait takes it for gone, and how often it looks
+DEPARTED_GRACE_S = 2.0
+DEPARTED_POLL_S = 0.25
+
+
+def _wait_for_keys(store, keys: list[str], timeout_s: float, departed) -> str | None:
+    """Wait for every key, for ``timeout_s`` at most: None when all are set, else why not. ``departed``
+    (a callable giving the peers that announced their departure, or None): a peer that announced it and
+    has not checked in ``DEPARTED_GRACE_S`` later has left without closing, and the wait ends there."""
+    if departed is None:
+        try:
+            store.wait(keys, timedelta(seconds=timeout_s))
+            return None
+        except RuntimeError:  # the store's timeout (DistStoreError)
+            return "timeout"
+    deadline = time.monotonic() + timeout_s
+    first_seen: dict[int, float] = {}
+    while True:
+        slice_s = min(DEPARTED_POLL_S, deadline - time.monotonic())
+        if slice_s < 0.01:  # the store counts whole ms, and reads a wait of 0 ms as no bound at all
+            return "timeout"
+        try:
+            store.wait(keys, timedelta(seconds=slice_s))
+            return None
+        except RuntimeError:
+            pass
+        now = time.monotonic()
+        for peer in departed():
+            if not store.check([keys[peer]]) and now - first_seen.setdefault(peer, now) > DEPARTED_GRACE_S:
+                return f"rank {peer} left without reaching it (its departure word is set)"
+
+
+def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bool = True,
+             departed=None) -> str | None:
     """Check in under ``<prefix>/<rank>`` in the default store and wait, for ``timeout_s`` at most, for
     every rank of ``world_size`` to check in too: None when they all did, else why not (``waited ... for
     rank(s) [...] of the group, which never reached it``). One verdict per prefix, the first proposal to
     reach the store (``go`` or ``abandon``): ``go`` only comes from a rank that saw every rank check in,
     so a rank arriving just after a peer gave up is told so and gives up too, instead of going on while
-    its peers have stopped. ``wait=False`` checks in for the peers' sake and returns None at once.
+    its peers have stopped. ``wait=False`` checks in for the peers' sake and returns None at once;
+    ``departed``: see ``_wait_for_keys`` (close() passes its pool's departure words, so that a peer gone on
+    an error does not cost the whole timeout).
     The once-per-communicator agreements (``Preparation._setup_allgather``, ``Communicator.close``)
     use it: two store writes and a wait each, never on the hot path."""
     store = dist.distributed_c10d._get_default_store()
@@ -86,15 +123,14 @@ def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bo
     if not wait:
         return None
     keys = [f"{prefix}/{r}" for r in range(world_size)]
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-        proposal = "go"  # every rank checked in
-    except RuntimeError:  # the store's timeout (DistStoreError)
-        proposal = "abandon"
+    why = _wait_for_keys(store, keys, timeout_s, departed)
+    proposal = "go" if why is None else "abandon"  # "go": every rank checked in
     if store.compare_set(f"{prefix}/verdict", "", proposal).decode() == "go":
         return None
     if proposal == "go":  # this rank saw everyone, but only after a peer had given up
         return f"reached the step only after a peer had given up waiting for it ({timeout_s:g} s)"
+    if why != "timeout":
+        return why
     missing = [r for r, key in enumerate(keys) if not store.check([key])]
     return f"waited {timeout_s:g} s for rank(s) {missing} of the group, which never reached it"
 

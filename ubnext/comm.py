@@ -206,7 +206,7 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         failed = bool(self._broken or pool.err_view[0])
         try:
             why = check_in(f"ubnext/close/{self.group.group_name}/{self._setup_serial}", self.rank,
-                           self.world_size, pool.timeout_s, wait=not failed)
+                           self.world_size, pool.timeout_s, wait=not failed, departed=pool.departed_peers)
         except RuntimeError as exc:  # the store is unreachable: its server's rank has exited, say
             return UbnextError(f"ubnext: while closing the communicator, rank {self.rank} could not reach the "
                                f"process group's store ({type(exc).__name__}: {exc}); its pool was released all the same")

@@ -10,7 +10,7 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
         "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint", "all_gather",
         "reduce_scatter", "quantize_fp8", "quantize_blocks", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "mismatch_exchange", "misuse", "departed",
-        "exchange_grad", "local_first",
+        "close_after_peer_left", "exchange_grad", "local_first",
         "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool", "fused_arithmetic",
         # issue 28: the fused block-scaled forms, bitwise quantize of the unquantised call's output
         "fused_quant",

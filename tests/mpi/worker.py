@@ -585,6 +585,42 @@ def case_departed():
     assert {"lamport", "twoshot", "allgather", "reduce_scatter"} <= paths, checked
 
 
+def case_close_after_peer_left():
+    """close() agrees across ranks (issue 36 R5), but a peer that left without closing (released as at exit)
+    does not cost the whole timeout: its departure word is set and it never checks in, so a rank that saw
+    no error yet ends close()'s wait a grace after seeing the word, naming the peer (the timeout is 60 s)."""
+    if MODE == "torch":
+        return
+    previous = os.environ.get("UBNEXT_TIMEOUT")
+    os.environ["UBNEXT_TIMEOUT"] = "60"
+    rank, gone = dist.get_rank(), dist.get_world_size() - 1
+    try:
+        comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=1024)
+        comm.all_reduce(torch.ones(1024, device=device()))
+        comm.synchronize()
+        dist.barrier()
+        if rank == gone:
+            comm._release()  # leaves as at exit: no agreement
+            dist.barrier()
+            return
+        dist.barrier()  # the peer has left
+        start = time.monotonic()
+        try:
+            comm.close()
+        except ubnext.UbnextTimeoutError as exc:
+            took, msg = time.monotonic() - start, str(exc)
+        else:
+            raise AssertionError(f"rank {rank}'s close() agreed with a peer that had left")
+        assert f"rank {gone} left without reaching it" in msg, msg
+        assert took < 15, f"rank {rank}'s close() took {took:.1f} s for a peer that had left (timeout 60 s)"
+        assert comm.closed
+    finally:
+        if previous is None:
+            os.environ.pop("UBNEXT_TIMEOUT", None)
+        else:
+            os.environ["UBNEXT_TIMEOUT"] = previous
+
+
 def case_pool_cycles():
     """1000 create/close cycles of an emulator-backend pool leak no fd and no mapping."""
     if MODE != "emulator":

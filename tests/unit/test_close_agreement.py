@@ -24,10 +24,14 @@ class _Group:
 class _Pool:
     """What close() asks of a pool: the departure mark, the error word, the agreed timeout, the teardown."""
 
-    def __init__(self, timeout_s: float = BOUND_S, failed: bool = False):
+    def __init__(self, timeout_s: float = BOUND_S, failed: bool = False, departed: tuple[int, ...] = ()):
         self.timeout_s = timeout_s
         self.err_view = [1 if failed else 0]
         self.departed_at = self.closed_at = None
+        self.departed = list(departed)  # the peers whose departure word this rank's sync region holds
+
+    def departed_peers(self):
+        return self.departed
 
     def announce_departure(self):
         self.departed_at = time.monotonic()
@@ -121,6 +125,30 @@ def test_a_rank_closing_after_its_peer_gave_up_is_told_so(store):
     with pytest.raises(UbnextTimeoutError, match="rank 1 reached the step only after a peer had given up"):
         _rank(1, late).close()
     assert late.closed_at is not None
+
+
+def test_a_peer_that_left_without_closing_ends_the_wait_early(store, monkeypatch):
+    """Rank 1 left on an error of its own (an exception, the interpreter's exit): its departure word is
+    set and it never checks in. Rank 0's close() stops waiting once the grace for a departed peer's
+    check-in has passed, far short of a long kernel timeout, and names the rank that left."""
+    from ubnext import _prepare
+
+    monkeypatch.setattr(_prepare, "DEPARTED_GRACE_S", 0.3)
+    pool = _Pool(timeout_s=30.0, departed=(1,))
+    start = time.monotonic()
+    with pytest.raises(UbnextTimeoutError, match=r"rank 0 rank 1 left without reaching it"):
+        _rank(0, pool).close()
+    took = time.monotonic() - start
+    assert took < 5, f"close waited {took:.1f} s for a peer that had left (bound 30 s)"
+    assert pool.closed_at is not None
+
+
+def test_a_departed_peer_that_is_closing_is_waited_for(store):
+    """close() announces the departure before it checks in: a peer whose word is set but which checks in
+    within the grace is a peer closing normally, and both closes succeed."""
+    pools = [_Pool(timeout_s=10.0, departed=(1,)), _Pool(timeout_s=10.0, departed=(0,))]
+    outcomes = _close_in_threads([_rank(0, pools[0]), _rank(1, pools[1])], delays=[0.0, 0.5])
+    assert outcomes == ["ok", "ok"], outcomes
 
 
 def test_a_failed_communicator_checks_in_without_waiting(store):

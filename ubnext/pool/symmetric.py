@@ -268,6 +268,15 @@ class SymmetricPool:
         for address in words:
             ctypes.c_int32.from_address(address).value = 1
 
+    def departed_peers(self) -> list[int]:
+        """The peers whose departure word (UBNEXT_SYNC_DEPARTED) is set in this rank's sync region: each has
+        left, or is closing (close() announces the departure before it agrees; ``Communicator.close``)."""
+        if self._closed:
+            return []
+        start = self.layout.sync_off + 4 * SYNC_DEPARTED
+        words = self.backend.local_tensor()[start:start + 4 * self.layout.nranks].view(torch.int32).tolist()
+        return [r for r, word in enumerate(words) if word and r != self.rank]
+
     def close(self) -> None:
         """Collective. The memory is released once no pool tensor points into it (_Backend), and
         never when a kernel of this pool was captured into a CUDA graph: the graph addresses the
