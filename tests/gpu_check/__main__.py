@@ -29,6 +29,8 @@ STEP_TIMEOUT_S = {"facts": 30, "kernels": 240, "gpu_tests": 180, "world1": 120, 
                   "ranks2": 240, "timings": 150, "probes": 60}
 # The kernels' wait bound in every step: a lost peer shows in seconds, not in the group's 30 minutes.
 STEP_UBNEXT_TIMEOUT_S = "5"
+# The rehearsal's sm_90 kernel build before the stub-driver steps (cold on 2 cores: about 40 s)
+REHEARSAL_BUILD_TIMEOUT_S = 600
 # Steps that talk to the driver directly: in the rehearsal they run against the stub driver. The others
 # run without it (the stub cannot share a process with NVRTC, and the emulator needs no driver).
 STUB_DRIVER_STEPS = ("kernels", "probes")
@@ -123,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         from tests import stub_driver
 
         stub_dir = stub_driver.build(ROOT / "build" / "stub_driver")
+        # the stub driver cannot share a process with NVRTC: the cubins that the `kernels` step loads under
+        # it are compiled here first, in a process of their own (from the cache when warm: about a second)
+        status, output = run_bounded([sys.executable, "-m", "ubnext.kernels", "build", "--arch", "sm_90"],
+                                     REHEARSAL_BUILD_TIMEOUT_S, cwd=ROOT, env=_step_env("kernels", args, out, None))
+        if status != 0:
+            print(f"rehearsal: the sm_90 kernel build failed ({status}):\n{output[-3000:]}", flush=True)
+            return 1
     # --only keeps what an earlier run found for the other steps, so that a rerun of the failed steps
     # completes the same file
     print(f"driver gate: {_driver_verdict(args, out, stub_dir)}", flush=True)  # the first thing the check says
