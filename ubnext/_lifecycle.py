@@ -101,12 +101,26 @@ def communicator_of(group=None) -> "Communicator":
     """The cached communicator of ``group`` (the default group when None); created on first
     use, which is collective."""
     if not dist.is_initialized():
+        _refuse_set_up_while_compiling("torch.distributed is not initialised")
         bootstrap()
     group = group if group is not None else dist.group.WORLD
     comm = cached.get(group.group_name)
     if comm is None or comm.closed:
+        _refuse_set_up_while_compiling(f"process group {group.group_name!r} has no ubnext communicator yet")
         comm = cached[group.group_name] = communicator_class(group)
     return comm
+
+
+def _refuse_set_up_while_compiling(missing: str) -> None:
+    """Refuse to bootstrap torch.distributed or make a communicator while Dynamo traces: both are
+    collective host work (sockets, MPI, the pool's set-up) that Dynamo cannot trace, and it failed
+    deep inside them (``_socket.gethostname``, ``Intracomm.bcast``) with no hint. Under
+    ``fullgraph=True`` Dynamo reports this error as its "Observed exception", with this text."""
+    if torch.compiler.is_compiling():
+        raise UbnextError(
+            f"torch.compile is tracing a ubnext call, but {missing}: create the communicator before "
+            "compiling, i.e. before the first call of the compiled function: call ubnext.get_communicator() "
+            "(ubnext.get_communicator(group) for another group) in eager code first")
 
 
 def bootstrap() -> None:
