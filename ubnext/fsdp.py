@@ -190,6 +190,15 @@ _KEEP_SUBCLASS = {
 }
 
 
+def _check_scaling(scaling: str, scale: torch.Tensor | None) -> None:
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    if (scaling == "static") != (scale is not None):
+        raise ValueError("scale is required with scaling='static' and meaningless otherwise")
+    if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
+        raise ValueError("scale must be a one-element float32 tensor (the dequantisation scale)")
+
+
 class FP8AllGatherWeight(torch.Tensor):
     """A high-precision weight whose FSDP2 all-gather sends e4m3 data and its scale_inv.
 
@@ -204,12 +213,7 @@ class FP8AllGatherWeight(torch.Tensor):
             layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
 
     def __init__(self, tensor: torch.Tensor, scaling: str = "row", scale: torch.Tensor | None = None):
-        if scaling not in SCALINGS:
-            raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
-        if (scaling == "static") != (scale is not None):
-            raise ValueError("scale is required with scaling='static' and meaningless otherwise")
-        if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
-            raise ValueError("scale must be a one-element float32 tensor (the dequantisation scale)")
+        _check_scaling(scaling, scale)
         self._tensor = tensor
         self._scaling = scaling
         self._scale = scale
@@ -350,23 +354,36 @@ def convert_to_fp8_all_gather(model: torch.nn.Module, *, scaling: str = "row", s
                               include: Callable[[str, torch.nn.Module], bool] | str = "*") -> list[str]:
     """Make the weights of ``model``'s ``nn.Linear`` layers FP8AllGatherWeights, before
     ``fully_shard``. ``include``: a glob over module names (``"layers.*.mlp.*"``) or a function
-    ``(name, module) -> bool``. Returns the converted names."""
-    if scaling not in SCALINGS:
-        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    ``(name, module) -> bool``. Returns the converted names.
+
+    A layer converted already takes the new ``scaling`` and ``scale`` (its weight stays the same
+    Parameter, so an optimizer made in between keeps it): the conversion only says how the weight
+    is all-gathered, which nothing has used before ``fully_shard``. After ``fully_shard`` (or
+    tensor parallelism) the weights are DTensors, which the conversion refuses: FSDP2 has set its
+    parameters up from the plain weights, and a wrapped DTensor failed at the first forward."""
+    _check_scaling(scaling, scale)
     chosen = include if callable(include) else (lambda name, _m: fnmatch.fnmatch(name, include))
+    layers = [(name, module) for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and chosen(name, module)]
+    sharded = [name for name, module in layers if hasattr(module.weight, "_local_tensor")]
+    if sharded:
+        raise ValueError(f"convert_to_fp8_all_gather: the weights of {sharded[:3]}{' ...' if len(sharded) > 3 else ''} "
+                         "are DTensors: the model is sharded already (fully_shard, or parallelize_module). "
+                         "Convert first, then fully_shard: convert_to_fp8_all_gather(model); fully_shard(...); "
+                         "use_ubnext_collectives(model)")
     converted = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and chosen(name, module):
-            weight = module.weight
-            if isinstance(weight.data, FP8AllGatherWeight):
-                continue
+    for name, module in layers:
+        weight = module.weight
+        if isinstance(weight, FP8AllGatherWeight):
+            weight._scaling, weight._scale = scaling, scale
+        else:
             module.weight = torch.nn.Parameter(FP8AllGatherWeight(weight.data, scaling, scale),
                                                requires_grad=weight.requires_grad)
-            if not getattr(module, "_ubnext_fp8_state_dict_hooks", False):
-                module.register_state_dict_post_hook(_plain_state_dict)
-                module.register_load_state_dict_pre_hook(_fp8_load_state_dict)
-                module._ubnext_fp8_state_dict_hooks = True
-            converted.append(name)
+        if not getattr(module, "_ubnext_fp8_state_dict_hooks", False):
+            module.register_state_dict_post_hook(_plain_state_dict)
+            module.register_load_state_dict_pre_hook(_fp8_load_state_dict)
+            module._ubnext_fp8_state_dict_hooks = True
+        converted.append(name)
     return converted
 
 

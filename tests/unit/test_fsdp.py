@@ -130,7 +130,17 @@ def test_convert_by_name():
     assert isinstance(model["mlp"][0].weight, torch.nn.Parameter) and model["mlp"][0].weight.requires_grad
     assert not isinstance(model["attn"].weight.data, UF.FP8AllGatherWeight)
     assert UF.convert_to_fp8_all_gather(model, include=lambda name, m: name == "attn") == ["attn"]
-    assert UF.convert_to_fp8_all_gather(model) == []  # already converted
+    # a second conversion applies (issue 40 C4: it returned [] and kept the first scaling), to the same
+    # Parameter objects, so an optimizer made in between still holds them
+    weight = model["mlp"][0].weight
+    assert UF.convert_to_fp8_all_gather(model, scaling="tensor") == ["attn", "mlp.0", "mlp.2"]
+    assert model["mlp"][0].weight is weight and weight._scaling == "tensor" and weight._scale is None
+    UF.convert_to_fp8_all_gather(model, include="attn", scaling="static", scale=torch.tensor([0.5]))
+    assert model["attn"].weight._scaling == "static" and model["attn"].weight._scale.tolist() == [0.5]
+    assert model["mlp"][2].weight._scaling == "tensor"
+    with pytest.raises(ValueError, match="scale is required"):  # checked before any layer changes
+        UF.convert_to_fp8_all_gather(model, scaling="static")
+    assert model["mlp"][2].weight._scaling == "tensor"
     # the converted layer computes as before
     x = torch.randn(2, 4)
     assert torch.equal(model["attn"](x), torch.nn.functional.linear(x, model["attn"].weight._tensor,
@@ -203,3 +213,32 @@ def test_fp8_checkpoint_is_plain_and_loads_both_ways(tmp_path):
     _assert_converted(converted, comm)
     # keep_vars asks for the parameters themselves, not for a checkpoint
     assert converted.state_dict(keep_vars=True)["0.weight"] is converted[0].weight
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_converting_after_fully_shard_is_refused(one_rank_group):
+    """Issue 40 C4: converted after fully_shard, the layers reported success and the first forward
+    failed inside FSDP2 ('FP8AllGatherWeight' object has no attribute '_local_tensor'). Now the
+    conversion refuses, saying to convert first; also a converted model converted again once sharded.
+    A one-rank gloo mesh on CPU: the refusal needs FSDP2's DTensor parameters, no collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    fully_shard(plain, mesh=mesh)
+    with pytest.raises(ValueError, match=r"\['0', '2'\] are DTensors.*Convert first, then fully_shard"):
+        UF.convert_to_fp8_all_gather(plain)
+    assert not any(isinstance(p._local_tensor, UF.FP8AllGatherWeight) for p in plain.parameters())
+
+    converted, _ = _pair()
+    fully_shard(converted, mesh=mesh)
+    with pytest.raises(ValueError, match="Convert first, then fully_shard"):
+        UF.convert_to_fp8_all_gather(converted, scaling="tensor")
+    assert converted[0].weight._local_tensor._scaling == "row"
