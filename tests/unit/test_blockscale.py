@@ -145,6 +145,22 @@ def test_fp8_group128_is_the_per_token_rule_over_groups(dtype):
     assert s.view(torch.int32).item() == 0x7FFFFFFF
 
 
+def test_nvfp4_nan_global_scale_is_a_nan_in_every_block():
+    """Issue 40 C13 (docs/QUANTIZE.md, "A NaN global_scale is outside the bitwise claim"): every
+    scale 0x7F and every data byte 0x44, the kernels' constants, whatever the NaN's sign or payload.
+    torchao's bytes follow the NaN's bits (0x33 for the default NaN on x86, 0xBB for a negative one),
+    so they are not compared here."""
+    x = _input(3, 256, torch.bfloat16, 5)
+    x[x.isnan() | x.isinf()] = 1.0
+    every_scale = torch.full((3, 256 // 16), 0x7F, dtype=torch.uint8)
+    for bits in (0x7FC00000, 0xFFC00000 - (1 << 32), 0x7F800001):
+        gs = torch.tensor([bits], dtype=torch.int32).view(torch.float32)
+        for swizzled in (False, True):
+            q, s = quantize_reference(x, "nvfp4", gs, swizzled=swizzled)
+            assert bool((q == 0x44).all()), hex(bits)
+            assert torch.equal(_bits(s), to_blocked(every_scale) if swizzled else every_scale), hex(bits)
+
+
 def test_fp8_group128_ue8m0_rounds_scales_up_to_powers_of_two():
     x = _input(7, 1024, torch.bfloat16, 3)
     x[x.isinf()] = 1.0
