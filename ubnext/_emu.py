@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Iterable, NamedTuple, Sequence
 
 from . import envs
+from ._build_progress import announce
 from ._filelock import exclusive
 from ._sources import CSRC
 
@@ -205,7 +206,8 @@ def build(break_name: str = "", *, force: bool = False) -> Path:
     with exclusive(cache / f".lock-{key}", f"build the emulator library {lib.name}"):
         if lib.exists() and not force:
             return lib
-        with tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:
+        with announce("the CPU emulator library", lib), \
+                tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:
             out = Path(tmp) / lib.name
             _compile(cxx, flags, _sources(), Path(tmp), out, objects=Path(tmp) / "obj" if force else cache / "obj")
             os.replace(out, lib)

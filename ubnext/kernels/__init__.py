@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import envs
+from .._build_progress import announce
 from .._filelock import exclusive
 from .._sources import CSRC
 
@@ -421,7 +422,8 @@ def _cached_or_compiled(fname: str, arch: str) -> Cubin:
         cached = _read_cached(fname, arch, cubin_path)
         if cached is not None:
             return cached
-        images, ptxas_log = _nvrtc_images(fname, arch, ("cubin", "ptx"))
+        with announce(f"the kernels of {fname} for {arch} (NVRTC {nvrtc_version()})", cubin_path.parent):
+            images, ptxas_log = _nvrtc_images(fname, arch, ("cubin", "ptx"))
         resources = tuple(parse_ptxas_log(ptxas_log, arch))
         # The JSON last: a reader that sees it sees whole files (the PTX: compile_ptx).
         info = json.dumps([r.__dict__ for r in resources]).encode()
