@@ -49,16 +49,27 @@ def get_communicator(group=None) -> Communicator:
     return _lifecycle.communicator_of(group)
 
 
-def _group_key(group) -> str:
+_ALL_REDUCE_SIGNATURE = "ubnext.all_reduce(x, group=None, *, out=None) -> Tensor"
+_FUSED_SIGNATURE = "ubnext.all_reduce_add_rmsnorm(x, residual, weight, eps=1e-6, *, group=None, ...)"
+
+
+def _group_key(group, signature: str = _ALL_REDUCE_SIGNATURE) -> str:
     import torch.distributed as dist
 
     if not dist.is_initialized():
         _lifecycle.communicator_of(None)
-    return (group if group is not None else dist.group.WORLD).group_name
+    try:
+        return (group if group is not None else dist.group.WORLD).group_name
+    except AttributeError:  # off the hot path: a group's name, or something that is no group
+        if isinstance(group, str) and group in _lifecycle.cached:
+            return group
+        return _lifecycle.process_group(group, signature).group_name
 
 
 def all_reduce(x, group=None, *, out=None):
-    """``get_communicator(group).all_reduce(x, out=out)``; compiles under torch.compile."""
+    """The sum of ``x`` over the ranks of ``group`` (a ProcessGroup, its ``group_name``, or None for the
+    default group), returned as a new tensor as torch's functional collectives do: ``x`` is left as it
+    was unless ``out=x``. ``get_communicator(group).all_reduce(x, out=out)``; compiles under torch.compile."""
     if out is None:
         return ops.all_reduce(x, _group_key(group))
     return ops.all_reduce_out(x, out, _group_key(group))
@@ -67,5 +78,6 @@ def all_reduce(x, group=None, *, out=None):
 def all_reduce_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *, group=None, out_dtype=None, scale=None,
                            quant=None, global_scale=None, swizzled=False, ue8m0=False):
     """``get_communicator(group).all_reduce_add_rmsnorm(...)``; compiles under torch.compile."""
-    return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, _group_key(group), out_dtype=out_dtype, scale=scale,
-                                      quant=quant, global_scale=global_scale, swizzled=swizzled, ue8m0=ue8m0)
+    return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, _group_key(group, _FUSED_SIGNATURE),
+                                      out_dtype=out_dtype, scale=scale, quant=quant, global_scale=global_scale,
+                                      swizzled=swizzled, ue8m0=ue8m0)

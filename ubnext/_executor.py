@@ -139,6 +139,10 @@ class Call(NamedTuple):
     norm: Launch | None = None
 
 
+# the fallbacks this process has logged, as (key, message): _log_once's memory, shared by its communicators
+_logged_fallbacks: set[tuple[str, str]] = set()
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -156,10 +160,13 @@ class Executor:
     _nvls_ctas = 16
 
     def _log_once(self, key: str, message: str) -> None:
-        if (key, message) not in self._logged:
-            self._logged.add((key, message))
+        """Log a fallback once per process, naming this rank: every communicator of a process (and
+        every plan of one) meets the same fallbacks, and one line per communicator per rank buried
+        the rank that said something different."""
+        if (key, message) not in _logged_fallbacks:
+            _logged_fallbacks.add((key, message))
             # without a GPU and without emulation the torch path is expected, not a degradation
-            log.log(logging.INFO if self.mode == "torch" else logging.WARNING, "%s", message)
+            log.log(logging.INFO if self.mode == "torch" else logging.WARNING, "rank %s: %s", self.rank, message)
 
     def _check_usable(self) -> None:
         """At the start of every op: refuse a closed or aborted communicator, and order this call's

@@ -104,11 +104,47 @@ def communicator_of(group=None) -> "Communicator":
         _refuse_set_up_while_compiling("torch.distributed is not initialised")
         bootstrap()
     group = group if group is not None else dist.group.WORLD
-    comm = cached.get(group.group_name)
+    try:
+        name = group.group_name
+    except AttributeError:  # off the hot path: a group's name, or something that is no group
+        group = process_group(group, "ubnext.get_communicator(group=None)")
+        name = group.group_name
+    comm = cached.get(name)
     if comm is None or comm.closed:
-        _refuse_set_up_while_compiling(f"process group {group.group_name!r} has no ubnext communicator yet")
-        comm = cached[group.group_name] = communicator_class(group)
+        _refuse_set_up_while_compiling(f"process group {name!r} has no ubnext communicator yet")
+        comm = cached[name] = communicator_class(group)
     return comm
+
+
+def process_group(group, signature: str):
+    """``group`` as a ProcessGroup: None is the default group, a str the name of a group this process
+    knows (its ``group_name``, as torch's functional collectives take it). Anything else is refused
+    with ``signature``, the call the user made: a rank outside the group (torch.distributed.new_group
+    gives it ``GroupMember.NON_GROUP_MEMBER``, an int), or torch.distributed's habit of a reduce op in
+    the second place."""
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{signature}: rank {dist.get_rank()} is not a member of this group (torch.distributed.new_group "
+            "returns GroupMember.NON_GROUP_MEMBER on the ranks outside it); make the communicator and call "
+            "its ops only on the group's ranks, e.g. `if dist.get_rank() in ranks:`")
+    if isinstance(group, str):
+        try:
+            return dist.distributed_c10d._resolve_process_group(group)
+        except RuntimeError:
+            known = sorted(dist.distributed_c10d._world.pg_names.values())
+            raise ValueError(f"{signature}: no process group named {group!r} in this process (its groups' "
+                             f"group_name: {', '.join(map(repr, known))}); pass the ProcessGroup or its "
+                             "group_name") from None
+    if isinstance(group, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        raise TypeError(f"{signature}: got the reduce op {group} where the group goes; ubnext always sums (it "
+                        "takes no op), and returns the sum without writing into x: write x = ubnext.all_reduce(x), "
+                        "or ubnext.all_reduce(x, out=x) to sum into x in place")
+    raise TypeError(f"{signature}: group must be a torch.distributed ProcessGroup, its group_name (str) or None, "
+                    f"not {type(group).__name__}")
 
 
 def _refuse_set_up_while_compiling(missing: str) -> None:

@@ -59,6 +59,9 @@ __all__ = [
 ]
 
 
+_SIGNATURE = "ubnext.Communicator(group=None, *, emulate=None, max_hidden=None, algo=None, batch_invariant=None)"
+
+
 class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, ExchangeOps, QuantizeOps):
     """Collectives over a torch.distributed group, on ubnext kernels where they can run.
 
@@ -76,7 +79,7 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         envs.check_all()  # on every rank alike, before anything collective
         if not dist.is_initialized():
             _lifecycle.bootstrap()
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = _lifecycle.process_group(group, _SIGNATURE)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         # one rank has nothing to reduce: its ops copy, unless the one-GPU check asks for the kernel paths
@@ -107,7 +110,6 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         self._pool_error: str | None = None
         self._emu = None
         self._symm_buffers: dict[torch.dtype, torch.Tensor] = {}  # torch_symm's, one per dtype
-        self._logged: set[tuple[str, str]] = set()
         self._broken: str | None = None
         self._closed = False
         # the stream of the last eager call, and the event recorded after the last eager launch

@@ -1,5 +1,6 @@
 """ubnext's exceptions, and the words a kernel leaves in the pool's error slot (csrc/device/desc.cuh)
-turned into the message a user reads. A leaf: it imports no other ubnext module."""
+turned into the message a user reads. A leaf at import time: it imports no other ubnext module (the
+call flags' names come from ubnext.kernels when a mismatch message is made)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,34 @@ def _header_value(field: int, value: int) -> str:
     """One call-header word as the user would write it."""
     if field == 0:
         dtype = _HEADER_DTYPES.get((value >> 8) & 0xFF, f"dtype {(value >> 8) & 0xFF}")
-        return f"({_OP_NAMES.get(value & 0xFF, value & 0xFF)}, {dtype}, flags {value >> 16:#x})"
+        return f"({', '.join([str(_OP_NAMES.get(value & 0xFF, value & 0xFF)), dtype, *_flag_names(value >> 16)])})"
     if field == 3:
         return f"+{value * 16:#x}"
     if field == 4:
         return _f32_text(value)
     return str(value)
+
+
+def _flag_names(flags: int) -> list[str]:
+    """A call's flags word (ubnext.kernels F_*) as the output form the caller asked for: the user
+    wrote quant="mxfp8", not 0x29. Bits without a name are shown as such."""
+    from . import kernels as k
+
+    if not flags:
+        return ["plain (no norm, no quantisation)"]
+    formats = {k.F_BLOCK_NVFP4: "NVFP4 output", k.F_BLOCK_MXFP8: "MXFP8 output",
+               k.F_BLOCK_GROUP128: "FP8 group-128 output"}
+    bits = ((k.F_FUSED_NORM, "fused add+RMSNorm"), (k.F_FP8_STATIC, "FP8 output with a static scale"),
+            (k.F_FP8_PER_TOKEN, "FP8 output with per-token scales"), (k.F_MULTICAST, "multicast"),
+            (k.F_BLOCK_SWIZZLED, "swizzled scales"), (k.F_BLOCK_UE8M0, "ue8m0 scales"),
+            (k.F_RANK_ORDER, "rank-order sum (batch-invariant)"))
+    names = [name for bit, name in bits if flags & bit]
+    if flags & k.F_BLOCK_FMT_MASK:
+        names.insert(sum(1 for bit, _ in bits[:4] if flags & bit), formats[flags & k.F_BLOCK_FMT_MASK])
+    unknown = flags & ~(sum(bit for bit, _ in bits) | k.F_BLOCK_FMT_MASK)
+    if unknown:
+        names.append(f"unknown flags {unknown:#x}")
+    return names
 
 
 def _f32_text(bits: int) -> str:
@@ -64,8 +87,10 @@ def kernel_error(words, timeout_s: float, seen_by: int) -> UbnextError:
         name = _HEADER_FIELDS.get(field, f"header word {field}")
         cause = (f"ranks called {op_name} with different arguments: rank {rank} with {name} "
                  f"{_header_value(field, mine)} but rank {peer} with {name} {_header_value(field, theirs)}; "
-                 "every rank must make the same calls, and pool tensors it reduces in place must sit "
-                 "at the same offset on every rank (allocate and free them in the same order)")
+                 "every rank must make the same calls with the same arguments")
+        if field == 3:  # only the offset depends on where the pool placed a tensor, not on the call's arguments
+            cause += (", and pool tensors it reduces in place must sit at the same offset on every rank "
+                      "(allocate and free them in the same order)")
     elif code == ERR_PEER_LEFT:
         cause = (f"rank {rank} stopped waiting in {op_name} for peer {peer}, which has left: it closed its "
                  "communicator or its process exited (an exception or an early end on that rank; its "

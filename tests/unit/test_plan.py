@@ -244,7 +244,7 @@ def test_torch_symm_never_allocates_inside_capture(monkeypatch):
     import torch.distributed._symmetric_memory as symm_mem
 
     comm = _bare_communicator("gpu")
-    comm._symm_buffers, comm._logged = {}, set()
+    comm._symm_buffers = {}
     comm._pool = SimpleNamespace(backend=SimpleNamespace(name="torch_symm"))
     used = []
     comm._torch_all_reduce = lambda x, out: used.append("torch")
@@ -267,8 +267,9 @@ def test_torch_symm_takes_only_what_torchs_op_takes(monkeypatch, caplog, dtype, 
     rest reaches torch's allocation (faked here: CPU torch has no symmetric memory)."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    monkeypatch.setattr(ubnext._executor, "_logged_fallbacks", set())  # each fallback is logged once per process
     comm = _bare_communicator("gpu")
-    comm._symm_buffers, comm._logged = {}, set()
+    comm._symm_buffers = {}
     comm._pool = SimpleNamespace(backend=SimpleNamespace(name=backend))
     used = []
     comm._torch_all_reduce = lambda x, out: used.append("torch")
@@ -303,7 +304,7 @@ def test_torch_symm_keeps_one_buffer_per_dtype(monkeypatch):
     from ubnext import _allreduce
 
     comm = _bare_communicator("gpu")
-    comm._symm_buffers, comm._logged = {}, set()
+    comm._symm_buffers = {}
     comm._pool = SimpleNamespace(backend=SimpleNamespace(name="torch_symm"))
     comm.group, comm.device = SimpleNamespace(group_name="g"), torch.device("cpu")
     comm._capturing, comm._launch_done, comm._stream, comm._device_index = False, "E", 0, 0
