@@ -22,6 +22,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -167,6 +168,9 @@ def bootstrap() -> None:
     from ._cuda import gpu_available
 
     info = envs.launcher_info()
+    problem = envs.first_problem()
+    if info is None and problem is not None:
+        raise problem  # no launcher, so no peers to tell: the bad value is the first thing to fix
     if info is None:
         raise UbnextError(
             "torch.distributed is not initialised and no launcher was found: call "
@@ -176,6 +180,7 @@ def bootstrap() -> None:
     backend = "nccl" if use_gpu else "gloo"
     # made here rather than by init_process_group: the backend is chosen through it
     store = _store(info, _group_timeout(backend))
+    _agree_on_environment(store, info["rank"], info["world_size"], problem)
     device_id = None
     if use_gpu:
         torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
@@ -203,10 +208,41 @@ def bootstrap() -> None:
 def _group_timeout(backend: str) -> datetime.timedelta:
     """The process group's timeout, also the kernels' default bound (kernel_timeout_s): torch's
     default unless UBNEXT_TIMEOUT asks for a shorter one."""
-    bound = envs.get("UBNEXT_TIMEOUT")
+    try:
+        bound = envs.get("UBNEXT_TIMEOUT")
+    except envs.EnvError:
+        bound = None  # refused on every rank by _agree_on_environment, once the rendezvous is made
     if bound:
         return datetime.timedelta(seconds=max(60.0, 4 * bound))
     return dist.distributed_c10d._get_default_timeout(backend)
+
+
+# how long a rank with a bad environment keeps the rendezvous store up for its peers to read the verdict
+# (the store lives in one rank's process: rank 0's under MPI)
+ENVIRONMENT_VERDICT_GRACE_S = 10.0
+
+
+def _agree_on_environment(store, rank: int, world_size: int, problem: Exception | None) -> None:
+    """Compare every rank's environment check in the rendezvous store, which every rank reaches anyway:
+    a bad value on any rank raises EnvError on every rank, naming the rank and the value, instead of one
+    rank stopping before the rendezvous and its peers failing to connect to it. Bounded by the store's
+    timeout (the group's); one store write and one wait when all is well."""
+    prefix = "ubnext/bootstrap/environment"
+    store.set(f"{prefix}/{rank}", "" if problem is None else str(problem))
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    store.wait(keys)
+    bad = [(r, text) for r, text in enumerate(store.multi_get(keys)) if text]
+    if not bad:
+        return
+    # rank 0 holds the store (under MPI, and torchrun's env:// without an agent store): it stays until
+    # every rank has read the verdict, which would otherwise go with its process
+    read = store.add(f"{prefix}/read", 1)
+    deadline = time.monotonic() + ENVIRONMENT_VERDICT_GRACE_S
+    while rank == 0 and read < world_size and time.monotonic() < deadline:
+        time.sleep(0.02)
+        read = store.add(f"{prefix}/read", 0)
+    named = "; ".join(f"rank {r}: {text.decode()}" for r, text in bad)
+    raise envs.EnvError(f"ubnext: the environment is not valid on every rank ({named}); every rank stops")
 
 
 def _store(info: dict[str, Any], timeout: datetime.timedelta):

@@ -63,6 +63,24 @@ def p2p_problem(reports: list) -> str | None:
     return None
 
 
+# the emulator's variables that change its launches' geometry or its pools (agreed at pool creation)
+EMULATOR_GEOMETRY = ["UBNEXT_EMU_BLOCK", "UBNEXT_EMU_GRID", "UBNEXT_EMU_COUNT", "UBNEXT_EMU_SM_COUNT",
+                     "UBNEXT_EMU_MULTICAST"]
+
+
+def settings_mismatch(reports: list[dict[str, tuple[Any, str]]]) -> str | None:
+    """Each setting whose value differs across the ranks' ``_setup_settings`` reports (``{name: (value,
+    how it was set)}``), with each rank's value as it was set (the same text on every rank), or None
+    when all agree."""
+    parts = []
+    for name in reports[0]:
+        values = [report.get(name, (None, f"{name} unset")) for report in reports]
+        if len({value for value, _ in values}) > 1:
+            parts.append(f"{name} differs: " + ", ".join(f"rank {rank} has {shown}"
+                                                         for rank, (_, shown) in enumerate(values)))
+    return "; ".join(parts) or None
+
+
 _setup_serials: dict[str, itertools.count] = {}
 
 
@@ -106,6 +124,26 @@ def _wait_for_keys(store, keys: list[str], timeout_s: float, departed) -> str | 
                 return f"rank {peer} left without reaching it (its departure word is set)"
 
 
+def setup_step_prefix(group, serial: int, step: int) -> str:
+    """The store key prefix of set-up step ``step`` (from 1) of communicator ``serial`` on ``group``."""
+    return f"ubnext/setup/{group.group_name}/{serial}/{step}"
+
+
+# a set-up step's verdict set by a rank that refused to take part, followed by its reason (refuse_setup)
+REFUSED = "refused: "
+
+
+def refuse_setup(group, rank: int, serial: int, reason: str) -> None:
+    """Tell the peers of a communicator this rank will not make (its environment is bad) at the first
+    set-up step, where they would wait for it: the step's verdict becomes ``reason``, and this rank checks
+    in, so that their wait ends as soon as they all arrive and they raise with it. Two store writes, no
+    wait: this rank raises at once."""
+    store = dist.distributed_c10d._get_default_store()
+    prefix = setup_step_prefix(group, serial, 1)
+    store.compare_set(f"{prefix}/verdict", "", f"{REFUSED}rank {rank} refused to make the communicator: {reason}")
+    store.set(f"{prefix}/{rank}", "1")
+
+
 def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bool = True,
              departed=None) -> str | None:
     """Check in under ``<prefix>/<rank>`` in the default store and wait, for ``timeout_s`` at most, for
@@ -125,8 +163,11 @@ def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bo
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     why = _wait_for_keys(store, keys, timeout_s, departed)
     proposal = "go" if why is None else "abandon"  # "go": every rank checked in
-    if store.compare_set(f"{prefix}/verdict", "", proposal).decode() == "go":
+    verdict = store.compare_set(f"{prefix}/verdict", "", proposal).decode()
+    if verdict == "go":
         return None
+    if verdict.startswith(REFUSED):  # refuse_setup's
+        return verdict
     if proposal == "go":  # this rank saw everyone, but only after a peer had given up
         return f"reached the step only after a peer had given up waiting for it ({timeout_s:g} s)"
     if why != "timeout":
@@ -165,13 +206,17 @@ class Preparation:
             # vote must raise at once instead of waiting out the timeout again
             raise self._setup_failed
         self._setup_steps += 1
-        prefix = f"ubnext/setup/{self.group.group_name}/{self._setup_serial}/{self._setup_steps}"
+        prefix = setup_step_prefix(self.group, self._setup_serial, self._setup_steps)
         why = check_in(prefix, self.rank, self.world_size, _lifecycle.kernel_timeout_s(self.group, self.device))
         if why is None:
             return self._allgather(obj)
-        self._setup_failed = UbnextError(
-            f"ubnext: while {step}, rank {self.rank} {why} (UBNEXT_TIMEOUT, else the process group's timeout): "
-            "every rank must create the communicator and make the same first call (or comm.prepare())")
+        if why.startswith(REFUSED):
+            self._setup_failed = UbnextError(f"ubnext: while {step}, rank {self.rank} learnt that "
+                                             f"{why[len(REFUSED):]}")
+        else:
+            self._setup_failed = UbnextError(
+                f"ubnext: while {step}, rank {self.rank} {why} (UBNEXT_TIMEOUT, else the process group's timeout): "
+                "every rank must create the communicator and make the same first call (or comm.prepare())")
         self._broken = str(self._setup_failed)
         raise self._setup_failed
 
@@ -244,7 +289,8 @@ class Preparation:
             "error": self._prepare_kernels(), "sm_count": self._sm_count, "nvls_ctas": self._nvls_ctas, "host": _lifecycle.host_identity(),
             "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device),
             "selftest": envs.get("UBNEXT_SELFTEST"), "p2p": p2p_report(self.device),
-            "batch_invariant": getattr(self, "batch_invariant", False)},
+            "batch_invariant": getattr(self, "batch_invariant", False),
+            "settings": self._setup_settings(), "max_hidden": self._max_hidden},
             "agreeing on the kernels before creating the pool")
         modes = [bool(r.get("batch_invariant")) for r in reports]
         if len(set(modes)) > 1:
@@ -253,6 +299,14 @@ class Preparation:
             on = ", ".join(str(i) for i, m in enumerate(modes) if m)
             raise ValueError(f"ubnext: the batch-invariant mode differs across ranks (on at rank(s) {on} only); "
                              "set UBNEXT_BATCH_INVARIANT or Communicator(batch_invariant=...) alike on every rank")
+        differing = settings_mismatch([r["settings"] for r in reports])
+        if differing:
+            # ranks with another path or pool layout would pair different kernels, or map a peer's pool at
+            # the wrong size (once "mmap length is greater than file size" on one rank, "Broken pipe" on
+            # the other): refused alike on every rank, before anything is allocated
+            raise ValueError(f"ubnext: settings differ across ranks: {differing}; set them alike on every rank")
+        # the pool is sized for the largest hidden size any rank registered, the same layout on every rank
+        self._max_hidden = max(r["max_hidden"] for r in reports)
         self._run_self_test = all(r["selftest"] for r in reports)
         if self.mode == "gpu":
             self._sm_count = min(r["sm_count"] for r in reports)
@@ -296,6 +350,20 @@ class Preparation:
             log.warning("%s; using torch.distributed", self._pool_error)
             return None
         return pool
+
+    def _setup_settings(self) -> dict[str, Any]:
+        """The settings that choose the kernels or lay out the pool, as this rank read them: every rank
+        must hold the same (``settings_mismatch``). An unreadable value is reported as its error."""
+        algo = self._algo if self._algo is not None else self._env_algo
+        shown = f"Communicator(algo={algo!r})" if self._algo is not None else f"UBNEXT_ALGO={algo!r}"
+        settings: dict[str, tuple[Any, str]] = {"algo": (algo, shown)}
+        names = ["UBNEXT_MAX_BATCH", "UBNEXT_SYMM_POOL_SIZE", "UBNEXT_POOL_BACKEND"]
+        if self.mode == "emulator":
+            names += EMULATOR_GEOMETRY
+        for name in names:
+            value = envs.get(name)
+            settings[name] = (value, f"{name}={value!r}")
+        return settings
 
     def _isolated_gpu_hint(self) -> str:
         """Why a GPU pool may fail where every rank sees a single GPU (CUDA_VISIBLE_DEVICES set per

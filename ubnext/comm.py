@@ -41,7 +41,7 @@ from ._exchange import ExchangeOps
 from ._executor import GRID_CAP, Call, Executor
 from ._fused import FusedNormOps
 from ._planning import Planner
-from ._prepare import Preparation, check_in, setup_serial
+from ._prepare import Preparation, check_in, refuse_setup, setup_serial
 from ._quantize import QuantizeOps
 from .errors import UbnextError, UbnextTimeoutError
 from .plan import PATHS, Plan
@@ -76,12 +76,18 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
 
     def __init__(self, group=None, *, emulate: bool | None = None, max_hidden: int | None = None,
                  algo: str | None = None, batch_invariant: bool | None = None):
-        envs.check_all()  # on every rank alike, before anything collective
+        # every variable, on every rank, before anything collective (issue 40 C3); a rank with a bad
+        # value still tells its peers, which would otherwise wait for it in the rendezvous or the set-up
+        environment_problem = envs.first_problem()
         if not dist.is_initialized():
-            _lifecycle.bootstrap()
+            _lifecycle.bootstrap()  # compares every rank's environment there: a bad one raises on all
         self.group = _lifecycle.process_group(group, _SIGNATURE)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        if environment_problem is not None:
+            # the group was there already: the peers learn it at the first set-up step, where they wait
+            refuse_setup(self.group, self.rank, setup_serial(self.group), str(environment_problem))
+            raise environment_problem
         # one rank has nothing to reduce: its ops copy, unless the one-GPU check asks for the kernel paths
         # (UBNEXT_WORLD1_KERNELS, a test seam: a one-rank pool runs every unicast kernel on one GPU)
         self._copy_at_world_size_1 = self.world_size == 1 and not envs.get("UBNEXT_WORLD1_KERNELS")

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["EnvError", "Var", "VARIABLES", "get", "check_all", "describe_table", "environment_with"]
+__all__ = ["EnvError", "Var", "VARIABLES", "get", "check_all", "first_problem", "describe_table", "environment_with"]
 
 
 class EnvError(ValueError):
@@ -219,6 +219,16 @@ def check_all() -> None:
     variable the current mode does not use is refused too, rather than ignored until it is)."""
     for name in VARIABLES:
         get(name)
+
+
+def first_problem() -> EnvError | None:
+    """``check_all``'s verdict as a value: the first bad variable's EnvError, or None (for a caller that
+    must tell its peers before it raises)."""
+    try:
+        check_all()
+    except EnvError as exc:
+        return exc
+    return None
 
 
 def describe_table() -> str:

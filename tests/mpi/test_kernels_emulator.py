@@ -21,7 +21,9 @@ FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation",
         # issue 26: the batch-invariant mode (at 2 ranks a sum of two is order-free: 3 and 4 show the order)
         "batch_invariant", "batch_invariant_fused",
         # issue 24 item C: griddepcontrol placed in every kernel (the emulator checks the wait)
-        "pdl"]
+        "pdl",
+        # issue 40 H3 and C3: settings agreed at set-up; a bad environment on one rank stops its peers too
+        "setup_settings", "bad_environment_peer"]
 CORE = ["allreduce", "paths", "fused_paths", "fused_arithmetic", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
         "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
         "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady",
@@ -54,6 +56,16 @@ def test_kernels_on_emulator(mpi, np, chaos, multicast, cases):
     # emulates too, not only the ones the cases construct
     env = {"UBNEXT_EMU_CHAOS": chaos, "UBNEXT_EMU_MULTICAST": multicast, "UBNEXT_EMULATE": "1"}
     assert_mpi_ok(mpi(np, MPI_WORKER, "emulator", *cases, env=env, timeout=900))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name,bad", [("UBNEXT_EMU_BLOCK", "48"), ("UBNEXT_POOL_BACKEND", "bogus")])
+def test_bad_environment_on_one_rank_stops_every_rank(mpi, name, bad):
+    """Issue 40 C3: before the rendezvous, only rank 1's value is bad; every rank raises EnvError naming it,
+    within seconds (it was an EnvError on rank 1 and a gloo connect failure on rank 0)."""
+    proc = mpi(2, MPI_WORKER.parent / "bad_environment.py", name, bad, env={"UBNEXT_EMULATE": "1"}, timeout=60)
+    assert_mpi_ok(proc)
+    assert "ok 0" in proc.stdout and "ok 1" in proc.stdout, proc.stdout + proc.stderr
 
 
 # Each deliberately broken build (csrc, behind a test-only macro) must make a protocol test

@@ -2808,6 +2808,87 @@ def case_setup_absent():
         comm.close()
 
 
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """os.environ with ``values`` set for the communicators made inside, restored after."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def case_setup_settings():
+    """Issue 40 H3: the settings that choose the kernels or lay out the pool (algo, UBNEXT_MAX_BATCH,
+    UBNEXT_SYMM_POOL_SIZE, the pool backend, the emulator's geometry) differ per rank: every rank raises a
+    ValueError at the pool's creation naming each variable and both values, within seconds (a UBNEXT_MAX_BATCH
+    mismatch was "mmap length is greater than file size" on one rank and "Broken pipe" on the other)."""
+    if MODE == "torch":
+        return
+    rank = dist.get_rank()
+    per_rank = {  # {variable: (rank 0's value, the other ranks')}
+        "UBNEXT_MAX_BATCH": ("64", "32"),
+        "UBNEXT_EMU_BLOCK": ("64", "128"),
+        "UBNEXT_EMU_GRID": ("4", "2"),
+        "UBNEXT_SYMM_POOL_SIZE": ("32", "64"),
+    }
+    trials = [({name: values[0 if rank == 0 else 1]}, [f"{name}={values[0]}", f"{name}={values[1]}"])
+              for name, values in per_rank.items()]
+    trials.append(({"UBNEXT_MAX_BATCH": per_rank["UBNEXT_MAX_BATCH"][rank != 0],
+                    "UBNEXT_EMU_MULTICAST": "1" if rank == 0 else "0"},
+                   ["UBNEXT_MAX_BATCH=64", "UBNEXT_MAX_BATCH=32", "UBNEXT_EMU_MULTICAST=True",
+                    "UBNEXT_EMU_MULTICAST=False"]))
+    trials.append(({}, ["Communicator(algo='lamport')", "Communicator(algo='twoshot')"]))
+    with kernel_timeout(60.0):
+        for env, named in trials:
+            with environment(env):
+                algo = ("lamport" if rank == 0 else "twoshot") if not env else None
+                comm = ubnext.Communicator(emulate=True, max_hidden=1024, algo=algo)
+                start = time.monotonic()
+                try:
+                    comm.all_reduce(torch.ones(64))
+                except ValueError as exc:
+                    took, msg = time.monotonic() - start, str(exc)
+                else:
+                    raise AssertionError(f"rank {rank}: differing {named} went unnoticed")
+            for text in named:
+                assert text in msg, f"rank {rank}: {text!r} not named in: {msg}"
+            assert took < 10, f"rank {rank}: the mismatch took {took:.1f} s"
+            if rank == 0:
+                log(f"setup_settings: {took:.2f} s: {msg}")
+            comm.close()
+    dist.barrier()
+
+
+def case_bad_environment_peer():
+    """Issue 40 C3, with the process group already made: rank 1 alone holds a bad UBNEXT_EMU_BLOCK. It
+    raises EnvError in its constructor; its peers, which would wait for it at the pool's set-up until the
+    kernels' timeout, raise within seconds, naming rank 1 and the value."""
+    if MODE == "torch":
+        return
+    rank = dist.get_rank()
+    with kernel_timeout(60.0), environment({"UBNEXT_EMU_BLOCK": "48"} if rank == 1 else {}):
+        start = time.monotonic()
+        try:
+            comm = ubnext.Communicator(emulate=True, max_hidden=1024)
+            comm.prepare()
+        except (ubnext.UbnextError, ValueError) as exc:
+            took, msg = time.monotonic() - start, f"{type(exc).__name__}: {exc}"
+        else:
+            raise AssertionError(f"rank {rank}: rank 1's bad UBNEXT_EMU_BLOCK went unnoticed")
+    assert "UBNEXT_EMU_BLOCK='48'" in msg, f"rank {rank}: {msg}"
+    assert rank == 1 or "rank 1 refused" in msg, f"rank {rank}: {msg}"
+    assert took < 10, f"rank {rank} raised after {took:.1f} s"
+    if rank == 0:
+        log(f"bad_environment_peer: {took:.2f} s: {msg}")
+    dist.barrier()
+
+
 def case_misuse():
     """Issue 29's smaller confusions, each as a user meets it: comm.explain(x) is a query and logs
     nothing; a closed communicator's error says what to do; a row-parallel Linear given its full

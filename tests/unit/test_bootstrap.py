@@ -56,8 +56,9 @@ def _bootstrap_rank0(monkeypatch, peer_gpu: str, visible: int):
     host = _lifecycle.host_identity()
 
     def rank1():
-        peer["shared"] = _lifecycle._ranks_share_a_gpu(dist.PrefixStore("default_pg", shared), 1, 2,
-                                                        f"{host}/{peer_gpu}")
+        store = dist.PrefixStore("default_pg", shared)
+        _lifecycle._agree_on_environment(store, 1, 2, None)  # issue 40 C3: every rank's environment first
+        peer["shared"] = _lifecycle._ranks_share_a_gpu(store, 1, 2, f"{host}/{peer_gpu}")
 
     thread = threading.Thread(target=rank1, daemon=True)
     thread.start()
