@@ -182,7 +182,10 @@ VARIABLES: dict[str, Var] = {
             "TEST ONLY (the one-GPU check, tests/gpu_check): a one-rank communicator runs its ops through "
             "the kernel paths instead of copying, so that one GPU can run every unicast kernel."),
         Var("UBNEXT_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
-            "debug|info|warning|error", "Level of the 'ubnext' logger."),
+            "debug|info|warning|error",
+            "Level of the 'ubnext' logger. A path not taken (`rank 1: not using lamport: ...`) is logged once per "
+            "process, with the rank, whatever the number of communicators. The build lines (logger ubnext.build: "
+            "the emulator, NVRTC) show at the default level; error silences them."),
     )
 }
 

@@ -3501,16 +3501,18 @@ def case_capture_first_use():
     the same call captures and replays."""
     if MODE != "gpu":
         return
+    def refused_inside_capture(first_use, what: str) -> None:
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                first_use()
+        except ubnext.UbnextError as exc:
+            assert "comm.prepare()" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{what} inside capture was accepted")
+
     comm = ubnext.Communicator(max_hidden=1024)
     x = torch.ones(4096, dtype=torch.bfloat16, device=device())
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            comm.all_reduce(x)
-    except ubnext.UbnextError as exc:
-        assert "comm.prepare()" in str(exc), str(exc)
-    else:
-        raise AssertionError("a first use inside capture was accepted")
+    refused_inside_capture(lambda: comm.all_reduce(x), "a first use")
     comm.prepare()
     out = torch.empty_like(x)
     comm.all_reduce(x, out=out)
@@ -3526,14 +3528,7 @@ def case_capture_first_use():
     assert torch.all(out == dist.get_world_size()), "a replay after close() lost the pool"
     # a local quantisation as the first use (issue 40 H1: it loads this rank's kernels, no pool): refused too
     local = ubnext.Communicator(max_hidden=1024)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            local.quantize_fp8(x)
-    except ubnext.UbnextError as exc:
-        assert "comm.prepare()" in str(exc), str(exc)
-    else:
-        raise AssertionError("a first quantisation inside capture was accepted")
+    refused_inside_capture(lambda: local.quantize_fp8(x), "a first quantisation")
     local.close()
 
 

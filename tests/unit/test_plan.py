@@ -114,13 +114,14 @@ def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
     comm = object.__new__(Communicator)
     comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = "gpu", 2, 0, None, 1024
     comm.device, comm._sm_count, comm._nvls_ctas, comm._pool_error = None, 128, 32, None
+    comm._algo, comm._env_algo = None, "auto"  # what the set-up report's settings read (_setup_settings)
     comm._prepare_kernels = lambda: None
     reports = [{"error": None, "sm_count": 128, "nvls_ctas": 32, "timeout_s": 30.0, "host": "node1/b",
                 "selftest": True},
                {"error": None, "sm_count": 114, "nvls_ctas": 16, "timeout_s": 600.0, "host": "node1/b",
                 "selftest": True}]
     gathered = iter([reports, [None, None]])  # this rank, then its peer
-    comm._setup_allgather = lambda obj, step=None: next(gathered)
+    comm._setup_allgather = lambda obj, step=None: _with_own(obj, next(gathered))
     created = {}
     monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: created.update(kw) or SimpleNamespace(close=lambda: None))
     assert comm._create_pool() is not None
@@ -143,10 +144,18 @@ def test_the_batch_invariant_mode_is_agreed_at_pool_creation(monkeypatch):
     comm.batch_invariant = True
     reports = [{"error": None, "sm_count": 0, "timeout_s": 30.0, "host": "node1/b", "selftest": True,
                 "batch_invariant": mode} for mode in (True, False)]
-    comm._setup_allgather = lambda obj, step=None: reports
+    comm._setup_allgather = lambda obj, step=None: _with_own(obj, reports)
     monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: pytest.fail("allocated a pool across modes"))
     with pytest.raises(ValueError, match=r"batch-invariant mode differs across ranks \(on at rank\(s\) 0 only\)"):
         comm._create_pool()
+
+
+def _with_own(obj, reports):
+    """Crafted pool-creation reports, each completed with what this rank's own report holds and they do
+    not (the settings every rank must share, the hidden size): the ranks agree on everything else."""
+    if not isinstance(obj, dict):
+        return reports
+    return [{**obj, **report} for report in reports]
 
 
 def _bare_communicator(mode="emulator"):
@@ -154,6 +163,7 @@ def _bare_communicator(mode="emulator"):
     comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = mode, 2, 0, None, 1024
     comm.device, comm._sm_count, comm._pool_error = None, 0, None
     comm._pool, comm._closed, comm._disabled = None, False, {}
+    comm._algo, comm._env_algo = None, "auto"  # what the set-up report's settings read (_setup_settings)
     comm._prepare_kernels = lambda: None
     return comm
 
@@ -166,7 +176,7 @@ def test_a_group_across_hosts_takes_the_torch_path(monkeypatch):
     comm = _bare_communicator()
     reports = [{"error": None, "sm_count": 0, "timeout_s": 30.0, "host": h, "selftest": True}
                for h in ("node1/b1", "node1/b2")]  # one hostname, two machines (boot ids)
-    comm._setup_allgather = lambda obj, step=None: reports
+    comm._setup_allgather = lambda obj, step=None: _with_own(obj, reports)
     monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: pytest.fail("allocated a pool across hosts"))
     assert comm._create_pool() is None
     assert "spans 2 hosts (node1)" in comm._pool_error
