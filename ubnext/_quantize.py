@@ -79,12 +79,17 @@ class QuantizeOps:
         involved. No gradient: an ``x`` that requires grad is refused in grad mode. Scales per row
         are ``max(amax / 448, 1e-12)``; values saturate to +-448. One scale for a tensor past
         ONE_CTA_BYTES: its amax comes from torch's reduction first, and the kernel quantises with it
-        as a static scale over the whole grid (the same bits)."""
+        as a static scale over the whole grid (the same bits). Zero tokens give an empty q and no scale
+        (one, the static scale, with "static"), as every op takes zero tokens."""
         if scaling not in ("row", "tensor", "static"):
             raise ValueError(f"scaling must be 'row', 'tensor' or 'static', got {scaling!r}")
         if (scaling == "static") != (scale is not None):
             raise ValueError("scale is required with scaling='static' and meaningless otherwise")
         hidden = x.shape[-1] if scaling == "row" and x.dim() else x.numel()
+        if hidden == 0 and x.dim() and x.shape[-1]:
+            # zero tokens (issue 40 C7): an empty q, and scales for no row ("row", "tensor": an empty tensor
+            # has no amax to take), or the static scale itself
+            hidden = x.shape[-1]
         return ops.quantize_fp8(x, hidden, scale, self.key)
 
     def _local_call(self, signature: tuple, algo: str, label: str, x: torch.Tensor, hidden: int, flags: int,
@@ -126,6 +131,8 @@ class QuantizeOps:
             self._check_device("x", x)
         self._check_usable()
         n = x.numel()
+        if n == 0:  # zero tokens: empty outputs, no launch (the reference's shapes)
+            return quantize_fp8_reference(x, hidden, scale)
         whole_vectors = (hidden * x.element_size()) % 16 == 0
         if scale is None and hidden == n and n * x.element_size() > ONE_CTA_BYTES and whole_vectors:
             # one scale for the whole tensor: its amax first (two-phase, every SM), then the static path
@@ -176,6 +183,8 @@ class QuantizeOps:
             self._check_device("x", x)
         self._check_usable()
         n, k = x.numel(), x.shape[-1]
+        if n == 0:  # zero tokens: empty outputs, no launch (the reference's shapes and padding)
+            return quantize_reference(x, fmt, global_scale, swizzled, ue8m0)
         flags = block_flags(None, swizzled, ue8m0)
         signature = ("quantize_" + fmt, n, x.dtype, k, flags)
         call = self._calls.get(signature)
