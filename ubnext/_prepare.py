@@ -110,9 +110,11 @@ def _wait_for_keys(store, keys: list[str], timeout_s: float, departed) -> str | 
     deadline = time.monotonic() + timeout_s
     first_seen: dict[int, float] = {}
     while True:
-        slice_s = min(DEPARTED_POLL_S, deadline - time.monotonic())
-        if slice_s < 0.01:  # the store counts whole ms, and reads a wait of 0 ms as no bound at all
+        left = deadline - time.monotonic()
+        if left < 0.01:  # the store counts whole ms, and reads a wait of 0 ms as no bound at all:
+            time.sleep(max(left, 0.0))  # the last few ms slept, so the wait is never shorter than its bound
             return "timeout"
+        slice_s = min(DEPARTED_POLL_S, left)
         try:
             store.wait(keys, timedelta(seconds=slice_s))
             return None
