@@ -591,34 +591,27 @@ def case_close_after_peer_left():
     no error yet ends close()'s wait a grace after seeing the word, naming the peer (the timeout is 60 s)."""
     if MODE == "torch":
         return
-    previous = os.environ.get("UBNEXT_TIMEOUT")
-    os.environ["UBNEXT_TIMEOUT"] = "60"
     rank, gone = dist.get_rank(), dist.get_world_size() - 1
-    try:
+    with kernel_timeout(60):  # read when the first op makes the pool
         comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=1024)
         comm.all_reduce(torch.ones(1024, device=device()))
-        comm.synchronize()
+    comm.synchronize()
+    dist.barrier()
+    if rank == gone:
+        comm._release()  # leaves as at exit: no agreement
         dist.barrier()
-        if rank == gone:
-            comm._release()  # leaves as at exit: no agreement
-            dist.barrier()
-            return
-        dist.barrier()  # the peer has left
-        start = time.monotonic()
-        try:
-            comm.close()
-        except ubnext.UbnextTimeoutError as exc:
-            took, msg = time.monotonic() - start, str(exc)
-        else:
-            raise AssertionError(f"rank {rank}'s close() agreed with a peer that had left")
-        assert f"rank {gone} left without reaching it" in msg, msg
-        assert took < 15, f"rank {rank}'s close() took {took:.1f} s for a peer that had left (timeout 60 s)"
-        assert comm.closed
-    finally:
-        if previous is None:
-            os.environ.pop("UBNEXT_TIMEOUT", None)
-        else:
-            os.environ["UBNEXT_TIMEOUT"] = previous
+        return
+    dist.barrier()  # the peer has left
+    start = time.monotonic()
+    try:
+        comm.close()
+    except ubnext.UbnextTimeoutError as exc:
+        took, msg = time.monotonic() - start, str(exc)
+    else:
+        raise AssertionError(f"rank {rank}'s close() agreed with a peer that had left")
+    assert f"rank {gone} left without reaching it" in msg, msg
+    assert took < 15, f"rank {rank}'s close() took {took:.1f} s for a peer that had left (timeout 60 s)"
+    assert comm.closed
 
 
 def case_pool_cycles():
