@@ -16,6 +16,9 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+if [ "$(id -u)" = 0 ]; then  # Open MPI refuses root without both words (the device image runs as root)
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
 
 rehearse=0
 only=0

@@ -23,6 +23,8 @@ def run_mpi(np: int, script: Path | str, *args: str, env: dict | None = None,
         pytest.skip("mpirun not found (pip install mpich)")
     full_env = dict(os.environ)
     full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    if os.geteuid() == 0:  # Open MPI refuses root without both words (a container's only user is root)
+        full_env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     full_env.update(env or {})
     cmd = [mpirun, "-np", str(np), sys.executable, str(script), *args]
     try:

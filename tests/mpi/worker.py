@@ -2509,6 +2509,7 @@ def case_divergent():
             x = comm.empty(8192, dtype=torch.bfloat16) if agreed else comm.pool.empty((8192,), torch.bfloat16)
             gc.enable()
             x.copy_(inputs[rank])
+            offsets = gather(x.data_ptr() - comm.pool.base)  # named in every failure below
             try:
                 comm.all_reduce(x, out=x)
                 outcome = "ok"
@@ -2516,7 +2517,7 @@ def case_divergent():
                 outcome = str(exc)
             outcomes = gather((outcome, comm.last_path))
             path = comm.last_path
-            where = f"{algo} ({path}, {'comm.empty' if agreed else 'raw pool tensors'})"
+            where = f"{algo} ({path}, {'comm.empty' if agreed else 'raw pool tensors'}, offsets {offsets})"
             if outcome == "ok":
                 err = (x.double().cpu() - want).abs()
                 assert (err <= bound).all(), f"{where}: {int((err > bound).sum())} wrong elements, no error"
