@@ -2512,6 +2512,7 @@ def case_divergent():
             offsets = gather(x.data_ptr() - comm.pool.base)  # named in every failure below
             try:
                 comm.all_reduce(x, out=x)
+                comm.synchronize()  # on a GPU a kernel's error is raised here (or by the next call), not at launch
                 outcome = "ok"
             except ubnext.UbnextError as exc:
                 outcome = str(exc)
