@@ -168,6 +168,15 @@ def check_out_overlap(op: str, x: torch.Tensor, out: torch.Tensor, x_slot: int |
                      f"{rule}")
 
 
+def _premul_factor(op) -> object:
+    """A ReduceOp object's PREMUL_SUM factor, or None: torch 2.13 has ``.factor``; earlier ones (2.11,
+    the first GPU run's) only carry it in their pickled state, (kind, factor)."""
+    if hasattr(op, "factor"):
+        return op.factor
+    state = op.__getstate__()
+    return state[1] if isinstance(state, tuple) and len(state) > 1 else None
+
+
 def reduce_factor(op, world_size: int) -> float:
     """The factor a reduce-scatter applies to its sum: ``op`` is "sum", "avg", a number, or a
     torch.distributed ReduceOp (SUM, AVG, or PREMUL_SUM(factor), as FSDP2 passes)."""
@@ -177,8 +186,7 @@ def reduce_factor(op, world_size: int) -> float:
         return 1.0 if op == "sum" else 1.0 / world_size
     if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         # a RedOpType is itself the kind; a ReduceOp object (PREMUL_SUM(f)) carries kind and factor
-        kind, factor = (op, None) if isinstance(op, dist.ReduceOp.RedOpType) else (
-            op.op, getattr(op, "factor", None))
+        kind, factor = (op, None) if isinstance(op, dist.ReduceOp.RedOpType) else (op.op, _premul_factor(op))
         if kind == dist.ReduceOp.SUM:
             return 1.0
         if kind == dist.ReduceOp.AVG:

@@ -1141,7 +1141,7 @@ def case_reduce_scatter():
     n, rank = dist.get_world_size(), dist.get_rank()
     for numel, dtype, op, in_pool in ((4096, torch.bfloat16, "sum", True), (256, torch.float32, "avg", False),
                                       (1024, torch.float16, dist.ReduceOp.AVG, True),
-                                      (512, torch.bfloat16, dist.ReduceOp.PREMUL_SUM(0.125), False)):
+                                      (512, torch.bfloat16, dist._make_nccl_premul_sum(0.125), False)):
         inputs = [T.rank_input(r, n * numel, dtype, 11) for r in range(n)]
         factor = ubnext._checks.reduce_factor(op, n)
         x = inputs[rank].to(device())
@@ -1324,7 +1324,7 @@ def case_quantize_fp8():
             scale = torch.tensor([0.05], device=device()) if scaling == "static" else None
             q, scale_inv = COMM.quantize_fp8(x.to(device()), scaling=scaling, scale=scale)
             hidden = cols if scaling == "row" else rows * cols
-            q_ref, s_ref = quantize_fp8_reference(x, hidden, scale)
+            q_ref, s_ref = quantize_fp8_reference(x, hidden, scale.cpu() if scale is not None else None)
             assert q.shape == x.shape and q.dtype == FP8, (q.shape, q.dtype)
             assert torch.equal(scale_inv.cpu(), s_ref), f"{scaling} {dtype}: scale_inv differs"
             assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), f"{scaling} {dtype}: q differs"
@@ -1429,7 +1429,7 @@ def case_exchange_grad():
             (funcol.all_gather_single_autograd(ref, 0, COMM.group) * ws[rank].float()).sum().backward()
             assert torch.equal(x.grad.float(), ref.grad), f"all_gather {dtype}: not torch's functional gradient"
         # reduce_scatter: rank r's loss is sum(reduce_scatter(x) * v_r)
-        for op in ("sum", "avg", dist.ReduceOp.PREMUL_SUM(0.25)):
+        for op in ("sum", "avg", dist._make_nccl_premul_sum(0.25)):
             factor = ubnext._checks.reduce_factor(op, n)
             xs = [ints((n * rows, cols), 3, r).requires_grad_() for r in range(n)]
             vs = [ints((rows, cols), 4, r) for r in range(n)]

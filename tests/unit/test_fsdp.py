@@ -17,7 +17,7 @@ def test_reduce_factor():
     assert reduce_factor(0.5, 4) == 0.5
     assert reduce_factor(dist.ReduceOp.SUM, 4) == 1.0
     assert reduce_factor(dist.ReduceOp.AVG, 8) == 0.125
-    assert reduce_factor(dist.ReduceOp.PREMUL_SUM(0.125), 2) == 0.125  # FSDP2's gradient divide factor
+    assert reduce_factor(dist._make_nccl_premul_sum(0.125), 2) == 0.125  # FSDP2's gradient divide factor
     for bad in ("max", dist.ReduceOp.MAX, True, None):
         with pytest.raises(ValueError, match="reduce-scatter op"):
             reduce_factor(bad, 2)
