@@ -97,16 +97,30 @@ DEPARTED_GRACE_S = 2.0
 DEPARTED_POLL_S = 0.25
 
 
-def _wait_for_keys(store, keys: list[str], timeout_s: float, departed) -> str | None:
-    """Wait for every key, for ``timeout_s`` at most: None when all are set, else why not. ``departed``
-    (a callable giving the peers that announced their departure, or None): a peer that announced it and
-    has not checked in ``DEPARTED_GRACE_S`` later has left without closing, and the wait ends there."""
-    if departed is None:
-        try:
-            store.wait(keys, timedelta(seconds=timeout_s))
-            return None
-        except RuntimeError:  # the store's timeout (DistStoreError)
-            return "timeout"
+def departure_key(group_name: str, serial: int, rank: int) -> str:
+    """The store key rank ``rank`` sets when it leaves communicator ``serial`` of its group (close(),
+    interpreter exit) before or without its pool: a peer waiting for it in a set-up step stops there
+    (issue 40 H2). Per communicator, so that a later communicator of the same group starts clean."""
+    return f"ubnext/departed/{group_name}/{serial}/{rank}"
+
+
+def announce_departure_in_store(group_name: str, serial: int, rank: int) -> None:
+    """Set this rank's departure key (``departure_key``): one store write, never a wait. A store already
+    gone (its server's rank has exited) has nobody left to tell."""
+    try:
+        dist.distributed_c10d._get_default_store().set(departure_key(group_name, serial, rank), "1")
+    except (RuntimeError, ValueError):  # the store or the default group is gone
+        pass
+
+
+def _wait_for_keys(store, keys: list[str], timeout_s: float, departed, departure_keys: list[str] | None = None
+                   ) -> str | None:
+    """Wait for every key, for ``timeout_s`` at most: None when all are set, else why not. The wait is
+    sliced (``DEPARTED_POLL_S``), so that a Ctrl-C is seen between slices and a departed peer ends it:
+    ``departed`` (a callable giving the peers that announced their departure in the pool, or None): a
+    peer that announced it and has not checked in ``DEPARTED_GRACE_S`` later has left without closing;
+    ``departure_keys`` (per rank, or None): a peer whose departure key is set in the store has left
+    before or without its pool (``departure_key``), and the wait ends at once."""
     deadline = time.monotonic() + timeout_s
     first_seen: dict[int, float] = {}
     while True:
@@ -120,10 +134,17 @@ def _wait_for_keys(store, keys: list[str], timeout_s: float, departed) -> str | 
             return None
         except RuntimeError:
             pass
-        now = time.monotonic()
-        for peer in departed():
-            if not store.check([keys[peer]]) and now - first_seen.setdefault(peer, now) > DEPARTED_GRACE_S:
-                return f"rank {peer} left without reaching it (its departure word is set)"
+        missing = [peer for peer, key in enumerate(keys) if not store.check([key])]
+        if departure_keys is not None:
+            gone = [peer for peer in missing if store.check([departure_keys[peer]])]
+            if gone:
+                return (f"rank(s) {gone} left without reaching it (closed the communicator, or the script "
+                        "ended there)")
+        if departed is not None:
+            now = time.monotonic()
+            for peer in departed():
+                if peer in missing and now - first_seen.setdefault(peer, now) > DEPARTED_GRACE_S:
+                    return f"rank {peer} left without reaching it (its departure word is set)"
 
 
 def setup_step_prefix(group, serial: int, step: int) -> str:
@@ -147,7 +168,7 @@ def refuse_setup(group, rank: int, serial: int, reason: str) -> None:
 
 
 def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bool = True,
-             departed=None) -> str | None:
+             departed=None, departure: tuple[str, int] | None = None) -> str | None:
     """Check in under ``<prefix>/<rank>`` in the default store and wait, for ``timeout_s`` at most, for
     every rank of ``world_size`` to check in too: None when they all did, else why not (``waited ... for
     rank(s) [...] of the group, which never reached it``). One verdict per prefix, the first proposal to
@@ -155,7 +176,8 @@ def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bo
     so a rank arriving just after a peer gave up is told so and gives up too, instead of going on while
     its peers have stopped. ``wait=False`` checks in for the peers' sake and returns None at once;
     ``departed``: see ``_wait_for_keys`` (close() passes its pool's departure words, so that a peer gone on
-    an error does not cost the whole timeout).
+    an error does not cost the whole timeout); ``departure``: (group name, communicator serial) whose
+    store departure keys end the wait (``departure_key``; the set-up steps pass it).
     The once-per-communicator agreements (``Preparation._setup_allgather``, ``Communicator.close``)
     use it: two store writes and a wait each, never on the hot path."""
     store = dist.distributed_c10d._get_default_store()
@@ -163,7 +185,13 @@ def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bo
     if not wait:
         return None
     keys = [f"{prefix}/{r}" for r in range(world_size)]
-    why = _wait_for_keys(store, keys, timeout_s, departed)
+    departure_keys = None if departure is None else [departure_key(*departure, r) for r in range(world_size)]
+    try:
+        why = _wait_for_keys(store, keys, timeout_s, departed, departure_keys)
+    except KeyboardInterrupt:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        log.error("ubnext rank %d: interrupted while waiting at %s for rank(s) %s", rank, prefix, missing)
+        raise
     proposal = "go" if why is None else "abandon"  # "go": every rank checked in
     verdict = store.compare_set(f"{prefix}/verdict", "", proposal).decode()
     if verdict == "go":
@@ -209,7 +237,8 @@ class Preparation:
             raise self._setup_failed
         self._setup_steps += 1
         prefix = setup_step_prefix(self.group, self._setup_serial, self._setup_steps)
-        why = check_in(prefix, self.rank, self.world_size, _lifecycle.kernel_timeout_s(self.group, self.device))
+        why = check_in(prefix, self.rank, self.world_size, _lifecycle.kernel_timeout_s(self.group, self.device),
+                       departure=(self.group.group_name, self._setup_serial))
         if why is None:
             return self._allgather(obj)
         if why.startswith(REFUSED):

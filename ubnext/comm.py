@@ -41,7 +41,7 @@ from ._exchange import ExchangeOps
 from ._executor import GRID_CAP, Call, Executor
 from ._fused import FusedNormOps
 from ._planning import Planner
-from ._prepare import Preparation, check_in, refuse_setup, setup_serial
+from ._prepare import Preparation, announce_departure_in_store, check_in, refuse_setup, setup_serial
 from ._quantize import QuantizeOps
 from .errors import UbnextError, UbnextTimeoutError
 from .plan import PATHS, Plan
@@ -181,6 +181,9 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
             return
         self._closed = True
         failure = None
+        if self.world_size > 1 and self.group is not None and dist.is_initialized():
+            # a peer waiting for this rank in a set-up step (its first op, this rank's never) stops there
+            announce_departure_in_store(self.group.group_name, self._setup_serial, self.rank)
         try:
             pool = self._pool
             if pool is not None:
