@@ -231,12 +231,17 @@ def _run_once(comm, emu, case: Case, world: int):
     return counted, None
 
 
-def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: frozenset | None) -> int:
+def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: frozenset | None,
+            progress_path: str | None = None) -> int:
     import torch.distributed as dist
 
-    from . import envs
+    from . import _emu, envs
     from .comm import Communicator
 
+    if progress_path:
+        # the ranks' shared progress page: a wait times out only after UBNEXT_TIMEOUT without progress on
+        # any rank, never because two cores run 8 ranks slowly (csrc/emu/sched.cpp; issue 40 item 8)
+        _emu.load(envs.get("UBNEXT_EMU_BREAK") or "").share_progress(progress_path)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     sm_count = envs.get("UBNEXT_EMU_SM_COUNT")
@@ -416,6 +421,7 @@ def measure(world: int, *, quick: bool = False, only: frozenset | None = None, t
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ubnext-model-") as tmp:
         out_path = os.path.join(tmp, "rows.json")
+        progress_path = os.path.join(tmp, "progress")  # the ranks' progress page (_worker)
         # pool sized for the measured cases (16 tokens of hidden 8192), no self-test launches
         child_env = envs.environment_with(UBNEXT_EMULATE="1", UBNEXT_EMU_COUNT="1",
                                           UBNEXT_MAX_BATCH=str(MEASURE_MAX_TOKENS),
@@ -423,7 +429,8 @@ def measure(world: int, *, quick: bool = False, only: frozenset | None = None, t
                                           **(env or {}))
         only_arg = json.dumps(sorted(only) if only is not None else None)
         procs = [subprocess.Popen([sys.executable, "-m", "ubnext._costmodel", str(r), str(world), str(store.port),
-                                   out_path, "1" if quick else "0", only_arg], env=child_env, start_new_session=True)
+                                   out_path, "1" if quick else "0", only_arg, progress_path], env=child_env,
+                                  start_new_session=True)
                  for r in range(world)]
         deadline = time.monotonic() + timeout_s
         try:
@@ -476,4 +483,5 @@ def print_table(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
 if __name__ == "__main__":
     _only = json.loads(sys.argv[6])
     sys.exit(_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1",
-                     None if _only is None else frozenset(tuple(pair) for pair in _only)))
+                     None if _only is None else frozenset(tuple(pair) for pair in _only),
+                     sys.argv[7] if len(sys.argv) > 7 else None))

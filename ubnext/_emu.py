@@ -18,6 +18,7 @@ API::
     emu.traffic()                      # Traffic of the last launch
     emu.configure(chaos, seed)
     emu.register_stamps(handle, stamp_bases); emu.set_counting(True)
+    emu.share_progress(path)           # count mode: timeouts in stall time, shared by the ranks
     with emu.recording() as launches:  # count mode: one LaunchCount per launch inside the block
         ...
 
@@ -298,6 +299,8 @@ class Emulator:
         lib.ubnext_emu_configure.restype = None
         lib.ubnext_emu_set_watchdog_ns.argtypes = [u64]
         lib.ubnext_emu_set_watchdog_ns.restype = None
+        lib.ubnext_emu_share_progress.argtypes = [ctypes.c_char_p]
+        lib.ubnext_emu_share_progress.restype = i32
         lib.ubnext_emu_register_stamps.argtypes = [i64, ctypes.POINTER(u64)]
         lib.ubnext_emu_register_stamps.restype = i32
         lib.ubnext_emu_set_counting.argtypes = [i32]
@@ -402,6 +405,15 @@ class Emulator:
         bases = (ctypes.c_uint64 * max(1, len(stamp_bases)))(*stamp_bases)
         if self._lib.ubnext_emu_register_stamps(handle, bases) != 0:
             raise EmulatorError(f"no registered region {handle}")
+
+    def share_progress(self, path: str | os.PathLike | None) -> None:
+        """Count mode: share the progress page ``path`` (a file, created if missing) with every rank
+        that passes the same path; the kernels' timeouts and the watchdog then count stall time,
+        time in which no rank made progress, not wall-clock time (csrc/emu/sched.cpp). None: no page."""
+        raw = os.fsencode(path) if path is not None else None
+        rc = self._lib.ubnext_emu_share_progress(raw)
+        if rc != 0:
+            raise EmulatorError(f"cannot map the progress page {path}: {os.strerror(rc) if rc > 0 else rc}")
 
     def set_counting(self, on: bool) -> None:
         """Count mode on/off for later launches (csrc/emu/memory.cpp)."""

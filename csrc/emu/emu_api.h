@@ -62,8 +62,14 @@ UBNEXT_EMU_API int ubnext_emu_counts(uint64_t* out, int nwords);
 
 /* chaos != 0: random delays and store reordering. seed 0: derived from time and pid. */
 UBNEXT_EMU_API void ubnext_emu_configure(int chaos, uint64_t seed);
-/* Wall-clock bound of one launch before the watchdog aborts the process (default 90 s). */
+/* Wall-clock bound of one launch before the watchdog aborts the process (default 90 s); in count mode
+ * with a progress page, a bound of stall time instead (below). */
 UBNEXT_EMU_API void ubnext_emu_set_watchdog_ns(uint64_t ns);
+/* Map the file `path` (created, 4096 bytes) as the progress page shared by every rank that passes the
+ * same path. In count mode with a page, the kernels' clock (globaltimer_ns: their timeouts) and the
+ * watchdog count stall time, the time in which no rank sharing the page did any work, instead of
+ * wall-clock time (sched.cpp). null or "": no page (wall-clock time). Returns 0 or an errno. */
+UBNEXT_EMU_API int ubnext_emu_share_progress(const char* path);
 
 #ifdef __cplusplus
 }

@@ -4,7 +4,18 @@
 // shuffles/votes, and every host twin of ptx.cuh (so a thread spinning on a peer's flag lets the
 // other threads of its block run). When a whole scheduling round did nothing but load and spin,
 // the worker backs off, so that 4 ranks x many blocks still make progress on 2 cores.
+//
+// Count mode with a progress page (ubnext_emu_share_progress; python -m ubnext.bench --model): the
+// kernels' clock (globaltimer_ns) and the watchdog measure STALL time, time during which no block of
+// any rank sharing the page did any work, not wall-clock time. A wait there is never cut short while
+// its peers still make progress, however slow two cores make them (issue 40 item 8: 8 ranks x 16 blocks
+// of 256 fibers on 2 cores once took over 120 s for one nvls_lamport call); a real hang makes no
+// progress anywhere, so it still times out after UBNEXT_TIMEOUT. In count mode an idle block also backs
+// off further (to 3.2 ms): the counts never depend on timing, and 128 polling workers sleeping 200 us at
+// most kept the two cores so busy waking them that the blocks with work barely ran.
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sched.h>
 #include <sys/prctl.h>
 #include <signal.h>
@@ -12,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -266,11 +278,43 @@ void spin_pause() {
 }
 void nanosleep_ns(unsigned) { spin_pause(); }
 
-uint64_t globaltimer_ns() {
+static uint64_t wall_ns() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
 }
+
+// ------------------------------------------------------------------------------ progress and stall time
+// The progress page: a file mapped by every rank (ubnext_emu_share_progress); word 0 counts the
+// scheduling rounds in which some block of some rank did work (a store, an atomic, a barrier or warp
+// op completed, a thread exited), and launches' starts and ends.
+static std::atomic<uint64_t*> g_progress{nullptr};
+static void note_progress() {
+  if (uint64_t* p = g_progress.load(std::memory_order_relaxed)) __atomic_fetch_add(p, 1, __ATOMIC_RELAXED);
+}
+// Whether waits and the watchdog measure stall time (count mode with a progress page).
+static bool stall_clock_on() { return counting() && g_progress.load(std::memory_order_relaxed) != nullptr; }
+// Stall time of this process: the wall-clock time between two successive samples (any thread's)
+// in which the progress word did not change. Progress anywhere in an interval voids the whole
+// interval, so the clock is lenient, never early; monotonic.
+static std::mutex g_stall_mutex;
+static uint64_t g_stall_seen = 0, g_stall_last = 0;
+static std::atomic<uint64_t> g_stall_ns{0};
+static uint64_t stall_ns() {
+  std::unique_lock<std::mutex> lk(g_stall_mutex, std::try_to_lock);
+  if (lk.owns_lock()) {  // else another thread is sampling: its value will do
+    const uint64_t now = wall_ns();
+    const uint64_t seen = __atomic_load_n(g_progress.load(std::memory_order_relaxed), __ATOMIC_RELAXED);
+    if (g_stall_last != 0 && seen == g_stall_seen && now > g_stall_last)
+      g_stall_ns.fetch_add(now - g_stall_last, std::memory_order_relaxed);
+    g_stall_seen = seen;
+    g_stall_last = now;
+  }
+  return g_stall_ns.load(std::memory_order_relaxed);
+}
+
+// What a kernel's %globaltimer reads: CLOCK_MONOTONIC, or stall time (above).
+uint64_t globaltimer_ns() { return stall_clock_on() ? stall_ns() : wall_ns(); }
 
 [[noreturn]] static void abandon_fiber(Block& b, Fiber& f) {
   f.state = kDone;
@@ -339,7 +383,9 @@ static void backoff(unsigned idle) {
     sched_yield();
     return;
   }
-  const unsigned us = 20u * (idle - 2 < 10 ? idle - 2 : 10);
+  unsigned us = 20u * (idle - 2 < 10 ? idle - 2 : 10);
+  // count mode: keep doubling, 400 us .. 3.2 ms (see the top of this file)
+  if (idle > 12 && counting()) us = 200u << (idle - 12 < 4 ? idle - 12 : 4);
   timespec ts{0, long(us) * 1000};
   nanosleep(&ts, nullptr);
 }
@@ -397,8 +443,12 @@ static void run_block(Block& b, char* arena) {
                         " threads wait in __syncthreads or a warp op that the others never reach");
       break;
     }
-    if (b.progress) idle = 0;
-    else backoff(++idle);
+    if (b.progress) {
+      idle = 0;
+      note_progress();
+    } else {
+      backoff(++idle);
+    }
   }
   if (b.error.empty()) drain_all(b, b.cumulative);
   merge_traffic(b.traffic);
@@ -475,11 +525,12 @@ static void* self_handle() {
   return h;
 }
 
-[[noreturn]] static void watchdog_fire(Launch& L, uint64_t ns) {
+[[noreturn]] static void watchdog_fire(Launch& L, uint64_t ns, bool stalled) {
   fprintf(stderr,
-          "ubnext emulator watchdog: kernel %s (grid %u, block %u) did not finish within %.1f s; "
+          "ubnext emulator watchdog: kernel %s (grid %u, block %u) did not finish within %.1f s%s; "
           "blocks still running:",
-          L.name.c_str(), L.grid.x, L.block.x, double(ns) * 1e-9);
+          L.name.c_str(), L.grid.x, L.block.x, double(ns) * 1e-9,
+          stalled ? " without progress on any rank (count mode: stall time)" : "");
   // Racy reads, for the report only: the process is about to end.
   for (const Block& b : L.blocks)
     if (b.live) fprintf(stderr, " %u(%u threads left)", b.bidx.x, b.live);
@@ -539,6 +590,7 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
   reset_traffic();
   if (counting()) count_new_launch();
   ensure_workers(size_t(grid));
+  note_progress();
   for (int i = 0; i < grid; ++i) {
     Worker* w = (*g_workers)[size_t(i)];
     std::lock_guard<std::mutex> lk(w->m);
@@ -548,9 +600,15 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
   const uint64_t wd = g_watchdog_ns.load();
   {
     std::unique_lock<std::mutex> lk(L.m);
-    if (!L.cv.wait_for(lk, std::chrono::nanoseconds(wd), [&] { return L.done == grid; }))
-      watchdog_fire(L, wd);
+    if (stall_clock_on()) {  // the bound is stall time: a slow launch whose blocks still work goes on
+      const uint64_t s0 = stall_ns();
+      while (!L.cv.wait_for(lk, std::chrono::milliseconds(100), [&] { return L.done == grid; }))
+        if (stall_ns() - s0 >= wd) watchdog_fire(L, wd, true);
+    } else if (!L.cv.wait_for(lk, std::chrono::nanoseconds(wd), [&] { return L.done == grid; })) {
+      watchdog_fire(L, wd, false);
+    }
   }
+  note_progress();
   // Each worker clears its job before reporting done, so L may now go away.
   for (const Block& b : L.blocks)
     if (!b.error.empty()) return set_err(err, errlen, 3, std::string(kernel) + ": " + b.error);
@@ -596,3 +654,25 @@ extern "C" int ubnext_emu_counts(uint64_t* out, int nwords) {
 }
 
 extern "C" void ubnext_emu_set_watchdog_ns(uint64_t ns) { g_watchdog_ns.store(ns ? ns : 1); }
+
+extern "C" int ubnext_emu_share_progress(const char* path) {
+  if (!path || !*path) {
+    g_progress.store(nullptr);  // the mapping stays: a launch of another thread may still read it
+    return 0;
+  }
+  const int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return errno ? errno : -1;
+  struct stat st;
+  // every rank extends the file to the same size: idempotent, a counter already there stays
+  if (fstat(fd, &st) != 0 || (st.st_size < 4096 && ftruncate(fd, 4096) != 0)) {
+    const int e = errno ? errno : -1;
+    close(fd);
+    return e;
+  }
+  void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int e = p == MAP_FAILED ? (errno ? errno : -1) : 0;
+  close(fd);
+  if (e) return e;
+  g_progress.store(static_cast<uint64_t*>(p));
+  return 0;
+}

@@ -8,6 +8,8 @@
 
 #include "../device/entry.cuh"
 
+#include <time.h>
+
 // The descriptor comes by value, as to every kernel; all zero (magic 0) when the test gives none.
 #define EMU_ST_PARAMS UBX_KERNEL_PARAMS
 
@@ -298,4 +300,45 @@ extern "C" __global__ void ubnext_emu_selftest_parked(EMU_ST_PARAMS) {
   }
   if (mode == 0) __syncthreads();
   else if (mode == 1) __syncwarp();
+}
+
+// Stall time (sched.cpp; issue 40 item 8): a wait bounded by desc.timeout_ns (the kernels' rule:
+// globaltimer_ns() - t0 > limit) for a flag that a busy sibling sets only after n ms of wall-clock work.
+// Block 0, thread 0: waits for *flag (uint32*) residual_out != 0; out (uint32[2]): [0] 2 if the flag
+// came, 1 if the wait timed out; [1] the wait's length on the kernel's clock, in ms.
+// Block 1, thread 0: n > 0: stores to a scratch word ((uint32*)residual) without pause
+// for n ms of CLOCK_MONOTONIC (work the scheduler sees: every store), then sets the flag; n == 0: does
+// nothing (a hang: nobody ever sets the flag). Launch with grid 2.
+extern "C" __global__ void ubnext_emu_selftest_progress_wait(EMU_ST_PARAMS) {
+  if (threadIdx.x != 0) return;
+  uint32_t* flag = static_cast<uint32_t*>(residual_out);
+  if (blockIdx.x == 1) {
+    if (n <= 0) return;
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    const uint64_t end = uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec) + uint64_t(n) * 1000000ull;
+    uint32_t* scratch = static_cast<uint32_t*>(const_cast<void*>(residual));
+    for (uint32_t i = 1;; ++i) {
+      ubx::st_relaxed_sys_u32(scratch, i);
+      clock_gettime(CLOCK_MONOTONIC, &ts);
+      if (uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec) >= end) break;
+    }
+    ubx::st_release_sys_u32(flag, 1u);
+    return;
+  }
+  if (blockIdx.x != 0) return;
+  uint32_t* o = static_cast<uint32_t*>(out);
+  const uint64_t limit = desc.timeout_ns;
+  const uint64_t t0 = ubx::globaltimer_ns();
+  uint32_t result = 1;
+  for (;;) {
+    ubx::spin_pause();
+    if (ubx::ld_volatile_u32(flag) != 0u) {
+      result = 2;
+      break;
+    }
+    if (ubx::globaltimer_ns() - t0 > limit) break;
+  }
+  o[0] = result;
+  o[1] = static_cast<uint32_t>((ubx::globaltimer_ns() - t0) / 1000000ull);
 }
