@@ -59,16 +59,31 @@ def store(monkeypatch):
     return hash_store
 
 
+class _DepartureOnlyStore:
+    """A store that takes the departure key (one write, no wait: issue 40 H2) and fails the test on
+    anything else: no agreement, no wait."""
+
+    def __init__(self):
+        self.written: list[str] = []
+
+    def set(self, key, value):
+        if not key.startswith("ubnext/departed/"):
+            raise AssertionError(f"close() talked to the peers: set {key}")
+        self.written.append(key)
+
+    def __getattr__(self, name):
+        raise AssertionError(f"close() talked to the peers: store.{name}")
+
+
 @pytest.fixture
 def no_store(monkeypatch):
-    """A process group whose store must not be touched: any use fails the test."""
+    """A process group whose store takes only the departure key: any other use fails the test."""
     import torch.distributed as dist
 
-    def untouchable():
-        raise AssertionError("close() talked to the peers")
-
+    departure_only = _DepartureOnlyStore()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", untouchable)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: departure_only)
+    return departure_only
 
 
 def _close_in_threads(comms, delays):
@@ -164,10 +179,12 @@ def test_a_failed_communicator_checks_in_without_waiting(store):
 
 
 def test_a_close_without_a_pool_stays_local(no_store):
-    """No op ran, so no pool was made: close() says nothing to the peers (no collective, no store)."""
+    """No op ran, so no pool was made: close() waits for nobody (no collective, no agreement); it only
+    sets its departure key, for a peer that would wait for it in a set-up step (issue 40 H2)."""
     comm = _rank(0, None)
     comm.close()
     assert comm.closed
+    assert no_store.written == ["ubnext/departed/close-test/0/0"], no_store.written
 
 
 @pytest.mark.parametrize("how", ["exception in the with-block", "interpreter exit"])
