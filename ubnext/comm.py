@@ -70,7 +70,7 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
     CPU tensors; without a GPU and without emulation every op uses torch.distributed (gloo).
     ``max_hidden`` sizes the pool (see ``register_hidden``); ``algo`` overrides ``UBNEXT_ALGO``.
     ``batch_invariant=True`` (default: ``UBNEXT_BATCH_INVARIANT``) sums every allreduce and
-    reduce-scatter in rank order in fp32 on every path and size (README: the batch-invariant mode);
+    reduce-scatter in rank order in fp32 on every path and size (docs/BATCH_INVARIANT.md);
     an ``algo`` that reduces through the switch is then refused.
     """
 
@@ -129,7 +129,7 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         self._setup_serial = setup_serial(self.group)  # names its set-up steps in the store
         self._setup_steps = 0
         self._setup_failed: UbnextError | None = None  # a set-up step that gave up on a peer
-        # read once per communicator (README: environment variables): the hot path reads no
+        # read once per communicator (docs/RUNTIME.md, how the environment is read): the hot path reads no
         # environment, and a plan, once made, stays right
         self._env_algo = envs.get("UBNEXT_ALGO")
         self.batch_invariant = envs.get("UBNEXT_BATCH_INVARIANT") if batch_invariant is None else bool(batch_invariant)
