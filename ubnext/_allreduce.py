@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import _cuda, kernels, ops, plan
 from ._checks import check_all_reduce_args, check_linear_args
-from ._executor import Call, Launch, reads_own_input_only
+from ._executor import Call, Launch, flight_recorded, reads_own_input_only
 from .pool import TORCH_SYMM_SEGMENT, NoRoom
 from .pool.layout import _align
 
@@ -162,6 +162,7 @@ class AllReduceOps:
         out.copy_(stage)
         self._pool_reads_done()
 
+    @flight_recorded("all_reduce")
     def _torch_all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.batch_invariant:
             out.view(-1).copy_(self._rank_order_sum(x.reshape(-1), x.dtype))

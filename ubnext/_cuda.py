@@ -315,6 +315,17 @@ def record_event(event, stream_handle: int, device_index: int) -> None:
         check(drv.cuEventRecord(event, drv.CUstream(stream_handle)), "cuEventRecord")
 
 
+def event_done(event, device_index: int) -> bool:
+    """Whether the work before ``event``'s last record has completed (cuEventQuery), from any thread."""
+    drv = driver()
+    with primary_context(device_index):
+        status = drv.cuEventQuery(event)[0]
+    if status == drv.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    check(status, "cuEventQuery")
+    return True
+
+
 def launch(kernel, config, params: int, device_index: int, done=None) -> None:
     """Launch a kernel (``kernel_handle``) with ``config`` (``launch_config``: geometry, stream and
     attributes) and ``params`` (a ``KernelParams.address``) through cuda.bindings' cuLaunchKernelEx,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import ops, plan
 from ._checks import check_all_gather_args, check_reduce_scatter_args, reduce_factor
-from ._executor import Call
+from ._executor import Call, flight_recorded
 
 
 class ExchangeOps:
@@ -88,6 +88,7 @@ class ExchangeOps:
             out.view(-1).view(torch.uint8).copy_(target)
             self._pool_reads_done()
 
+    @flight_recorded("all_gather")
     def _torch_all_gather(self, x: torch.Tensor, out: torch.Tensor) -> None:
         # all_gather_single is all_gather_into_tensor's newer name (torch >= 2.10 deprecates the old one)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -123,6 +124,7 @@ class ExchangeOps:
         if target is not out:
             out.copy_(target)
 
+    @flight_recorded("reduce_scatter")
     def _torch_reduce_scatter(self, x: torch.Tensor, out: torch.Tensor, factor: float) -> None:
         if self.batch_invariant:  # the kernel's bits: the rank-order fp32 sum, then the factor (_allreduce.py)
             out.view(-1).copy_(self._rank_order_shard(x.reshape(-1), factor))

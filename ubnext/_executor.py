@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _cuda, envs, kernels
+from . import _cuda, _watchdog, envs, kernels
 from ._checks import DTYPE_CODES, FP8
 from .errors import CLOSED, UbnextError, kernel_error
 from .pool.layout import DESC_STRUCT_BYTES
@@ -127,6 +127,32 @@ class Launch(NamedTuple):
     pdl: bool  # launched with the programmatic-stream-serialization attribute (_cuda.pdl_enabled)
     params: Any = None  # gpu mode: _cuda.KernelParams of desc and scalars
     kernel: Any = None  # gpu mode: the loaded kernel's driver handle (_cuda.kernel_handle), looked up once
+
+
+class TorchCall(NamedTuple):
+    """A call that torch.distributed makes for ubnext (the fallback), as the flight record names it
+    (ubnext/_watchdog.py reads the fields a Launch has)."""
+
+    algo: str
+    name: str
+    scalars: tuple  # (elements, 0)
+
+
+def flight_recorded(op: str):
+    """The flight record of a torch.distributed fallback (``op``: its name): the watchdog names it while
+    it waits, and a Ctrl-C on the main thread reaches the watchdog during it (``_watchdog.interruptible``)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def recorded(self, x, *args):
+            seq = self._flight_seq = self._flight_seq + 1
+            self._flight_how = TorchCall("torch", f"torch.distributed.{op}", (x.numel(), 0))
+            try:
+                with _watchdog.interruptible():
+                    return method(self, x, *args)
+            finally:
+                self._flight_done = seq
+        return recorded
+    return wrap
 
 
 class Call(NamedTuple):
@@ -275,10 +301,19 @@ class Executor:
         word is read here. Without a pool (a local kernel before it exists) there is no error word:
         a local kernel never writes one."""
         pool = self._pool
+        seq = self._flight_seq = self._flight_seq + 1  # the flight record (ubnext/_watchdog.py): a counter
+        self._flight_how = how
         if self.mode == "emulator":
-            self._emu.launch(how.name, how.grid, how.block,
-                             list(zip(_SIGNATURE_KINDS, (how.desc, *pointers, *how.scalars))),
-                             timeout_s=pool.timeout_s if pool is not None else None, pdl=how.pdl)
+            try:
+                with _watchdog.interruptible():
+                    self._emu.launch(how.name, how.grid, how.block,
+                                     list(zip(_SIGNATURE_KINDS, (how.desc, *pointers, *how.scalars))),
+                                     timeout_s=pool.timeout_s if pool is not None else None, pdl=how.pdl)
+            except KeyboardInterrupt:
+                self._broken = f"interrupted (Ctrl-C) in {_watchdog.describe(self)}"
+                raise
+            finally:
+                self._flight_done = seq
             if pool is not None and pool.err_view[0]:
                 self._raise_kernel_error(pool)
             return
@@ -286,6 +321,7 @@ class Executor:
             if pool is not None:
                 pool.captured = True  # its memory must outlive close() (SymmetricPool.close)
             done = None  # a graph's kernels are ordered by whoever replays it
+            self._flight_done = seq  # nothing runs now
         else:
             done = self._launch_done
             if done is None:
@@ -296,6 +332,14 @@ class Executor:
             torch.cuda.synchronize(self.device)
             if pool is not None and pool.err_view[0]:
                 self._raise_kernel_error(pool)
+
+    def _flight_running(self) -> bool:
+        """Whether the last launch may still run (the watchdog's question, from its thread): on the
+        emulator, its launch has not returned; on a GPU, the event recorded after it has not completed."""
+        if self.mode == "emulator" or self._flight_how.algo == "torch":  # synchronous until they return
+            return True
+        done = self._launch_done
+        return done is not None and not _cuda.event_done(done, self._device_index)
 
     def _pool_reads_done(self) -> None:
         """After an op's last access to pool memory that follows its kernel (a copy out of the staging

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import envs
+from . import _watchdog, envs
 from .errors import UbnextError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -324,6 +324,7 @@ def shutdown() -> None:
     """Close every live communicator and drop their process groups; destroy the process group
     when ubnext created it. Runs at interpreter exit; safe to call more than once."""
     global _our_group
+    _watchdog.stop()  # before the communicators and the store it reads go
     comms = [comm for comm in (ref() for ref in list(_registry.values())) if comm is not None]
     cached.clear()
     for comm in comms:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import _cuda, _lifecycle, envs, kernels, plan
+from . import _cuda, _lifecycle, _watchdog, envs, kernels, plan
 from ._checks import POOL_DTYPES
 from .errors import CLOSED, UbnextError
 from .pool import NoRoom, SymmetricPool, plan_layout
@@ -264,6 +264,8 @@ class Preparation:
                     "a capture cannot contain: call comm.prepare() on every rank before capturing")
             self._pool = self._create_pool()
             if self._pool is not None:
+                if self.world_size > 1:
+                    _watchdog.watch(self)
                 self._self_test()
         return self._pool
 

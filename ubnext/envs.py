@@ -52,6 +52,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _nonnegative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(text)
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -115,6 +122,10 @@ VARIABLES: dict[str, Var] = {
             "Bound on every wait across ranks inside a kernel (unset: the process group's timeout). "
             "Past it the op fails naming op, rank and peer, and the communicator is aborted on "
             "every rank."),
+        Var("UBNEXT_WARN_AFTER", _nonnegative_float, 10.0, "seconds >= 0",
+            "The watchdog: a rank whose ubnext kernel has waited this long logs once what it waits in "
+            "(op, path, size, the call's number) and each peer's last call, from the store; 0 turns it off. "
+            "Ctrl-C during such a wait aborts the communicator on every rank (emulator)."),
         Var("UBNEXT_SELFTEST", _bool, True, "0|1",
             "Run every kernel path once on known data when the pool is created, and disable, on "
             "every rank, a path that gives a wrong sum (a few ms once; 0 skips it)."),

@@ -43,6 +43,7 @@
 #define UBNEXT_ERR_TIMEOUT 1
 #define UBNEXT_ERR_MISMATCH 2 /* a peer's call header differs from ours (field, mine, theirs) */
 #define UBNEXT_ERR_PEER_LEFT 3 /* the awaited peer closed its communicator or its process exited */
+#define UBNEXT_ERR_INTERRUPTED 4 /* written by the host only: a rank interrupted (SIGINT) while it waited */
 #define UBNEXT_OP_LAMPORT 1
 #define UBNEXT_OP_NVLS_ONESHOT 2
 #define UBNEXT_OP_NVLS_TWOSHOT 3

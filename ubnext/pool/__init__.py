@@ -24,7 +24,7 @@ from ..allocator import NoRoom
 from ._backend import PoolSetupError, _Backend, _Slot, release_deferred
 from .emulator import EmulatorBackend
 from .layout import (DESC_BYTES, DESC_FIELDS, DESC_STRUCT_BYTES, DESC_MAGIC, ERR_WORDS, LAMPORT_HEADER_BYTES, MAX_RANKS, PAGE, SENTINEL_WORD, SYNC_BYTES,
-                     SYNC_DEPARTED,
+                     SYNC_ABORT, SYNC_ABORT_CLAIM, SYNC_ABORT_RECORD, SYNC_DEPARTED,
                      PoolLayout, pack_desc, plan_layout)
 from .symmetric import SymmetricPool
 from .torch_symm import TORCH_SYMM_SEGMENT, TorchSymmBackend

@@ -24,6 +24,10 @@ DESC_FIELDS = (
 )
 LAMPORT_HEADER_BYTES = 16  # UBNEXT_LAMPORT_HEADER_BYTES: a Lamport slot holds the call header, then data
 SYNC_DEPARTED = 16  # UBNEXT_SYNC_DEPARTED: sync word [r] set once rank r has left (barrier.cuh)
+# the sticky abort (csrc/device/barrier.cuh): UBNEXT_SYNC_ABORT (0, or 1 + the rank whose failure aborted),
+# UBNEXT_SYNC_ABORT_CLAIM (local: set by this rank's first failure) and UBNEXT_SYNC_ABORT_RECORD (record [r]
+# of 8 words, written by rank r only): a host abort (SymmetricPool.abort_from_host) writes them as a kernel does
+SYNC_ABORT, SYNC_ABORT_CLAIM, SYNC_ABORT_RECORD = 8, 9, 256
 # UBNEXT_SYNC_STAMPS .. UBNEXT_SYNC_STAMPS_END: sync words of the test-only build UBNEXT_STAMPS, the Lamport
 # one-shot's per-phase time stamps (csrc/device/stamps.cuh; tests/gpu_check/stamps.py decodes them)
 SYNC_STAMPS = range(512, 576)

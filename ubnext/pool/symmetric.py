@@ -19,7 +19,8 @@ from .. import _cuda, envs
 from ..allocator import Allocator, NoRoom, RingAllocator
 from ._backend import PoolSetupError, _agree, _Backend, _Slot, release_deferred
 from .emulator import EmulatorBackend
-from .layout import ERR_WORDS, SENTINEL_WORD, SYNC_BYTES, SYNC_DEPARTED, PoolLayout, pack_desc
+from .layout import (ERR_WORDS, SENTINEL_WORD, SYNC_ABORT, SYNC_ABORT_CLAIM, SYNC_ABORT_RECORD, SYNC_BYTES,
+                     SYNC_DEPARTED, PoolLayout, pack_desc)
 from .torch_symm import TorchSymmBackend
 from .vmm import VmmBackend
 
@@ -267,6 +268,28 @@ class SymmetricPool:
             return
         for address in words:
             ctypes.c_int32.from_address(address).value = 1
+
+    def abort_from_host(self, code: int) -> bool:
+        """Abort the communicator on every rank from the host, as a kernel's report_error does
+        (csrc/device/barrier.cuh, "Sticky abort"): record [rank] {code, 0, rank, 0, 0, 0} in every rank's
+        sync region, then each rank's abort flag; every wait of every rank's kernels ends at its next look
+        at the flag (UBX_ABORT_POLL_NS) and reports the record. Nothing when a failure of this rank
+        already aborted it (the claim word). Emulator pools only (host memory, written from any thread:
+        the Ctrl-C of ubnext/_watchdog.py); False where it did nothing."""
+        if self._closed or self.device.type == "cuda":
+            return False
+        sync = [base + self.layout.sync_off for base in self.backend.peer_bases]
+        claim = ctypes.c_int32.from_address(sync[self.rank] + 4 * SYNC_ABORT_CLAIM)
+        if claim.value:
+            return False
+        claim.value = 1
+        for region in sync:
+            record = region + 4 * (SYNC_ABORT_RECORD + 8 * self.rank)
+            for k, word in enumerate((code, 0, self.rank, 0, 0, 0)):
+                ctypes.c_int32.from_address(record + 4 * k).value = word
+        for region in sync:  # after every record: the flag publishes it (x86 keeps stores in order)
+            ctypes.c_int32.from_address(region + 4 * SYNC_ABORT).value = self.rank + 1
+        return True
 
     def departed_peers(self) -> list[int]:
         """The peers whose departure word (UBNEXT_SYNC_DEPARTED) is set in this rank's sync region: each has
