@@ -249,6 +249,10 @@ def _options(arch: str, defines: tuple[str, ...], *, include_paths: bool = True)
     opts = [
         f"--gpu-architecture={arch}",
         "-std=c++17",
+        # unannotated functions are device functions: NVRTC 13.0 (the first GPU image's) takes a generic
+        # lambda in a device function for a host function and refuses it in JIT mode (allgather.cu); 13.5
+        # does not, and nothing here is host code
+        "-default-device",
         "--ptxas-options=-v",
         "-lineinfo",
         "-DUBNEXT_NVRTC=1",
