@@ -184,6 +184,11 @@ class Executor:
     # NCCL's NVLS grid base (gpu_max_blocks): 16 below sm_100; a GPU communicator from sm_100 sets 32,
     # and the ranks agree on the least at pool creation
     _nvls_ctas = 16
+    # the flight record (ubnext/_watchdog.py): launches made, the last one, the last one that returned
+    _flight_seq = 0
+    _flight_done = 0
+    _flight_how = None
+    _flight_group = ""  # the process group's name (Communicator.__init__)
 
     def _log_once(self, key: str, message: str) -> None:
         """Log a fallback once per process, naming this rank: every communicator of a process (and

@@ -127,10 +127,7 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         self._disabled: dict[str, str] = {}  # kernel paths the self-test turned off, on every rank
         self._run_self_test = False  # agreed at pool creation
         self._setup_serial = setup_serial(self.group)  # names its set-up steps in the store
-        # the flight record (ubnext/_watchdog.py): launches made, the last one, and the last one that returned
-        self._flight_seq = self._flight_done = 0
-        self._flight_how = None
-        self._flight_group = self.group.group_name
+        self._flight_group = self.group.group_name  # names its flight record in the store (_watchdog)
         self._setup_steps = 0
         self._setup_failed: UbnextError | None = None  # a set-up step that gave up on a peer
         # read once per communicator (docs/RUNTIME.md, how the environment is read): the hot path reads no
