@@ -46,8 +46,7 @@ extern "C" {
 #define UBNEXT_VERSION_PATCH 0
 /* Comparable integer: UBNEXT_VERSION >= UBNEXT_VERSION_CODE(0, 1, 0). */
 #define UBNEXT_VERSION_CODE(major, minor, patch) ((major) * 10000 + (minor) * 100 + (patch))
-#define UBNEXT_VERSION \
-  UBNEXT_VERSION_CODE(UBNEXT_VERSION_MAJOR, UBNEXT_VERSION_MINOR, UBNEXT_VERSION_PATCH)
+#define UBNEXT_VERSION UBNEXT_VERSION_CODE(UBNEXT_VERSION_MAJOR, UBNEXT_VERSION_MINOR, UBNEXT_VERSION_PATCH)
 
 /* ---------------------------------------------------------------------------------------- */
 /* Status and errors                                                                        */
@@ -239,9 +238,8 @@ typedef struct ubnext_launch {
  * fp32). `in` and `out` as the algorithm requires (see ubnext_algo_t): NVLS_TWOSHOT and TWOSHOT
  * also leave the result in `in`; the others leave `in` unmodified. Collective, stream-ordered
  * and capturable as described above. */
-UBNEXT_API ubnext_status_t ubnext_allreduce(const ubnext_launch_t* launch, ubnext_algo_t algo,
-                                            ubnext_dtype_t dtype, const void* in, void* out,
-                                            size_t count);
+UBNEXT_API ubnext_status_t ubnext_allreduce(const ubnext_launch_t* launch, ubnext_algo_t algo, ubnext_dtype_t dtype,
+                                            const void* in, void* out, size_t count);
 
 /* FP8 output of the fused op; the scale travels as scale_inv (dequantisation factor):
  * y ~= float(out) * scale_inv. */
@@ -284,8 +282,7 @@ typedef struct ubnext_rmsnorm_args {
 } ubnext_rmsnorm_args_t;
 
 #define UBNEXT_RMSNORM_ARGS_INIT \
-  {sizeof(ubnext_rmsnorm_args_t), NULL, NULL, NULL, NULL, NULL, 0, 0, 1e-6f, UBNEXT_FP8_NONE, \
-   NULL, NULL}
+  {sizeof(ubnext_rmsnorm_args_t), NULL, NULL, NULL, NULL, NULL, 0, 0, 1e-6f, UBNEXT_FP8_NONE, NULL, NULL}
 
 /* The fused op above with `algo` LAMPORT, NVLS_TWOSHOT, NVLS_LAMPORT or TWOSHOT (NVLS_ONESHOT
  * gives UNSUPPORTED: ranks could normalise different bits). Buffers as ubnext_rmsnorm_args_t
@@ -293,9 +290,8 @@ typedef struct ubnext_rmsnorm_args {
  * equal on every rank: the kernels compare all four, a difference is a mismatch reported through
  * ubnext_take_kernel_error; residual, weight and a static scale's value must be equal too, and are not
  * compared), stream-ordered, capturable, with the error rules of ubnext_allreduce. */
-UBNEXT_API ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* launch,
-                                                        ubnext_algo_t algo, ubnext_dtype_t dtype,
-                                                        const ubnext_rmsnorm_args_t* args);
+UBNEXT_API ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* launch, ubnext_algo_t algo,
+                                                        ubnext_dtype_t dtype, const ubnext_rmsnorm_args_t* args);
 
 /* ---------------------------------------------------------------------------------------- */
 /* FSDP collectives and FP8 quantisation                                                    */
@@ -309,8 +305,7 @@ UBNEXT_API ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* l
  * The kernel pushes through the multicast address when the descriptor has one, else once per peer.
  * launch->flags: 0 or UBNEXT_LAUNCH_NO_PDL. Collective (bytes equal on every rank), stream-ordered, capturable,
  * with the error rules of ubnext_allreduce. */
-UBNEXT_API ubnext_status_t ubnext_allgather(const ubnext_launch_t* launch, const void* in, void* out,
-                                            size_t bytes);
+UBNEXT_API ubnext_status_t ubnext_allgather(const ubnext_launch_t* launch, const void* in, void* out, size_t bytes);
 
 /* Reduce-scatter: out[i] = dtype(factor * sum over ranks r of in_r[rank * count + i]) for
  * i < count, the sum in fp32 in rank order 0..N-1 and rounded once (bf16/fp16 inputs keep their
@@ -320,8 +315,8 @@ UBNEXT_API ubnext_status_t ubnext_allgather(const ubnext_launch_t* launch, const
  * (1 for a sum, 1/nranks for an average). launch->flags: 0 or UBNEXT_LAUNCH_NO_PDL. Collective (dtype, count and
  * factor equal on every rank), stream-ordered, capturable, with the error rules of
  * ubnext_allreduce. */
-UBNEXT_API ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* launch, ubnext_dtype_t dtype,
-                                                 const void* in, void* out, size_t count, float factor);
+UBNEXT_API ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* launch, ubnext_dtype_t dtype, const void* in,
+                                                 void* out, size_t count, float factor);
 
 /* FP8 (e4m3) quantisation of `count` elements of `in` into `out` (count bytes, 8-byte aligned),
  * with its scale_inv written by the same kernel (the contract of ubnext_fp8_scaling_t):

@@ -152,8 +152,8 @@ UBX_DEV uint32_t abort_flag(const ubnext_comm_desc* d) {
 // A failure this thread detected: into the error word, and (first failure of this rank only) into every
 // rank's sync region, which aborts the communicator everywhere (see "Sticky abort" above). Plain stores
 // to the peers, no peer atomics; our own region first.
-UBX_DEV void report_error(const ubnext_comm_desc* d, uint32_t code, uint32_t op, uint32_t peer,
-                          uint32_t field = 0, uint32_t mine = 0, uint32_t theirs = 0) {
+UBX_DEV void report_error(const ubnext_comm_desc* d, uint32_t code, uint32_t op, uint32_t peer, uint32_t field = 0,
+                          uint32_t mine = 0, uint32_t theirs = 0) {
   const uint32_t me = static_cast<uint32_t>(d->rank), nranks = static_cast<uint32_t>(d->nranks);
   const uint32_t w[UBNEXT_ERR_WORDS] = {code, op, me, peer, field, mine, theirs, 0u};
   write_error_word(d, w);
@@ -256,8 +256,8 @@ UBX_DEV bool epoch_reached(uint32_t a, uint32_t b) { return static_cast<int32_t>
 
 // Spin (acquire, .sys) until peer `peer`'s *flag has reached `target`, at most `limit` ns, watching the
 // abort flag and the peer's departure.
-UBX_DEV WaitResult wait_flag_polls(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target,
-                                   uint64_t limit, uint32_t peer) {
+UBX_DEV WaitResult wait_flag_polls(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target, uint64_t limit,
+                                   uint32_t peer) {
   if (epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
   const uint64_t t0 = globaltimer_ns();
   uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
@@ -269,8 +269,8 @@ UBX_DEV WaitResult wait_flag_polls(const ubnext_comm_desc* d, const uint32_t* fl
     if (r != kWaiting) return r;
   }
 }
-UBX_DEV WaitResult wait_flag_reached(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target,
-                                     uint64_t limit, uint32_t peer) {
+UBX_DEV WaitResult wait_flag_reached(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target, uint64_t limit,
+                                     uint32_t peer) {
   UBX_COUNT_WAIT_BEGIN();
   const WaitResult r = wait_flag_polls(d, flag, target, limit, peer);
   UBX_COUNT_WAIT_END_AT(flag, target, r == kArrived);
@@ -387,7 +387,7 @@ UBX_DEV RankBarrier barrier_open(const ubnext_comm_desc* d, uint32_t op, const u
 // headers (see call_header), and in block 0 of a fused call the eps word (see "A fused call's eps"; the
 // exchanges, never fused, leave eps out).
 UBX_DEV RankBarrier barrier_open_checked(const ubnext_comm_desc* d, uint32_t op, uint32_t dtype, int n, int hidden,
-                                        int flags, const void* in, float eps = 0.f) {
+                                         int flags, const void* in, float eps = 0.f) {
   const uint4 header = call_header(op, dtype, n, hidden, flags, d, in);
   RankBarrier br = barrier_open(d, op, &header);
   br.eps_pending = blockIdx.x == 0 && (flags & UBNEXT_F_FUSED_NORM) != 0;
@@ -405,17 +405,14 @@ UBX_DEV uint32_t barrier_signal_and_wait(RankBarrier& br, uint32_t lane) {
   const uint32_t epoch = ++br.epoch;
   if (lane == 0) *br.epoch_word = epoch;  // persist for the next kernel; nobody waits on it
   if (br.header_out != nullptr) {  // before the signal, whose release publishes it
-    if (br.d->mc_base != 0)
-      multimem_st_v4(br.header_out, br.header);
-    else
-      st_relaxed_sys_v4(br.header_out, br.header);
+    if (br.d->mc_base != 0) multimem_st_v4(br.header_out, br.header);
+    else st_relaxed_sys_v4(br.header_out, br.header);
     if (br.eps_pending) {  // the same lanes, to the same ranks: our word [parity][rank]
       const uint32_t w = call_eps_word(header_parity(epoch), static_cast<uint32_t>(br.d->rank));
       if (br.d->mc_base != 0)
         multimem_st_relaxed_u32(reinterpret_cast<uint32_t*>(static_cast<uint64_t>(br.d->mc_base + br.d->sync_off)) + w,
                                 br.eps);
-      else
-        st_relaxed_sys_u32(sync_words(br.d, lane) + w, br.eps);
+      else st_relaxed_sys_u32(sync_words(br.d, lane) + w, br.eps);
     }
   }
   if (br.signal != nullptr) {
@@ -438,10 +435,8 @@ UBX_DEV uint32_t barrier_signal_and_wait(RankBarrier& br, uint32_t lane) {
 #else
     // Test-only broken build: a relaxed signal publishes nothing, so the block's earlier stores (the
     // two-shot broadcast) may reach a peer after the flag does. The integration tests must catch it.
-    if (br.d->mc_base != 0)
-      multimem_st_relaxed_u32(br.signal, epoch);
-    else
-      st_relaxed_sys_u32(br.signal, epoch);
+    if (br.d->mc_base != 0) multimem_st_relaxed_u32(br.signal, epoch);
+    else st_relaxed_sys_u32(br.signal, epoch);
 #endif
   }
   uint32_t failed = 0;

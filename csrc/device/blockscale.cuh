@@ -50,8 +50,7 @@ namespace ubx {
 template <int V>
 UBX_DEV void quantize_fp8(const float (&y)[V], float div, uint8_t (&q)[V]) {
 #pragma unroll
-  for (int j = 0; j < V; ++j)
-    q[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y[j] / div, __NV_SATFINITE, __NV_E4M3));
+  for (int j = 0; j < V; ++j) q[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y[j] / div, __NV_SATFINITE, __NV_E4M3));
 }
 
 UBX_DEV float per_token_scale_inv(float amax) { return nan_max(amax / UBX_FP8_E4M3_MAX, UBX_FP8_SCALE_TINY); }
@@ -166,9 +165,9 @@ UBX_DEV Mxfp8Scale mxfp8_scale(float amax) {
   r.code = static_cast<uint8_t>(code);
   r.nan = code == UBX_E8M0_NAN;
   r.mul = code == UBX_E8M0_INF ? u32_as_f32(0x00400000u)        // 2^-127
-          : code == 0         ? 1.0f
-          : r.nan             ? 0.f
-                              : u32_as_f32((254u - code) << 23);  // 2^(127 - code), a normal float
+          : code == 0          ? 1.0f
+          : r.nan              ? 0.f
+                               : u32_as_f32((254u - code) << 23);  // 2^(127 - code), a normal float
   return r;
 }
 
@@ -237,8 +236,8 @@ UBX_DEV void store_e2m1(void* out, int64_t gi, const uint8_t (&p)[V / 2]) {
   uint8_t* at = reinterpret_cast<uint8_t*>(out) + gi * (V / 2);
   if constexpr (V == 8) {
     UBX_VECTOR_STORE(at, 4, "NVFP4 vector store");
-    *reinterpret_cast<uint32_t*>(at) = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
-                                       ((uint32_t)p[3] << 24);
+    *reinterpret_cast<uint32_t*>(at) =
+        (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
   } else {
     UBX_VECTOR_STORE(at, 2, "NVFP4 vector store");
     *reinterpret_cast<uint16_t*>(at) = static_cast<uint16_t>(p[0] | (p[1] << 8));
@@ -285,8 +284,8 @@ UBX_DEV void quantize_block_vals(const float (&y)[DType<T>::kElems], bool live, 
 
 // The same, with the format from the flags' format field (the fused kernels: one kernel for every format).
 template <typename T>
-UBX_DEV void quantize_block_vals_of(const float (&y)[DType<T>::kElems], bool live, int64_t gi, void* out,
-                                    void* scales, const float* gs, int hidden, int flags) {
+UBX_DEV void quantize_block_vals_of(const float (&y)[DType<T>::kElems], bool live, int64_t gi, void* out, void* scales,
+                                    const float* gs, int hidden, int flags) {
   switch (flags & UBNEXT_F_BLOCK_FMT_MASK) {
     case UBNEXT_F_BLOCK_NVFP4:
       quantize_block_vals<T, BlockFormat::kNvfp4>(y, live, gi, out, scales, gs, hidden, flags);
@@ -294,9 +293,7 @@ UBX_DEV void quantize_block_vals_of(const float (&y)[DType<T>::kElems], bool liv
     case UBNEXT_F_BLOCK_MXFP8:
       quantize_block_vals<T, BlockFormat::kMxfp8>(y, live, gi, out, scales, gs, hidden, flags);
       break;
-    default:
-      quantize_block_vals<T, BlockFormat::kGroup128>(y, live, gi, out, scales, gs, hidden, flags);
-      break;
+    default: quantize_block_vals<T, BlockFormat::kGroup128>(y, live, gi, out, scales, gs, hidden, flags); break;
   }
 }
 

@@ -15,7 +15,7 @@
 #include "desc.cuh"
 #include "ptx.cuh"
 
-#define UBX_KERNEL_PARAMS                                                                            \
+#define UBX_KERNEL_PARAMS                                                                           \
   const ubnext_comm_desc desc, const void *in, void *out, const void *residual, void *residual_out, \
       const void *weight, const float *scale, float *scale_inv, int n, int hidden, float eps, int flags
 

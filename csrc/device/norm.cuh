@@ -71,12 +71,12 @@ UBX_DEV bool uses_rows(int flags) {
 // ranks see the same arguments, so a kernel that returns when this fails leaves every rank untouched.
 template <typename T>
 UBX_DEV bool row_shape_ok(int n, int hidden, int flags) {
-  return !uses_rows(flags) || (hidden > 0 && hidden % DType<T>::kElems == 0 && n % hidden == 0 &&
-                               UBX_SSQ_SUPER_VECS % blockDim.x == 0 && blockDim.x % 32 == 0 &&
-                               (!(flags & UBNEXT_F_BLOCK_FMT_MASK) || hidden % block_of(flags) == 0));
+  return !uses_rows(flags) ||
+         (hidden > 0 && hidden % DType<T>::kElems == 0 && n % hidden == 0 && UBX_SSQ_SUPER_VECS % blockDim.x == 0 &&
+          blockDim.x % 32 == 0 && (!(flags & UBNEXT_F_BLOCK_FMT_MASK) || hidden % block_of(flags) == 0));
 }
 UBX_DEV int out_mode(int flags) {
-  return (flags & UBNEXT_F_BLOCK_FMT_MASK) ? kOutBlock
+  return (flags & UBNEXT_F_BLOCK_FMT_MASK)  ? kOutBlock
          : (flags & UBNEXT_F_FP8_PER_TOKEN) ? kOutFp8Token
          : (flags & UBNEXT_F_FP8_STATIC)    ? kOutFp8Static
                                             : kOutDtype;
@@ -214,9 +214,7 @@ UBX_DEV float fold_groups(int64_t ng, Load& load) {
   return ssq;
 }
 
-UBX_DEV float rms_of(float ssq, int hidden, float eps) {
-  return 1.0f / sqrtf(ssq / static_cast<float>(hidden) + eps);
-}
+UBX_DEV float rms_of(float ssq, int hidden, float eps) { return 1.0f / sqrtf(ssq / static_cast<float>(hidden) + eps); }
 
 // ---------------------------------------------------------------- one row, one block
 // Src: `bool operator()(int64_t gi, float (&s)[V])` gives the reduced fp32 sums of global vector gi,
@@ -269,8 +267,8 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
   float ssq = 0.f;
 #if !defined(UBNEXT_BREAK_SSQ_BLOCK_ORDER)
   for (int s0 = 0; s0 < nv; s0 += UBX_SSQ_SUPER_VECS) {
-    const int ng = (nv - s0 < UBX_SSQ_SUPER_VECS ? nv - s0 + UBX_SSQ_GROUP_VECS - 1 : UBX_SSQ_SUPER_VECS) /
-                   UBX_SSQ_GROUP_VECS;
+    const int ng =
+        (nv - s0 < UBX_SSQ_SUPER_VECS ? nv - s0 + UBX_SSQ_GROUP_VECS - 1 : UBX_SSQ_SUPER_VECS) / UBX_SSQ_GROUP_VECS;
     for (int g = warp; g < ng; g += nwarps) {
       const int i = s0 + g * UBX_SSQ_GROUP_VECS + lane;
       const float G = warp_sum(i < nv ? first(i) : 0.f);
@@ -318,17 +316,14 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
   if (threadIdx.x == 0) sink.store_scale_inv(row, s);
   for (int i = threadIdx.x; i < nv; i += blockDim.x) {
     float y[V];
-    if (cached)
-      unpack<T>(cache[i], y);
-    else
-      (void)norm_vec<T>(r_of(i), rms, weight, i, y);
+    if (cached) unpack<T>(cache[i], y);
+    else (void)norm_vec<T>(r_of(i), rms, weight, i, y);
     uint8_t q[V];
     quantize_fp8<V>(y, s, q);
     sink.store_out_fp8(g0 + i, q);
   }
   return true;
 }
-
 
 // ---------------------------------------------------------------- one row, several CTAs (the row split)
 // At 1..16 tokens one CTA per row leaves most SMs idle and puts a row's polls, its residual and weight
@@ -426,8 +421,8 @@ struct RowPrefetch {
 // One CTA's part of a split row: the row math of norm_row (same arithmetic, same bits) with the exchange
 // above. Collective over the block; false in every thread when a Src or the wait failed (reported).
 template <typename T, class Src, class Sink>
-UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefetch<T>& pre, Src& src,
-                           const Sink& sink, uint4* cache, float* scratch, const ubnext_comm_desc* d, uint32_t op) {
+UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefetch<T>& pre, Src& src, const Sink& sink,
+                           uint4* cache, float* scratch, const ubnext_comm_desc* d, uint32_t op) {
   constexpr int V = DType<T>::kElems;
   constexpr int K = RowPrefetch<T>::kPrefetch;
   static_assert(K == 2, "res_at / w_at select among two");
@@ -451,8 +446,8 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
     if (i < rp.hi) {
       float x[V];
       if (!src(g0 + i, x)) fail = 1.f;
-      const uint4 r = add_round<T>(x, has_res, k < K ? pre.res_at(k) : (has_res ? load_whole_vec(p.residual, g0 + i)
-                                                                                : uint4{}));
+      const uint4 r =
+          add_round<T>(x, has_res, k < K ? pre.res_at(k) : (has_res ? load_whole_vec(p.residual, g0 + i) : uint4{}));
       cache[i - rp.lo] = r;
       if (fused) {
         if (sink.has_res()) sink.store_res(g0 + i, r);
@@ -482,8 +477,9 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
   }
   __syncthreads();
   if (scratch[0] != 0.f) return false;
-  auto load_g = [&](int64_t g) -> float { return u32_as_f32(ld_volatile_u32(sync + UBNEXT_SYNC_ROW_PARTIALS +
-                                                                            rp.row * rp.ng + g)); };
+  auto load_g = [&](int64_t g) -> float {
+    return u32_as_f32(ld_volatile_u32(sync + UBNEXT_SYNC_ROW_PARTIALS + rp.row * rp.ng + g));
+  };
   const float ssq = fold_groups(rp.ng, load_g);
   __syncthreads();  // every G read: the counter may be reset
   if (threadIdx.x == 0) {

@@ -178,10 +178,7 @@ UBX_DEV uint32_t atom_add_acq_rel_gpu_u32(uint32_t* p, uint32_t v) {
   return ::ubx_emu::atomic_add_u32(p, v, ::ubx_emu::kAcqRel);
 #else
   uint32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
-               : "=r"(old)
-               : "l"(p), "r"(v)
-               : "memory");
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 #endif
 }
@@ -193,10 +190,7 @@ UBX_DEV uint32_t atom_cas_relaxed_sys_u32(uint32_t* p, uint32_t cmp, uint32_t va
   return ::ubx_emu::atomic_cas_u32(p, cmp, val, ::ubx_emu::kRelaxed);
 #else
   uint32_t old;
-  asm volatile("atom.relaxed.sys.cas.b32 %0, [%1], %2, %3;"
-               : "=r"(old)
-               : "l"(p), "r"(cmp), "r"(val)
-               : "memory");
+  asm volatile("atom.relaxed.sys.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(cmp), "r"(val) : "memory");
   return old;
 #endif
 }

@@ -140,10 +140,8 @@ UBX_DEV float sum_elem_over_ranks(const ubnext_comm_desc* d, uint64_t off) {
     for (int u = 0; u < kPeers; ++u) {
       if (p0 + u >= nranks) continue;
       const uint64_t at = static_cast<uint64_t>(d->peer_base[p0 + u]) + off;
-      if constexpr (DType<T>::kBytes == 4)
-        bits[u] = ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(at));
-      else
-        bits[u] = ld_relaxed_sys_u16(reinterpret_cast<const uint16_t*>(at));
+      if constexpr (DType<T>::kBytes == 4) bits[u] = ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(at));
+      else bits[u] = ld_relaxed_sys_u16(reinterpret_cast<const uint16_t*>(at));
     }
 #pragma unroll
     for (int u = 0; u < kPeers; ++u) {
@@ -285,8 +283,8 @@ struct LocalSrc {
 // the block. Same code path and arithmetic as lamport.cu, so identical reduced rows give identical bits.
 template <typename T, class Src>
 UBX_DEV void rows_phase(Src& src, int64_t nrows, const void* residual, void* residual_out, const void* weight,
-                        const float* scale, float* scale_inv, void* out, int64_t n, int hidden, float eps,
-                        int flags, uint4* cache, float* scratch) {
+                        const float* scale, float* scale_inv, void* out, int64_t n, int hidden, float eps, int flags,
+                        uint4* cache, float* scratch) {
   row_outputs_begin(flags, scale, scale_inv, nrows, hidden);
   const RowParams rp{residual, weight, scale, hidden, eps, flags};
   const GlobalSink<T> sink{residual_out, out, scale_inv, n};
@@ -311,8 +309,8 @@ UBX_DEV void copy_all_portions(const Slices& s, uint32_t nranks, const void* fro
 // place; row mode: the row phase from it. Collective over the block.
 template <typename T>
 UBX_DEV void twoshot_local_phase(const Slices& sl, uint32_t nranks, const void* in, void* out, const void* residual,
-                                 void* residual_out, const void* weight, const float* scale, float* scale_inv,
-                                 int n, int hidden, float eps, int flags, uint4* cache, float* scratch) {
+                                 void* residual_out, const void* weight, const float* scale, float* scale_inv, int n,
+                                 int hidden, float eps, int flags, uint4* cache, float* scratch) {
   if (!sl.rows) {
     if (out != in) copy_all_portions<T>(sl, nranks, in, out, n);
     return;

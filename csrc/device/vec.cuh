@@ -218,10 +218,8 @@ UBX_DEV void store_vec(void* base, int64_t gi, int64_t n, const uint4& v) {
     return;
   }
   for (int j = 0; j < V && e0 + j < n; ++j) {
-    if constexpr (DType<T>::kBytes == 4)
-      reinterpret_cast<uint32_t*>(base)[e0 + j] = vec_word(v, j);
-    else
-      reinterpret_cast<uint16_t*>(base)[e0 + j] = static_cast<uint16_t>(vec_elem_bits<T>(v, j));
+    if constexpr (DType<T>::kBytes == 4) reinterpret_cast<uint32_t*>(base)[e0 + j] = vec_word(v, j);
+    else reinterpret_cast<uint16_t*>(base)[e0 + j] = static_cast<uint16_t>(vec_elem_bits<T>(v, j));
   }
 }
 

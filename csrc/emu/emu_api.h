@@ -29,7 +29,7 @@ extern "C" {
  * prints a report and aborts the process. */
 #define UBNEXT_EMU_LAUNCH_PDL 1
 UBNEXT_EMU_API int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args, int flags,
-                      char* err, int errlen);
+                                     char* err, int errlen);
 /* Words of ubnext_emu_griddep, for the last launch that succeeded: [threads, threads that executed
  * griddepcontrol.wait, threads that executed griddepcontrol.launch_dependents]. */
 #define UBNEXT_EMU_GRIDDEP_WORDS 3
@@ -39,7 +39,7 @@ UBNEXT_EMU_API int ubnext_emu_griddep(uint64_t* out, int nwords);
  * included), all `bytes` long; mc_base is this region's multicast range (from ubnext_emu_reserve)
  * or 0. Returns a handle >= 0, or -1 when the table is full or the arguments are invalid. */
 UBNEXT_EMU_API int64_t ubnext_emu_register(int rank, int nranks, const uint64_t* peer_bases, uint64_t bytes,
-                            uint64_t mc_base);
+                                           uint64_t mc_base);
 UBNEXT_EMU_API int ubnext_emu_unregister(int64_t handle);
 
 /* An inaccessible (PROT_NONE) address range to serve as a multicast address; 0 on failure. */

@@ -71,9 +71,7 @@ inline void __nanosleep(unsigned ns) { ::ubx_emu::nanosleep_ns(ns); }
 
 // ---------------------------------------------------------------- warp shuffles and votes
 namespace ubx_emu_detail {
-inline unsigned lane_id() {
-  return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31u;
-}
+inline unsigned lane_id() { return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31u; }
 // Shuffle a value of 1..8 bytes as one or two 32-bit exchanges. src < 0: keep own value.
 template <typename T>
 inline T shfl(unsigned mask, T v, int src) {
@@ -179,10 +177,12 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline float __expf(float x) { return expf(x); }
 inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
+// clang-format off: four one-line bit-cast twins
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
 inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+// clang-format on
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }

@@ -135,7 +135,8 @@ static uint64_t words_of(uint64_t off, unsigned bytes) { return (off % 4 + bytes
 static Clock read_stamps(const Region& r, int rank, uint64_t off, unsigned bytes) {
   Clock c;
   if (StampWord* p = stamp_words(r, rank, off))
-    for (uint64_t i = 0, n = words_of(off, bytes); i < n; ++i) c.join(decode(__atomic_load_n(&p[i].cur, __ATOMIC_SEQ_CST)));
+    for (uint64_t i = 0, n = words_of(off, bytes); i < n; ++i)
+      c.join(decode(__atomic_load_n(&p[i].cur, __ATOMIC_SEQ_CST)));
   return c;
 }
 // join: keep the later of the old stamp and `c` (reductions: a reader depends on every adder).
@@ -153,7 +154,8 @@ static void write_stamps(const Region& r, int rank, uint64_t off, unsigned bytes
       continue;
     }
     uint64_t old = __atomic_load_n(&p[i].cur, __ATOMIC_SEQ_CST);
-    while (decode(old) < c && !__atomic_compare_exchange_n(&p[i].cur, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+    while (decode(old) < c &&
+           !__atomic_compare_exchange_n(&p[i].cur, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
     }
   }
 }
@@ -306,8 +308,7 @@ static void commit(Block* b, const PendingStore& s, int mo) {
   const Region& r = g_regions[s.key_region];
   int order[UBNEXT_EMU_MAX_RANKS];
   const int n = rank_order(b, r, order);
-  for (int i = 0; i < n; ++i)
-    words_store(reinterpret_cast<void*>(r.base[order[i]] + s.key_off), s.data, s.bytes, mo);
+  for (int i = 0; i < n; ++i) words_store(reinterpret_cast<void*>(r.base[order[i]] + s.key_off), s.data, s.bytes, mo);
 }
 
 // ------------------------------------------------------------------------------ store buffers
@@ -609,7 +610,10 @@ uint32_t atomic_cas_u32(uint32_t* p, uint32_t cmp, uint32_t val, int order) {
   Where w{-1, -1, 0};
   if (b) w = before_atomic(*b, p, order);
   const int mo = memorder(order, false);
-  __atomic_compare_exchange_n(p, &cmp, val, false, mo, mo == __ATOMIC_RELEASE ? __ATOMIC_RELAXED : mo == __ATOMIC_ACQ_REL ? __ATOMIC_ACQUIRE : mo);
+  __atomic_compare_exchange_n(p, &cmp, val, false, mo,
+                              mo == __ATOMIC_RELEASE   ? __ATOMIC_RELAXED
+                              : mo == __ATOMIC_ACQ_REL ? __ATOMIC_ACQUIRE
+                                                       : mo);
   if (b && counting()) observe_result(*b, w);
   return cmp;
 }
@@ -703,7 +707,8 @@ void mc_ld_reduce(void* dst16, const void* mc, int mc_type) {
   uint32_t out[4];
   for (int k = 0; k < 4; ++k) {
     if (mc_type == kMcF32) out[k] = bits_from_f32(acc[k]);
-    else if (mc_type == kMcBf16) out[k] = uint32_t(f32_to_bf16(acc[2 * k])) | uint32_t(f32_to_bf16(acc[2 * k + 1])) << 16;
+    else if (mc_type == kMcBf16)
+      out[k] = uint32_t(f32_to_bf16(acc[2 * k])) | uint32_t(f32_to_bf16(acc[2 * k + 1])) << 16;
     else out[k] = uint32_t(f32_to_f16(acc[2 * k])) | uint32_t(f32_to_f16(acc[2 * k + 1])) << 16;
   }
   memcpy(dst16, out, 16);
@@ -765,7 +770,8 @@ void vector_access(const void* p, unsigned bytes, const char* access, bool is_lo
   if (b && b->cur) griddep_check(*b, p, access);
   if (!b || !b->cur || !counting()) return;
   if (!is_load) b->bytes_moved += bytes;
-  else if (!b->cur->waiting && b->cur->loaded.insert(reinterpret_cast<uint64_t>(p) / 16).second) b->bytes_moved += bytes;
+  else if (!b->cur->waiting && b->cur->loaded.insert(reinterpret_cast<uint64_t>(p) / 16).second)
+    b->bytes_moved += bytes;
 }
 
 }  // namespace ubx_emu
@@ -774,8 +780,7 @@ using namespace ubx_emu;
 
 extern "C" int64_t ubnext_emu_register(int rank, int nranks, const uint64_t* peer_bases, uint64_t bytes,
                                        uint64_t mc_base) {
-  if (nranks < 1 || nranks > UBNEXT_EMU_MAX_RANKS || rank < 0 || rank >= nranks || !peer_bases || !bytes)
-    return -1;
+  if (nranks < 1 || nranks > UBNEXT_EMU_MAX_RANKS || rank < 0 || rank >= nranks || !peer_bases || !bytes) return -1;
   std::lock_guard<std::mutex> lk(g_region_mutex);
   for (int i = 0; i < kMaxRegions; ++i) {
     Region& r = g_regions[i];

@@ -163,8 +163,8 @@ static void fail_block(Block& b, std::string msg) {
 
 static std::string where(const Block& b, const Fiber* f) {
   char buf[128];
-  snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u)", b.bidx.x, b.bidx.y, b.bidx.z,
-           f ? f->tid.x : 0, f ? f->tid.y : 0, f ? f->tid.z : 0);
+  snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u)", b.bidx.x, b.bidx.y, b.bidx.z, f ? f->tid.x : 0,
+           f ? f->tid.y : 0, f ? f->tid.z : 0);
   return buf;
 }
 
@@ -334,8 +334,10 @@ void trap() {
 void griddep_violation(const void* p, const char* access) {
   Block& b = *tl_block;  // memory.cpp calls it from inside a launch only
   char msg[200];
-  snprintf(msg, sizeof msg, "%s at %p before griddepcontrol.wait (launched with the PDL attribute: the previous "
-           "kernel may still be writing it)", access, p);
+  snprintf(msg, sizeof msg,
+           "%s at %p before griddepcontrol.wait (launched with the PDL attribute: the previous "
+           "kernel may still be writing it)",
+           access, p);
   fail_block(b, std::string(msg) + " in " + where(b, b.cur));
   abandon_fiber(b, *b.cur);
 }
@@ -548,12 +550,13 @@ static int set_err(char* err, int errlen, int code, const std::string& msg) {
   return code;
 }
 
-extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args, int flags,
-                                 char* err, int errlen) {
+extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args, int flags, char* err,
+                                 int errlen) {
   if (err && errlen > 0) err[0] = 0;
   if (!kernel || !args) return set_err(err, errlen, 1, "null kernel name or args");
   if (grid < 1 || grid > UBNEXT_EMU_MAX_GRID)
-    return set_err(err, errlen, 1, "grid " + std::to_string(grid) + " outside [1, " + std::to_string(UBNEXT_EMU_MAX_GRID) + "]");
+    return set_err(err, errlen, 1,
+                   "grid " + std::to_string(grid) + " outside [1, " + std::to_string(UBNEXT_EMU_MAX_GRID) + "]");
   if (block < 32 || block > 1024 || block % 32)
     return set_err(err, errlen, 1, "block " + std::to_string(block) + " is not a multiple of 32 in [32, 1024]");
   void* h = self_handle();

@@ -104,7 +104,8 @@ extern "C" __global__ void ubnext_emu_selftest_multicast(EMU_ST_PARAMS) {
     o[n + t] = ubx::multimem_ld_reduce_f16x8(reinterpret_cast<const void*>(mc + uint64_t(n + t) * 16));
     o[2 * n + t] = ubx::multimem_ld_reduce_f32x4(reinterpret_cast<const void*>(mc + uint64_t(2 * n + t) * 16));
     const uint64_t next = d->peer_base[(rank + 1) % nranks];
-    ubx::st_relaxed_sys_v4(reinterpret_cast<void*>(next + uint64_t(4 * n + t) * 16), make_uint4(uint32_t(rank), uint32_t(t), 1, 2));
+    ubx::st_relaxed_sys_v4(reinterpret_cast<void*>(next + uint64_t(4 * n + t) * 16),
+                           make_uint4(uint32_t(rank), uint32_t(t), 1, 2));
     for (uint64_t p = 0; p < nranks; ++p)
       (void)ubx::ld_volatile_u32(reinterpret_cast<const uint32_t*>(d->peer_base[p] + uint64_t(t) * 16));
     if (t == 0) {

@@ -20,6 +20,7 @@
 // still loads and reports UNSUPPORTED for that kernel instead of failing to dlopen; the
 // `kernels_complete` ctest makes a missing kernel a test failure. The argument types do not
 // matter here: only the stub's address is used, as the key cudaLaunchKernel looks up.
+// clang-format off: X-macro tables, one line per kernel family
 #define UBNEXT_FOR_EACH_KERNEL(X)                                              \
   X(lamport, bf16) X(lamport, fp16) X(lamport, fp32)                           \
   X(nvls_oneshot, bf16) X(nvls_oneshot, fp16) X(nvls_oneshot, fp32)            \
@@ -31,9 +32,9 @@
   X(allgather, u8)                                                                          \
   X(reduce_scatter, bf16) X(reduce_scatter, fp16) X(reduce_scatter, fp32)                 \
   X(quantize_fp8, bf16) X(quantize_fp8, fp16) X(quantize_fp8, fp32)
+// clang-format on
 
-#define UBNEXT_DECLARE_STUB(algo, dt) \
-  __attribute__((weak, visibility("hidden"))) void ubnext_##algo##_##dt();
+#define UBNEXT_DECLARE_STUB(algo, dt) __attribute__((weak, visibility("hidden"))) void ubnext_##algo##_##dt();
 extern "C" {
 UBNEXT_FOR_EACH_KERNEL(UBNEXT_DECLARE_STUB)
 UBNEXT_FOR_EACH_EXTRA_KERNEL(UBNEXT_DECLARE_STUB)
@@ -88,17 +89,15 @@ ubnext_status_t from_cuda(cudaError_t err, const char* call) {
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
     case cudaErrorStubLibrary:
-      return fail(UBNEXT_STATUS_NO_DEVICE, "no usable GPU or CUDA driver: %s: %s (%s)", call,
-                  cudaGetErrorName(err), cudaGetErrorString(err));
-    default:
-      return fail(UBNEXT_STATUS_CUDA_ERROR, "%s: %s (%s)", call, cudaGetErrorName(err),
+      return fail(UBNEXT_STATUS_NO_DEVICE, "no usable GPU or CUDA driver: %s: %s (%s)", call, cudaGetErrorName(err),
                   cudaGetErrorString(err));
+    default: return fail(UBNEXT_STATUS_CUDA_ERROR, "%s: %s (%s)", call, cudaGetErrorName(err), cudaGetErrorString(err));
   }
 }
 
-#define UBNEXT_TRY(expr)                                   \
-  do {                                                     \
-    ubnext_status_t ubnext_try_status_ = (expr);           \
+#define UBNEXT_TRY(expr)                                                        \
+  do {                                                                          \
+    ubnext_status_t ubnext_try_status_ = (expr);                                \
     if (ubnext_try_status_ != UBNEXT_STATUS_SUCCESS) return ubnext_try_status_; \
   } while (0)
 
@@ -114,13 +113,12 @@ ubnext_status_t check_launch(const ubnext_launch_t* launch, bool wants_multicast
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "ubnext_launch_t.host_desc is NULL");
   }
   if (launch->grid > UBNEXT_MAX_BLOCKS) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "grid %u exceeds UBNEXT_MAX_BLOCKS (%d)",
-                launch->grid, UBNEXT_MAX_BLOCKS);
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "grid %u exceeds UBNEXT_MAX_BLOCKS (%d)", launch->grid,
+                UBNEXT_MAX_BLOCKS);
   }
   if (launch->block % 32 != 0 || launch->block > kMaxBlock) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "block %u must be 0 (default) or a multiple of 32 up to %u", launch->block,
-                kMaxBlock);
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "block %u must be 0 (default) or a multiple of 32 up to %u",
+                launch->block, kMaxBlock);
   }
   if (launch->flags & ~kKnownLaunchFlags) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "unknown ubnext_launch_t.flags bits 0x%x",
@@ -135,9 +133,8 @@ ubnext_status_t check_launch(const ubnext_launch_t* launch, bool wants_multicast
                 d->magic, UBNEXT_DESC_MAGIC);
   }
   if (d->nranks < 1 || d->nranks > UBNEXT_MAX_RANKS || d->rank >= d->nranks) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "host_desc has rank %llu of %llu ranks (1..%d ranks supported)", d->rank,
-                d->nranks, UBNEXT_MAX_RANKS);
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "host_desc has rank %llu of %llu ranks (1..%d ranks supported)",
+                d->rank, d->nranks, UBNEXT_MAX_RANKS);
   }
   for (unsigned long long r = 0; r < d->nranks; ++r) {
     if (d->peer_base[r] == 0) {
@@ -162,14 +159,12 @@ ubnext_status_t check_launch(const ubnext_launch_t* launch, bool wants_multicast
 }
 
 // Checks that hold for every collective: the launch struct, the descriptor, algo and dtype.
-ubnext_status_t check_common(const ubnext_launch_t* user_launch, ubnext_algo_t algo,
-                             ubnext_dtype_t dtype, ubnext_launch_t* launch,
-                             const ubnext_comm_desc** desc) {
+ubnext_status_t check_common(const ubnext_launch_t* user_launch, ubnext_algo_t algo, ubnext_dtype_t dtype,
+                             ubnext_launch_t* launch, const ubnext_comm_desc** desc) {
   *launch = ubnext_launch_t UBNEXT_LAUNCH_INIT;
   UBNEXT_TRY(read_versioned(user_launch, launch, "ubnext_launch_t"));
   if (static_cast<unsigned>(algo) >= static_cast<unsigned>(kNumAlgos)) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "algo %d is not a ubnext_algo_t",
-                static_cast<int>(algo));
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "algo %d is not a ubnext_algo_t", static_cast<int>(algo));
   }
   if (dtype == UBNEXT_DTYPE_FP8_E4M3) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
@@ -177,16 +172,14 @@ ubnext_status_t check_common(const ubnext_launch_t* user_launch, ubnext_algo_t a
                 "FP8 output through ubnext_rmsnorm_args_t.fp8");
   }
   if (static_cast<unsigned>(dtype) >= static_cast<unsigned>(kNumDtypes)) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "dtype %d is not a ubnext_dtype_t",
-                static_cast<int>(dtype));
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "dtype %d is not a ubnext_dtype_t", static_cast<int>(dtype));
   }
   if ((launch->flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) && algo != UBNEXT_ALGO_LAMPORT) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
                 "UBNEXT_LAUNCH_LAMPORT_MULTICAST applies to UBNEXT_ALGO_LAMPORT only, not %s",
                 ubnext_algo_string(algo));
   }
-  const bool wants_multicast = kAlgos[algo].needs_multicast ||
-                               (launch->flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST);
+  const bool wants_multicast = kAlgos[algo].needs_multicast || (launch->flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST);
   return check_launch(launch, wants_multicast, ubnext_algo_string(algo), desc);
 }
 
@@ -231,16 +224,14 @@ bool overlaps(const void* p, size_t p_bytes, const void* q, size_t q_bytes) {
 // the kernels handle a partial last 16-byte vector (csrc/device/slices.cuh, vec.cuh) and never
 // store past count elements, but they do read and move the whole vector, so the padded size is
 // what must fit the data arena and the Lamport slot.
-ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo,
-                              ubnext_dtype_t dtype, const void* in, const void* out,
-                              size_t count, size_t out_elem) {
+ubnext_status_t check_message(const ubnext_comm_desc* d, ubnext_algo_t algo, ubnext_dtype_t dtype, const void* in,
+                              const void* out, size_t count, size_t out_elem) {
   UBNEXT_TRY(check_buffer(in, "in", 16));
   UBNEXT_TRY(check_buffer(out, "out", 16));
   const size_t elem = ubnext_dtype_size(dtype);
   // The kernel's n is an int32; bounding count first also keeps count * elem from overflowing.
   if (count == 0 || count > INT32_MAX) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "count %zu is outside 1..%d", count,
-                INT32_MAX);
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "count %zu is outside 1..%d", count, INT32_MAX);
   }
   const size_t bytes = count * elem, out_bytes = count * out_elem;
   const size_t padded = round_up16(bytes);
@@ -291,12 +282,10 @@ ubnext_status_t device_limits(int device, int kernel, unsigned block, Limits* ou
   UBNEXT_TRY(from_cuda(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device),
                        "cudaDeviceGetAttribute(ComputeCapabilityMajor)"));
   UBNEXT_TRY(from_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                           &per_sm, reinterpret_cast<const void*>(kKernels[kernel].stub),
-                           static_cast<int>(block), 0),
+                           &per_sm, reinterpret_cast<const void*>(kKernels[kernel].stub), static_cast<int>(block), 0),
                        "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
   if (sms <= 0 || per_sm <= 0) {
-    return fail(UBNEXT_STATUS_UNSUPPORTED, "%s cannot run with %u threads per block",
-                kKernels[kernel].name, block);
+    return fail(UBNEXT_STATUS_UNSUPPORTED, "%s cannot run with %u threads per block", kKernels[kernel].name, block);
   }
   *out = Limits{sms, sms * per_sm, cc_major};
   if (cacheable) {  // cc_major in bits 56..62, sms in 32..55, coresident in 0..31
@@ -345,15 +334,14 @@ ubnext_status_t pdl_enabled(int device, uint32_t launch_flags, bool* on) {
 // otherwise. Kernels that wait on peers' blocks (`coresident`) refuse a grid larger than what fits at
 // once; a local kernel (`local`: no peer, no barrier) takes any grid.
 ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per_rank_share, size_t bytes,
-                             size_t tokens, size_t nranks, KernelArgs a, bool local = false,
-                             bool nvls_twoshot = false, size_t row_vectors = 0) {
+                             size_t tokens, size_t nranks, KernelArgs a, bool local = false, bool nvls_twoshot = false,
+                             size_t row_vectors = 0) {
   const KernelEntry& k = kKernels[kernel];
   // The device first: NO_DEVICE describes the machine, whatever this build holds.
   int device = 0;
   UBNEXT_TRY(from_cuda(cudaGetDevice(&device), "cudaGetDevice"));
   if (k.stub == nullptr) {
-    return fail(UBNEXT_STATUS_UNSUPPORTED, "kernel %s is not compiled into this libubnext",
-                k.name);
+    return fail(UBNEXT_STATUS_UNSUPPORTED, "kernel %s is not compiled into this libubnext", k.name);
   }
   const unsigned block = launch.block ? launch.block : kDefaultBlock;
   Limits lim{};
@@ -361,18 +349,18 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
   unsigned grid = launch.grid;
   if (grid == 0) {
     const unsigned algo_cap = nvls_twoshot && tokens == 0 ? nvls_twoshot_grid_cap(nranks, lim.cc_major) : 0u;
-    grid = default_grid(per_rank_share, bytes, tokens, nranks, block, lim.sms, lim.coresident, !local, algo_cap, row_vectors);
+    grid = default_grid(per_rank_share, bytes, tokens, nranks, block, lim.sms, lim.coresident, !local, algo_cap,
+                        row_vectors);
   } else if (!local && grid > static_cast<unsigned>(lim.coresident)) {
     // Blocks wait on their peers' blocks; more than fit at once could wait forever.
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "grid %u exceeds the co-resident limit of %d blocks for %s with %u threads",
-                grid, lim.coresident, k.name, block);
+                "grid %u exceeds the co-resident limit of %d blocks for %s with %u threads", grid, lim.coresident,
+                k.name, block);
   }
   bool pdl = false;
   UBNEXT_TRY(pdl_enabled(device, launch.flags, &pdl));
-  void* params[] = {&a.desc,     &a.in,    &a.out,       &a.residual,
-                    &a.residual_out, &a.weight, &a.scale, &a.scale_inv,
-                    &a.n,        &a.hidden, &a.eps,      &a.flags};
+  void* params[] = {&a.desc,  &a.in,        &a.out, &a.residual, &a.residual_out, &a.weight,
+                    &a.scale, &a.scale_inv, &a.n,   &a.hidden,   &a.eps,          &a.flags};
   // With the attribute the kernel may start before the previous kernel on the stream has ended; it
   // waits for it in griddepcontrol.wait before touching memory (csrc/device/ptx.cuh).
   cudaLaunchAttribute attribute{};
@@ -389,9 +377,8 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
   return from_cuda(err, k.name);
 }
 
-ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo,
-                              ubnext_dtype_t dtype, const ubnext_comm_desc* d, size_t tokens,
-                              KernelArgs a) {
+ubnext_status_t launch_kernel(const ubnext_launch_t& launch, ubnext_algo_t algo, ubnext_dtype_t dtype,
+                              const ubnext_comm_desc* d, size_t tokens, KernelArgs a) {
   a.flags |= (launch.flags & UBNEXT_LAUNCH_LAMPORT_MULTICAST) ? UBNEXT_F_MULTICAST : 0;
   // the Lamport fused kernel's row split (launch_rules.h row_split), as the Python launcher sizes it
   const size_t row_vectors = (algo == UBNEXT_ALGO_LAMPORT && tokens > 0 && !(a.flags & UBNEXT_F_FP8_PER_TOKEN))
@@ -412,8 +399,7 @@ ubnext_status_t check_count(size_t count, const char* name) {
 
 ubnext_status_t check_input_dtype(ubnext_dtype_t dtype) {
   if (static_cast<unsigned>(dtype) >= static_cast<unsigned>(kNumDtypes)) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "dtype %d must be BF16, FP16 or FP32",
-                static_cast<int>(dtype));
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "dtype %d must be BF16, FP16 or FP32", static_cast<int>(dtype));
   }
   return UBNEXT_STATUS_SUCCESS;
 }
@@ -468,9 +454,8 @@ ubnext_status_t ubnext_device_count(int* count) {
   return UBNEXT_STATUS_SUCCESS;
 }
 
-ubnext_status_t ubnext_allreduce(const ubnext_launch_t* user_launch, ubnext_algo_t algo,
-                                 ubnext_dtype_t dtype, const void* in, void* out,
-                                 size_t count) {
+ubnext_status_t ubnext_allreduce(const ubnext_launch_t* user_launch, ubnext_algo_t algo, ubnext_dtype_t dtype,
+                                 const void* in, void* out, size_t count) {
   clear_error();
   ubnext_launch_t launch;
   const ubnext_comm_desc* d = nullptr;
@@ -486,14 +471,12 @@ ubnext_status_t ubnext_allreduce(const ubnext_launch_t* user_launch, ubnext_algo
     if (out != in && check_in_arena(d, algo, out, padded, "out") == UBNEXT_STATUS_SUCCESS) flags = UBNEXT_F_MULTICAST;
     clear_error();  // an out outside the arena is allowed: the kernel copies into it
   }
-  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr,
-               static_cast<int32_t>(count), 0, 0.0f, flags};
+  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(count), 0, 0.0f, flags};
   return launch_kernel(launch, algo, dtype, d, 0, a);
 }
 
-ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
-                                             ubnext_algo_t algo, ubnext_dtype_t dtype,
-                                             const ubnext_rmsnorm_args_t* user_args) {
+ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch, ubnext_algo_t algo,
+                                             ubnext_dtype_t dtype, const ubnext_rmsnorm_args_t* user_args) {
   clear_error();
   ubnext_launch_t launch;
   const ubnext_comm_desc* d = nullptr;
@@ -505,8 +488,7 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
   switch (args.fp8) {
     case UBNEXT_FP8_NONE:
       if (args.scale != nullptr || args.scale_inv != nullptr) {
-        return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                    "scale and scale_inv must be NULL without FP8 output (fp8 = NONE)");
+        return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "scale and scale_inv must be NULL without FP8 output (fp8 = NONE)");
       }
       break;
     case UBNEXT_FP8_STATIC:
@@ -523,8 +505,7 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
       flags |= UBNEXT_F_FP8_PER_TOKEN;
       break;
     default:
-      return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "fp8 %d is not a ubnext_fp8_scaling_t",
-                  static_cast<int>(args.fp8));
+      return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "fp8 %d is not a ubnext_fp8_scaling_t", static_cast<int>(args.fp8));
   }
   if (!kAlgos[algo].can_fuse) {
     return fail(UBNEXT_STATUS_UNSUPPORTED,
@@ -537,19 +518,16 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "FP8 output cannot be written in place (out == in)");
   }
   const size_t elem = ubnext_dtype_size(dtype);
-  const size_t out_elem = ubnext_dtype_size(args.fp8 == UBNEXT_FP8_NONE ? dtype
-                                                                         : UBNEXT_DTYPE_FP8_E4M3);
+  const size_t out_elem = ubnext_dtype_size(args.fp8 == UBNEXT_FP8_NONE ? dtype : UBNEXT_DTYPE_FP8_E4M3);
   UBNEXT_TRY(check_message(d, algo, dtype, args.in, args.out, args.count, out_elem));
   // The row math runs on every rank after the exchange, so these are plain device memory
   // anywhere (not in the pool, not broadcast).
   UBNEXT_TRY(check_buffer(args.residual, "residual", 16));
   UBNEXT_TRY(check_buffer(args.residual_out, "residual_out", 16));
   UBNEXT_TRY(check_buffer(args.weight, "weight", 16));
-  if (args.hidden == 0 || args.hidden > static_cast<size_t>(INT32_MAX) ||
-      args.count % args.hidden != 0) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "hidden %zu must be > 0 and divide count %zu into whole tokens", args.hidden,
-                args.count);
+  if (args.hidden == 0 || args.hidden > static_cast<size_t>(INT32_MAX) || args.count % args.hidden != 0) {
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "hidden %zu must be > 0 and divide count %zu into whole tokens",
+                args.hidden, args.count);
   }
   if ((args.hidden * elem) % 16 != 0) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
@@ -558,8 +536,7 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
                 args.hidden, elem);
   }
   if (!std::isfinite(args.eps) || args.eps < 0.0f) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "eps %g must be finite and >= 0",
-                static_cast<double>(args.eps));
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "eps %g must be finite and >= 0", static_cast<double>(args.eps));
   }
   // No buffer the kernel writes (out, residual_out, scale_inv; in, which the two-shot kernels
   // overwrite and the others read during the exchange) may overlap another one, except
@@ -598,10 +575,18 @@ ubnext_status_t ubnext_allreduce_add_rmsnorm(const ubnext_launch_t* user_launch,
       }
     }
   }
-  KernelArgs a{*d,  args.in,     args.out,
-               args.residual, args.residual_out, args.weight,
-               args.scale,   args.scale_inv, static_cast<int32_t>(args.count),
-               static_cast<int32_t>(args.hidden), args.eps, flags};
+  KernelArgs a{*d,
+               args.in,
+               args.out,
+               args.residual,
+               args.residual_out,
+               args.weight,
+               args.scale,
+               args.scale_inv,
+               static_cast<int32_t>(args.count),
+               static_cast<int32_t>(args.hidden),
+               args.eps,
+               flags};
   return launch_kernel(launch, algo, dtype, d, args.count / args.hidden, a);
 }
 
@@ -626,8 +611,10 @@ ubnext_status_t ubnext_allgather(const ubnext_launch_t* user_launch, const void*
   if (in != own && overlaps(in, bytes, out, total)) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "in overlaps out without being this rank's slice of it");
   }
-  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(bytes), 0, 0.0f,
-               d->mc_base != 0 ? UBNEXT_F_MULTICAST : 0};
+  KernelArgs a{*d,      in,      out,
+               nullptr, nullptr, nullptr,
+               nullptr, nullptr, static_cast<int32_t>(bytes),
+               0,       0.0f,    d->mc_base != 0 ? UBNEXT_F_MULTICAST : 0};
   return launch_index(launch, kAllgatherKernel, false, bytes, 0, static_cast<size_t>(d->nranks), a);
 }
 
@@ -655,8 +642,7 @@ ubnext_status_t ubnext_reduce_scatter(const ubnext_launch_t* user_launch, ubnext
   const size_t total = bytes * static_cast<size_t>(d->nranks);
   UBNEXT_TRY(check_in_arena_named(d, "reduce_scatter", in, total, "in"));
   if (overlaps(in, total, out, bytes)) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "out overlaps in");
-  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(count), 0,
-               factor, 0};
+  KernelArgs a{*d, in, out, nullptr, nullptr, nullptr, nullptr, nullptr, static_cast<int32_t>(count), 0, factor, 0};
   return launch_index(launch, kReduceScatterKernel + static_cast<int>(dtype), false, bytes, 0,
                       static_cast<size_t>(d->nranks), a);
 }
@@ -668,8 +654,8 @@ ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_f
   UBNEXT_TRY(check_count(count, "count"));
   const size_t elem = ubnext_dtype_size(dtype);
   if (hidden == 0 || count % hidden != 0 || (hidden * elem) % 16 != 0) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "hidden %zu must divide count %zu into rows of whole 16-byte vectors", hidden, count);
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "hidden %zu must divide count %zu into rows of whole 16-byte vectors",
+                hidden, count);
   }
   int32_t flags = 0;
   size_t scales = 0;
@@ -695,8 +681,18 @@ ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtype, ubnext_f
   ubnext_launch_t launch = UBNEXT_LAUNCH_INIT;
   launch.stream = stream;
   launch.flags = UBNEXT_LAUNCH_NO_PDL;  // no launch struct to say otherwise: plain stream order, as before
-  KernelArgs a{ubnext_comm_desc{}, in, out, nullptr, nullptr, nullptr, scale, scale_inv, static_cast<int32_t>(count),
-               static_cast<int32_t>(hidden), 0.0f, flags};
+  KernelArgs a{ubnext_comm_desc{},
+               in,
+               out,
+               nullptr,
+               nullptr,
+               nullptr,
+               scale,
+               scale_inv,
+               static_cast<int32_t>(count),
+               static_cast<int32_t>(hidden),
+               0.0f,
+               flags};
   // a local kernel: its grid comes from the work alone (launch_rules.h quantize_grid; the bits do not
   // depend on it)
   launch.grid = quantize_grid(flags == UBNEXT_F_FP8_PER_TOKEN, count * elem, hidden * elem, kDefaultBlock);
@@ -707,12 +703,11 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
   clear_error();
   if (host_desc == nullptr) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "host_desc is NULL");
   if (host_desc->magic != UBNEXT_DESC_MAGIC) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "host_desc magic 0x%llx is not 0x%llx",
-                host_desc->magic, UBNEXT_DESC_MAGIC);
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "host_desc magic 0x%llx is not 0x%llx", host_desc->magic,
+                UBNEXT_DESC_MAGIC);
   }
   if (host_desc->err_ptr == 0 || host_desc->err_ptr % 4 != 0) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "host_desc.err_ptr is 0 or misaligned: no error word to read");
+    return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "host_desc.err_ptr is 0 or misaligned: no error word to read");
   }
   uint32_t* word = reinterpret_cast<uint32_t*>(static_cast<uintptr_t>(host_desc->err_ptr));
   // A kernel claims the word with UBNEXT_ERR_BUSY, fills the details, then releases the final
@@ -746,7 +741,8 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
   if (code == UBNEXT_ERR_PEER_LEFT) {
     return fail(UBNEXT_STATUS_PEER_LEFT,
                 "%s%s: rank %u stopped waiting for peer %u, which has left (closed its communicator or "
-                "exited)", aborted, name, rank, peer);
+                "exited)",
+                aborted, name, rank, peer);
   }
   if (code == UBNEXT_ERR_MISMATCH && w[4] == UBNEXT_HDR_EPS) {  // a fused call's eps, as fp32 bits
     char mine[32], theirs[32];
@@ -754,7 +750,8 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
     f32_text(theirs, sizeof theirs, w[6]);
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
                 "%s%s: ranks made different calls: rank %u has eps %s but rank %u has eps %s; every rank "
-                "must pass the same eps", aborted, name, rank, mine, peer, theirs);
+                "must pass the same eps",
+                aborted, name, rank, mine, peer, theirs);
   }
   if (code == UBNEXT_ERR_MISMATCH) {
     static const char* const fields[4] = {"op/dtype/flags", "count", "hidden", "in offset (16-byte units)"};
@@ -763,8 +760,7 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
                 "must make the same call, with `in` at the same pool offset",
                 aborted, name, rank, w[4] < 4 ? fields[w[4]] : "header word", w[5], peer, w[6]);
   }
-  return fail(UBNEXT_STATUS_INTERNAL,
-              "kernel error word holds unknown code %u (%s, rank %u, peer %u)", code, name,
+  return fail(UBNEXT_STATUS_INTERNAL, "kernel error word holds unknown code %u (%s, rank %u, peer %u)", code, name,
               rank, peer);
 }
 

@@ -35,6 +35,7 @@ struct AlgoTraits {
   bool can_fuse;        // fused norm needs bitwise-identical sums on every rank
 };
 
+// clang-format off: a table, one column per trait
 constexpr AlgoTraits kAlgos[kNumAlgos] = {
     /*                 op                      arena  out=in share  mcast  lamport fuse */
     /* LAMPORT      */ {UBNEXT_OP_LAMPORT,      false, true,  false, false, true,  true},
@@ -43,6 +44,7 @@ constexpr AlgoTraits kAlgos[kNumAlgos] = {
     /* NVLS_LAMPORT */ {UBNEXT_OP_NVLS_LAMPORT, true,  false, true,  true,  true,  true},
     /* TWOSHOT      */ {UBNEXT_OP_TWOSHOT,      true,  true,  true,  false, false, true},
 };
+// clang-format on
 
 // No deadlock between communicators (issue 24 G). A kernel whose blocks wait on its peers' blocks
 // (every kernel here but the local ones, quantize, the block quantisers and add_rmsnorm: the barrier kernels, and the Lamport kernels, whose block b polls
@@ -99,9 +101,9 @@ inline size_t row_split(size_t tokens, size_t row_vectors, size_t max_blocks) {
 // nvls_oneshot). Capped at one block per SM and UBNEXT_MAX_BLOCKS (as Python's _sm_count), halved for
 // kernels that wait on peers (pair_grid_cap), at `algo_cap` when non-zero (nvls_twoshot_grid_cap), and
 // at the kernel's co-resident limit (below all of them on any supported GPU); at least 1.
-inline unsigned default_grid(bool per_rank_share, size_t bytes, size_t tokens, size_t nranks,
-                             unsigned block, int sms, int coresident, bool waits_on_peers = true,
-                             unsigned algo_cap = 0, size_t row_vectors = 0) {
+inline unsigned default_grid(bool per_rank_share, size_t bytes, size_t tokens, size_t nranks, unsigned block, int sms,
+                             int coresident, bool waits_on_peers = true, unsigned algo_cap = 0,
+                             size_t row_vectors = 0) {
   size_t cap = UBNEXT_MAX_BLOCKS;
   if (sms > 0 && static_cast<size_t>(sms) < cap) cap = static_cast<size_t>(sms);
   if (waits_on_peers) cap = static_cast<size_t>(pair_grid_cap(sms));

@@ -12,8 +12,7 @@ thread_local char g_last_error[512];
 }  // namespace
 
 ubnext_status_t fail(ubnext_status_t status, const char* fmt, ...) {
-  int prefix = std::snprintf(g_last_error, sizeof g_last_error, "%s: ",
-                             ubnext_status_string(status));
+  int prefix = std::snprintf(g_last_error, sizeof g_last_error, "%s: ", ubnext_status_string(status));
   if (prefix < 0 || static_cast<size_t>(prefix) >= sizeof g_last_error) prefix = 0;
   va_list ap;
   va_start(ap, fmt);
@@ -24,15 +23,15 @@ ubnext_status_t fail(ubnext_status_t status, const char* fmt, ...) {
 
 void clear_error() { g_last_error[0] = '\0'; }
 
-ubnext_status_t read_versioned(const void* user, size_t size_of_ours, size_t min_size,
-                               void* out, const char* type_name) {
+ubnext_status_t read_versioned(const void* user, size_t size_of_ours, size_t min_size, void* out,
+                               const char* type_name) {
   if (user == nullptr) return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "%s is NULL", type_name);
   size_t size;
   std::memcpy(&size, user, sizeof size);
   if (size < min_size) {
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "%s.struct_size is %zu, expected %zu: initialise it with the _INIT macro",
-                type_name, size, size_of_ours);
+                "%s.struct_size is %zu, expected %zu: initialise it with the _INIT macro", type_name, size,
+                size_of_ours);
   }
   const unsigned char* bytes = static_cast<const unsigned char*>(user);
   for (size_t i = size_of_ours; i < size; ++i) {

@@ -46,18 +46,17 @@ UBX_DEV void add_rmsnorm_rows(const void* in, void* out, const void* residual, v
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (n <= 0 || !(flags & UBNEXT_F_FUSED_NORM) || !row_shape_ok<T>(n, hidden, flags)) return;  // the host checks
   F32Src<T> src{static_cast<const float*>(in)};
-  rows_phase<T>(src, n / hidden, residual, residual_out, weight, scale, scale_inv, out, n, hidden, eps, flags,
-                s_cache, s_red);
+  rows_phase<T>(src, n / hidden, residual, residual_out, weight, scale, scale_inv, out, n, hidden, eps, flags, s_cache,
+                s_red);
 }
 
 }  // namespace ubx
 
-#define UBX_ADD_RMSNORM_ENTRY(NAME, T)                                                                     \
-  UBX_KERNEL(NAME) {                                                                                        \
-    (void)desc;                                                                                             \
-    ::ubx::kernel_begin();                                                                                  \
-    ::ubx::add_rmsnorm_rows<T>(in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps,  \
-                               flags);                                                                      \
+#define UBX_ADD_RMSNORM_ENTRY(NAME, T)                                                                            \
+  UBX_KERNEL(NAME) {                                                                                              \
+    (void)desc;                                                                                                   \
+    ::ubx::kernel_begin();                                                                                        \
+    ::ubx::add_rmsnorm_rows<T>(in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags); \
   }
 
 UBX_ADD_RMSNORM_ENTRY(ubnext_add_rmsnorm_bf16, __nv_bfloat16)

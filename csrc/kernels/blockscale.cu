@@ -29,8 +29,7 @@ namespace ubx {
 constexpr int kBlockInFlight = 4;
 
 template <typename T, BlockFormat F>
-UBX_DEV void quantize_blocks(const void* in, void* out, const float* gs, void* scales, int n, int hidden,
-                             int flags) {
+UBX_DEV void quantize_blocks(const void* in, void* out, const float* gs, void* scales, int n, int hidden, int flags) {
   constexpr int V = DType<T>::kElems;
   constexpr int B = FormatTraits<F>::kBlock;
   if (n <= 0 || hidden <= 0 || hidden % B != 0 || n % hidden != 0) return;  // the host checks
@@ -58,11 +57,11 @@ UBX_DEV void quantize_blocks(const void* in, void* out, const float* gs, void* s
 
 }  // namespace ubx
 
-#define UBX_BLOCKSCALE_ENTRY(NAME, T, F)                                                                      \
-  UBX_KERNEL(NAME) {                                                                                         \
-    (void)desc, (void)residual, (void)residual_out, (void)weight, (void)eps;                                \
-    ::ubx::kernel_begin();                                                                                   \
-    ::ubx::quantize_blocks<T, F>(in, out, scale, scale_inv, n, hidden, flags);                              \
+#define UBX_BLOCKSCALE_ENTRY(NAME, T, F)                                       \
+  UBX_KERNEL(NAME) {                                                           \
+    (void)desc, (void)residual, (void)residual_out, (void)weight, (void)eps;   \
+    ::ubx::kernel_begin();                                                     \
+    ::ubx::quantize_blocks<T, F>(in, out, scale, scale_inv, n, hidden, flags); \
   }
 
 UBX_BLOCKSCALE_ENTRY(ubnext_quantize_nvfp4_bf16, __nv_bfloat16, ::ubx::BlockFormat::kNvfp4)

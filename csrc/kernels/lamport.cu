@@ -55,8 +55,8 @@ namespace ubx {
 
 template <typename T>
 UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* out, const void* residual,
-                               void* residual_out, const void* weight, const float* scale, float* scale_inv,
-                               int n, int hidden, float eps, int flags) {
+                               void* residual_out, const void* weight, const float* scale, float* scale_inv, int n,
+                               int hidden, float eps, int flags) {
   constexpr int V = DType<T>::kElems;
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
@@ -176,11 +176,11 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 
 }  // namespace ubx
 
-#define UBX_LAMPORT_ENTRY(NAME, T)                                                                      \
-  UBX_KERNEL(NAME) {                                                                                    \
-    UBX_STAMPED_KERNEL_BEGIN(&desc); /* kernel_begin, and the entry stamps of the test-only build */    \
-    ::ubx::lamport_allreduce<T>(&desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, \
-                                eps, flags);                                                            \
+#define UBX_LAMPORT_ENTRY(NAME, T)                                                                                \
+  UBX_KERNEL(NAME) {                                                                                              \
+    UBX_STAMPED_KERNEL_BEGIN(&desc); /* kernel_begin, and the entry stamps of the test-only build */              \
+    ::ubx::lamport_allreduce<T>(&desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, \
+                                flags);                                                                           \
   }
 
 UBX_LAMPORT_ENTRY(ubnext_lamport_bf16, __nv_bfloat16)

@@ -211,8 +211,8 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
   const bool direct = !uses_rows(flags) && out != in && (flags & UBNEXT_F_MULTICAST) != 0;
   const uint64_t out_off = reinterpret_cast<uint64_t>(out) - static_cast<uint64_t>(d->peer_base[d->rank]);
   const int header_hidden = direct ? static_cast<int>(static_cast<uint32_t>(out_off >> 4)) : hidden;
-  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_TWOSHOT, DType<T>::kCode, n, header_hidden, flags,
-                                        in, eps);  // early: its loads overlap the setup below
+  // opened early: its loads overlap the setup below
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_TWOSHOT, DType<T>::kCode, n, header_hidden, flags, in, eps);
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
   const Slices sl = message_slices<T>(n, hidden, flags, nranks);
@@ -273,7 +273,8 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!nvls_args_ok<T>(d, n, hidden, flags)) return;
-  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_ONESHOT, DType<T>::kCode, n, hidden, flags, in, eps);  // early: its loads overlap the setup below
+  // opened early: its loads overlap the setup below
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_ONESHOT, DType<T>::kCode, n, hidden, flags, in, eps);
   const uint64_t mc_in = mc_addr(d, in);
   const int64_t nvec = (static_cast<int64_t>(n) + V - 1) / V;  // last one may be partial
 
@@ -292,8 +293,8 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
     }
   } else {
     McSrc<T> src{mc_in};
-    rows_phase<T>(src, nvec / (hidden / V), residual, residual_out, weight, scale, scale_inv, out, n, hidden,
-                  eps, flags, s_cache, s_red);
+    rows_phase<T>(src, nvec / (hidden / V), residual, residual_out, weight, scale, scale_inv, out, n, hidden, eps,
+                  flags, s_cache, s_red);
   }
   // Trailing barrier: peers may still be reading our `in` (see the header).
   (void)barrier_sync(br);
@@ -325,8 +326,8 @@ UBX_DEV bool poll_portions_flat(const ubnext_comm_desc* d, const uint8_t* data0,
         const uint32_t r = r0 + u;
         const int64_t gi = static_cast<int64_t>(r) * sl.cv + j;
         if (r < nranks && gi < sl.nv && !failed) {
-          if (!is_ready(v[u]) && !poll_ready_v4(data0 + r * slot + static_cast<uint64_t>(j) * 16u, v[u], d,
-                                                UBNEXT_OP_NVLS_LAMPORT, r)) {
+          if (!is_ready(v[u]) &&
+              !poll_ready_v4(data0 + r * slot + static_cast<uint64_t>(j) * 16u, v[u], d, UBNEXT_OP_NVLS_LAMPORT, r)) {
             failed = true;
           } else {
             store_vec<T>(out, gi, n, v[u]);
@@ -409,11 +410,13 @@ UBX_DEV void nvls_lamport_push(const ubnext_comm_desc* d, const void* in, void* 
         const uint32_t s = (rank + 1u + i0 + u) % nranks;
         if (i0 + u < nranks && static_cast<int64_t>(s) * sl.cv + j < sl.nv)
           st_relaxed_sys_v4(reinterpret_cast<void*>(static_cast<uint64_t>(d->peer_base[s]) + my_recv +
-                                                    static_cast<uint64_t>(j) * 16u), v[u]);
+                                                    static_cast<uint64_t>(j) * 16u),
+                            v[u]);
       }
     }
   }
-  const uint4 header = lamport_call_header(UBNEXT_OP_NVLS_LAMPORT, DType<T>::kCode, n, hidden, flags, 0.f);  // flat: no eps
+  const uint4 header =
+      lamport_call_header(UBNEXT_OP_NVLS_LAMPORT, DType<T>::kCode, n, hidden, flags, 0.f);  // flat: no eps
   const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;
   if (header_thread && aborted == 0u) multimem_st_v4(reinterpret_cast<void*>(mc_slot), header);
   if (aborted != 0u) adopt_abort(d, aborted);
@@ -426,8 +429,7 @@ UBX_DEV void nvls_lamport_push(const ubnext_comm_desc* d, const void* in, void* 
   LamportSrc<T> recv{my_buf + recv_off, slot, nranks, d, timeout_ns(d), aborted != 0u};
   headers.op = recv.op = UBNEXT_OP_NVLS_LAMPORT;
   if (header_thread && !recv.failed && !lamport_headers_match(headers, header, rank)) recv.failed = true;
-  for (int64_t j = global_tid(); j < sl.cv && static_cast<int64_t>(rank) * sl.cv + j < sl.nv;
-       j += global_threads()) {
+  for (int64_t j = global_tid(); j < sl.cv && static_cast<int64_t>(rank) * sl.cv + j < sl.nv; j += global_threads()) {
     float acc[V];
 #if !defined(UBNEXT_BREAK_RANK_ORDER_IGNORED)
     if (!recv(j, acc)) break;  // timed out or aborted (reported): still finish below
@@ -466,7 +468,8 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
     nvls_lamport_push<T>(d, in, out, n, hidden, flags);
     return;
   }
-  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_LAMPORT, DType<T>::kCode, n, hidden, flags, in, eps);  // early: its loads overlap the setup below
+  // opened early: its loads overlap the setup below
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_NVLS_LAMPORT, DType<T>::kCode, n, hidden, flags, in, eps);
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
   const Slices sl = message_slices<T>(n, hidden, flags, nranks);
@@ -507,8 +510,8 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
       (void)poll_portions_flat<T>(d, my_buf, slot, sl, nranks, out, n);
     } else {
       LamportSliceSrc<T> src{my_buf, slot, sl, d, false};
-      rows_phase<T>(src, sl.nrows, row_phase_residual(residual), residual_out, weight, scale, scale_inv, out, n,
-                    hidden, eps, flags, s_cache, s_red);
+      rows_phase<T>(src, sl.nrows, row_phase_residual(residual), residual_out, weight, scale, scale_inv, out, n, hidden,
+                    eps, flags, s_cache, s_red);
     }
   }
   // Even after a timeout: keep the done counter consistent (the communicator is dead anyway, but a
@@ -519,9 +522,9 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
 
 }  // namespace ubx
 
-#define UBX_NVLS_ENTRY(ALGO, NAME, T)                                                                   \
-  UBX_KERNEL(NAME) {                                                                                    \
-    ::ubx::kernel_begin();                                                                              \
+#define UBX_NVLS_ENTRY(ALGO, NAME, T)                                                                        \
+  UBX_KERNEL(NAME) {                                                                                         \
+    ::ubx::kernel_begin();                                                                                   \
     ::ubx::ALGO<T>(&desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, flags); \
   }
 

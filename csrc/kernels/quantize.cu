@@ -175,19 +175,18 @@ UBX_DEV void quantize_rows(const void* in, void* out, const float* scale, float*
   __shared__ float s_red[UBX_RED_SCRATCH];
   flags &= UBNEXT_F_FP8_STATIC | UBNEXT_F_FP8_PER_TOKEN;
   if (n <= 0 || flags == 0 || !row_shape_ok<T>(n, hidden, flags)) return;  // the host checks
-  if (flags == UBNEXT_F_FP8_STATIC)
-    quantize_static_flat<T>(in, out, scale, scale_inv, n);
+  if (flags == UBNEXT_F_FP8_STATIC) quantize_static_flat<T>(in, out, scale, scale_inv, n);
   else  // per token wins over static, as in norm.cuh's out_mode
     quantize_per_row<T>(in, out, scale_inv, n, hidden, s_red);
 }
 
 }  // namespace ubx
 
-#define UBX_QUANTIZE_ENTRY(NAME, T)                                                                          \
-  UBX_KERNEL(NAME) {                                                                                        \
-    (void)desc, (void)residual, (void)residual_out, (void)weight, (void)eps;                               \
-    ::ubx::kernel_begin();                                                                                  \
-    ::ubx::quantize_rows<T>(in, out, scale, scale_inv, n, hidden, flags);                                  \
+#define UBX_QUANTIZE_ENTRY(NAME, T)                                          \
+  UBX_KERNEL(NAME) {                                                         \
+    (void)desc, (void)residual, (void)residual_out, (void)weight, (void)eps; \
+    ::ubx::kernel_begin();                                                   \
+    ::ubx::quantize_rows<T>(in, out, scale, scale_inv, n, hidden, flags);    \
   }
 
 UBX_QUANTIZE_ENTRY(ubnext_quantize_fp8_bf16, __nv_bfloat16)

@@ -36,15 +36,12 @@ namespace ubx {
 
 template <typename T>
 UBX_DEV void store_elem(void* out, int64_t i, float f) {
-  if constexpr (DType<T>::kBytes == 4)
-    static_cast<uint32_t*>(out)[i] = DType<T>::from_float(f);
-  else
-    static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(DType<T>::from_float(f));
+  if constexpr (DType<T>::kBytes == 4) static_cast<uint32_t*>(out)[i] = DType<T>::from_float(f);
+  else static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(DType<T>::from_float(f));
 }
 
 template <typename T>
-UBX_DEV void reduce_scatter_pull(const ubnext_comm_desc* d, const void* in, void* out, int n, float factor,
-                                 int flags) {
+UBX_DEV void reduce_scatter_pull(const ubnext_comm_desc* d, const void* in, void* out, int n, float factor, int flags) {
   constexpr int V = DType<T>::kElems;
   constexpr int E = DType<T>::kBytes;
   if (gridDim.x > UBNEXT_MAX_BLOCKS || n <= 0) return;  // the host checks: nobody waits
@@ -98,11 +95,11 @@ UBX_DEV void reduce_scatter_pull(const ubnext_comm_desc* d, const void* in, void
 
 }  // namespace ubx
 
-#define UBX_REDUCE_SCATTER_ENTRY(NAME, T)                                                                   \
-  UBX_KERNEL(NAME) {                                                                                        \
-    (void)residual, (void)residual_out, (void)weight, (void)scale, (void)scale_inv, (void)hidden;          \
-    ::ubx::kernel_begin();                                                                                  \
-    ::ubx::reduce_scatter_pull<T>(&desc, in, out, n, eps, flags);                                           \
+#define UBX_REDUCE_SCATTER_ENTRY(NAME, T)                                                         \
+  UBX_KERNEL(NAME) {                                                                              \
+    (void)residual, (void)residual_out, (void)weight, (void)scale, (void)scale_inv, (void)hidden; \
+    ::ubx::kernel_begin();                                                                        \
+    ::ubx::reduce_scatter_pull<T>(&desc, in, out, n, eps, flags);                                 \
   }
 
 UBX_REDUCE_SCATTER_ENTRY(ubnext_reduce_scatter_bf16, __nv_bfloat16)

@@ -60,7 +60,8 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
   __shared__ uint4 s_cache[UBX_ROW_CACHE_VECS];
   __shared__ float s_red[UBX_RED_SCRATCH];
   if (!barrier_kernel_args_ok<T>(n, hidden, flags)) return;
-  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_TWOSHOT, DType<T>::kCode, n, hidden, flags, in, eps);  // early: its loads overlap the setup below
+  // opened early: its loads overlap the setup below
+  RankBarrier br = barrier_open_checked(d, UBNEXT_OP_TWOSHOT, DType<T>::kCode, n, hidden, flags, in, eps);
 
   const uint32_t rank = static_cast<uint32_t>(d->rank);
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
@@ -88,10 +89,8 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
     for (uint32_t i = 0; i < nranks; ++i) {
       p = (p + 1u == nranks) ? 0u : p + 1u;
       void* dst = reinterpret_cast<void*>(static_cast<uint64_t>(d->peer_base[p]) + off);
-      if (gi != partial)
-        st_relaxed_sys_v4(dst, v);
-      else
-        store_partial_sys<T>(dst, v, static_cast<int64_t>(n) - gi * V);  // slices.cuh: never past n
+      if (gi != partial) st_relaxed_sys_v4(dst, v);
+      else store_partial_sys<T>(dst, v, static_cast<int64_t>(n) - gi * V);  // slices.cuh: never past n
     }
   };
   for_my_slice<2>(sl, rank, load, store);
@@ -103,11 +102,11 @@ UBX_DEV void twoshot_unicast(const ubnext_comm_desc* d, const void* in, void* ou
 
 }  // namespace ubx
 
-#define UBX_TWOSHOT_ENTRY(NAME, T)                                                                          \
-  UBX_KERNEL(NAME) {                                                                                        \
-    ::ubx::kernel_begin();                                                                                  \
-    ::ubx::twoshot_unicast<T>(&desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden,  \
-                              eps, flags);                                                                  \
+#define UBX_TWOSHOT_ENTRY(NAME, T)                                                                              \
+  UBX_KERNEL(NAME) {                                                                                            \
+    ::ubx::kernel_begin();                                                                                      \
+    ::ubx::twoshot_unicast<T>(&desc, in, out, residual, residual_out, weight, scale, scale_inv, n, hidden, eps, \
+                              flags);                                                                           \
   }
 
 UBX_TWOSHOT_ENTRY(ubnext_twoshot_bf16, __nv_bfloat16)
