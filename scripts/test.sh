@@ -5,6 +5,9 @@ export UBNEXT_CACHE_DIR="${UBNEXT_CACHE_DIR:-$ROOT/build/cache}"
 start=$SECONDS
 step() { echo; echo "=== $* ($((SECONDS - start)) s)"; }
 
+step "format: the C/C++/CUDA sources of csrc/ and include/ follow .clang-format"
+scripts/check_format_c.sh
+
 step "kernels: NVRTC compile of every kernel for sm_90 and sm_100 (no spills allowed)"
 python -m ubnext.kernels build --arch sm_90 sm_100 --fail-on-spill
 
