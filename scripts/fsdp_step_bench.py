@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ubnext
     import ubnext.fsdp as UF
-    from ubnext import _lifecycle
+    from ubnext.runtime import _lifecycle
 
     if not dist.is_initialized():
         _lifecycle.bootstrap()  # NCCL on a GPU, gloo without one

@@ -13,7 +13,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from ubnext import _cuda, get_communicator, kernels, ops
+from ubnext.runtime import _cuda
+from ubnext import get_communicator, kernels, ops
 from ubnext.bench import _FakeStream
 
 

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 RUNS=${1:-5}
 [ -f .venv/bin/activate ] && source .venv/bin/activate
 export UBNEXT_CACHE_DIR=${UBNEXT_CACHE_DIR:-$PWD/build/cache}
-python -m ubnext._emu build >/dev/null || exit 1
+python -m ubnext.runtime._emu build >/dev/null || exit 1
 log=$(mktemp -d)
 fails=0
 run() {  # $1: label

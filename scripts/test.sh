@@ -12,7 +12,7 @@ step "kernels: NVRTC compile of every kernel for sm_90 and sm_100 (no spills all
 python -m ubnext.kernels build --arch sm_90 sm_100 --fail-on-spill
 
 step "emulator: build the CPU emulator library and its test-only broken builds (cached by content)"
-python -m ubnext._emu build --all
+python -m ubnext.runtime._emu build --all
 
 step "c tier, in the background (CMake + nvcc for sm_90/sm_100, ctest): its log follows the unit tier"
 mkdir -p build

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from . import _lifecycle, envs, ops
+from .runtime import _lifecycle
+from . import envs, ops
 from .comm import PATHS, Communicator, UbnextError, UbnextTimeoutError
 from .envs import EnvError
 

@@ -15,8 +15,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _cuda, kernels, ops, plan
-from ._checks import check_all_reduce_args, check_linear_args
+from .runtime import _cuda
+from . import kernels, ops, plan
+from .reference._checks import check_all_reduce_args, check_linear_args
 from ._executor import Call, Launch, flight_recorded, reads_own_input_only
 from .pool import TORCH_SYMM_SEGMENT, NoRoom
 from .pool.layout import _align

@@ -235,7 +235,8 @@ def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: 
             progress_path: str | None = None) -> int:
     import torch.distributed as dist
 
-    from . import _emu, envs
+    from .runtime import _emu
+    from . import envs
     from .comm import Communicator
 
     if progress_path:

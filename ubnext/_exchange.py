@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops, plan
-from ._checks import check_all_gather_args, check_reduce_scatter_args, reduce_factor
+from .reference._checks import check_all_gather_args, check_reduce_scatter_args, reduce_factor
 from ._executor import Call, flight_recorded
 
 

@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _cuda, _watchdog, envs, kernels
-from ._checks import DTYPE_CODES, FP8
+from .runtime import _cuda, _watchdog
+from . import envs, kernels
+from .reference._checks import DTYPE_CODES, FP8
 from .errors import CLOSED, UbnextError, kernel_error
 from .pool.layout import DESC_STRUCT_BYTES
 
@@ -131,7 +132,7 @@ class Launch(NamedTuple):
 
 class TorchCall(NamedTuple):
     """A call that torch.distributed makes for ubnext (the fallback), as the flight record names it
-    (ubnext/_watchdog.py reads the fields a Launch has)."""
+    (ubnext/runtime/_watchdog.py reads the fields a Launch has)."""
 
     algo: str
     name: str
@@ -184,7 +185,7 @@ class Executor:
     # NCCL's NVLS grid base (gpu_max_blocks): 16 below sm_100; a GPU communicator from sm_100 sets 32,
     # and the ranks agree on the least at pool creation
     _nvls_ctas = 16
-    # the flight record (ubnext/_watchdog.py): launches made, the last one, the last one that returned
+    # the flight record (ubnext/runtime/_watchdog.py): launches made, the last one, the last one that returned
     _flight_seq = 0
     _flight_done = 0
     _flight_how = None
@@ -306,7 +307,7 @@ class Executor:
         word is read here. Without a pool (a local kernel before it exists) there is no error word:
         a local kernel never writes one."""
         pool = self._pool
-        seq = self._flight_seq = self._flight_seq + 1  # the flight record (ubnext/_watchdog.py): a counter
+        seq = self._flight_seq = self._flight_seq + 1  # the flight record (ubnext/runtime/_watchdog.py): a counter
         self._flight_how = how
         if self.mode == "emulator":
             try:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from . import kernels, ops
-from ._blockscale import block_flags, check_fused_quant_args, output_specs
-from ._checks import FP8, check_fused_args, reference_add_rmsnorm
+from .reference._blockscale import block_flags, check_fused_quant_args, output_specs
+from .reference._checks import FP8, check_fused_args, reference_add_rmsnorm
 
 
 # Why each value the debug check compares must be the same on every rank (_check_fused_call_across_ranks).

@@ -4,7 +4,7 @@ quantisation of the normed tensor written in torch ops. Each matcher reads the g
 returns what it found or why it did not (a str), which the pass counts in ``stats()``.
 
 The FP8 quantisation is taken where it computes exactly what the fused op's FP8 form computes
-(``quantize_fp8_reference`` in ubnext/_checks.py), so that the rewrite gives the same bits as the
+(``quantize_fp8_reference`` in ubnext/reference/_checks.py), so that the rewrite gives the same bits as the
 torch code run eagerly on the fused op's normed output:
 
     static:     q = (y.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ._checks import DTYPE_CODES, FP8, FP8_MAX, FP8_TINY_SCALE_INV
+from .reference._checks import DTYPE_CODES, FP8, FP8_MAX, FP8_TINY_SCALE_INV
 
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import _cuda, _lifecycle, _watchdog, envs, kernels, plan
-from ._checks import POOL_DTYPES
+from .runtime import _cuda, _lifecycle, _watchdog
+from . import envs, kernels, plan
+from .reference._checks import POOL_DTYPES
 from .errors import CLOSED, UbnextError
 from .pool import NoRoom, SymmetricPool, plan_layout
 
@@ -420,7 +421,7 @@ class Preparation:
     def _load_kernels(self) -> str | None:
         try:
             if self.mode == "emulator":
-                from . import _emu
+                from .runtime import _emu
 
                 self._emu = _emu.load(envs.get("UBNEXT_EMU_BREAK"))
                 seed = envs.get("UBNEXT_EMU_SEED")

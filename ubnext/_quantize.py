@@ -1,7 +1,7 @@
 """Quantisation of a local tensor, one kernel where ubnext's kernels run, else the torch reference of
 the same contract: FP8 (e4m3) with its scale_inv (``quantize_fp8``, FSDP2's FP8 all-gather weights;
 quantize_fp8_reference), and the block-scaled formats of the GEMMs after a norm (``quantize``:
-NVFP4, MXFP8, per-token-group FP8; ubnext/_blockscale.py, docs/QUANTIZE.md).
+NVFP4, MXFP8, per-token-group FP8; ubnext/reference/_blockscale.py, docs/QUANTIZE.md).
 
 ``QuantizeOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
 (Planner), ``mode``, ``_pool_error``, ``_capturing``, ``_kernels_tried`` and ``key``. Local, as
@@ -16,8 +16,8 @@ import math
 import torch
 
 from . import kernels, ops, plan
-from ._blockscale import block_flags, check_quantize_block_args, output_specs, quantize_reference
-from ._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
+from .reference._blockscale import block_flags, check_quantize_block_args, output_specs, quantize_reference
+from .reference._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
 from ._executor import GPU_BLOCK, Call
 from .errors import UbnextError
 
@@ -172,7 +172,7 @@ class QuantizeOps:
 
         ``swizzled=True`` (nvfp4, mxfp8) gives the scales 1-D in torchao's ``to_blocked`` layout,
         padding included. Bitwise torchao's ``nvfp4_quantize`` / ``to_mx(..., RCEIL)`` (docs/QUANTIZE.md);
-        ``ubnext._blockscale.quantize_reference`` is the same arithmetic in torch."""
+        ``ubnext.reference._blockscale.quantize_reference`` is the same arithmetic in torch."""
         return ops.quantize(x, fmt, global_scale, bool(swizzled), bool(ue8m0), self.key)
 
     def _quantize_blocks(self, x: torch.Tensor, fmt: str, global_scale, swizzled: bool, ue8m0: bool):

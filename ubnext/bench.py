@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ._cuda import gpu_available
+from .runtime._cuda import gpu_available
 from .comm import Communicator, UbnextError
 from .testing import allreduce_bound, rank_input, reference_sum
 
@@ -201,7 +201,7 @@ STUB_ATTRIBUTE_LAUNCH_COUNT = 0x5754  # its cuDeviceGetAttribute code for the la
 def _driver_is_the_stub() -> bool:
     """Whether libcuda.so.1 is the stub driver (tests/stub_driver): the only driver to which
     ``--launch driver`` may hand launches of kernels whose pointers are CPU memory."""
-    from . import _cuda
+    from .runtime import _cuda
 
     try:
         drv = _cuda.driver()
@@ -215,7 +215,7 @@ def _driver_is_the_stub() -> bool:
 
 def _stub_launch_count() -> int:
     """How many launches the stub driver has seen (its STUB_ATTRIBUTE_LAUNCH_COUNT)."""
-    from . import _cuda
+    from .runtime import _cuda
 
     drv = _cuda.driver()
     return _cuda.check(drv.cuDeviceGetAttribute(STUB_ATTRIBUTE_LAUNCH_COUNT, drv.cuDeviceGet(0)[1]),
@@ -236,7 +236,8 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
     from contextlib import ExitStack
     from unittest import mock
 
-    from . import _cuda, get_communicator, kernels
+    from .runtime import _cuda
+    from . import get_communicator, kernels
     from .nn import Linear
 
     if launch == "driver":

@@ -33,10 +33,11 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import _lifecycle, envs, plan
+from .runtime import _lifecycle
+from . import envs, plan
 from ._allreduce import AllReduceOps
-from ._checks import reference_add_rmsnorm, rmsnorm
-from ._cuda import gpu_available, no_gpu_reason
+from .reference._checks import reference_add_rmsnorm, rmsnorm
+from .runtime._cuda import gpu_available, no_gpu_reason
 from ._exchange import ExchangeOps
 from ._executor import GRID_CAP, Call, Executor
 from ._fused import FusedNormOps
@@ -175,7 +176,7 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
 
     def _release(self, agree: bool = False) -> None:
         """Release the pool and drop the process group: a held group keeps gloo's worker
-        threads alive into interpreter finalisation (ubnext/_lifecycle.py says why that aborts).
+        threads alive into interpreter finalisation (ubnext/runtime/_lifecycle.py says why that aborts).
         ``agree``: close()'s agreement; the departure paths (interpreter exit, ``__exit__`` on an
         exception) leave without it, so that a rank's peers need not be there."""
         if self._closed:

@@ -10,7 +10,7 @@ _OP_NAMES = {1: "lamport", 2: "nvls_oneshot", 3: "nvls_twoshot", 4: "nvls_lampor
              7: "reduce_scatter"}
 # csrc/device/desc.cuh: error codes and the call header's words
 ERR_TIMEOUT, ERR_MISMATCH, ERR_PEER_LEFT = 1, 2, 3
-ERR_INTERRUPTED = 4  # UBNEXT_ERR_INTERRUPTED: a host abort on Ctrl-C (ubnext/_watchdog.py)
+ERR_INTERRUPTED = 4  # UBNEXT_ERR_INTERRUPTED: a host abort on Ctrl-C (ubnext/runtime/_watchdog.py)
 # (field 4, UBNEXT_HDR_EPS: a fused call's RMSNorm eps, its fp32 bits; barrier.cuh header_eps)
 _HEADER_FIELDS = {0: "op/dtype/flags", 1: "element count", 2: "hidden size", 3: "in offset", 4: "eps"}
 _HEADER_DTYPES = {1: "bf16", 2: "fp16", 3: "fp32", 4: "bytes"}

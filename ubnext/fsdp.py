@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from . import _lifecycle
-from ._checks import FP8, FP8_MAX, FP8_TINY_SCALE_INV, POOL_DTYPES
+from .runtime import _lifecycle
+from .reference._checks import FP8, FP8_MAX, FP8_TINY_SCALE_INV, POOL_DTYPES
 from .comm import Communicator
 
 __all__ = ["AllGather", "ReduceScatter", "use_ubnext_collectives", "FP8AllGatherWeight", "convert_to_fp8_all_gather",

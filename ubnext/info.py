@@ -20,8 +20,8 @@ import sys
 from typing import Callable
 
 from . import __version__, envs, kernels, plan
-from ._cuda import check, driver, driver_verdict, format_cuda_version, gpu_available, no_gpu_reason
-from ._sources import CSRC
+from .runtime._cuda import check, driver, driver_verdict, format_cuda_version, gpu_available, no_gpu_reason
+from .runtime._sources import CSRC
 from .pool import plan_layout
 
 SIZES = [8 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -94,7 +94,7 @@ def report(world_size: int, hidden: int, build_emulator: bool) -> str:
     add(f"  NVRTC          {_try(kernels.nvrtc_version)}")
     has_gpu = gpu_available()
     if has_gpu:
-        from ._cuda import driver_version
+        from .runtime._cuda import driver_version
 
         add(f"  driver         {_try(lambda: 'supports CUDA ' + format_cuda_version(driver_version()))}")
     else:
@@ -188,7 +188,7 @@ def _cached(fname: str, arch: str) -> bool:
 
 
 def _emulator_state(build: bool) -> str:
-    from . import _emu
+    from .runtime import _emu
 
     cxx = shutil.which("g++")
     if cxx is None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import ops
-from ._blockscale import BLOCKS
+from .reference._blockscale import BLOCKS
 
 __all__ = ["Linear", "SYMMETRIC_AR_TYPES"]
 

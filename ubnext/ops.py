@@ -24,10 +24,11 @@ from typing import Optional
 
 import torch
 
-from . import _lifecycle
-from ._blockscale import check_fused_quant_args, check_quantize_block_args, output_specs
-from ._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_out_overlap,
-                     check_same_device, check_linear_args, check_quantize_args, check_reduce_scatter_args, fp8_output)
+from .runtime import _lifecycle
+from .reference._blockscale import check_fused_quant_args, check_quantize_block_args, output_specs
+from .reference._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_out_overlap,
+                                check_same_device, check_linear_args, check_quantize_args, check_reduce_scatter_args,
+                                fp8_output)
 
 __all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "all_gather",
            "all_gather_out", "reduce_scatter", "reduce_scatter_out", "quantize_fp8", "quantize", "communicator_for",
@@ -43,7 +44,7 @@ _lib.define("all_reduce_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, fl
             "-> (Tensor, Tensor)")
 _lib.define("all_reduce_add_rmsnorm_fp8(Tensor x, Tensor residual, Tensor weight, float eps, Tensor? scale, "
             "str comm) -> (Tensor, Tensor, Tensor)")
-# the block-scaled outputs (quant=fmt: ubnext/_blockscale.py's formats): (q, residual_out, scales)
+# the block-scaled outputs (quant=fmt: ubnext/reference/_blockscale.py's formats): (q, residual_out, scales)
 _lib.define("all_reduce_add_rmsnorm_quant(Tensor x, Tensor residual, Tensor weight, float eps, str fmt, "
             "Tensor? global_scale, bool swizzled, bool ue8m0, str comm) -> (Tensor, Tensor, Tensor)")
 # FSDP2's collectives (ubnext.fsdp) and the FP8 quantisation of its weights
@@ -52,7 +53,7 @@ _lib.define("all_gather_out(Tensor x, Tensor(a!) out, str comm) -> ()")
 _lib.define("reduce_scatter(Tensor x, float factor, str comm) -> Tensor")
 _lib.define("reduce_scatter_out(Tensor x, Tensor(a!) out, float factor, str comm) -> ()")
 _lib.define("quantize_fp8(Tensor x, int hidden, Tensor? scale, str comm) -> (Tensor, Tensor)")
-# block-scaled formats for the next GEMM (ubnext/_blockscale.py): nvfp4, mxfp8, fp8_group128
+# block-scaled formats for the next GEMM (ubnext/reference/_blockscale.py): nvfp4, mxfp8, fp8_group128
 _lib.define("quantize(Tensor x, str fmt, Tensor? global_scale, bool swizzled, bool ue8m0, str comm) "
             "-> (Tensor, Tensor)")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import FP8_MAX, FP8_TINY_SCALE_INV
+from .reference._checks import FP8_MAX, FP8_TINY_SCALE_INV
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 # smallest positive subnormal: the absolute floor of any rounding error

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.conftest import MPI_WORKER, assert_mpi_ok
-from ubnext import _cuda
+from ubnext.runtime import _cuda
 
 import torch  # noqa: E402
 

@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from ubnext import _cuda
+from ubnext.runtime import _cuda
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _cuda.gpu_available(), reason=f"GPU tier: {_cuda.no_gpu_reason()}")]

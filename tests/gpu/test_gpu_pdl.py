@@ -27,7 +27,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from ubnext import _cuda, kernels, pool
+from ubnext.runtime import _cuda
+from ubnext import kernels, pool
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _cuda.gpu_available(), reason=f"GPU tier: {_cuda.no_gpu_reason()}")]

@@ -101,7 +101,7 @@ def _run_step(name: str, args: argparse.Namespace, out: Path, stub_dir: Path | N
 
 
 def _driver_verdict(args: argparse.Namespace, out: Path, stub_dir: Path | None) -> str:
-    """The driver gate's verdict (``ubnext._cuda.driver_verdict``), read in a process of its own so that
+    """The driver gate's verdict (``ubnext.runtime._cuda.driver_verdict``), read in a process of its own so that
     this one never touches the driver; the ``facts`` step records it too."""
     code = "from tests.gpu_check.step_facts import verdict; print(verdict())"
     try:

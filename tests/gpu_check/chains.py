@@ -2,7 +2,7 @@
 the one before, in ns, for the constants of the calibrated cost model (docs/PERF.md). The kernel is the
 test-only probe csrc/probes/chains.cu (what it walks and how it times: its header); this module compiles
 it with ubnext.kernels' NVRTC helper, loads it with cuda.core into the device's primary context (as
-ubnext.kernels does), launches it through ubnext/_cuda.py's launch path, and checks each walk.
+ubnext.kernels does), launches it through ubnext/runtime/_cuda.py's launch path, and checks each walk.
 
     measure(device_index) -> {name: figure(...) | skipped(...)}   # on a GPU
     rehearse() -> {"status", "compiled", "figures"}               # without one: compiles for sm_90
@@ -97,7 +97,8 @@ def measure(device_index: int) -> dict[str, dict]:
     """Each chain's ns per link on GPU ``device_index``; raises if a walk did not follow its chain."""
     import torch
 
-    from ubnext import _cuda, kernels, pool
+    from ubnext.runtime import _cuda
+    from ubnext import kernels, pool
 
     arch = _cuda.device_arch(device_index)
     image, _ = _compile(arch)

@@ -20,7 +20,7 @@ import os
 import torch
 
 from ubnext import pool as P
-from ubnext._checks import reference_add_rmsnorm
+from ubnext.reference._checks import reference_add_rmsnorm
 from ubnext.testing import rank_order_sum
 
 ROUNDS = 30  # at least ten trips through the three Lamport buffers, and as many barrier epochs
@@ -165,7 +165,8 @@ class VirtualRanks:
         """One launch per rank (``ranks``: a subset, to leave a peer missing), each on its own stream,
         without PDL (nothing precedes them), then wait for all of them. ``scalars``: (n, hidden, eps,
         flags), or a list of them, one per rank (a forced mismatch)."""
-        from ubnext import _cuda, kernels
+        from ubnext.runtime import _cuda
+        from ubnext import kernels
 
         # load_kernel keeps the object; ``kernel``: a handle of another build (the stamped one), kept by the caller
         kernel = kernel if kernel is not None else _cuda.kernel_handle(kernels.load_kernel(name, 0))
@@ -214,7 +215,8 @@ class RecordingRanks(VirtualRanks):
         return max(1, self.H100_SMS // self.n)
 
     def launch(self, name, grid, block, scalars, pointers, ranks=None, kernel=None):
-        from ubnext import _cuda, kernels
+        from ubnext.runtime import _cuda
+        from ubnext import kernels
 
         if not any(name in names for names in kernels.sources().values()):
             raise AssertionError(f"no kernel named {name}")

@@ -11,7 +11,7 @@ thread of CTA 0 rather than a record per CTA; csrc/device/desc.cuh, UBNEXT_SYNC_
     assert not order_problems(stamps, row_split=False)  # entry <= wait <= push <= slots <= exit
     since_entry(stamps)                                 # the same, in ns after the entry stamp
 
-The emulator builds the same define as ``ubnext._emu.load("stamps")`` (UBNEXT_EMU_BREAK=stamps);
+The emulator builds the same define as ``ubnext.runtime._emu.load("stamps")`` (UBNEXT_EMU_BREAK=stamps);
 tests/mpi/emu_worker.py's case ``stamps`` runs it at 2 ranks.
 
 %globaltimer counts ns, but how often it moves is the GPU's (steps of about a microsecond have been
@@ -26,7 +26,7 @@ import struct
 from ubnext.pool.layout import MAX_RANKS, SYNC_STAMPS
 
 DEFINE = "UBNEXT_STAMPS"
-EMU_BUILD = "stamps"  # ubnext._emu.BREAKS' name of the same build
+EMU_BUILD = "stamps"  # ubnext.runtime._emu.BREAKS' name of the same build
 # stamps.cuh's StampPhase, in record order; one stamp per slot (rank) follows them
 PHASES = ("entry", "wait", "push", "row_exchange", "exit")
 STAMP_COUNT = len(PHASES) + MAX_RANKS  # UBNEXT_STAMP_COUNT

@@ -22,7 +22,8 @@ def _package_version(name: str) -> dict:
 
 def verdict() -> str:
     """The driver gate's verdict (issue 36 R8), as ``python -m ubnext.info`` says it first."""
-    from ubnext import _cuda, kernels
+    from ubnext.runtime import _cuda
+    from ubnext import kernels
 
     return _cuda.driver_verdict(kernels.nvrtc_version)
 
@@ -30,7 +31,8 @@ def verdict() -> str:
 def run(ctx: Context) -> dict:
     import torch
 
-    from ubnext import _cuda, kernels
+    from ubnext.runtime import _cuda
+    from ubnext import kernels
 
     gate = verdict()
     figures = {

@@ -174,7 +174,8 @@ def _stamps() -> dict:
 
     from tests.gpu_check import loopback as L
     from tests.gpu_check import stamps as S
-    from ubnext import _cuda, kernels
+    from ubnext.runtime import _cuda
+    from ubnext import kernels
 
     image = S.compile_stamped("lamport.cu", _cuda.device_arch(0))
     with _cuda.primary_context(0):

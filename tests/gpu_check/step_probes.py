@@ -51,24 +51,25 @@ def _failed(reason: str) -> dict:
 
 def verdict() -> tuple[str, str]:
     """(the driver gate's one-line verdict, how it was obtained)."""
-    from ubnext import _cuda, kernels
+    from ubnext.runtime import _cuda
+    from ubnext import kernels
 
     gate = getattr(_cuda, "driver_verdict", None)
     if gate is not None:
         # driver_verdict(nvrtc_version) asks NVRTC's version through a callable (it sits below the kernel
         # registry); an older form took none
         takes_nvrtc = bool(inspect.signature(gate).parameters)
-        return (gate(kernels.nvrtc_version) if takes_nvrtc else gate()), "ubnext._cuda.driver_verdict"
+        return (gate(kernels.nvrtc_version) if takes_nvrtc else gate()), "ubnext.runtime._cuda.driver_verdict"
     problem = _cuda.driver_problem(_cuda.driver_version(), int(kernels.nvrtc_version().split(".")[0]))
     return (f"driver PROBLEM: {problem}" if problem else "driver OK",
-            "_cuda.driver_problem(cuDriverGetVersion, NVRTC major) (ubnext._cuda.driver_verdict is missing)")
+            "_cuda.driver_problem(cuDriverGetVersion, NVRTC major) (ubnext.runtime._cuda.driver_verdict is missing)")
 
 
 class _Driver:
     """The driver through cuda.bindings, device 0, and how each figure names its source."""
 
     def __init__(self, rehearse: bool):
-        from ubnext import _cuda
+        from ubnext.runtime import _cuda
 
         self.rehearse = rehearse
         self.drv = _cuda.driver()
@@ -89,7 +90,8 @@ class _Driver:
 
 
 def _driver_problem(ctx: Context, d: _Driver) -> dict:
-    from ubnext import _cuda, kernels
+    from ubnext.runtime import _cuda
+    from ubnext import kernels
 
     driver_cuda, nvrtc = _cuda.driver_version(), kernels.nvrtc_version()
     problem = _cuda.driver_problem(driver_cuda, int(nvrtc.split(".")[0]))
@@ -159,7 +161,8 @@ def _row_field(row, name: str):
 
 
 def _kernels_loaded(ctx: Context, d: _Driver) -> dict:
-    from ubnext import _cuda, kernels
+    from ubnext.runtime import _cuda
+    from ubnext import kernels
 
     report = getattr(kernels, "kernel_report", None)
     if report is None:
@@ -248,7 +251,7 @@ DRIVER_PROBES = {"driver_problem": _driver_problem, "device_name": _device_name,
 
 
 def _driver_is_the_stub() -> bool:
-    from ubnext import _cuda
+    from ubnext.runtime import _cuda
 
     try:
         drv = _cuda.driver()

@@ -210,7 +210,8 @@ def _recorder_in_place_of_the_launch(comm):
 
     import torch
 
-    from ubnext import _cuda, kernels
+    from ubnext.runtime import _cuda
+    from ubnext import kernels
     from ubnext.bench import _FakeStream
 
     launches = [0]
@@ -373,7 +374,7 @@ def _chain_enqueue(comm, how, pointers, pdl: bool, event: bool, captured: bool, 
     with a record after every kernel) launch the same Launch through ``_cuda.launch`` directly."""
     import torch
 
-    from ubnext import _cuda
+    from ubnext.runtime import _cuda
 
     how = how._replace(pdl=pdl)
     device_index = comm._device_index
@@ -427,7 +428,7 @@ def _chain_section(ctx: Context, comm, figures: dict, details: dict) -> None:
         return
     import torch
 
-    from ubnext import _cuda
+    from ubnext.runtime import _cuda
 
     how, n = _chain_launch(comm)
     buffers, pointers = _chain_buffers(n, comm.device)
@@ -539,7 +540,7 @@ def _local_cases(comm, shape) -> dict:
     import torch.nn.functional as F
 
     from ubnext import kernels
-    from ubnext._checks import quantize_fp8_reference
+    from ubnext.reference._checks import quantize_fp8_reference
 
     x, residual, weight = _inputs(shape, comm.device, seed=5)
     hidden = shape[-1]
@@ -547,14 +548,14 @@ def _local_cases(comm, shape) -> dict:
     for fmt in QUANT_FORMATS:
         if fmt == "fp8_group128":
             alt, what = (lambda x=x: quantize_fp8_reference(x, 128, None)), \
-                "torch eager ops: ubnext._checks.quantize_fp8_reference over groups of 128 (no torchao form)"
+                "torch eager ops: ubnext.reference._checks.quantize_fp8_reference over groups of 128 (no torchao form)"
         else:
             quantizer, what = _torchao_quantizer(fmt)
             alt = None if quantizer is None else (lambda q=quantizer: q(x))
         cases[f"quantize_{fmt}"] = ((lambda fmt=fmt: comm.quantize(x, fmt)), _nbytes(x), alt, what, _nbytes(x))
     cases["quantize_fp8"] = ((lambda: comm.quantize_fp8(x)), _nbytes(x),
                              (lambda: quantize_fp8_reference(x, hidden, None)),
-                             "torch eager ops: ubnext._checks.quantize_fp8_reference per row", _nbytes(x))
+                             "torch eager ops: ubnext.reference._checks.quantize_fp8_reference per row", _nbytes(x))
     # the add + RMSNorm kernel, as the fused op runs it on torch.distributed's fp32 sum past the pool
     # (ubnext/_fused.py, Planner._call_for's norm launch)
     reduced = x.float()

@@ -5,7 +5,7 @@ The test seam is ``UBNEXT_WORLD1_KERNELS=1`` (ubnext/envs.py): a one-rank commun
 their kernel paths instead of copying. Which kernel each op launched is recorded by wrapping the
 instance's launch (``_run``), so that an op that quietly copied cannot pass. At one rank the sum is the
 input itself, so every plain output is exact, and the fused forms are bitwise the references of
-``ubnext._checks`` / ``ubnext._blockscale`` (the kernels' own arithmetic in torch).
+``ubnext.reference._checks`` / ``ubnext.reference._blockscale`` (the kernels' own arithmetic in torch).
 
 The NVLS paths and nvls_lamport need a multicast address, which one GPU cannot make (``cuMulticastCreate``
 with one device is refused): they are ``skip`` with that reason on the GPU. In the rehearsal the emulator's
@@ -85,8 +85,8 @@ def _fused_cases(comm, recorder, path: str, dtype, dtype_name: str, eps=1e-6) ->
     """Every output form of the fused op on one path: plain, FP8 static and per token, each block format."""
     import torch
 
-    from ubnext._blockscale import quantize_reference
-    from ubnext._checks import FP8, reference_add_rmsnorm
+    from ubnext.reference._blockscale import quantize_reference
+    from ubnext.reference._checks import FP8, reference_add_rmsnorm
 
     kernel = f"ubnext_{path}_{dtype_name}" if path != "torch" else f"ubnext_add_rmsnorm_{dtype_name}"
     cases = {}
@@ -150,8 +150,8 @@ def _local_and_exchange_cases(emulate: bool) -> dict:
     import torch
 
     import ubnext
-    from ubnext._blockscale import quantize_reference
-    from ubnext._checks import quantize_fp8_reference
+    from ubnext.reference._blockscale import quantize_reference
+    from ubnext.reference._checks import quantize_fp8_reference
 
     cases = {}
     comm = ubnext.Communicator(emulate=emulate, max_hidden=HIDDEN_MAX)

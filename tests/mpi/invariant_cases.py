@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ubnext
-from ubnext._checks import FP8
+from ubnext.reference._checks import FP8
 from ubnext.plan import lamport_bytes_needed
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

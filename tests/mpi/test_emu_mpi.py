@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import assert_mpi_ok
-from ubnext import _emu
+from ubnext.runtime import _emu
 
 WORKER = Path(__file__).resolve().parent / "emu_worker.py"
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import ubnext  # noqa: E402
 from ubnext import testing as T  # noqa: E402
-from ubnext._checks import FP8  # noqa: E402
+from ubnext.reference._checks import FP8  # noqa: E402
 from tests.mpi import invariant_cases  # noqa: E402 - issue 26's batch-invariant mode
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -288,12 +288,12 @@ def case_fused_arithmetic():
     fp32 sum); the norm's sum of squares in an order fixed by the hidden size alone. So (a) residual_out
     is within one rounding of the exact value where s and the residual cancel, on every path; (b) a
     token's outputs are bitwise the same on every kernel path, and equal to the torch reference of that
-    arithmetic (ubnext._checks.reference_add_rmsnorm, the paths without a kernel) fed the rank-order
+    arithmetic (ubnext.reference._checks.reference_add_rmsnorm, the paths without a kernel) fed the rank-order
     fp32 sum; (c) at two other emulator block geometries (UBNEXT_EMU_BLOCK / UBNEXT_EMU_GRID: 256 threads
     and one CTA, 128 threads and two) the kernels give the same bits. 1 x 4096 bf16 takes the Lamport
     row split (4 CTAs of 64 threads on one row by default), 32 x 1032 one CTA per row, 2 x 2048 fp32 two CTAs
     per row by default and one at the other geometries."""
-    from ubnext._checks import reference_add_rmsnorm
+    from ubnext.reference._checks import reference_add_rmsnorm
 
     for path in FUSED_PATHS:
         COMM._algo = path
@@ -797,7 +797,7 @@ def case_captured_sizes():
     again leaks nothing."""
     if MODE != "emulator":
         return
-    import ubnext._cuda as cu
+    import ubnext.runtime._cuda as cu
 
     real = cu.capturing
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -1143,7 +1143,7 @@ def case_reduce_scatter():
                                       (1024, torch.float16, dist.ReduceOp.AVG, True),
                                       (512, torch.bfloat16, dist._make_nccl_premul_sum(0.125), False)):
         inputs = [T.rank_input(r, n * numel, dtype, 11) for r in range(n)]
-        factor = ubnext._checks.reduce_factor(op, n)
+        factor = ubnext.reference._checks.reduce_factor(op, n)
         x = inputs[rank].to(device())
         if in_pool:
             x = COMM.empty(n * numel, dtype=dtype).copy_(x)
@@ -1189,8 +1189,8 @@ def case_quantize_blocks():
     (tests/unit/test_blockscale.py ties that reference to torchao): every format and dtype, M of 1, 7,
     129 and 200, swizzled scales with padding rows (M 7, 129, 200) and columns (K 1040: 65 NVFP4
     scales a row), NaN, inf and zero blocks."""
-    from ubnext._blockscale import BLOCKS, block_flags, quantize_reference
-    from ubnext._checks import FP8_MAX
+    from ubnext.reference._blockscale import BLOCKS, block_flags, quantize_reference
+    from ubnext.reference._checks import FP8_MAX
 
     g = torch.Generator().manual_seed(dist.get_rank())
     for m, k, dtype, fmt, two_level, swizzled, ue8m0 in (
@@ -1233,8 +1233,8 @@ def check_fused_quant(comm, tokens: int, hidden: int, seed: int, dtype: torch.dt
     of that call's normed output, and bitwise the torch reference of it (which no kernel build
     touches, so a broken nibble order or swizzle shows even where both sides would share it).
     Returns the path the calls took (every call must take the same one)."""
-    from ubnext._blockscale import BLOCKS, quantize_reference
-    from ubnext._checks import FP8_MAX
+    from ubnext.reference._blockscale import BLOCKS, quantize_reference
+    from ubnext.reference._checks import FP8_MAX
 
     x = T.rank_input(dist.get_rank(), tokens * hidden, dtype, seed).view(tokens, hidden).to(device())
     residual = T.rank_input(99, tokens * hidden, dtype, seed).view(tokens, hidden).to(device())
@@ -1311,7 +1311,7 @@ def case_quantize_fp8():
     the 1e-12 floor of an all-zero row), per row, per tensor and static, including rows longer than
     the kernel's row cache, and a one-scale tensor past ONE_CTA_BYTES (its amax first, then split
     over the grid)."""
-    from ubnext._checks import quantize_fp8_reference
+    from ubnext.reference._checks import quantize_fp8_reference
     from ubnext._quantize import ONE_CTA_BYTES, split_row
 
     # rows of 8 vectors (2 threads each), 2560 (a block, read twice), 512 (a block, held in registers),
@@ -1340,8 +1340,8 @@ def case_local_first():
     on rank 0 alone while its peers make no ubnext call, they return at once with the kernels' bits
     (the kernels loaded on that rank, no pool made) instead of waiting in the pool's collective set-up
     until the timeout; then every rank goes on as usual, the same quantisation included."""
-    from ubnext._blockscale import quantize_reference
-    from ubnext._checks import quantize_fp8_reference
+    from ubnext.reference._blockscale import quantize_reference
+    from ubnext.reference._checks import quantize_fp8_reference
 
     rank, bound_s = dist.get_rank(), 30.0
     x = T.rank_input(0, 8 * 256, torch.float32, 61).mul(20).to(torch.bfloat16).view(8, 256)
@@ -1430,7 +1430,7 @@ def case_exchange_grad():
             assert torch.equal(x.grad.float(), ref.grad), f"all_gather {dtype}: not torch's functional gradient"
         # reduce_scatter: rank r's loss is sum(reduce_scatter(x) * v_r)
         for op in ("sum", "avg", dist._make_nccl_premul_sum(0.25)):
-            factor = ubnext._checks.reduce_factor(op, n)
+            factor = ubnext.reference._checks.reduce_factor(op, n)
             xs = [ints((n * rows, cols), 3, r).requires_grad_() for r in range(n)]
             vs = [ints((rows, cols), 4, r) for r in range(n)]
             sum((factor * sum(xr[r * rows:(r + 1) * rows] for xr in xs) * vs[r]).sum() for r in range(n)).backward()
@@ -1496,7 +1496,7 @@ def _fsdp_odd_stack(seed: int) -> torch.nn.Module:
 def _fsdp_effective(name: str, full: torch.Tensor, scaling: str | None, static_scale, world: int) -> torch.Tensor:
     """The weight the FSDP2 forward must compute with, from the full fp32 master: its bf16 cast,
     or for an FP8 layer the e4m3 round trip of its scaling mode (torch reference), in bf16."""
-    from ubnext._checks import FP8_MAX, FP8_TINY_SCALE_INV, quantize_fp8_reference
+    from ubnext.reference._checks import FP8_MAX, FP8_TINY_SCALE_INV, quantize_fp8_reference
     from ubnext.fsdp import dequantize
 
     if scaling is None or not name.startswith("blocks.") or name.endswith(".bias"):
@@ -1797,7 +1797,7 @@ def case_hsdp():
     holds the whole weight). Then the ranks as two emulated nodes: where each shard group lies
     within a node the kernels serve it; where each spans both, its communicator takes
     torch.distributed, as any group across hosts does."""
-    from ubnext import _lifecycle
+    from ubnext.runtime import _lifecycle
 
     n, rank = dist.get_world_size(), dist.get_rank()
     kernel = lambda path: "torch" if MODE == "torch" else path  # noqa: E731
@@ -3155,7 +3155,7 @@ def case_misaligned_unstaged():
     if MODE != "emulator":
         return
     import ubnext._executor
-    from ubnext._emu import EmulatorError
+    from ubnext.runtime._emu import EmulatorError
 
     staged = ubnext._executor._misaligned
     ubnext._executor._misaligned = lambda t, align=16: False
@@ -3181,7 +3181,8 @@ def case_misaligned_unstaged():
 def case_kernel_failure():
     """A rank that cannot build or load the kernels sends every rank to the torch path, agreed,
     with the cause logged; the sums stay right."""
-    from ubnext import _emu, kernels
+    from ubnext.runtime import _emu
+    from ubnext import kernels
 
     if MODE == "torch":
         return

@@ -1,7 +1,7 @@
 /* A stand-in libcuda.so.1 for machines without a GPU: every entry point is a no-op that returns
  * CUDA_SUCCESS with fake handles, and a launch records what it was given. With it on
  * LD_LIBRARY_PATH, cuda.bindings and cuda.core load and run their real code up to the driver call,
- * so that ubnext's launch path (ubnext/_cuda.py) is executed and its host time measured without a
+ * so that ubnext's launch path (ubnext/runtime/_cuda.py) is executed and its host time measured without a
  * GPU (tests/unit/test_stub_driver.py, python -m ubnext.bench --host --launch driver). What the driver
  * tells about a kernel (its parameters, registers, occupancy) comes from globals a test sets, for
  * ubnext.kernels.kernel_report.

@@ -71,7 +71,7 @@ def test_descriptor_field_order_matches_header():
     packed = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=6, mc_base=7,
                             layout=pool.PoolLayout(2, 4096, 8192), peer_bases=[100, 200])
     assert len(packed) == pool.DESC_STRUCT_BYTES == 8 * (16 + pool.MAX_RANKS) <= pool.DESC_BYTES
-    from ubnext import _emu
+    from ubnext.runtime import _emu
     assert _emu.DESC_BYTES == pool.DESC_STRUCT_BYTES  # the emulator binding passes as many bytes by value
 
 

@@ -1,4 +1,4 @@
-"""comm.quantize's torch reference (ubnext/_blockscale.py), the arithmetic its kernels share
+"""comm.quantize's torch reference (ubnext/reference/_blockscale.py), the arithmetic its kernels share
 (csrc/device/blockscale.cuh; the emulator tier checks them against it bitwise, worker case
 quantize_blocks), against the references users trust: torchao 0.18's nvfp4_quantize, to_blocked and
 to_mx(..., RCEIL), and ubnext's quantize_fp8_reference for groups of 128. Bitwise, at M of 1, 7, 129
@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from ubnext._blockscale import (E8M0, check_quantize_block_args, output_specs, quantize_reference, swizzled_count,
+from ubnext.reference._blockscale import (E8M0, check_quantize_block_args, output_specs, quantize_reference, swizzled_count,
                                 to_blocked)
-from ubnext._checks import FP8, FP8_MAX, quantize_fp8_reference
+from ubnext.reference._checks import FP8, FP8_MAX, quantize_fp8_reference
 
 nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
 mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")

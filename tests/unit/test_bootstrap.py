@@ -15,8 +15,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Attempted to get default timeout
 import torch
 import torch.distributed as dist
 
-import ubnext._cuda
-from ubnext import _lifecycle
+import ubnext.runtime._cuda
+from ubnext.runtime import _lifecycle
 
 
 class Recorded(Exception):
@@ -37,7 +37,7 @@ def _bootstrap_rank0(monkeypatch, peer_gpu: str, visible: int):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
     monkeypatch.delenv("UBNEXT_TIMEOUT", raising=False)
-    monkeypatch.setattr(ubnext._cuda, "gpu_available", lambda: True)
+    monkeypatch.setattr(ubnext.runtime._cuda, "gpu_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     current = [None]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ubnext import _cuda, _filelock, kernels
+from ubnext.runtime import _cuda, _filelock
+from ubnext import kernels
 from ubnext.kernels.__main__ import main as kernels_main
 
 

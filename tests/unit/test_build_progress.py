@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ubnext import _build_progress, _emu, envs, kernels
+from ubnext.runtime import _build_progress, _emu
+from ubnext import envs, kernels
 
 
 def _progress(caplog) -> list[str]:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import ubnext._cuda as cu
+import ubnext.runtime._cuda as cu
 from ubnext.comm import Communicator
 from ubnext.errors import ERR_TIMEOUT, UbnextError
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.gpu_check import chains
 from tests.mpi.emu_util import kargs
-from ubnext import _emu
+from ubnext.runtime import _emu
 
 LINKS, STEPS = 512, 300
 

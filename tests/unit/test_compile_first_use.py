@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ubnext
-from ubnext import _lifecycle
+from ubnext.runtime import _lifecycle
 from ubnext.errors import UbnextError
 
 

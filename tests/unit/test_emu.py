@@ -19,7 +19,8 @@ import pytest
 
 from tests.mpi.emu_util import (SYNC_BARRIER_FLAG, bf16_round, bf16_to_f32, kargs, pack_desc,
                                 reduce_in_order)
-from ubnext import _emu, _fdshare
+from ubnext.runtime import _emu
+from ubnext import _fdshare
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -368,7 +369,7 @@ def test_watchdog_aborts_a_stuck_launch(tmp_path):
         import sys; sys.path.insert(0, {str(ROOT)!r})
         from tests.unit.test_emu import _wait_setup
         from tests.mpi.emu_util import kargs
-        from ubnext import _emu
+        from ubnext.runtime import _emu
         emu = _emu.load()
         emu.set_watchdog(1.0)
         pool, err, desc = _wait_setup(0.1)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.mpi.emu_util import kargs, pack_desc
-from ubnext import _emu
+from ubnext.runtime import _emu
 
 TIMEOUT_S = 0.3
 

@@ -99,7 +99,7 @@ def test_kernel_timeout(monkeypatch):
     tolerates is not fatal); UBNEXT_TIMEOUT overrides; a backend without options gives torch's 30 min."""
     import torch
 
-    from ubnext._lifecycle import kernel_timeout_s
+    from ubnext.runtime._lifecycle import kernel_timeout_s
 
     monkeypatch.delenv("UBNEXT_TIMEOUT", raising=False)
     group = _FakeGroup(cpu=77, cuda=600)
@@ -122,7 +122,7 @@ def test_kernel_timeout_reads_a_real_gloo_groups_timeout():
     from tests.conftest import ROOT
 
     script = ("import datetime, torch, torch.distributed as dist\n"
-              "from ubnext._lifecycle import kernel_timeout_s\n"
+              "from ubnext.runtime._lifecycle import kernel_timeout_s\n"
               "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1,\n"
               "                        timeout=datetime.timedelta(seconds=77))\n"
               "print(kernel_timeout_s(dist.group.WORLD, torch.device('cpu')))\n"
@@ -137,7 +137,7 @@ def test_every_test_only_break_is_accepted_by_envs(monkeypatch):
     """UBNEXT_EMU_BREAK accepts exactly the emulator's broken builds: a name missing here makes
     the kernels unavailable, and a broken-build test would then fail for that reason, not for
     the violation it is meant to show."""
-    from ubnext import _emu
+    from ubnext.runtime import _emu
 
     for name in _emu.BREAKS:
         monkeypatch.setenv("UBNEXT_EMU_BREAK", name)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from ubnext import fsdp as UF
 from ubnext import plan
-from ubnext._checks import FP8, check_all_gather_args, check_quantize_args, check_reduce_scatter_args, \
+from ubnext.reference._checks import FP8, check_all_gather_args, check_quantize_args, check_reduce_scatter_args, \
     quantize_fp8_reference, reduce_factor
 
 

@@ -147,7 +147,8 @@ FAKE_GPU_SCRIPT = textwrap.dedent("""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from tests.gpu_check import step_timings as T
     from tests.gpu_check.common import Context
-    from ubnext import _cuda, kernels
+    from ubnext.runtime import _cuda
+    from ubnext import kernels
     from ubnext.comm import Communicator
 
     comm = Communicator(emulate=True, max_hidden=T.SHAPE[1])

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from ubnext import _cuda, info
+from ubnext.runtime import _cuda
+from ubnext import info
 
 
 def test_runs_here_and_says_there_is_no_gpu():

@@ -10,8 +10,9 @@ import threading
 import numpy as np
 import pytest
 
-from ubnext import _cuda, kernels, pool
-from ubnext._cuda import KernelParams, pack_kernel_args
+from ubnext.runtime import _cuda
+from ubnext import kernels, pool
+from ubnext.runtime._cuda import KernelParams, pack_kernel_args
 
 _READ = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
 DESC = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=0x7000, mc_base=0x9000,

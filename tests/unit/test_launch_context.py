@@ -11,7 +11,7 @@ import pytest
 
 driver = pytest.importorskip("cuda.bindings.driver")
 
-import ubnext._cuda as cu  # noqa: E402
+import ubnext.runtime._cuda as cu  # noqa: E402
 
 PRIMARY = {0: 0x1000, 1: 0x2000}
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ubnext import ops
-from ubnext._checks import rmsnorm
+from ubnext.reference._checks import rmsnorm
 from tests.unit.test_misuse import _bare_communicator
 
 

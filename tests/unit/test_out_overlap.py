@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import ubnext
 from ubnext import ops
-from ubnext._checks import check_out_overlap
+from ubnext.reference._checks import check_out_overlap
 
 N = 1024
 ELEM = 4  # float32

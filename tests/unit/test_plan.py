@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import ubnext._cuda
+import ubnext.runtime._cuda
 from ubnext import plan
 from ubnext.comm import Communicator
 from ubnext.pool import plan_layout
@@ -192,7 +192,7 @@ def test_first_use_inside_graph_capture_is_refused(monkeypatch):
     comm = _bare_communicator("gpu")
     comm.device = torch.device("cuda", 0)
     comm._create_pool = lambda: pytest.fail("created the pool during capture")
-    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: device.type == "cuda")
+    monkeypatch.setattr(ubnext.runtime._cuda, "capturing", lambda device: device.type == "cuda")
     with pytest.raises(UbnextError, match=r"comm\.prepare\(\)"):
         _ = comm.pool
 
@@ -213,15 +213,15 @@ def test_a_second_stream_waits_for_the_last_launch_not_the_stream(monkeypatch):
     words = torch.zeros(8, dtype=torch.int32)
     comm._pool = SimpleNamespace(err_view=words.numpy(), err_word=words, captured=False, timeout_s=1.0)
     current, capture = [0x10], [False]
-    monkeypatch.setattr(ubnext._cuda, "current_stream_handle", lambda index: current[0])
-    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: capture[0])
-    monkeypatch.setattr(ubnext._cuda, "create_event", lambda index: calls.append(("create", index)) or "E")
-    monkeypatch.setattr(ubnext._cuda, "wait_event",
+    monkeypatch.setattr(ubnext.runtime._cuda, "current_stream_handle", lambda index: current[0])
+    monkeypatch.setattr(ubnext.runtime._cuda, "capturing", lambda device: capture[0])
+    monkeypatch.setattr(ubnext.runtime._cuda, "create_event", lambda index: calls.append(("create", index)) or "E")
+    monkeypatch.setattr(ubnext.runtime._cuda, "wait_event",
                         lambda stream, event, index: calls.append(("wait", stream, event, index)))
-    monkeypatch.setattr(ubnext._cuda, "record_event",
+    monkeypatch.setattr(ubnext.runtime._cuda, "record_event",
                         lambda event, stream, index: calls.append(("record", stream, event, index)))
-    monkeypatch.setattr(ubnext._cuda, "launch_config", lambda grid, block, stream, pdl: stream)
-    monkeypatch.setattr(ubnext._cuda, "launch",
+    monkeypatch.setattr(ubnext.runtime._cuda, "launch_config", lambda grid, block, stream, pdl: stream)
+    monkeypatch.setattr(ubnext.runtime._cuda, "launch",
                         lambda kernel, stream, params, index, done=None: calls.append(("launch", stream, done)))
     how = SimpleNamespace(kernel=0, grid=1, block=32, pdl=True, params=SimpleNamespace(address=lambda pointers: 0))
 
@@ -259,7 +259,7 @@ def test_torch_symm_never_allocates_inside_capture(monkeypatch):
     used = []
     comm._torch_all_reduce = lambda x, out: used.append("torch")
     monkeypatch.setattr(symm_mem, "empty", lambda *a, **k: pytest.fail("allocated inside capture"))
-    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: True)
+    monkeypatch.setattr(ubnext.runtime._cuda, "capturing", lambda device: True)
     x = torch.ones(8)
     comm._torch_symm_all_reduce(x, x)
     assert used == ["torch"]
@@ -288,7 +288,7 @@ def test_torch_symm_takes_only_what_torchs_op_takes(monkeypatch, caplog, dtype, 
         raise LookupError("reached symm_mem.empty")
 
     monkeypatch.setattr(symm_mem, "empty", reached_torch)
-    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: False)
+    monkeypatch.setattr(ubnext.runtime._cuda, "capturing", lambda device: False)
     x = torch.ones(numel, dtype=dtype)
     if refused is None:
         with pytest.raises(LookupError, match="reached symm_mem.empty"):
@@ -319,7 +319,7 @@ def test_torch_symm_keeps_one_buffer_per_dtype(monkeypatch):
     comm.group, comm.device = SimpleNamespace(group_name="g"), torch.device("cpu")
     comm._capturing, comm._launch_done, comm._stream, comm._device_index = False, "E", 0, 0
     recorded = []  # the ordering event, moved after each op that used torch's symmetric buffer
-    monkeypatch.setattr(ubnext._cuda, "record_event", lambda event, stream, index: recorded.append(event))
+    monkeypatch.setattr(ubnext.runtime._cuda, "record_event", lambda event, stream, index: recorded.append(event))
     made, rendezvous, reduced, fallbacks = [], [], [], []
     comm._torch_all_reduce = lambda x, out: fallbacks.append(x.numel()) or out.copy_(2 * x)
 
@@ -337,7 +337,7 @@ def test_torch_symm_keeps_one_buffer_per_dtype(monkeypatch):
     monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce", one_shot_all_reduce)
     monkeypatch.setattr(_allreduce, "_SYMM_KEPT_FOR_GRAPHS", [])
     capture = [False]
-    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: capture[0])
+    monkeypatch.setattr(ubnext.runtime._cuda, "capturing", lambda device: capture[0])
 
     def reduce(n, dtype=torch.float32):
         x = torch.arange(n, dtype=dtype)
@@ -393,7 +393,7 @@ def test_isolated_gpus_make_the_fallback_say_why(monkeypatch, caplog):
     monkeypatch.setattr(comm_mod, "SymmetricPool", refuse)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    monkeypatch.setattr(ubnext._cuda, "capturing", lambda device: False)
+    monkeypatch.setattr(ubnext.runtime._cuda, "capturing", lambda device: False)
     with caplog.at_level("WARNING", logger="ubnext"):
         assert comm._create_pool() is None
     assert "every rank sees one GPU, CUDA_VISIBLE_DEVICES='3'" in comm._pool_error
@@ -475,7 +475,8 @@ def test_messages_of_2_gib_or_more_never_reach_a_kernel():
     """Issue 23, risk "silent int32 wraparound": the kernels count in 32 bits, and numpy 1.x wraps
     np.int32(n) silently for n >= 2**31. Such messages take torch.distributed, on every path,
     and packing such a count for a launch refuses."""
-    from ubnext import _cuda, kernels
+    from ubnext.runtime import _cuda
+    from ubnext import kernels
 
     view = plan.PoolView(None, True, 1 << 40, 1 << 40, "gpu")
     for nbytes in (1 << 31, 3 << 30):

@@ -52,7 +52,7 @@ def test_a_release_that_meets_a_capture_waits_for_its_end(monkeypatch):
     """The last view can die (garbage collection) while another stream captures a graph: releasing
     then (synchronise, unmap) would break the capture, so it waits for the next pool creation or
     close outside capture."""
-    import ubnext._cuda as cu
+    import ubnext.runtime._cuda as cu
     from ubnext import pool as pool_mod
 
     pool = _pool()
@@ -92,7 +92,7 @@ def test_comm_empty_inside_capture_takes_the_graph_arena_without_a_host_round_tr
     peers (all_gather_object, a host round trip that breaks a capture): inside a capture it takes
     the graph arena, whose placement is the sequence of allocations alone, and keeps the block
     for the pool's life (a captured graph replays on it)."""
-    import ubnext._cuda as cu
+    import ubnext.runtime._cuda as cu
     from ubnext.comm import Communicator
 
     pool = _pool()

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
     import ctypes, struct, sys, threading
     import numpy as np
     from ubnext import kernels, pool
-    from ubnext._cuda import (KernelParams, core, driver, kernel_handle, launch, launch_config, pack_kernel_args,
+    from ubnext.runtime._cuda import (KernelParams, core, driver, kernel_handle, launch, launch_config, pack_kernel_args,
                               pdl_enabled)
 
     stub = ctypes.CDLL("libcuda.so.1")
@@ -108,7 +108,7 @@ def test_launch_reaches_the_driver_with_every_argument(stub_dir, env, pdl):
 LOAD_SCRIPT = textwrap.dedent("""
     import ctypes, threading
     from ubnext import kernels
-    from ubnext._cuda import driver
+    from ubnext.runtime._cuda import driver
 
     stub = ctypes.CDLL("libcuda.so.1")
     assert hasattr(stub, "stub_last_load_ctx"), "libcuda.so.1 is not the stub"
@@ -163,7 +163,7 @@ REPORT_SCRIPT = textwrap.dedent("""
     import ctypes, json, os, sys
     from pathlib import Path
     from ubnext import kernels, pool
-    from ubnext._cuda import driver
+    from ubnext.runtime._cuda import driver
 
     stub = ctypes.CDLL("libcuda.so.1")
     assert hasattr(stub, "stub_func_load_count"), "libcuda.so.1 is not the stub"
@@ -281,7 +281,7 @@ def _run_with_stub(stub_dir, script: str, argv: tuple[str, ...] = (), **env) -> 
 PROBE_SCRIPT = textwrap.dedent("""
     import sys
     import torch
-    import ubnext._cuda as cu
+    import ubnext.runtime._cuda as cu
 
     # torch's CPU build ends the probe before the driver ("torch is a CPU build"): stand in for a CUDA
     # build, so that the driver part runs through cuda.bindings against the stub
@@ -315,7 +315,7 @@ def test_the_gpu_probe_and_the_arch_through_the_driver(stub_dir, env, expected):
 
 PINNED_SCRIPT = textwrap.dedent("""
     import torch
-    from ubnext._cuda import check, driver
+    from ubnext.runtime._cuda import check, driver
     from ubnext.pool.symmetric import _device_pointer_of_pinned
 
     drv = driver()

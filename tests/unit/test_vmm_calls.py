@@ -135,7 +135,7 @@ class FakeDriver:
 def _primary_contexts_of_this_test():
     """_cuda retains a device's primary context once per process: from this test's fake driver,
     and none left behind for a later test's driver."""
-    import ubnext._cuda as cu
+    import ubnext.runtime._cuda as cu
 
     cu._primary_context.cache_clear()
     yield
@@ -146,7 +146,7 @@ def _primary_contexts_of_this_test():
 def fake(monkeypatch):
     def make(multicast):
         drv = FakeDriver(multicast)
-        import ubnext._cuda as cu
+        import ubnext.runtime._cuda as cu
 
         monkeypatch.setattr(cu, "driver", lambda: drv)
         monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
@@ -234,7 +234,7 @@ def test_a_failing_release_call_is_logged_and_the_rest_still_run(monkeypatch, ca
     """Issue 36 R6: a release call that fails is logged (logger "ubnext", naming the call and its
     status), never raised (a release runs where nobody can act on an exception: a failed set-up, a
     deferred release), and the calls after it still run, so that one failure leaks only its own part."""
-    import ubnext._cuda as cu
+    import ubnext.runtime._cuda as cu
 
     drv = FailingDriver(True)
     monkeypatch.setattr(cu, "driver", lambda: drv)
@@ -358,7 +358,7 @@ def _close(backend, drv):
 
 
 def _set_up_two_ranks(monkeypatch, drivers, exchange_fails=None):
-    import ubnext._cuda as cu
+    import ubnext.runtime._cuda as cu
     from ubnext import _fdshare
 
     monkeypatch.setattr(cu, "driver", lambda: _RANK.drv)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ubnext._blockscale import quantize_reference
-from ubnext._checks import FP8, quantize_fp8_reference, reference_add_rmsnorm
+from ubnext.reference._blockscale import quantize_reference
+from ubnext.reference._checks import FP8, quantize_fp8_reference, reference_add_rmsnorm
 from ubnext.comm import Communicator
 
 K = 1024

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import envs
-from .._build_progress import announce
-from .._filelock import exclusive
-from .._sources import CSRC
+from ..runtime._build_progress import announce
+from ..runtime._filelock import exclusive
+from ..runtime._sources import CSRC
 
 _log = logging.getLogger("ubnext")
 
@@ -237,7 +237,7 @@ def cuda_headers_hash() -> str:
 def nvrtc_version() -> str:
     from cuda.bindings import nvrtc
 
-    from .._cuda import check
+    from ..runtime._cuda import check
 
     major, minor = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     return f"{major}.{minor}"
@@ -274,7 +274,7 @@ def _nvrtc_images(fname: str, arch: str, wants: tuple[str, ...],
     compile for a real architecture keeps its PTX too) with the program log."""
     from cuda.bindings import nvrtc
 
-    from .._cuda import CudaError, check
+    from ..runtime._cuda import CudaError, check
 
     path = CSRC / "kernels" / fname
     src = path.read_bytes()
@@ -488,7 +488,7 @@ def _nvrtc_major(version: str) -> int:
 def object_code(image: bytes):
     """A cuda.core ObjectCode of a cubin, in either cuda.core layout (``from_cubin`` since 0.2); load it in
     the primary context (``_cuda.primary_context``) and keep it referenced while its kernels are used."""
-    from .._cuda import core
+    from ..runtime._cuda import core
 
     mod = core()
     return mod.ObjectCode.from_cubin(image) if hasattr(mod.ObjectCode, "from_cubin") else mod.ObjectCode(image, "cubin")
@@ -501,7 +501,7 @@ def load_all(device_index: int) -> None:
     of the NVRTC that built them: a carried cubin's (UBNEXT_CUBIN_DIR), or this NVRTC's for the
     others; a carried cubin the driver cannot load is left for one of this NVRTC. Missing cubins
     compile in parallel."""
-    from .._cuda import CudaError, device_arch, driver_problem, driver_version
+    from ..runtime._cuda import CudaError, device_arch, driver_problem, driver_version
 
     files = sources()
     arch = device_arch(device_index)
@@ -530,7 +530,7 @@ def load_all(device_index: int) -> None:
 @functools.lru_cache(maxsize=None)
 def _driver_loads_eagerly(driver_cuda: int) -> bool:
     """Whether the driver has cuFuncLoad (CUDA 12.4); says once when it has not."""
-    from .._cuda import format_cuda_version
+    from ..runtime._cuda import format_cuda_version
 
     if driver_cuda >= EAGER_LOADING_DRIVER:
         return True
@@ -545,7 +545,7 @@ def _load_file(cubin: Cubin, device_index: int) -> None:
     context at once (cuKernelGetFunction, then cuFuncLoad). cuda.core loads through
     cuLibraryLoadData, whose kernels the driver otherwise loads into a context at their first
     launch."""
-    from .._cuda import check, driver, driver_version, kernel_address, primary_context
+    from ..runtime._cuda import check, driver, driver_version, kernel_address, primary_context
 
     drv = driver()
     eager = _driver_loads_eagerly(driver_version())
@@ -577,7 +577,7 @@ def load_kernel(name: str, device_index: int):
     kernel = _loaded.get((name, device_index))
     if kernel is not None:
         return kernel
-    from .._cuda import device_arch
+    from ..runtime._cuda import device_arch
 
     _load_file(cubin_for(_file_of(name), device_arch(device_index)), device_index)
     return _loaded[name, device_index]

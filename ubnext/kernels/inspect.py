@@ -29,7 +29,7 @@ def abi_param_sizes() -> list[int]:
 def _driver_param_sizes(drv, kernel) -> list[int]:
     """The kernel's parameter sizes as the driver reads them from the cubin, in order, up to the
     index it refuses (CUDA_ERROR_INVALID_VALUE: past the last parameter)."""
-    from .._cuda import check, kernel_address
+    from ..runtime._cuda import check, kernel_address
 
     handle = drv.CUkernel(kernel_address(kernel))
     sizes = []
@@ -49,7 +49,7 @@ def kernel_report(device_index: int, block: int = 256) -> list[dict[str, Any]]:
     (KERNEL_SIGNATURE's), registers and local_bytes (cuFuncGetAttribute), block and
     max_blocks_per_sm (cuOccupancyMaxActiveBlocksPerMultiprocessor at ``block`` threads, no
     dynamic shared memory)."""
-    from .._cuda import check, driver, primary_context
+    from ..runtime._cuda import check, driver, primary_context
 
     load_all(device_index)
     drv = driver()

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import _cuda
+from ..runtime import _cuda
 
 # Tensors over pool memory, freed when the last view is released
 

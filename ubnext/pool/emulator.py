@@ -26,7 +26,7 @@ class EmulatorBackend(_Backend):
     name = "emulator"
 
     def __init__(self, size: int, rank: int, nranks: int, allgather: Callable[[object], list]):
-        from .. import _emu
+        from ..runtime import _emu
 
         self.device = torch.device("cpu")
         self.size = size

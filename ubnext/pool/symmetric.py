@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from .. import _cuda, envs
+from ..runtime import _cuda
+from .. import envs
 from ..allocator import Allocator, NoRoom, RingAllocator
 from ._backend import PoolSetupError, _agree, _Backend, _Slot, release_deferred
 from .emulator import EmulatorBackend
@@ -275,7 +276,7 @@ class SymmetricPool:
         sync region, then each rank's abort flag; every wait of every rank's kernels ends at its next look
         at the flag (UBX_ABORT_POLL_NS) and reports the record. Nothing when a failure of this rank
         already aborted it (the claim word). Emulator pools only (host memory, written from any thread:
-        the Ctrl-C of ubnext/_watchdog.py); False where it did nothing."""
+        the Ctrl-C of ubnext/runtime/_watchdog.py); False where it did nothing."""
         if self._closed or self.device.type == "cuda":
             return False
         sync = [base + self.layout.sync_off for base in self.backend.peer_bases]
@@ -324,7 +325,7 @@ def _device_pointer_of_pinned(t: torch.Tensor) -> int:
     with cudaHostRegister, whose device pointer equals the host pointer only where
     CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM holds on every visible device
     (cuMemHostGetDevicePointer docs). cuMemHostGetDevicePointer answers for both."""
-    from .._cuda import CudaError, check, driver
+    from ..runtime._cuda import CudaError, check, driver
 
     host = t.data_ptr()
     try:

@@ -27,7 +27,7 @@ class VmmBackend(_Backend):
 
     def __init__(self, size: int, rank: int, nranks: int, device: torch.device,
                  allgather: Callable[[object], list]):
-        from .._cuda import check, driver
+        from ..runtime._cuda import check, driver
 
         self.device = device
         self._drv = driver()
@@ -53,7 +53,7 @@ class VmmBackend(_Backend):
                 raise
 
     def _set_up(self, size, rank, nranks, device, allgather, context: contextlib.ExitStack) -> None:
-        from .._cuda import CudaError, primary_context
+        from ..runtime._cuda import CudaError, primary_context
 
         drv, check = self._drv, self._check
         # -- phase 1: what this GPU offers, agreed (sizes, multicast, which GPU)
@@ -111,7 +111,7 @@ class VmmBackend(_Backend):
 
     def _query(self, size: int, nranks: int, device: torch.device) -> tuple[int, bool, int, bytes]:
         """(allocation granularity, multicast supported, multicast granularity, GPU UUID)."""
-        from .._cuda import CudaError
+        from ..runtime._cuda import CudaError
 
         drv, check = self._drv, self._check
         self._dev = dev = check(drv.cuDeviceGet(device.index), "cuDeviceGet")
@@ -176,7 +176,7 @@ class VmmBackend(_Backend):
             log.warning("ubnext vmm pool: %s; the pool goes on without multicast (unicast paths only)", exc)
 
     def _multicast_phases(self, rank, nranks, allgather) -> None:
-        from .._cuda import CudaError
+        from ..runtime._cuda import CudaError
 
         drv, check = self._drv, self._check
         # -- phase 4: rank 0 creates the multicast object and shares it
@@ -255,7 +255,7 @@ class VmmBackend(_Backend):
         way (a failed set-up) and at the end of a pool's life, where nobody could act on one; so
         every failing call is logged, named with its status, and the rest still go (a failure left
         silent would leak the memory unseen)."""
-        from .._cuda import CudaError, primary_context
+        from ..runtime._cuda import CudaError, primary_context
 
         try:
             with contextlib.ExitStack() as context:
@@ -283,7 +283,7 @@ class VmmBackend(_Backend):
 
 def _log_failure(result, what: str) -> None:
     """Log a release call's failure (cuda.bindings' ``(status, ...)``) instead of raising it."""
-    from .._cuda import CudaError, check
+    from ..runtime._cuda import CudaError, check
 
     try:
         check(result, what)

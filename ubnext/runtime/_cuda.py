@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from . import envs
+from .. import envs
 
 __all__ = [
     "CudaError",

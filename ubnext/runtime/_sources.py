@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]  # ubnext/, this file being ubnext/runtime/_sources.py
 
 
 def _locate(name: str) -> Path:

@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from . import envs
+from .. import envs
 
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from .. import kernels
 from ._checks import FP8, FP8_MAX, check_fused_args, check_tensor, fp8_scale_inv
 
 BLOCKS = {"nvfp4": 16, "mxfp8": 32, "fp8_group128": 128}

@@ -22,7 +22,7 @@ API::
     with emu.recording() as launches:  # count mode: one LaunchCount per launch inside the block
         ...
 
-``python -m ubnext._emu build [--break NAME | --all]`` builds ahead of time and prints the path(s).
+``python -m ubnext.runtime._emu build [--break NAME | --all]`` builds ahead of time and prints the path(s).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple, Sequence
 
-from . import envs
+from .. import envs
 from ._build_progress import announce
 from ._filelock import exclusive
 from ._sources import CSRC
@@ -104,7 +104,7 @@ def _sources() -> list[Path]:
 
 
 def _include_dirs() -> list[Path]:
-    from .kernels import cuda_include_dir
+    from ..kernels import cuda_include_dir
 
     # The shim directory goes last: it only supplies crt/host_defines.h where the CUDA headers
     # come from the pip wheel, which lacks it (csrc/emu/shim/crt/host_defines.h says why).
@@ -449,7 +449,7 @@ def load(break_name: str = "") -> Emulator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ubnext._emu", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ubnext.runtime._emu", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build the emulator library and print its path")
     b.add_argument("--break", dest="break_name", default="", choices=sorted(BREAKS),

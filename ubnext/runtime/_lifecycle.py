@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import _watchdog, envs
-from .errors import UbnextError
+from . import _watchdog
+from .. import envs
+from ..errors import UbnextError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .comm import Communicator
+    from ..comm import Communicator
 
 log = logging.getLogger("ubnext")
 

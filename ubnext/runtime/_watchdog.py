@@ -35,8 +35,8 @@ import weakref
 
 import torch.distributed as dist
 
-from . import envs
-from .errors import ERR_INTERRUPTED
+from .. import envs
+from ..errors import ERR_INTERRUPTED
 
 log = logging.getLogger("ubnext")
 
