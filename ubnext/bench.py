@@ -416,13 +416,13 @@ def main(argv: list[str] | None = None) -> int:
                              "stub driver (scripts/host_bench.sh sets it up)")
     parser.add_argument("--calls", type=int, default=2000, help="--host: calls per timing")
     parser.add_argument("--model", action="store_true",
-                        help="the critical-path model (ubnext/_costmodel.py): counts every path on the CPU "
+                        help="the critical-path model (ubnext/tuning/_costmodel.py): counts every path on the CPU "
                              "emulator at a GPU's launch geometry and models its time; starts its own ranks")
     parser.add_argument("--world", type=int, default=8, help="--model: emulated ranks")
     parser.add_argument("--write-thresholds", action="store_true",
                         help="--model: measure every allreduce and fused path at --worlds, with and without "
-                             "multicast, and write the planner's path orders to ubnext/_thresholds.py "
-                             "(ubnext/_crossovers.py says how)")
+                             "multicast, and write the planner's path orders to ubnext/plan/_thresholds.py "
+                             "(ubnext/tuning/_crossovers.py says how)")
     parser.add_argument("--worlds", type=int, nargs="+", default=None,
                         help="--write-thresholds: the worlds measured (default 2 4 8; those between are "
                              "interpolated)")
@@ -434,13 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.host:
         return host_main(args)
     if args.model and args.write_thresholds:
-        from . import _crossovers
+        from .tuning import _crossovers
 
         torders = _crossovers.write(tuple(args.worlds or _crossovers.MEASURED_WORLDS))
         print("\n".join(_crossovers.format_orders(torders)))
         return 0
     if args.model:
-        from . import _costmodel
+        from .tuning import _costmodel
 
         rows = _costmodel.run(args.world, quick=args.quick)
         _costmodel.print_table(rows, args.json)

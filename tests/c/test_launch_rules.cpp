@@ -1,5 +1,5 @@
 // The C API's per-algorithm buffer rules and default grid (csrc/host/launch_rules.h), checked
-// without a GPU. The grid must match the Python launcher (ubnext/comm.py, _geometry) so that a
+// without a GPU. The grid must match the Python launcher (ubnext/comm/__init__.py, _geometry) so that a
 // job gets the same geometry whichever front end launches it; py_grid below transcribes it.
 #include <algorithm>
 #include <cstdio>
@@ -22,7 +22,7 @@ namespace {
 using ubnext::default_grid;
 using ubnext::kAlgos;
 
-// ubnext/_executor.py launch_geometry with gpu_max_blocks on a GPU (block 256, sm_count =
+// ubnext/comm/_executor.py launch_geometry with gpu_max_blocks on a GPU (block 256, sm_count =
 // min(128, SM count), nvls_ctas 16 below sm_100 and 32 from it), grid only.
 long long py_grid(const char* algo, long long n, long long elem, long long tokens, bool fused,
                   long long world, long long sms, int cc_major = 9) {
@@ -119,7 +119,7 @@ void test_grid_matches_python() {
         CHECK(c_grid(a, t * 4096 * 2, t, 8, sms, 9, 1 << 20, a == UBNEXT_ALGO_LAMPORT ? 4096 * 2 / 16 : 0) == py_grid(kNames[a], t * 4096, 2, t, true, 8, sms));
         ++checked;
       }
-  std::printf("default grid: %d cases match ubnext/_executor.py launch_geometry\n", checked);
+  std::printf("default grid: %d cases match ubnext/comm/_executor.py launch_geometry\n", checked);
 }
 
 void test_grid_caps() {
@@ -175,7 +175,7 @@ void test_nvls_twoshot_grid() {
 }
 
 // ubnext_quantize_fp8's grid: the work alone, no residency cap (the kernel is local). The same numbers
-// are pinned for ubnext/_quantize.py quantize_geometry in tests/unit/test_plan.py.
+// are pinned for ubnext/comm/_quantize.py quantize_geometry in tests/unit/test_plan.py.
 void test_quantize_grid() {
   using ubnext::quantize_grid;
   CHECK(quantize_grid(false, 64u << 20, 0, 256) == 4096);       // 64 MB static: 4 vectors per thread

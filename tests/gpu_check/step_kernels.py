@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from tests.gpu_check.common import Context, figure, result
 
-BLOCK = 256  # ubnext._executor.GPU_BLOCK: every collective launch's block size
+BLOCK = 256  # ubnext.comm._executor.GPU_BLOCK: every collective launch's block size
 
 
 def run(ctx: Context) -> dict:
     from ubnext import kernels
-    from ubnext._executor import GPU_BLOCK
+    from ubnext.comm._executor import GPU_BLOCK
 
     assert GPU_BLOCK == BLOCK, "the launch's block size changed: the occupancy check must follow it"
     rows = kernels.kernel_report(0, block=BLOCK)

@@ -77,7 +77,7 @@ def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=Non
 
     from tests.gpu_check import loopback as L
     from ubnext import kernels
-    from ubnext._executor import GPU_BLOCK, launch_geometry
+    from ubnext.comm._executor import GPU_BLOCK, launch_geometry
 
     n, dev = vr.n, vr.device
     xs = [x.to(dev) for x in L.inputs(case, n, round_)]

@@ -557,7 +557,7 @@ def _local_cases(comm, shape) -> dict:
                              (lambda: quantize_fp8_reference(x, hidden, None)),
                              "torch eager ops: ubnext.reference._checks.quantize_fp8_reference per row", _nbytes(x))
     # the add + RMSNorm kernel, as the fused op runs it on torch.distributed's fp32 sum past the pool
-    # (ubnext/_fused.py, Planner._call_for's norm launch)
+    # (ubnext/comm/_fused.py, Planner._call_for's norm launch)
     reduced = x.float()
     norm = comm._launch_for("add_rmsnorm", torch.bfloat16, x.numel(), hidden, EPS, kernels.F_FUSED_NORM)
 

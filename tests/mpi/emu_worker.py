@@ -1,5 +1,5 @@
 """One rank of the emulator's multi-process tests (started by tests/mpi/test_emu_mpi.py under
-mpirun). Each rank maps every rank's memfd pool (fds passed by ubnext._fdshare), registers it with
+mpirun). Each rank maps every rank's memfd pool (fds passed by ubnext.pool._fdshare), registers it with
 the emulator and runs the cases named on the command line:
 
   multicast  ld_reduce / st / red through the multicast range across processes, unicast pushes,

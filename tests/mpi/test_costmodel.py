@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import assert_mpi_ok, run_script
-from ubnext import _costmodel
+from ubnext.tuning import _costmodel
 
 # (op, path, bytes) -> (ctas, hops, fences, max_cta_bytes), at 4 ranks, GPU geometry (256 threads,
 # grids from 132 SMs capped at 128, halved for kernels that wait on peers: none of these small grids
@@ -143,9 +143,10 @@ def test_counts_are_pinned_without_multicast(unicast_at_4):
 
 
 def _differences_from_the_table(rows, world: int, multicast: bool) -> tuple[list[str], int]:
-    """Where measured rows differ from the counts ubnext/_thresholds.py keeps at that world (the counts
+    """Where measured rows differ from the counts ubnext/plan/_thresholds.py keeps at that world (the counts
     its path orders were derived from), and how many cases both hold."""
-    from ubnext import _crossovers, _thresholds
+    from ubnext.tuning import _crossovers
+    from ubnext.plan import _thresholds
 
     model = _crossovers.model_of(_thresholds.COUNTS, _thresholds.SM_COUNT)
     differ, compared = [], 0
@@ -166,17 +167,17 @@ def _differences_from_the_table(rows, world: int, multicast: bool) -> tuple[list
 
 
 def test_the_planners_table_holds_todays_counts(multicast_at_4, unicast_at_4):
-    """ubnext/_thresholds.py keeps the counts its path orders were derived from: at 4 ranks they
+    """ubnext/plan/_thresholds.py keeps the counts its path orders were derived from: at 4 ranks they
     must be what the kernels count today, in every case both hold, else the orders are stale. (The
     fence test below shows a changed kernel fails this check.)"""
-    from ubnext import _crossovers
+    from ubnext.tuning import _crossovers
 
     differ, compared = [], 0
     for multicast, rows in ((True, multicast_at_4), (False, unicast_at_4)):
         d, c = _differences_from_the_table(rows, 4, multicast)
         differ, compared = differ + d, compared + c
     assert compared >= 20, compared
-    assert not differ, (f"ubnext/_thresholds.py is stale (kernel counts changed): regenerate it with "
+    assert not differ, (f"ubnext/plan/_thresholds.py is stale (kernel counts changed): regenerate it with "
                         f"`{_crossovers.COMMAND}`.\n  " + "\n  ".join(differ))
 
 

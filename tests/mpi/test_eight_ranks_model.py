@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ubnext import _costmodel
+from ubnext.tuning import _costmodel
 
 CASES = frozenset({("all_reduce_add_rmsnorm", "nvls_lamport"), (_costmodel.FUSED_NVFP4, "nvls_lamport")})
 

@@ -138,7 +138,7 @@ def case_auto():
     mc = COMM.pool.has_multicast
     check_allreduce(1000, torch.bfloat16, seed=1)
     assert COMM.last_path == "lamport"
-    # past the smallest sizes the model's order for this world decides (ubnext/_thresholds.py): the
+    # past the smallest sizes the model's order for this world decides (ubnext/plan/_thresholds.py): the
     # first path of it that this pool can run; a path the pool cannot run is skipped
     from ubnext import plan
 
@@ -1312,7 +1312,7 @@ def case_quantize_fp8():
     the kernel's row cache, and a one-scale tensor past ONE_CTA_BYTES (its amax first, then split
     over the grid)."""
     from ubnext.reference._checks import quantize_fp8_reference
-    from ubnext._quantize import ONE_CTA_BYTES, split_row
+    from ubnext.comm._quantize import ONE_CTA_BYTES, split_row
 
     # rows of 8 vectors (2 threads each), 2560 (a block, read twice), 512 (a block, held in registers),
     # 8 fp32 and 6 fp16 vectors: every shape of the per-row kernel's thread groups
@@ -3154,11 +3154,11 @@ def case_misaligned_unstaged():
     and names the kernel, the access and the pointer: the check that catches a missing staging."""
     if MODE != "emulator":
         return
-    import ubnext._executor
+    import ubnext.comm._executor
     from ubnext.runtime._emu import EmulatorError
 
-    staged = ubnext._executor._misaligned
-    ubnext._executor._misaligned = lambda t, align=16: False
+    staged = ubnext.comm._executor._misaligned
+    ubnext.comm._executor._misaligned = lambda t, align=16: False
     comm = ubnext.Communicator(emulate=True, algo="lamport")
     comm.all_reduce(torch.ones(4096, dtype=torch.bfloat16))  # creates the pool, aligned: fine
     x = misaligned(torch.ones(4096, dtype=torch.bfloat16))
@@ -3173,7 +3173,7 @@ def case_misaligned_unstaged():
         else:
             raise AssertionError("a misaligned vector access went unnoticed")
     finally:
-        ubnext._executor._misaligned = staged
+        ubnext.comm._executor._misaligned = staged
         comm._pool.close()  # a faulted launch leaves the protocol state undefined: no collective close
     dist.barrier()
 

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from ubnext.allocator import Allocator, NoRoom
+from ubnext.pool.allocator import Allocator, NoRoom
 
 
 def _check_invariants(a: Allocator, live: dict[int, int]):
@@ -101,7 +101,7 @@ def test_largest_free_counts_the_alignment():
 def test_ring_places_by_the_sequence_of_allocations_whatever_the_frees():
     """Two ranks allocate the same sequence; one frees each buffer at once, the other only much
     later (its garbage collector has not run): the offsets are the same."""
-    from ubnext.allocator import RingAllocator
+    from ubnext.pool.allocator import RingAllocator
 
     prompt, late = RingAllocator(0, 1 << 16), RingAllocator(0, 1 << 16)
     pending = []
@@ -118,7 +118,7 @@ def test_ring_places_by_the_sequence_of_allocations_whatever_the_frees():
 
 
 def test_ring_collects_before_it_skips_and_skips_what_is_still_held():
-    from ubnext.allocator import RingAllocator
+    from ubnext.pool.allocator import RingAllocator
 
     garbage: list[int] = []
     ring = RingAllocator(0, 4096, collect=lambda: [ring.free(o) for o in garbage] and garbage.clear())
@@ -134,7 +134,7 @@ def test_ring_collects_before_it_skips_and_skips_what_is_still_held():
 
 
 def test_ring_without_room_raises_and_keeps_its_state():
-    from ubnext.allocator import NoRoom, RingAllocator
+    from ubnext.pool.allocator import NoRoom, RingAllocator
 
     ring = RingAllocator(0, 4096, collect=lambda: None)
     a = ring.alloc(3000)
@@ -156,7 +156,7 @@ def test_frees_from_other_threads_never_hand_out_overlapping_ranges(kind):
     import sys
     import threading
 
-    from ubnext.allocator import Allocator, NoRoom, RingAllocator
+    from ubnext.pool.allocator import Allocator, NoRoom, RingAllocator
 
     arena = RingAllocator(0, 1 << 20) if kind == "ring" else Allocator(0, 1 << 20)
     errors: list = []
@@ -203,7 +203,7 @@ def test_the_pools_collection_runs_even_while_another_thread_collects():
     import gc
     import threading
 
-    from ubnext.allocator import RingAllocator
+    from ubnext.pool.allocator import RingAllocator
     from ubnext.pool.symmetric import collect_garbage
 
     ring = RingAllocator(0, 4096, collect=collect_garbage)

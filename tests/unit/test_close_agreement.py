@@ -146,7 +146,7 @@ def test_a_peer_that_left_without_closing_ends_the_wait_early(store, monkeypatch
     """Rank 1 left on an error of its own (an exception, the interpreter's exit): its departure word is
     set and it never checks in. Rank 0's close() stops waiting once the grace for a departed peer's
     check-in has passed, far short of a long kernel timeout, and names the rank that left."""
-    from ubnext import _prepare
+    from ubnext.comm import _prepare
 
     monkeypatch.setattr(_prepare, "DEPARTED_GRACE_S", 0.3)
     pool = _Pool(timeout_s=30.0, departed=(1,))

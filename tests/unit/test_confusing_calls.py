@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import ubnext
-from ubnext import _executor, errors, kernels
+from ubnext.comm import _executor
+from ubnext import errors, kernels
 from ubnext.runtime import _lifecycle
 from ubnext.comm import Communicator
 

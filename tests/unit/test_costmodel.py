@@ -1,4 +1,4 @@
-"""The critical-path model's arithmetic (ubnext/_costmodel.py), without running ranks: the modeled
+"""The critical-path model's arithmetic (ubnext/tuning/_costmodel.py), without running ranks: the modeled
 time of a launch, the derivation of large sizes from a measured one, and the planner's mark. The
 counts themselves are pinned by tests/mpi/test_costmodel.py."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ubnext import _costmodel as M
-from ubnext._executor import GPU_BLOCK, GRID_CAP, gpu_max_blocks, launch_geometry
+from ubnext.tuning import _costmodel as M
+from ubnext.comm._executor import GPU_BLOCK, GRID_CAP, gpu_max_blocks, launch_geometry
 
 
 def _launch(**kw):
@@ -52,7 +52,7 @@ def test_large_sizes_are_derived_from_the_largest_measured_size_of_their_path():
 
 def test_the_planner_mark_follows_the_default_pool():
     """The mark is the planner's rule: the first path of the model's order at that world
-    (ubnext/_thresholds.py) that the default pool can run, torch.distributed past the staging region."""
+    (ubnext/plan/_thresholds.py) that the default pool can run, torch.distributed past the staging region."""
     from ubnext import plan
 
     for world in (2, 8):

@@ -20,7 +20,7 @@ import pytest
 from tests.mpi.emu_util import (SYNC_BARRIER_FLAG, bf16_round, bf16_to_f32, kargs, pack_desc,
                                 reduce_in_order)
 from ubnext.runtime import _emu
-from ubnext import _fdshare
+from ubnext.pool import _fdshare
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The fd exchange (ubnext/_fdshare.py) between ranks that cannot use it: ranks in different PID or
+"""The fd exchange (ubnext/pool/_fdshare.py) between ranks that cannot use it: ranks in different PID or
 network namespaces (containers that share the GPUs and nothing else). Ranks are threads of this
 process with real sockets; what differs between containers (the published pid, the namespaces, a
 socket address out of reach) is simulated per thread. Every rank must get the same PoolSetupError
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ubnext import _fdshare
+from ubnext.pool import _fdshare
 from ubnext.pool import PoolSetupError
 from ubnext.pool._backend import _share_fd
 

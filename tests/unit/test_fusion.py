@@ -239,7 +239,7 @@ def quantise_per_token(y):
     return (yf / s).clamp(-448, 448).to(FP8), s
 
 
-# near misses: the fused op would not give the composite's bits (ubnext/_fusion_match.py)
+# near misses: the fused op would not give the composite's bits (ubnext/fusion/_match.py)
 FP8_LEFT_IN_TORCH = {
     "bf16 quotient": ("the quantisation computes in torch.bfloat16, not on y.float()",
                       lambda y, h, s1, s0: (y / s0).clamp(-448, 448).to(FP8)),  # a 0-dim scale keeps bf16

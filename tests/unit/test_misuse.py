@@ -152,7 +152,7 @@ def test_gpus_without_a_peer_path_never_reach_the_rendezvous(monkeypatch):
     the GPUs it sees it can reach (torch.cuda.can_device_access_peer), and all decide from all the
     reports, before any allocation: one unreachable pair sends every rank to torch.distributed,
     naming the pair. Faked: 4 GPUs in NVLink pairs (0-1, 2-3) with no path between the pairs."""
-    from ubnext import _prepare
+    from ubnext.comm import _prepare
 
     pairs = {(0, 1), (1, 0), (2, 3), (3, 2)}
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)

@@ -41,7 +41,7 @@ def test_view_comes_from_the_layout_only():
 @pytest.mark.parametrize("fused", [False, True])
 def test_same_signature_same_plan(nbytes, fused):
     """Two ranks with the same layout and world size plan the same path: the first of the model's
-    order (ubnext/_thresholds.py) that this pool can run, torch.distributed past them all."""
+    order (ubnext/plan/_thresholds.py) that this pool can run, torch.distributed past them all."""
     layout = plan_layout(8, 8192)
     views = [plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True, world_size=8)
              for _ in range(2)]
@@ -109,7 +109,7 @@ def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
     """Blocks wait on the same block of every peer: a rank with more SMs must not launch more, nor a
     Blackwell rank a larger NVLS grid than its Hopper peer. And no rank gives up on a peer sooner than
     another rank would wait: the longest timeout wins."""
-    import ubnext._prepare as comm_mod
+    import ubnext.comm._prepare as comm_mod
 
     comm = object.__new__(Communicator)
     comm.mode, comm.world_size, comm.rank, comm.group, comm._max_hidden = "gpu", 2, 0, None, 1024
@@ -138,7 +138,7 @@ def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
 def test_the_batch_invariant_mode_is_agreed_at_pool_creation(monkeypatch):
     """A rank in the mode and a rank out of it would plan different kernels (or the ordered fallback
     against NCCL's allreduce) and wait for each other: every rank refuses alike, before any launch."""
-    import ubnext._prepare as comm_mod
+    import ubnext.comm._prepare as comm_mod
 
     comm = _bare_communicator()
     comm.batch_invariant = True
@@ -171,7 +171,7 @@ def _bare_communicator(mode="emulator"):
 def test_a_group_across_hosts_takes_the_torch_path(monkeypatch):
     """The pool is shared through one node's file descriptors: a group spanning hosts agrees on the
     torch path at creation, before any rank allocates, and says why."""
-    import ubnext._prepare as comm_mod
+    import ubnext.comm._prepare as comm_mod
 
     comm = _bare_communicator()
     reports = [{"error": None, "sm_count": 0, "timeout_s": 30.0, "host": h, "selftest": True}
@@ -277,7 +277,7 @@ def test_torch_symm_takes_only_what_torchs_op_takes(monkeypatch, caplog, dtype, 
     rest reaches torch's allocation (faked here: CPU torch has no symmetric memory)."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    monkeypatch.setattr(ubnext._executor, "_logged_fallbacks", set())  # each fallback is logged once per process
+    monkeypatch.setattr(ubnext.comm._executor, "_logged_fallbacks", set())  # each fallback is logged once per process
     comm = _bare_communicator("gpu")
     comm._symm_buffers = {}
     comm._pool = SimpleNamespace(backend=SimpleNamespace(name=backend))
@@ -311,7 +311,7 @@ def test_torch_symm_keeps_one_buffer_per_dtype(monkeypatch):
 
     import torch.distributed._symmetric_memory as symm_mem
 
-    from ubnext import _allreduce
+    from ubnext.comm import _allreduce
 
     comm = _bare_communicator("gpu")
     comm._symm_buffers = {}
@@ -379,7 +379,7 @@ def test_isolated_gpus_make_the_fallback_say_why(monkeypatch, caplog):
     """Ranks that each see one GPU: when the pool cannot be built, the warning says what to change."""
     import torch
 
-    import ubnext._prepare as comm_mod
+    import ubnext.comm._prepare as comm_mod
     from ubnext.pool import PoolSetupError
 
     comm = _bare_communicator("gpu")
@@ -453,7 +453,7 @@ def test_one_scale_quantize_spreads_over_the_grid():
     thread, 4096 CTAs for 64 MB (the issue asks at least 64). Rows take a group of threads each,
     sized so each thread holds IN_FLIGHT vectors. The same numbers are pinned for the C API's rule
     (tests/c/test_launch_rules.cpp test_quantize_grid)."""
-    from ubnext._quantize import LOCAL_GRID_MAX, SPLIT_ROW_VECTORS, quantize_geometry, row_group_threads, split_row
+    from ubnext.comm._quantize import LOCAL_GRID_MAX, SPLIT_ROW_VECTORS, quantize_geometry, row_group_threads, split_row
 
     comm = _bare_communicator("gpu")
     comm._sm_count = 128

@@ -1,5 +1,5 @@
-"""The planner's thresholds come from the critical-path model (issue 24 item D): ubnext/_thresholds.py
-holds the counts the model measured and the path orders it gave; ubnext/_crossovers.py says how. Here,
+"""The planner's thresholds come from the critical-path model (issue 24 item D): ubnext/plan/_thresholds.py
+holds the counts the model measured and the path orders it gave; ubnext/tuning/_crossovers.py says how. Here,
 without running ranks: the committed orders are what today's model makes of the committed counts
 (else the table is stale, and the failure names the command that regenerates it), the planner
 takes, at every sampled size, world and multicast, a path within 5 % of the model's fastest among
@@ -12,7 +12,9 @@ import itertools
 
 import pytest
 
-from ubnext import _costmodel, _crossovers, _thresholds, plan
+from ubnext.tuning import _costmodel, _crossovers
+from ubnext.plan import _thresholds
+from ubnext import plan
 
 MODEL = _crossovers.model_of(_thresholds.COUNTS, _thresholds.SM_COUNT)
 

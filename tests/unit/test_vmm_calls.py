@@ -258,7 +258,7 @@ def test_a_failing_release_call_is_logged_and_the_rest_still_run(monkeypatch, ca
 def test_ranks_sharing_a_gpu_get_no_multicast(fake, monkeypatch, same_gpu):
     """Two ranks (the peer faked by the allgather) on one GPU: a multicast object would wait in
     cuMulticastBindMem for a second device that never comes, so the pool must be unicast-only."""
-    from ubnext import _fdshare
+    from ubnext.pool import _fdshare
 
     drv = fake(True)
     monkeypatch.setattr(_fdshare, "exchange_fds", lambda fd, rank, nranks, allgather, only_from=None:
@@ -359,7 +359,7 @@ def _close(backend, drv):
 
 def _set_up_two_ranks(monkeypatch, drivers, exchange_fails=None):
     import ubnext.runtime._cuda as cu
-    from ubnext import _fdshare
+    from ubnext.pool import _fdshare
 
     monkeypatch.setattr(cu, "driver", lambda: _RANK.drv)
     cu._primary_context.cache_clear()  # so that each run retains, and a failure can be injected there

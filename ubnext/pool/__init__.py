@@ -20,7 +20,7 @@ rank) and are freed when the returned tensor is released.
 
 from __future__ import annotations
 
-from ..allocator import NoRoom
+from .allocator import NoRoom
 from ._backend import PoolSetupError, _Backend, _Slot, release_deferred
 from .emulator import EmulatorBackend
 from .layout import (DESC_BYTES, DESC_FIELDS, DESC_STRUCT_BYTES, DESC_MAGIC, ERR_WORDS, LAMPORT_HEADER_BYTES, MAX_RANKS, PAGE, SENTINEL_WORD, SYNC_BYTES,

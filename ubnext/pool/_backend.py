@@ -146,7 +146,7 @@ def _share_fd(fd: int, error: str | None, rank: int, nranks: int, allgather: Cal
     (_fdshare.exchange_fds), then agree that the exchange worked, since it can fail on one rank
     only (a socket error, a timeout) and that rank must not leave its peers pairing their next
     collective with its next one. Closes `fd` in every case; the caller owns the fds returned."""
-    from .. import _fdshare
+    from . import _fdshare
 
     try:
         _agree(allgather, error, making, making_fails)

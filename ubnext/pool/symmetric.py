@@ -17,7 +17,7 @@ import torch
 
 from ..runtime import _cuda
 from .. import envs
-from ..allocator import Allocator, NoRoom, RingAllocator
+from .allocator import Allocator, NoRoom, RingAllocator
 from ._backend import PoolSetupError, _agree, _Backend, _Slot, release_deferred
 from .emulator import EmulatorBackend
 from .layout import (ERR_WORDS, SENTINEL_WORD, SYNC_ABORT, SYNC_ABORT_CLAIM, SYNC_ABORT_RECORD, SYNC_BYTES,

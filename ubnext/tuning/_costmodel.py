@@ -146,7 +146,7 @@ def cases(world: int, quick: bool = False, only: frozenset | None = None) -> lis
 
 def grid_of(case: Case, world: int, sm_count: int) -> int:
     """The grid the GPU launch would use (the Executor's own geometry)."""
-    from ._executor import GPU_BLOCK, GRID_CAP, gpu_max_blocks, launch_geometry
+    from ..comm._executor import GPU_BLOCK, GRID_CAP, gpu_max_blocks, launch_geometry
 
     sms = min(GRID_CAP, sm_count)
     n = case.nbytes // 2
@@ -154,7 +154,7 @@ def grid_of(case: Case, world: int, sm_count: int) -> int:
         cap = gpu_max_blocks(case.path, sms, world, True)
         return launch_geometry(case.path, n, 2, case.tokens, True, world, GPU_BLOCK, cap)[0]
     if case.op == "quantize":
-        from ._quantize import LOCAL_GRID_MAX, ONE_CTA_BYTES, quantize_geometry
+        from ..comm._quantize import LOCAL_GRID_MAX, ONE_CTA_BYTES, quantize_geometry
 
         # the Executor's rule for a local kernel (QuantizeOps._local_geometry): no residency cap; one
         # scale past ONE_CTA_BYTES runs as the static mode after its amax
@@ -187,8 +187,8 @@ def _run_case(comm, emu, case: Case, world: int):
 def _run_once(comm, emu, case: Case, world: int):
     import torch
 
-    from . import errors
-    from ._quantize import ONE_CTA_BYTES
+    from .. import errors
+    from ..comm._quantize import ONE_CTA_BYTES
 
     comm._algo = case.path if case.op in ("all_reduce", *FUSED_OPS) else None
     n = case.nbytes // 2
@@ -235,9 +235,9 @@ def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: 
             progress_path: str | None = None) -> int:
     import torch.distributed as dist
 
-    from .runtime import _emu
-    from . import envs
-    from .comm import Communicator
+    from ..runtime import _emu
+    from .. import envs
+    from ..comm import Communicator
 
     if progress_path:
         # the ranks' shared progress page: a wait times out only after UBNEXT_TIMEOUT without progress on
@@ -299,7 +299,7 @@ def derive(measured: dict, case: Case, world: int, sm_count: int) -> list[dict] 
 def chosen_path(case: Case, world: int, batch_invariant: bool = False) -> str:
     """The planner's choice for this call with the default pool at this world size and hidden
     8192 (the pool the model assumes), on a GPU with multicast; ``batch_invariant``: the mode's."""
-    from . import info, plan
+    from .. import info, plan
 
     view = info.pool_view(world, HIDDEN, "gpu", True, None)
     if case.op in ("all_reduce", *FUSED_OPS):
@@ -351,7 +351,7 @@ def invariant_rows(rows: list[dict]) -> list[dict]:
     multimem.ld_reduce) and its modeled time, from the table's rows. all_gather reduces nothing and
     reduce_scatter's kernel sums in rank order in both modes, so neither changes. Past the pool
     both leave the kernels: the default for NCCL's allreduce, the mode for its rank-ordered
-    fallback (ubnext/_allreduce.py), whose bytes per rank are given as a multiple of a ring
+    fallback (ubnext/comm/_allreduce.py), whose bytes per rank are given as a multiple of a ring
     allreduce's 2 (N-1)/N of the message: the all-to-all and the all-gather in the dtype (x1),
     the fused op's all-gather in fp32 (x1.5 for bf16). A plain allreduce on an NVLS two-shot path
     is timed by the mode's own rows of it (RANK_ORDER_SUFFIX: unicast rank-order sums, not the
@@ -377,7 +377,7 @@ def print_invariant(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
         for r in rows:
             print(json.dumps({"table": "batch_invariant"} | r), file=out)
         return
-    from .pool.layout import plan_layout
+    from ..pool.layout import plan_layout
 
     world = rows[0]["world"] if rows else 0
     layout = plan_layout(world, HIDDEN) if world else None
@@ -406,7 +406,7 @@ def run(world: int, *, quick: bool = False, only: frozenset | None = None, timeo
         env: dict | None = None) -> list[dict]:
     """Start ``world`` emulated ranks, measure, derive; the table's rows. ``env``: more variables
     for the ranks (a test's UBNEXT_EMU_BREAK)."""
-    from . import envs
+    from .. import envs
 
     measured = measure(world, quick=quick, only=only, timeout_s=timeout_s, env=env)
     return table(measured, world, envs.get("UBNEXT_EMU_SM_COUNT"), quick, only)
@@ -417,7 +417,7 @@ def measure(world: int, *, quick: bool = False, only: frozenset | None = None, t
     """Start ``world`` emulated ranks and count every measurable case: {Case: its launches}."""
     import torch.distributed as dist
 
-    from . import envs
+    from .. import envs
 
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ubnext-model-") as tmp:
@@ -429,7 +429,7 @@ def measure(world: int, *, quick: bool = False, only: frozenset | None = None, t
                                           UBNEXT_SELFTEST="0", UBNEXT_TIMEOUT=str(envs.get("UBNEXT_TIMEOUT") or 120),
                                           **(env or {}))
         only_arg = json.dumps(sorted(only) if only is not None else None)
-        procs = [subprocess.Popen([sys.executable, "-m", "ubnext._costmodel", str(r), str(world), str(store.port),
+        procs = [subprocess.Popen([sys.executable, "-m", "ubnext.tuning._costmodel", str(r), str(world), str(store.port),
                                    out_path, "1" if quick else "0", only_arg, progress_path], env=child_env,
                                   start_new_session=True)
                  for r in range(world)]

@@ -33,20 +33,20 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .runtime import _lifecycle
-from . import envs, plan
+from ..runtime import _lifecycle
+from .. import envs, plan
 from ._allreduce import AllReduceOps
-from .reference._checks import reference_add_rmsnorm, rmsnorm
-from .runtime._cuda import gpu_available, no_gpu_reason
+from ..reference._checks import reference_add_rmsnorm, rmsnorm
+from ..runtime._cuda import gpu_available, no_gpu_reason
 from ._exchange import ExchangeOps
 from ._executor import GRID_CAP, Call, Executor
 from ._fused import FusedNormOps
 from ._planning import Planner
 from ._prepare import Preparation, announce_departure_in_store, check_in, refuse_setup, setup_serial
 from ._quantize import QuantizeOps
-from .errors import UbnextError, UbnextTimeoutError
-from .plan import PATHS, Plan
-from .pool import SymmetricPool
+from ..errors import UbnextError, UbnextTimeoutError
+from ..plan import PATHS, Plan
+from ..pool import SymmetricPool
 
 log = logging.getLogger("ubnext")
 

@@ -1,7 +1,7 @@
 """From a call signature to a kernel launch: geometry, argument packing, alignment staging, stream
 ordering, and the error word that every launch may leave behind.
 
-``Executor`` is one of the Communicator's parts (ubnext/comm.py). It owns what happens at every
+``Executor`` is one of the Communicator's parts (ubnext/comm/__init__.py). It owns what happens at every
 call once the path is known: the checks that a call may run now (closed, aborted, a kernel's
 error word, the devices), the launch on the emulator or the GPU, and the ordering of this
 communicator's kernels across streams. It reads the state Communicator.__init__ sets
@@ -17,11 +17,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .runtime import _cuda, _watchdog
-from . import envs, kernels
-from .reference._checks import DTYPE_CODES, FP8
-from .errors import CLOSED, UbnextError, kernel_error
-from .pool.layout import DESC_STRUCT_BYTES
+from ..runtime import _cuda, _watchdog
+from .. import envs, kernels
+from ..reference._checks import DTYPE_CODES, FP8
+from ..errors import CLOSED, UbnextError, kernel_error
+from ..pool.layout import DESC_STRUCT_BYTES
 
 log = logging.getLogger("ubnext")
 
@@ -34,7 +34,7 @@ GPU_BLOCK = 256
 
 # Kernels whose blocks never wait on another block: the rest get at most half the SMs (gpu_max_blocks).
 LOCAL_KERNELS = frozenset({"add_rmsnorm", "quantize_fp8", "quantize"})
-# The descriptor of a local kernel that sizes its own grid (the quantisers, ubnext/_quantize.py): they
+# The descriptor of a local kernel that sizes its own grid (the quantisers, ubnext/comm/_quantize.py): they
 # read none of it (csrc/kernels/quantize.cu, blockscale.cu), so they launch without the pool, whose
 # creation is collective: a local op never waits for a peer, even as one rank's first call.
 LOCAL_DESC = bytes(DESC_STRUCT_BYTES)
@@ -255,7 +255,7 @@ class Executor:
 
     def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int,
                     geometry: tuple[int, int] | None = None) -> Launch:
-        """``geometry``: (grid, block) of a local kernel that sizes its own (ubnext/_quantize.py); it gets
+        """``geometry``: (grid, block) of a local kernel that sizes its own (ubnext/comm/_quantize.py); it gets
         LOCAL_DESC, and needs no pool."""
         if geometry is None:
             grid, block = self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden),

@@ -1,8 +1,8 @@
 """The allreduce: its public methods, its implementation on every path (the kernels, torch's
 symmetric-memory ops, torch.distributed), and the GEMM + allreduce of the row-parallel Linear.
 
-``AllReduceOps`` is one of the Communicator's parts (ubnext/comm.py). Its public methods enter
-through the operators (ubnext/ops.py); the operators call the underscored implementations here.
+``AllReduceOps`` is one of the Communicator's parts (ubnext/comm/__init__.py). Its public methods enter
+through the operators (ubnext/ops/__init__.py); the operators call the underscored implementations here.
 It reads ``_calls`` (Planner), ``_pool``, ``_algo``, ``_debug``, ``batch_invariant`` and ``key``, sets
 ``last_path``, and
 keeps torch_symm's buffers in ``_symm_buffers`` (one per dtype).
@@ -15,12 +15,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from .runtime import _cuda
-from . import kernels, ops, plan
-from .reference._checks import check_all_reduce_args, check_linear_args
+from ..runtime import _cuda
+from .. import kernels, ops, plan
+from ..reference._checks import check_all_reduce_args, check_linear_args
 from ._executor import Call, Launch, flight_recorded, reads_own_input_only
-from .pool import TORCH_SYMM_SEGMENT, NoRoom
-from .pool.layout import _align
+from ..pool import TORCH_SYMM_SEGMENT, NoRoom
+from ..pool.layout import _align
 
 # torch symmetric buffers a captured call used: kept until the process exits (a graph may be
 # replayed at any time)

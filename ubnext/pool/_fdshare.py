@@ -29,7 +29,7 @@ import socket
 import struct
 from typing import Callable
 
-from . import envs
+from .. import envs
 
 __all__ = ["exchange_fds"]
 

@@ -1,4 +1,4 @@
-"""What ubnext.fusion matches (ubnext/fusion.py rewrites it): in a post-grad graph, a sum
+"""What ubnext.fusion matches (ubnext/fusion/__init__.py rewrites it): in a post-grad graph, a sum
 all-reduce the ubnext operators can take, the residual add and RMSNorm after it, and an FP8
 quantisation of the normed tensor written in torch ops. Each matcher reads the graph only and
 returns what it found or why it did not (a str), which the pass counts in ``stats()``.
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .reference._checks import DTYPE_CODES, FP8, FP8_MAX, FP8_TINY_SCALE_INV
+from ..reference._checks import DTYPE_CODES, FP8, FP8_MAX, FP8_TINY_SCALE_INV
 
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default

@@ -3,7 +3,7 @@
 ``torch.ops.ubnext.all_reduce_add_rmsnorm`` there, or its FP8 form
 ``all_reduce_add_rmsnorm_fp8`` where a static or per-token FP8 quantisation written in torch ops
 follows the norm; a sum all-reduce with no norm after it runs ``torch.ops.ubnext.all_reduce``.
-The matching is in ubnext/_fusion_match.py, the rewrite here.
+The matching is in ubnext/fusion/_match.py, the rewrite here.
 
     import ubnext
     ubnext.fusion.enable()
@@ -30,7 +30,7 @@ backward graph holds the all-reduce of a column-parallel layer's input gradient,
 follows: it becomes ``ubnext.all_reduce``.
 
 FP8. Where the normed tensor's only use is an FP8 quantisation that computes exactly what the
-fused op's FP8 form computes (the forms in ubnext/_fusion_match.py: static, ``(y.float() /
+fused op's FP8 form computes (the forms in ubnext/fusion/_match.py: static, ``(y.float() /
 scale).clamp(-448, 448).to(torch.float8_e4m3fn)``, and per token, with the scales
 ``(amax / 448).clamp(min=1e-12)``), the FP8 form replaces the norm and the quantisation: the FP8
 values, the per-token scales (as the graph's ``[..., 1]`` tensor) and the residual sum are the
@@ -51,7 +51,7 @@ again; the norm is computed in fp32 from the rounded residual sum and rounded on
 of ``Communicator.all_reduce_add_rmsnorm``, bounds in ``ubnext/testing.py``).
 
 The pass is a ``CustomGraphPass`` whose uuid is the hash of this file, of the matching
-(``ubnext/_fusion_match.py``) and of ``ubnext/ops.py`` (the operators it emits), so Inductor's FX
+(``ubnext/fusion/_match.py``) and of ``ubnext/ops/__init__.py`` (the operators it emits), so Inductor's FX
 graph cache stays on and keys rewritten graphs apart from plain ones. ``enable()`` chains it after whatever ``post_grad_custom_post_pass`` holds;
 ``disable()`` gives that back. Both affect graphs compiled afterwards: code already compiled
 keeps what it was compiled with (``torch._dynamo.reset()`` drops it). A graph loaded from the FX
@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import operator
 from collections import Counter
 from typing import Any, Optional
@@ -71,8 +72,9 @@ import torch.fx as fx
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 
-from . import _fusion_match, ops
-from ._fusion_match import Norm, Quant, left_alone_reason, match_fp8, match_norm, val
+from . import _match as _fusion_match
+from .. import ops
+from ._match import Norm, Quant, left_alone_reason, match_fp8, match_norm, val
 
 __all__ = ["enable", "disable", "is_enabled", "stats"]
 
@@ -89,9 +91,13 @@ FUSED, FUSED_FP8, PLAIN = "all_reduce_add_rmsnorm", "all_reduce_add_rmsnorm_fp8"
 
 def _source_hash() -> str:
     digest = hashlib.sha256()
-    for path in (__file__, _fusion_match.__file__, ops.__file__):
-        with open(path, "rb") as f:
-            digest.update(f.read())
+    # this package's files (the pass and what it matches) and every file of ubnext/ops/, where the
+    # operators it emits are defined
+    for folder in (os.path.dirname(__file__), os.path.dirname(ops.__file__)):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    digest.update(f.read())
     return digest.hexdigest()
 
 

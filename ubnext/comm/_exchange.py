@@ -1,7 +1,7 @@
 """All-gather and reduce-scatter (FSDP2's collectives: ubnext.fsdp), on the kernels through the
 pool or, where plan.exchange_path says they cannot run, on torch.distributed.
 
-``ExchangeOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
+``ExchangeOps`` is one of the Communicator's parts (ubnext/comm/__init__.py). It reads ``_calls``
 (Planner), ``_pool``, ``_debug``, ``batch_invariant`` and ``key``, and sets ``last_path``.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ops, plan
-from .reference._checks import check_all_gather_args, check_reduce_scatter_args, reduce_factor
+from .. import ops, plan
+from ..reference._checks import check_all_gather_args, check_reduce_scatter_args, reduce_factor
 from ._executor import Call, flight_recorded
 
 

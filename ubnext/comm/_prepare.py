@@ -2,7 +2,7 @@
 agreement across ranks, the pool's creation (or the agreed reason there is none), the self-test
 of every kernel path, and the pool tensors handed to users (``comm.empty``).
 
-``Preparation`` is one of the Communicator's parts (ubnext/comm.py). Every step here talks to
+``Preparation`` is one of the Communicator's parts (ubnext/comm/__init__.py). Every step here talks to
 all ranks through ``_allgather``, and every decision is taken from what all ranks reported, so
 that no rank launches a kernel its peers never join. It sets ``_pool`` or ``_pool_error``, ``_emu``,
 ``_sm_count``, ``_nvls_ctas``, ``_run_self_test`` and ``_disabled``, from ``mode``, ``device``, ``rank``, ``group``
@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .runtime import _cuda, _lifecycle, _watchdog
-from . import envs, kernels, plan
-from .reference._checks import POOL_DTYPES
-from .errors import CLOSED, UbnextError
-from .pool import NoRoom, SymmetricPool, plan_layout
+from ..runtime import _cuda, _lifecycle, _watchdog
+from .. import envs, kernels, plan
+from ..reference._checks import POOL_DTYPES
+from ..errors import CLOSED, UbnextError
+from ..pool import NoRoom, SymmetricPool, plan_layout
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .comm import Communicator
+    from . import Communicator
 
 log = logging.getLogger("ubnext")
 # the kernels' wait bound above which start-up says so (a silent 30 minutes is gloo's default)
@@ -411,7 +411,7 @@ class Preparation:
 
     def _prepare_kernels(self) -> str | None:
         """Build or load every kernel this communicator may launch, once: for the pool's agreement, or
-        before it for a local op (ubnext/_quantize.py), which must not wait for a peer. None, or why
+        before it for a local op (ubnext/comm/_quantize.py), which must not wait for a peer. None, or why
         this rank cannot."""
         if not self._kernels_tried:
             self._kernels_tried = True
@@ -421,7 +421,7 @@ class Preparation:
     def _load_kernels(self) -> str | None:
         try:
             if self.mode == "emulator":
-                from .runtime import _emu
+                from ..runtime import _emu
 
                 self._emu = _emu.load(envs.get("UBNEXT_EMU_BREAK"))
                 seed = envs.get("UBNEXT_EMU_SEED")

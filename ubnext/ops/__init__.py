@@ -24,11 +24,11 @@ from typing import Optional
 
 import torch
 
-from .runtime import _lifecycle
-from .reference._blockscale import check_fused_quant_args, check_quantize_block_args, output_specs
-from .reference._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_out_overlap,
-                                check_same_device, check_linear_args, check_quantize_args, check_reduce_scatter_args,
-                                fp8_output)
+from ..runtime import _lifecycle
+from ..reference._blockscale import check_fused_quant_args, check_quantize_block_args, output_specs
+from ..reference._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_out_overlap,
+                                 check_same_device, check_linear_args, check_quantize_args, check_reduce_scatter_args,
+                                 fp8_output)
 
 __all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "all_gather",
            "all_gather_out", "reduce_scatter", "reduce_scatter_out", "quantize_fp8", "quantize", "communicator_for",

@@ -1,7 +1,7 @@
 """The fused allreduce + residual add + RMSNorm, with its FP8 output, on the kernels or, where
 they cannot run it, as the chosen allreduce followed by the same arithmetic in torch.
 
-``FusedNormOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
+``FusedNormOps`` is one of the Communicator's parts (ubnext/comm/__init__.py). It reads ``_calls``
 (Planner), ``_pool``, ``_algo``, ``_debug``, ``batch_invariant`` and ``key``, and sets ``last_path``.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, ops
-from .reference._blockscale import block_flags, check_fused_quant_args, output_specs
-from .reference._checks import FP8, check_fused_args, reference_add_rmsnorm
+from .. import kernels, ops
+from ..reference._blockscale import block_flags, check_fused_quant_args, output_specs
+from ..reference._checks import FP8, check_fused_args, reference_add_rmsnorm
 
 
 # Why each value the debug check compares must be the same on every rank (_check_fused_call_across_ranks).

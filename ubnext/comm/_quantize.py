@@ -3,7 +3,7 @@ the same contract: FP8 (e4m3) with its scale_inv (``quantize_fp8``, FSDP2's FP8 
 quantize_fp8_reference), and the block-scaled formats of the GEMMs after a norm (``quantize``:
 NVFP4, MXFP8, per-token-group FP8; ubnext/reference/_blockscale.py, docs/QUANTIZE.md).
 
-``QuantizeOps`` is one of the Communicator's parts (ubnext/comm.py). It reads ``_calls``
+``QuantizeOps`` is one of the Communicator's parts (ubnext/comm/__init__.py). It reads ``_calls``
 (Planner), ``mode``, ``_pool_error``, ``_capturing``, ``_kernels_tried`` and ``key``. Local, as
 documented: no peer, and never the pool's collective set-up either (``_local_call``), so a
 quantisation may be any rank's first call.
@@ -15,11 +15,11 @@ import math
 
 import torch
 
-from . import kernels, ops, plan
-from .reference._blockscale import block_flags, check_quantize_block_args, output_specs, quantize_reference
-from .reference._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
+from .. import kernels, ops, plan
+from ..reference._blockscale import block_flags, check_quantize_block_args, output_specs, quantize_reference
+from ..reference._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
 from ._executor import GPU_BLOCK, Call
-from .errors import UbnextError
+from ..errors import UbnextError
 
 # Above this many bytes, one scale over the whole tensor is not left to one CTA (the kernel's row is
 # one block's work): the amax comes first, from torch's own reduction over every SM, and the kernel

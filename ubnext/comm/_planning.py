@@ -1,7 +1,7 @@
 """Which path a call takes: the Communicator's glue between a call's signature and plan.py's pure
 path choice, and the cache of both.
 
-``Planner`` is one of the Communicator's parts (ubnext/comm.py). A plan is a function of the
+``Planner`` is one of the Communicator's parts (ubnext/comm/__init__.py). A plan is a function of the
 call's signature, the forced algorithm and what the pool offers (its layout's sizes, never what
 this rank has allocated), so every rank plans identically; a signature's path and launch are
 then remembered in ``_calls`` and a repeated call skips its checks and its planning. It reads
@@ -16,10 +16,10 @@ import math
 
 import torch
 
-from . import kernels, plan
-from .errors import CLOSED, UbnextError
+from .. import kernels, plan
+from ..errors import CLOSED, UbnextError
 from ._executor import Call
-from .plan import KERNEL_PATHS
+from ..plan import KERNEL_PATHS
 
 
 class Planner:

@@ -21,7 +21,7 @@ KERNEL_PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twos
 # writing `out`, so an in-place call of theirs is staged
 IN_PLACE_PATHS = ("nvls_twoshot", "twoshot")
 # The automatic order of the paths for a message, fastest first, comes from the critical-path model
-# per operation, world size and multicast (ubnext/_thresholds.py, generated; ubnext/_crossovers.py
+# per operation, world size and multicast (ubnext/plan/_thresholds.py, generated; ubnext/tuning/_crossovers.py
 # says how). Tests that plan without a world size get this one's table.
 DEFAULT_WORLD = 8
 # The paths that reduce through the switch (multimem.ld_reduce), whose summation order is not promised:
@@ -31,7 +31,7 @@ LD_REDUCE_PATHS = ("nvls_oneshot", "nvls_twoshot", "nvls_lamport")
 # ... except these two, whose owner sums its portion by unicast loads in rank order instead (fp32, one
 # rounding: csrc/device/slices.cuh owner_add_round) and broadcasts it with multicast stores: always for
 # the fused op's rows, and for a plain allreduce under the kernel flag UBNEXT_F_RANK_ORDER, which the
-# mode sets (ubnext/_allreduce.py). The mode keeps them. nvls_oneshot has no such form.
+# mode sets (ubnext/comm/_allreduce.py). The mode keeps them. nvls_oneshot has no such form.
 RANK_ORDER_NVLS = ("nvls_twoshot", "nvls_lamport")
 NOT_RANK_ORDER = ("multimem.ld_reduce sums in the switch's order, not in rank order, which the "
                   "batch-invariant mode needs")
@@ -126,7 +126,7 @@ def lamport_bytes_needed(path: str, nbytes: int, fused: bool, world_size: int, b
 def pushes(path: str, fused: bool, batch_invariant: bool) -> bool:
     """Whether a call runs nvls_lamport's push form (the batch-invariant mode's plain nvls_lamport,
     kernel flag UBNEXT_F_RANK_ORDER): it reads only this rank's x, so it is never staged
-    (ubnext/_executor.py reads_own_input_only says the same of its launch)."""
+    (ubnext/comm/_executor.py reads_own_input_only says the same of its launch)."""
     return path == "nvls_lamport" and batch_invariant and not fused
 
 
@@ -142,7 +142,7 @@ def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondetermini
                world_size: int = DEFAULT_WORLD, elem_bytes: int = 2) -> list[str]:
     """Paths to try, best first, for a message of ``nbytes``: the order the critical-path model gives
     at this world size (the largest tabled world's above it), among ubnext's kernels and, by its
-    published figures, torch.distributed (NCCL), which then ends the chain (ubnext/_crossovers.py).
+    published figures, torch.distributed (NCCL), which then ends the chain (ubnext/tuning/_crossovers.py).
     ``nvls_oneshot`` only for a plain allreduce that may differ in the last bit across ranks.
     ``torch_symm`` is not among them (issue 23): where the chain reaches torch.distributed, NCCL
     serves the message at least as fast as torch's one-shot op (slower than NCCL from 32 MiB), and
@@ -155,7 +155,7 @@ def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondetermini
 
 
 def model_order(nbytes: int, fused: bool, has_multicast: bool, world_size: int, elem_bytes: int) -> tuple[str, ...]:
-    """Every path of the table (ubnext/_thresholds.py) for this call, fastest first by the model."""
+    """Every path of the table (ubnext/plan/_thresholds.py) for this call, fastest first by the model."""
     # the fused op's rows: fp32 ones carry twice the bytes per token of 2-byte ones
     key = ("all_reduce_add_rmsnorm", 4 if elem_bytes >= 4 else 2) if fused else ("all_reduce", None)
     world = min(max(world_size, _thresholds.MEASURED_WORLDS[0]), _thresholds.MEASURED_WORLDS[-1])
@@ -198,7 +198,7 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
     for path in order:
         if caps[path] is None:
             reason = (f"auto: the fastest path that can run, by the cost model at {pool.world_size} ranks "
-                      "(ubnext/_thresholds.py)")
+                      "(ubnext/plan/_thresholds.py)")
             return Plan(path, reason, skipped)
         skipped.append((path, caps[path]))
     raise AssertionError("torch.distributed is always available")  # pragma: no cover
