@@ -1,6 +1,8 @@
 """The package's layout rules (docs/ARCHITECTURE.md): no import cycle among ubnext's modules, counting
 imports inside functions (only ``if TYPE_CHECKING:`` imports are exempt), no class longer than 400
-lines and no module longer than 600. Each rule is also shown to catch a package that breaks it."""
+lines and no module longer than 600, and each subpackage (or public module) imports only the layers
+its line of docs/ARCHITECTURE.md's tree allows (LAYERS). Each rule is also shown to catch a package
+that breaks it."""
 
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ def _targets(mods: dict[str, Path], name: str, node: ast.Import | ast.ImportFrom
     return found
 
 
-def structure(root: Path) -> tuple[list[list[str]], list[tuple[int, str]], list[tuple[int, str]]]:
-    """(import cycles, classes over MAX_CLASS lines, modules over MAX_MODULE lines) of a package."""
+def imports(root: Path) -> tuple[dict[str, set[str]], list[tuple[int, str]], list[tuple[int, str]]]:
+    """(the package modules each module imports, classes over MAX_CLASS lines, modules over MAX_MODULE
+    lines) of a package."""
     mods = _modules(root)
     edges: dict[str, set[str]] = {m: set() for m in mods}
     long_classes, long_modules = [], []
@@ -58,7 +61,66 @@ def structure(root: Path) -> tuple[list[list[str]], list[tuple[int, str]], list[
                 edges[name].update(_targets(mods, name, n))
             if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > MAX_CLASS:
                 long_classes.append((n.end_lineno - n.lineno + 1, f"{path}:{n.name}"))
+    return edges, long_classes, long_modules
+
+
+def structure(root: Path) -> tuple[list[list[str]], list[tuple[int, str]], list[tuple[int, str]]]:
+    """(import cycles, classes over MAX_CLASS lines, modules over MAX_MODULE lines) of a package."""
+    edges, long_classes, long_modules = imports(root)
     return _cycles(edges), long_classes, long_modules
+
+
+# What each part of ubnext may import besides itself: the tree at the top of docs/ARCHITECTURE.md, one
+# line per subpackage or public module. A part is a subpackage (every module under ubnext/<part>/) or
+# a top-level module; an entry is a part or one module (``pool.layout``). envs and errors are the
+# leaves every part may import (errors names the kernels in its messages: it imports kernels inside
+# a function). The package itself (ubnext/__init__.py) and bench, the top, import anything.
+LEAVES = {"envs", "errors"}
+LAYERS = {
+    "envs": set(),
+    "errors": {"kernels"},
+    "runtime": {"kernels"},
+    "kernels": {"runtime", "pool.layout"},  # kernels.inspect: the descriptor's size, to check a cubin
+    "reference": {"kernels"},               # the kernels' flag constants
+    "pool": {"runtime"},
+    "plan": set(),
+    "ops": {"runtime", "kernels", "reference"},
+    "comm": {"runtime", "kernels", "reference", "pool", "plan", "ops"},
+    "tuning": {"runtime", "kernels", "reference", "pool", "plan", "ops", "comm", "info"},
+    "testing": {"reference"},
+    "info": {"runtime", "kernels", "plan", "pool"},
+    "nn": {"ops", "reference"},
+    "parallel": {"nn"},
+    "fsdp": {"runtime", "kernels", "reference", "pool", "plan", "ops", "comm"},
+    "fusion": {"ops", "reference"},
+}
+TOP = {"", "bench"}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_violations(edges: dict[str, set[str]], layers: dict[str, set[str]] = LAYERS,
+                     leaves: set[str] = LEAVES, top: set[str] = TOP) -> list[str]:
+    """Each import of one part by another that ``layers`` does not allow, and each part it does not name."""
+    found = []
+    for name, targets in sorted(edges.items()):
+        part = _part(name)
+        if part in top:
+            continue
+        if part not in layers:
+            found.append(f"{name}: its part {part!r} has no line in LAYERS (docs/ARCHITECTURE.md's tree)")
+            continue
+        allowed = layers[part] | leaves
+        for t in sorted(targets):
+            inner = t.split(".", 1)[1] if "." in t else ""
+            if _part(t) == part or _part(t) in allowed or any(inner == a or inner.startswith(a + ".")
+                                                              for a in allowed):
+                continue
+            found.append(f"{name} imports {t}: {part} may import only {sorted(allowed)}")
+    return found
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -110,6 +172,22 @@ def test_ubnext_keeps_the_layout_rules():
     assert not long_modules, f"modules over {MAX_MODULE} lines: {long_modules}"
 
 
+def test_ubnext_keeps_the_import_rules():
+    edges, _, _ = imports(PACKAGE)
+    assert not layer_violations(edges)
+
+
+def test_every_part_has_a_line_in_the_architecture_tree():
+    """Each subpackage and public module is on a line of the tree at the top of docs/ARCHITECTURE.md,
+    and is a part of LAYERS (or the top)."""
+    tree = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text().split("\n## The package\n", 1)[1].split("\n## ")[0]
+    parts = {p.name if p.is_dir() else p.stem for p in PACKAGE.iterdir()
+             if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.name != "__init__.py")}
+    assert parts == set(LAYERS) | (TOP - {""}), "LAYERS and ubnext/'s parts differ"
+    missing = sorted(p for p in parts if f"{p}/" not in tree and f"{p}.py" not in tree)
+    assert not missing, f"docs/ARCHITECTURE.md's tree has no line for {missing}"
+
+
 def _write(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -128,6 +206,17 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 def test_the_cycle_rule_catches_a_cycle(tmp_path, files, want):
     cycles, _, _ = structure(_write(tmp_path / "pkg", files))
     assert cycles == want
+
+
+def test_the_import_rule_catches_an_import_its_line_does_not_allow(tmp_path):
+    root = _write(tmp_path / "pkg", {"__init__.py": "", "low/__init__.py": "", "low/a.py": "def f():\n    from ..high import b\n",
+                                     "high/__init__.py": "", "high/b.py": "from ..low import a\n", "envs.py": ""})
+    edges, _, _ = imports(root)
+    layers = {"low": set(), "high": {"low"}, "envs": set()}
+    assert layer_violations(edges, layers, leaves={"envs"}, top={""}) == [
+        "pkg.low.a imports pkg.high.b: low may import only ['envs']"]
+    # one module of a part may be allowed on its own
+    assert layer_violations(edges, {**layers, "low": {"high.b"}}, leaves={"envs"}, top={""}) == []
 
 
 def test_the_length_rules_catch_a_long_class_and_module(tmp_path):
