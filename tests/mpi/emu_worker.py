@@ -33,7 +33,8 @@ from mpi4py import MPI  # noqa: E402
 
 from tests.mpi.emu_util import (SYNC_BARRIER_FLAG, bf16_round, bf16_to_f32, kargs, pack_desc,  # noqa: E402
                                 reduce_in_order)
-from ubnext import _emu, _fdshare  # noqa: E402
+from ubnext.pool import _fdshare  # noqa: E402
+from ubnext.runtime import _emu  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.Get_rank(), COMM.Get_size()
