@@ -42,7 +42,7 @@ def test_every_path_and_command_a_page_names_exists(page):
 
 
 # docs/PERF.md is not ours to edit; its stale mentions are listed here so a new one still fails
-PERF_STALE = {"ubnext/_crossovers.py", "ubnext/_thresholds.py"}
+PERF_STALE: set[str] = set()
 
 
 def test_perf_md_paths_are_listed():
