@@ -135,6 +135,8 @@ def _wait_for_keys(store, keys: list[str], timeout_s: float, departed, departure
             return None
         except RuntimeError:
             pass
+        if departure_keys is None and departed is None:
+            continue  # nothing but the bound ends this wait: no peer to look up
         missing = [peer for peer, key in enumerate(keys) if not store.check([key])]
         if departure_keys is not None:
             gone = [peer for peer in missing if store.check([departure_keys[peer]])]
