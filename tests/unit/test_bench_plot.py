@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ubnext.bench import plot_rows
+from ubnext.tuning._plot import plot_rows
 
 
 def test_plot_draws_one_line_per_mode_and_path(tmp_path, monkeypatch):
