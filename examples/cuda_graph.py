@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 comm = ubnext.get_communicator()
 comm.prepare()
 n, hidden = comm.world_size, 4096
-x = torch.empty(8, hidden, dtype=torch.bfloat16, device=comm.device)      # static input
+x = torch.empty(8, hidden, dtype=torch.bfloat16, device=comm.device)  # static input
 residual = torch.zeros_like(x)
 weight = torch.ones(hidden, dtype=torch.bfloat16, device=comm.device)
 
@@ -37,11 +37,11 @@ torch.cuda.current_stream().wait_stream(side)
 
 graph = torch.cuda.CUDAGraph()
 with torch.cuda.graph(graph):
-    summed = comm.all_reduce(x)                                           # static outputs
+    summed = comm.all_reduce(x)  # static outputs
     normed, residual_out, _ = comm.all_reduce_add_rmsnorm(x, residual, weight)
 
 for step in range(5):
-    x.fill_(float(comm.rank + step + 1))   # refill the captured input, then replay
+    x.fill_(float(comm.rank + step + 1))  # refill the captured input, then replay
     graph.replay()
     want = float(sum(r + step + 1 for r in range(n)))
     assert torch.equal(summed, torch.full_like(summed, want)), (step, summed[0, :4])

@@ -117,8 +117,10 @@ def torch_tensor_parallel(model: Model, tp: int) -> Model:
 
     check_attention_heads(model.heads, model.kv_heads, tp)
     mesh = init_device_mesh(ubnext.get_communicator().device.type, (tp,))
-    plan = {f"layers.*.{name}": TorchColwise() for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj",
-                                                              "gate_proj", "up_proj")}
+    plan = {
+        f"layers.*.{name}": TorchColwise()
+        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "gate_proj", "up_proj")
+    }
     plan.update({"layers.*.attn.o_proj": TorchRowwise(), "layers.*.down_proj": TorchRowwise()})
     parallelize_module(model, mesh, plan)
     return model
@@ -148,8 +150,11 @@ def tensor_parallel(model: Model, tp: int, fused: bool) -> Model:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fused", action="store_true", help="fuse o_proj with the residual add and RMSNorm")
-    parser.add_argument("--compile", choices=("model", "block"),
-                        help="torch's own styles, ubnext.fusion and torch.compile of the whole model or of each layer")
+    parser.add_argument(
+        "--compile",
+        choices=("model", "block"),
+        help="torch's own styles, ubnext.fusion and torch.compile of the whole model or of each layer",
+    )
     args = parser.parse_args()
     comm = ubnext.get_communicator()  # initialises torch.distributed from mpirun/torchrun
     rank, tp, device = dist.get_rank(), dist.get_world_size(), comm.device
@@ -180,7 +185,7 @@ def main() -> int:
     # changes each sum by a few roundings of its size, u * |sum| (u = 2^-24). So the tensor-parallel
     # error stays within twice the dense one plus a few u * max|logit|; a real mistake (a lost norm
     # weight, a wrong eps, a wrong shard) is orders of magnitude larger.
-    u = 2.0 ** -24
+    u = 2.0**-24
     dense_err = (dense32 - reference).abs().max().item()
     bound = 2 * dense_err + 8 * u * reference.abs().max().item()
     err = (logits - reference).abs().max().item()
@@ -188,18 +193,24 @@ def main() -> int:
         paths = [comm.last_path]
         rewritten = ubnext.fusion.stats()
         # sites per compiled graph: with --compile block, one graph serves every layer
-        how = (f"compile={args.compile}: {rewritten['all_reduce_add_rmsnorm']} all_reduce_add_rmsnorm, "
-               f"{rewritten['all_reduce']} all_reduce in the compiled graphs")
+        how = (
+            f"compile={args.compile}: {rewritten['all_reduce_add_rmsnorm']} all_reduce_add_rmsnorm, "
+            f"{rewritten['all_reduce']} all_reduce in the compiled graphs"
+        )
     else:
-        paths = sorted({layer.down_proj.last_path for layer in model.layers} |
-                       {layer.attn.o_proj.last_path for layer in model.layers})
+        paths = sorted(
+            {layer.down_proj.last_path for layer in model.layers}
+            | {layer.attn.o_proj.last_path for layer in model.layers}
+        )
         o_proj = model.layers[0].attn.o_proj
         how = f"o_proj {type(o_proj).__name__}({o_proj.symmetric_ar_type!r})"
     blobs = [None] * tp
     dist.all_gather_object(blobs, logits.numpy().tobytes())
     if rank == 0:
-        print(f"tp={tp} fused={args.fused} max |logits - fp64 dense| = {err:.3e} (bound {bound:.3e}, dense fp32 "
-              f"{dense_err:.3e}); o_proj and down_proj allreduce paths {paths}; {how}")
+        print(
+            f"tp={tp} fused={args.fused} max |logits - fp64 dense| = {err:.3e} (bound {bound:.3e}, dense fp32 "
+            f"{dense_err:.3e}); o_proj and down_proj allreduce paths {paths}; {how}"
+        )
     ok = err <= bound and all(b == blobs[0] for b in blobs)
     if rank == 0 and not ok:
         print("FAILED: " + ("over the bound" if err > bound else "ranks' logits differ"))

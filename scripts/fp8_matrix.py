@@ -41,11 +41,12 @@ def run_cell(row: str, column: str, fullgraph: bool) -> float:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     import ubnext
     import ubnext.fsdp as UF
     from tests.mpi import worker as W
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     comm = ubnext.get_communicator()
     W.COMM, W.MODE = comm, comm.mode
@@ -66,8 +67,10 @@ def run_cell(row: str, column: str, fullgraph: bool) -> float:
         model.compile(fullgraph=fullgraph)
     elif row == "model_hooks":
         if not hasattr(torch._dynamo.config, "skip_fsdp_hooks"):
-            raise RuntimeError(f"torch {torch.__version__} always runs FSDP2's hooks outside the graph "
-                               "(torch._dynamo.disable in fsdp/_fully_shard/_fsdp_common.py; no skip_fsdp_hooks switch)")
+            raise RuntimeError(
+                f"torch {torch.__version__} always runs FSDP2's hooks outside the graph "
+                "(torch._dynamo.disable in fsdp/_fully_shard/_fsdp_common.py; no skip_fsdp_hooks switch)"
+            )
         torch._dynamo.config.skip_fsdp_hooks = False
         model.compile(fullgraph=fullgraph)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -101,8 +104,18 @@ def _launch(np_: int, row: str, column: str, fullgraph: bool, timeout: int) -> d
     out.unlink(missing_ok=True)
     env = dict(os.environ)
     env.setdefault("UBNEXT_EMULATE", "0" if _has_gpus(np_) else "1")
-    cmd = ["mpirun", "-np", str(np_), sys.executable, __file__, "--cell", row, column,
-           "1" if fullgraph else "0", str(out)]
+    cmd = [
+        "mpirun",
+        "-np",
+        str(np_),
+        sys.executable,
+        __file__,
+        "--cell",
+        row,
+        column,
+        "1" if fullgraph else "0",
+        str(out),
+    ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -149,9 +162,13 @@ def table(cells: dict, np_: int) -> str:
     import torch
 
     mode = "GPUs" if _has_gpus(np_) else "the CPU emulator (gloo)"
-    lines = [f"Measured {datetime.date.today().isoformat()} with torch {torch.__version__}, {np_} ranks on {mode}, "
-             "by `python scripts/fp8_matrix.py`.", "",
-             "| | " + " | ".join(COLUMNS.values()) + " |", "|---|" + "---|" * len(COLUMNS)]
+    lines = [
+        f"Measured {datetime.date.today().isoformat()} with torch {torch.__version__}, {np_} ranks on {mode}, "
+        "by `python scripts/fp8_matrix.py`.",
+        "",
+        "| | " + " | ".join(COLUMNS.values()) + " |",
+        "|---|" + "---|" * len(COLUMNS),
+    ]
     notes = []
     for row, title in ROWS.items():
         marks = []

@@ -25,8 +25,10 @@ import torch.distributed as dist
 
 def _model(hidden: int, layers: int, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
-                                  torch.nn.Linear(4 * hidden, hidden)) for _ in range(layers)]
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
+        for _ in range(layers)
+    ]
     return torch.nn.Sequential(*blocks).to(device)
 
 
@@ -91,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         path = comm.last_path if comm is not None else "-"
-        print(f"fsdp_step mode={args.mode} ranks={dist.get_world_size()} hidden={args.hidden} layers={args.layers} "
-              f"tokens={args.tokens} step_ms={slowest.item() * 1e3:.3f} loss={loss.item():.6g} path={path}",
-              flush=True)
+        print(
+            f"fsdp_step mode={args.mode} ranks={dist.get_world_size()} hidden={args.hidden} layers={args.layers} "
+            f"tokens={args.tokens} step_ms={slowest.item() * 1e3:.3f} loss={loss.item():.6g} path={path}",
+            flush=True,
+        )
     if comm is not None:
         comm.close()
     return 0

@@ -56,8 +56,10 @@ def main() -> int:
             profile.disable()
             took = time.perf_counter() - start
             comm.synchronize()
-            report.write(f"===== {name}: {args.calls} calls, {1e6 * took / args.calls:.2f} us per call under the "
-                         f"profiler, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'emulator'}\n")
+            report.write(
+                f"===== {name}: {args.calls} calls, {1e6 * took / args.calls:.2f} us per call under the "
+                f"profiler, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'emulator'}\n"
+            )
             stats = pstats.Stats(profile, stream=report)
             stats.sort_stats("tottime").print_stats(30)
     out_dir = Path(args.out)

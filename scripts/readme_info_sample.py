@@ -35,8 +35,9 @@ def generate() -> str:
     with tempfile.TemporaryDirectory() as home:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("UBNEXT_", "NVTE_"))}
         env.update(HOME=home, CUDA_VISIBLE_DEVICES="")  # no GPU shown, also on a GPU node
-        out = subprocess.run([sys.executable, *COMMAND], capture_output=True, text=True, env=env, cwd=ROOT,
-                             timeout=120, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, *COMMAND], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, check=True
+        ).stdout
     return out.replace(str(ROOT), "<checkout>").replace(home, "~")
 
 
@@ -63,10 +64,12 @@ def main(argv: list[str]) -> int:
     if "--check" in argv:
         if comparable(fresh) == comparable(readme_sample()):
             return 0
-        diff = difflib.unified_diff(readme_sample().splitlines(), fresh.splitlines(), "README.md", "ubnext.info",
-                                    lineterm="")
-        print("README.md's ubnext.info sample has drifted; run python scripts/readme_info_sample.py\n"
-              + "\n".join(diff))
+        diff = difflib.unified_diff(
+            readme_sample().splitlines(), fresh.splitlines(), "README.md", "ubnext.info", lineterm=""
+        )
+        print(
+            "README.md's ubnext.info sample has drifted; run python scripts/readme_info_sample.py\n" + "\n".join(diff)
+        )
         return 1
     text = README.read_text()
     start, end = _sample_span(text)

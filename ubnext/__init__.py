@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import logging
 
-from .runtime import _lifecycle
 from . import envs, ops
 from .comm import PATHS, Communicator, UbnextError, UbnextTimeoutError
 from .envs import EnvError
+from .runtime import _lifecycle
 
 __version__ = "0.1.0"
 
@@ -76,9 +76,31 @@ def all_reduce(x, group=None, *, out=None):
     return ops.all_reduce_out(x, out, _group_key(group))
 
 
-def all_reduce_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *, group=None, out_dtype=None, scale=None,
-                           quant=None, global_scale=None, swizzled=False, ue8m0=False):
+def all_reduce_add_rmsnorm(
+    x,
+    residual,
+    weight,
+    eps: float = 1e-6,
+    *,
+    group=None,
+    out_dtype=None,
+    scale=None,
+    quant=None,
+    global_scale=None,
+    swizzled=False,
+    ue8m0=False,
+):
     """``get_communicator(group).all_reduce_add_rmsnorm(...)``; compiles under torch.compile."""
-    return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, _group_key(group, _FUSED_SIGNATURE),
-                                      out_dtype=out_dtype, scale=scale, quant=quant, global_scale=global_scale,
-                                      swizzled=swizzled, ue8m0=ue8m0)
+    return ops.all_reduce_add_rmsnorm(
+        x,
+        residual,
+        weight,
+        eps,
+        _group_key(group, _FUSED_SIGNATURE),
+        out_dtype=out_dtype,
+        scale=scale,
+        quant=quant,
+        global_scale=global_scale,
+        swizzled=swizzled,
+        ue8m0=ue8m0,
+    )

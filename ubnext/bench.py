@@ -13,14 +13,15 @@ real, and to compare paths' relative costs in the model, never as GPU figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from .runtime._cuda import gpu_available
 from .comm import Communicator, UbnextError
+from .runtime._cuda import gpu_available
 from .testing import allreduce_bound, rank_input, reference_sum
 from .tuning._plot import plot_rows
 
@@ -49,8 +50,16 @@ def _time_calls(fn, sync, iters: int, budget_s: float) -> tuple[float, int]:
     return (time.perf_counter() - start) / done, done
 
 
-def bench_mode(comm: Communicator, label: str, sizes: list[int], dtype: torch.dtype, iters: int,
-               budget_s: float, op: str, rows: list) -> None:
+def bench_mode(
+    comm: Communicator,
+    label: str,
+    sizes: list[int],
+    dtype: torch.dtype,
+    iters: int,
+    budget_s: float,
+    op: str,
+    rows: list,
+) -> None:
     """Rows of ``op`` (all_reduce, all_reduce_add_rmsnorm, all_gather, reduce_scatter) for each
     message size: the all-gather's message is its gathered output, the reduce-scatter's its input,
     both in pool buffers (comm.empty) as FSDP2's allocate gives them."""
@@ -71,10 +80,10 @@ def bench_mode(comm: Communicator, label: str, sizes: list[int], dtype: torch.dt
                 residual = torch.zeros(numel // hidden, hidden, dtype=dtype, device=device)
                 weight = torch.ones(hidden, dtype=dtype, device=device)
                 x2 = x.view(-1, hidden)
-                call = lambda: comm.all_reduce_add_rmsnorm(x2, residual, weight)  # noqa: E731
+                call = functools.partial(comm.all_reduce_add_rmsnorm, x2, residual, weight)
             else:
                 out = torch.empty_like(x)
-                call = lambda: comm.all_reduce(x, out=out)  # noqa: E731
+                call = functools.partial(comm.all_reduce, x, out=out)
             seconds, calls = _time_calls(call, sync, iters, budget_s)
         except UbnextError as exc:
             rows.append((label, "error", nbytes, str(exc)[:60], None, None, None, None))
@@ -113,8 +122,10 @@ def ratio_lines(rows: list) -> list[str]:
         elif label == "torch.distributed" or path == "torch_symm":
             key = ("nccl" if label == "torch.distributed" else "torch_symm", nbytes)
             peers[key] = min(us, peers.get(key, us))
-    lines = ["| bytes | ubnext best path | ubnext us | torch.distributed us | ratio | torch_symm us | ratio |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| bytes | ubnext best path | ubnext us | torch.distributed us | ratio | torch_symm us | ratio |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for nbytes, (us, path) in sorted(best.items()):
         cells = [f"{nbytes}", path, f"{us:.1f}"]
         for peer in ("nccl", "torch_symm"):
@@ -128,8 +139,16 @@ def _sync(device: torch.device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def bench_exchange(comm: Communicator, label: str, sizes: list[int], dtype: torch.dtype, iters: int,
-                   budget_s: float, op: str, rows: list) -> None:
+def bench_exchange(
+    comm: Communicator,
+    label: str,
+    sizes: list[int],
+    dtype: torch.dtype,
+    iters: int,
+    budget_s: float,
+    op: str,
+    rows: list,
+) -> None:
     n, elem = comm.world_size, dtype.itemsize
     for nbytes in sizes:
         shard = max(16 // elem, nbytes // elem // n // (16 // elem) * (16 // elem))  # whole 16-byte vectors
@@ -138,15 +157,15 @@ def bench_exchange(comm: Communicator, label: str, sizes: list[int], dtype: torc
         try:
             if op == "all_gather":
                 out = comm.empty(numel, dtype=dtype)
-                x = inputs[comm.rank][comm.rank * shard:(comm.rank + 1) * shard].to(comm.device)
-                call = lambda: comm.all_gather(x, out=out)  # noqa: E731
-                want = torch.cat([inputs[r][r * shard:(r + 1) * shard] for r in range(n)]).double()
+                x = inputs[comm.rank][comm.rank * shard : (comm.rank + 1) * shard].to(comm.device)
+                call = functools.partial(comm.all_gather, x, out=out)
+                want = torch.cat([inputs[r][r * shard : (r + 1) * shard] for r in range(n)]).double()
                 bound = torch.zeros_like(want)  # bytes move unchanged
             else:
                 x = comm.empty(numel, dtype=dtype).copy_(inputs[comm.rank].to(comm.device))
                 out = torch.empty(shard, dtype=dtype, device=comm.device)
-                call = lambda: comm.reduce_scatter(x, out=out)  # noqa: E731
-                mine = [t[comm.rank * shard:(comm.rank + 1) * shard] for t in inputs]
+                call = functools.partial(comm.reduce_scatter, x, out=out)
+                mine = [t[comm.rank * shard : (comm.rank + 1) * shard] for t in inputs]
                 want, bound = reference_sum(mine), allreduce_bound(mine, dtype)
             seconds, calls = _time_calls(call, _sync(comm.device), iters, budget_s)
         except UbnextError as exc:
@@ -157,8 +176,18 @@ def bench_exchange(comm: Communicator, label: str, sizes: list[int], dtype: torc
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
         # nccl-tests' bus bandwidth of both: (N-1)/N of the whole message crosses each rank's links
         busbw = ((n - 1) / n) * numel * elem / t.item() / 1e9
-        rows.append((label, comm.last_path, numel * elem, f"{calls}", t.item() * 1e6, busbw, err.max().item(),
-                     bool((err <= bound).all())))
+        rows.append(
+            (
+                label,
+                comm.last_path,
+                numel * elem,
+                f"{calls}",
+                t.item() * 1e6,
+                busbw,
+                err.max().item(),
+                bool((err <= bound).all()),
+            )
+        )
 
 
 # ---------------------------------------------------------------------------------- host overhead
@@ -219,12 +248,14 @@ def _stub_launch_count() -> int:
     from .runtime import _cuda
 
     drv = _cuda.driver()
-    return _cuda.check(drv.cuDeviceGetAttribute(STUB_ATTRIBUTE_LAUNCH_COUNT, drv.cuDeviceGet(0)[1]),
-                       "cuDeviceGetAttribute")
+    return _cuda.check(
+        drv.cuDeviceGetAttribute(STUB_ATTRIBUTE_LAUNCH_COUNT, drv.cuDeviceGet(0)[1]), "cuDeviceGetAttribute"
+    )
 
 
-def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
-                  launch: str = "recorder") -> list[tuple[str, float, float, float, float]]:
+def host_overhead(
+    calls: int, tokens: int, hidden: int, repeats: int = 7, launch: str = "recorder"
+) -> list[tuple[str, float, float, float, float]]:
     """Host time per call of the GPU code path, on a machine without one: the communicator runs
     in gpu mode over an emulator pool with a fake current stream. ``launch="recorder"``: a
     recorder replaces the kernel launch, so the same Python runs up to the launch call.
@@ -237,23 +268,28 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
     from contextlib import ExitStack
     from unittest import mock
 
-    from .runtime import _cuda
     from . import get_communicator, kernels
     from .nn import Linear
+    from .runtime import _cuda
 
     if launch == "driver":
         if not _driver_is_the_stub():
-            raise SystemExit("--launch driver needs the stub driver as libcuda.so.1: scripts/host_bench.sh builds "
-                             "it and puts it on LD_LIBRARY_PATH (a real driver would be handed CPU pointers)")
+            raise SystemExit(
+                "--launch driver needs the stub driver as libcuda.so.1: scripts/host_bench.sh builds "
+                "it and puts it on LD_LIBRARY_PATH (a real driver would be handed CPU pointers)"
+            )
         # NVRTC looks for the driver too and crashes on the stub: the kernels must be compiled already
         missing = [f for f in kernels.sources() if not kernels.is_cached(f, STUB_ARCH)]
         if missing:
-            raise SystemExit(f"--launch driver: {', '.join(missing)} not compiled for the stub's {STUB_ARCH}; run "
-                             f"python -m ubnext.kernels build --arch {STUB_ARCH} without the stub first")
+            raise SystemExit(
+                f"--launch driver: {', '.join(missing)} not compiled for the stub's {STUB_ARCH}; run "
+                f"python -m ubnext.kernels build --arch {STUB_ARCH} without the stub first"
+            )
     comm = get_communicator()  # the one ubnext.nn.Linear uses too
     if comm.mode != "emulator":
-        raise SystemExit("python -m ubnext.bench --host times the GPU code path over an emulator pool: "
-                         "run it with UBNEXT_EMULATE=1")
+        raise SystemExit(
+            "python -m ubnext.bench --host times the GPU code path over an emulator pool: run it with UBNEXT_EMULATE=1"
+        )
     comm.register_hidden(hidden)
     comm.prepare()
     launches = [0, None]  # how many, and the last one's arguments
@@ -279,8 +315,14 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
     # a small fp32 layer: its GEMM, subtracted, must not drown the host time in its own noise
     # (a bf16 GEMM on this CPU takes 12-14 us and varies by 2)
     lin = 16
-    linear = Linear(lin * dist.get_world_size(), lin, bias=False, parallel_mode="row",
-                    symmetric_ar_type="ubnext", dtype=torch.float32)
+    linear = Linear(
+        lin * dist.get_world_size(),
+        lin,
+        bias=False,
+        parallel_mode="row",
+        symmetric_ar_type="ubnext",
+        dtype=torch.float32,
+    )
     linear.weight.data.normal_()
     xl = torch.randn(tokens, lin, dtype=torch.float32)
     floor = ("floor", lambda: torch.ops.ubnext_bench.noop(x, comm.key))
@@ -288,12 +330,18 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
         ("comm.all_reduce", {"call": lambda: comm.all_reduce(x)}),
         ("comm.all_reduce_add_rmsnorm", {"call": lambda: comm.all_reduce_add_rmsnorm(x, residual, weight)}),
         ("torch.ops.ubnext.all_reduce", {"call": lambda: torch.ops.ubnext.all_reduce(x, comm.key, "")}),
-        ("torch.ops.ubnext.all_reduce_add_rmsnorm", {"call": lambda: torch.ops.ubnext.all_reduce_add_rmsnorm(
-            x, residual, weight, 1e-6, comm.key)}),
-        ("(no-op with the fused op's schema: dispatch alone)", {"call": lambda: torch.ops.ubnext_bench.noop_fused(
-            x, residual, weight, 1e-6, comm.key)}),
-        (f"nn.Linear forward ({lin * dist.get_world_size()} -> {lin} fp32) minus F.linear",
-         {"call": lambda: linear(xl), "minus": lambda: torch.nn.functional.linear(xl, linear.weight)}),
+        (
+            "torch.ops.ubnext.all_reduce_add_rmsnorm",
+            {"call": lambda: torch.ops.ubnext.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, comm.key)},
+        ),
+        (
+            "(no-op with the fused op's schema: dispatch alone)",
+            {"call": lambda: torch.ops.ubnext_bench.noop_fused(x, residual, weight, 1e-6, comm.key)},
+        ),
+        (
+            f"nn.Linear forward ({lin * dist.get_world_size()} -> {lin} fp32) minus F.linear",
+            {"call": lambda: linear(xl), "minus": lambda: torch.nn.functional.linear(xl, linear.weight)},
+        ),
     ]
     rows = []
     with ExitStack() as patches:
@@ -318,7 +366,9 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
                 launched = launches_so_far() - launched_before
                 if not what.startswith("(") and launched < calls * repeats:
                     raise AssertionError(f"{what}: {launched} kernel launches in {calls * repeats} calls")
-                above = [c - f - m for c, f, m in zip(times["call"], times["floor"], times.get("minus", [0.0] * repeats))]
+                above = [
+                    c - f - m for c, f, m in zip(times["call"], times["floor"], times.get("minus", [0.0] * repeats))
+                ]
                 floors += times["floor"]
                 rows.append((what, _median(times["call"]), _median(above), min(above), max(above)))
             rows.insert(0, ("no-op Library op (floor)", _median(floors), 0.0, min(floors), max(floors)))
@@ -333,8 +383,10 @@ def host_overhead(calls: int, tokens: int, hidden: int, repeats: int = 7,
 def host_main(args) -> int:
     rows = host_overhead(args.calls, args.tokens, args.hidden, launch=args.launch)
     if dist.get_rank() == 0:
-        print(f"# ubnext.bench --host: host time per call, {args.tokens}x{args.hidden} bf16, "
-              f"{dist.get_world_size()} ranks, medians of 7 rounds of {args.calls} calls")
+        print(
+            f"# ubnext.bench --host: host time per call, {args.tokens}x{args.hidden} bf16, "
+            f"{dist.get_world_size()} ranks, medians of 7 rounds of {args.calls} calls"
+        )
         if args.launch == "recorder":
             print("# gpu-mode code path with a fake stream and a recorder in place of the kernel launch:")
             print("# the launch itself (cuda.core, the driver) is not timed here.")
@@ -356,42 +408,76 @@ def host_main(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ubnext.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=None,
-                        help="message sizes in bytes (suffix k/m): default 8k..8m on GPU, 8k..1m on CPU")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=None,
+        help="message sizes in bytes (suffix k/m): default 8k..8m on GPU, 8k..1m on CPU",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--iters", type=int, default=None, help="calls per size (default 200 GPU, 20 CPU)")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds per size at most (CPU)")
-    parser.add_argument("--op", choices=["all_reduce", "all_reduce_add_rmsnorm", "all_gather", "reduce_scatter"],
-                        default="all_reduce", help="the operation timed (message: the all-gather's output, the "
-                        "reduce-scatter's input)")
+    parser.add_argument(
+        "--op",
+        choices=["all_reduce", "all_reduce_add_rmsnorm", "all_gather", "reduce_scatter"],
+        default="all_reduce",
+        help="the operation timed (message: the all-gather's output, the reduce-scatter's input)",
+    )
     parser.add_argument("--fused", action="store_true", help="the same as --op all_reduce_add_rmsnorm")
     parser.add_argument("--modes", nargs="+", choices=["gpu", "emulator", "torch"], default=None)
-    parser.add_argument("--algo", nargs="+", default=None,
-                        help="force a path (UBNEXT_ALGO's values) in the gpu/emulator modes; several: one pass each")
-    parser.add_argument("--ratios", metavar="FILE.md", default=None,
-                        help="append, to FILE.md (docs/PERF.md on a GPU node), each size's fastest ubnext path "
-                             "against torch.distributed and torch's symmetric-memory op (pass torch_symm in --algo), "
-                             "with the command, machine and date")
-    parser.add_argument("--plot", metavar="FILE.png", default=None,
-                        help="also draw us per call and busbw against message size, one line per mode and "
-                             "path (needs matplotlib: pip install 'ubnext[plot]')")
-    parser.add_argument("--host", action="store_true",
-                        help="host time per call of the GPU code path (recorder instead of the launch)")
-    parser.add_argument("--launch", choices=["recorder", "driver"], default="recorder",
-                        help="--host: a recorder in place of the kernel launch, or the launch itself into the "
-                             "stub driver (scripts/host_bench.sh sets it up)")
+    parser.add_argument(
+        "--algo",
+        nargs="+",
+        default=None,
+        help="force a path (UBNEXT_ALGO's values) in the gpu/emulator modes; several: one pass each",
+    )
+    parser.add_argument(
+        "--ratios",
+        metavar="FILE.md",
+        default=None,
+        help="append, to FILE.md (docs/PERF.md on a GPU node), each size's fastest ubnext path "
+        "against torch.distributed and torch's symmetric-memory op (pass torch_symm in --algo), "
+        "with the command, machine and date",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="also draw us per call and busbw against message size, one line per mode and "
+        "path (needs matplotlib: pip install 'ubnext[plot]')",
+    )
+    parser.add_argument(
+        "--host", action="store_true", help="host time per call of the GPU code path (recorder instead of the launch)"
+    )
+    parser.add_argument(
+        "--launch",
+        choices=["recorder", "driver"],
+        default="recorder",
+        help="--host: a recorder in place of the kernel launch, or the launch itself into the "
+        "stub driver (scripts/host_bench.sh sets it up)",
+    )
     parser.add_argument("--calls", type=int, default=2000, help="--host: calls per timing")
-    parser.add_argument("--model", action="store_true",
-                        help="the critical-path model (ubnext/tuning/_costmodel.py): counts every path on the CPU "
-                             "emulator at a GPU's launch geometry and models its time; starts its own ranks")
+    parser.add_argument(
+        "--model",
+        action="store_true",
+        help="the critical-path model (ubnext/tuning/_costmodel.py): counts every path on the CPU "
+        "emulator at a GPU's launch geometry and models its time; starts its own ranks",
+    )
     parser.add_argument("--world", type=int, default=8, help="--model: emulated ranks")
-    parser.add_argument("--write-thresholds", action="store_true",
-                        help="--model: measure every allreduce and fused path at --worlds, with and without "
-                             "multicast, and write the planner's path orders to ubnext/plan/_thresholds.py "
-                             "(ubnext/tuning/_crossovers.py says how)")
-    parser.add_argument("--worlds", type=int, nargs="+", default=None,
-                        help="--write-thresholds: the worlds measured (default 2 4 8; those between are "
-                             "interpolated)")
+    parser.add_argument(
+        "--write-thresholds",
+        action="store_true",
+        help="--model: measure every allreduce and fused path at --worlds, with and without "
+        "multicast, and write the planner's path orders to ubnext/plan/_thresholds.py "
+        "(ubnext/tuning/_crossovers.py says how)",
+    )
+    parser.add_argument(
+        "--worlds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="--write-thresholds: the worlds measured (default 2 4 8; those between are interpolated)",
+    )
     parser.add_argument("--json", action="store_true", help="--model: one JSON object per line")
     parser.add_argument("--quick", action="store_true", help="--model: the smallest sizes only (tests)")
     parser.add_argument("--tokens", type=int, default=8, help="--host: rows of the message")
@@ -425,10 +511,13 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         if mode == "gpu" and not gpu:
             continue
-        for algo in (["torch"] if mode == "torch" else args.algo or [None]):
+        for algo in ["torch"] if mode == "torch" else args.algo or [None]:
             comm = Communicator(emulate=(mode == "emulator"), max_hidden=4096, algo=algo)
-            label = {"gpu": f"gpu:{torch.cuda.get_device_name() if gpu else ''}", "emulator": "cpu-emulator",
-                     "torch": "torch.distributed"}[mode]
+            label = {
+                "gpu": f"gpu:{torch.cuda.get_device_name() if gpu else ''}",
+                "emulator": "cpu-emulator",
+                "torch": "torch.distributed",
+            }[mode]
             if algo not in (None, "torch") and len(args.algo) > 1:
                 # a forced path that cannot run falls back: its rows must not join another pass's line
                 label += f" (forced {algo})"
@@ -437,8 +526,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if dist.get_rank() == 0:
         print(f"# ubnext.bench {op} dtype={args.dtype} ranks={dist.get_world_size()}")
-        print(f"{'mode':22} {'path':14} {'bytes':>10} {'calls':>6} {'us/call':>10} {'busbw GB/s':>11} "
-              f"{'max |err|':>11} {'<= bound':>8}")
+        print(
+            f"{'mode':22} {'path':14} {'bytes':>10} {'calls':>6} {'us/call':>10} {'busbw GB/s':>11} "
+            f"{'max |err|':>11} {'<= bound':>8}"
+        )
         for label, path, nbytes, calls, us, busbw, err, ok in rows:
             if us is None:
                 print(f"{label:22} {path:14} {nbytes:10d} {calls}")
@@ -450,17 +541,24 @@ def main(argv: list[str] | None = None) -> int:
             import datetime
 
             machine = torch.cuda.get_device_name() if gpu else "CPU emulator and gloo (no GPU: not GPU figures)"
-            section = [f"\n## {op} against torch.distributed and torch's symmetric-memory op "
-                       f"({datetime.date.today().isoformat()})", "",
-                       f"**Command:** `mpirun -np {dist.get_world_size()} python -m ubnext.bench {' '.join(argv or sys.argv[1:])}`",
-                       f"**Machine:** {dist.get_world_size()} x {machine}; {args.dtype}; us per call, the slowest rank's "
-                       "mean; ratio = ubnext / the other (below 1: ubnext faster).", "", *ratio_lines(rows), ""]
+            section = [
+                f"\n## {op} against torch.distributed and torch's symmetric-memory op "
+                f"({datetime.date.today().isoformat()})",
+                "",
+                f"**Command:** `mpirun -np {dist.get_world_size()} python -m ubnext.bench {' '.join(argv or sys.argv[1:])}`",
+                f"**Machine:** {dist.get_world_size()} x {machine}; {args.dtype}; us per call, the slowest rank's "
+                "mean; ratio = ubnext / the other (below 1: ubnext faster).",
+                "",
+                *ratio_lines(rows),
+                "",
+            ]
             with open(args.ratios, "a") as f:
                 f.write("\n".join(section) + "\n")
             print("\n".join(section))
         if args.plot:
-            title = (f"ubnext.bench {op}, {args.dtype}, {dist.get_world_size()} ranks"
-                     + ("" if gpu else " (no GPU: CPU emulator and gloo)"))
+            title = f"ubnext.bench {op}, {args.dtype}, {dist.get_world_size()} ranks" + (
+                "" if gpu else " (no GPU: CPU emulator and gloo)"
+            )
             plot_rows(rows, args.plot, title)
             print(f"# plot: {args.plot}")
     failed = any(r[7] is False or r[1] == "error" for r in rows)

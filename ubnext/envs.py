@@ -12,8 +12,9 @@ wins when both are set.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["EnvError", "Var", "VARIABLES", "get", "check_all", "first_problem", "describe_table", "environment_with"]
 
@@ -107,56 +108,152 @@ POOL_BACKENDS = ("auto", "torch_symm", "vmm", "emulator")
 VARIABLES: dict[str, Var] = {
     v.name: v
     for v in (
-        Var("UBNEXT_ALGO", _choice(*ALGORITHMS), "auto", "|".join(ALGORITHMS),
-            "Force an allreduce path; a forced path that cannot run falls back down the chain "
-            "and logs why."),
-        Var("UBNEXT_MAX_BATCH", _positive_int, 64, "integer > 0",
+        Var(
+            "UBNEXT_ALGO",
+            _choice(*ALGORITHMS),
+            "auto",
+            "|".join(ALGORITHMS),
+            "Force an allreduce path; a forced path that cannot run falls back down the chain and logs why.",
+        ),
+        Var(
+            "UBNEXT_MAX_BATCH",
+            _positive_int,
+            64,
+            "integer > 0",
             "Tokens per call the pool is sized for (x the largest registered hidden size).",
-            aliases=("NVTE_UB_MAXBATCH",)),
-        Var("UBNEXT_SYMM_POOL_SIZE", _positive_int, None, "integer MB > 0",
+            aliases=("NVTE_UB_MAXBATCH",),
+        ),
+        Var(
+            "UBNEXT_SYMM_POOL_SIZE",
+            _positive_int,
+            None,
+            "integer MB > 0",
             "Symmetric pool size in MB; overrides the UBNEXT_MAX_BATCH sizing.",
-            aliases=("NVTE_UB_SYMM_POOL_SIZE",)),
-        Var("UBNEXT_POOL_BACKEND", _choice(*POOL_BACKENDS), "auto", "|".join(POOL_BACKENDS),
-            "Symmetric memory backend. auto: torch_symm on GPUs, then vmm; emulator on CPU."),
-        Var("UBNEXT_TIMEOUT", _positive_float, None, "seconds > 0",
+            aliases=("NVTE_UB_SYMM_POOL_SIZE",),
+        ),
+        Var(
+            "UBNEXT_POOL_BACKEND",
+            _choice(*POOL_BACKENDS),
+            "auto",
+            "|".join(POOL_BACKENDS),
+            "Symmetric memory backend. auto: torch_symm on GPUs, then vmm; emulator on CPU.",
+        ),
+        Var(
+            "UBNEXT_TIMEOUT",
+            _positive_float,
+            None,
+            "seconds > 0",
             "Bound on every wait across ranks inside a kernel (unset: the process group's timeout). "
             "Past it the op fails naming op, rank and peer, and the communicator is aborted on "
-            "every rank."),
-        Var("UBNEXT_WARN_AFTER", _nonnegative_float, 10.0, "seconds >= 0",
+            "every rank.",
+        ),
+        Var(
+            "UBNEXT_WARN_AFTER",
+            _nonnegative_float,
+            10.0,
+            "seconds >= 0",
             "The watchdog: a rank whose ubnext kernel has waited this long logs once what it waits in "
             "(op, path, size, the call's number) and each peer's last call, from the store; 0 turns it off. "
-            "Ctrl-C during such a wait aborts the communicator on every rank (emulator)."),
-        Var("UBNEXT_SELFTEST", _bool, True, "0|1",
+            "Ctrl-C during such a wait aborts the communicator on every rank (emulator).",
+        ),
+        Var(
+            "UBNEXT_SELFTEST",
+            _bool,
+            True,
+            "0|1",
             "Run every kernel path once on known data when the pool is created, and disable, on "
-            "every rank, a path that gives a wrong sum (a few ms once; 0 skips it)."),
-        Var("UBNEXT_EMULATE", _bool, False, "0|1",
-            "Run ubnext kernels on the CPU emulator (CPU tensors) instead of torch.distributed."),
-        Var("UBNEXT_EMU_CHAOS", _bool, False, "0|1",
+            "every rank, a path that gives a wrong sum (a few ms once; 0 skips it).",
+        ),
+        Var(
+            "UBNEXT_EMULATE",
+            _bool,
+            False,
+            "0|1",
+            "Run ubnext kernels on the CPU emulator (CPU tensors) instead of torch.distributed.",
+        ),
+        Var(
+            "UBNEXT_EMU_CHAOS",
+            _bool,
+            False,
+            "0|1",
             "Emulator chaos mode: random delays at cross-rank accesses and reordering of "
-            "stores that no fence or release orders."),
-        Var("UBNEXT_EMU_MULTICAST", _bool, True, "0|1",
+            "stores that no fence or release orders.",
+        ),
+        Var(
+            "UBNEXT_EMU_MULTICAST",
+            _bool,
+            True,
+            "0|1",
             "Give emulator pools a multicast address (1) or none (0: the unicast paths, as on "
-            "PCIe P2P or several ranks per GPU)."),
-        Var("UBNEXT_EMU_SEED", _nonnegative_int, 0, "integer >= 0",
-            "Seed of the emulator's chaos mode (0: derived from time and rank)."),
-        Var("UBNEXT_EMU_COUNT", _bool, False, "0|1",
+            "PCIe P2P or several ranks per GPU).",
+        ),
+        Var(
+            "UBNEXT_EMU_SEED",
+            _nonnegative_int,
+            0,
+            "integer >= 0",
+            "Seed of the emulator's chaos mode (0: derived from time and rank).",
+        ),
+        Var(
+            "UBNEXT_EMU_COUNT",
+            _bool,
+            False,
+            "0|1",
             "Emulator count mode: measure every launch's critical path (CTAs, NVLink hops, fences, "
             "bytes per CTA) at a GPU's launch geometry, for `python -m ubnext.bench --model`. "
             "Pools then map seven times their size (a stamp shadow of 6 bytes per byte, sparse: "
-            "only what the kernels touch costs memory)."),
-        Var("UBNEXT_EMU_SM_COUNT", _positive_int, 132, "integer > 0",
-            "SMs of the GPU that count mode's launch geometry stands for (132: H100 SXM)."),
-        Var("UBNEXT_EMU_BLOCK", _block_size, 64, "32|64|128|...|1024",
+            "only what the kernels touch costs memory).",
+        ),
+        Var(
+            "UBNEXT_EMU_SM_COUNT",
+            _positive_int,
+            132,
+            "integer > 0",
+            "SMs of the GPU that count mode's launch geometry stands for (132: H100 SXM).",
+        ),
+        Var(
+            "UBNEXT_EMU_BLOCK",
+            _block_size,
+            64,
+            "32|64|128|...|1024",
             "Threads per block of the emulator's launches outside count mode (a power of two: the row "
-            "math's sum-of-squares order needs blockDim to divide 1024). Outputs must not depend on it."),
-        Var("UBNEXT_EMU_GRID", _positive_int, 4, "integer > 0",
-            "Most blocks per launch of the emulator outside count mode. Outputs must not depend on it."),
-        Var("UBNEXT_EMU_BREAK", _choice("", "skip_repoison", "no_release", "skip_barrier", "no_header_check",
-                                     "single_header_slot", "no_abort_check", "no_proxy_fence_nvls_twoshot",
-                                     "twoshot_drop_peer", "allgather_short_push", "no_lamport_header_check",
-                                     "no_eps_check", "no_departure_check", "extra_fence", "twoshot_reverse_order", "nvfp4_nibble_order", "swizzle",
-                                     "no_pdl_wait", "ssq_block_order", "two_roundings", "row_split_no_arrival",
-                                     "rank_order_ignored", "stamps"), "",
+            "math's sum-of-squares order needs blockDim to divide 1024). Outputs must not depend on it.",
+        ),
+        Var(
+            "UBNEXT_EMU_GRID",
+            _positive_int,
+            4,
+            "integer > 0",
+            "Most blocks per launch of the emulator outside count mode. Outputs must not depend on it.",
+        ),
+        Var(
+            "UBNEXT_EMU_BREAK",
+            _choice(
+                "",
+                "skip_repoison",
+                "no_release",
+                "skip_barrier",
+                "no_header_check",
+                "single_header_slot",
+                "no_abort_check",
+                "no_proxy_fence_nvls_twoshot",
+                "twoshot_drop_peer",
+                "allgather_short_push",
+                "no_lamport_header_check",
+                "no_eps_check",
+                "no_departure_check",
+                "extra_fence",
+                "twoshot_reverse_order",
+                "nvfp4_nibble_order",
+                "swizzle",
+                "no_pdl_wait",
+                "ssq_block_order",
+                "two_roundings",
+                "row_split_no_arrival",
+                "rank_order_ignored",
+                "stamps",
+            ),
+            "",
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
             "no_proxy_fence_nvls_twoshot|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_eps_check|"
             "no_departure_check|extra_fence|"
@@ -164,39 +261,78 @@ VARIABLES: dict[str, Var] = {
             "rank_order_ignored|stamps",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it; or, 'stamps', with the Lamport one-shot's per-phase time stamps "
-            "(csrc/device/stamps.cuh)."),
-        Var("UBNEXT_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),
-            "directory path", "Where compiled cubins and the emulator library are cached."),
-        Var("UBNEXT_CUBIN_DIR", str, None, "directory path",
+            "(csrc/device/stamps.cuh).",
+        ),
+        Var(
+            "UBNEXT_CACHE_DIR",
+            str,
+            os.path.join(os.path.expanduser("~"), ".cache", "ubnext"),
+            "directory path",
+            "Where compiled cubins and the emulator library are cached.",
+        ),
+        Var(
+            "UBNEXT_CUBIN_DIR",
+            str,
+            None,
+            "directory path",
             "A folder of cubins exported by `python -m ubnext.kernels export`: used before the cache and "
             "before compiling, whenever its source hash matches and the driver accepts that NVRTC major "
-            "(for a machine that cannot compile the kernels itself)."),
-        Var("UBNEXT_PDL", _bool, True, "0|1",
+            "(for a machine that cannot compile the kernels itself).",
+        ),
+        Var(
+            "UBNEXT_PDL",
+            _bool,
+            True,
+            "0|1",
             "Programmatic dependent launch: on sm_90 and later, launch every kernel with the "
             "programmatic-stream-serialization attribute, so that its launch and prologue overlap the "
             "end of the kernel before it on the stream (each kernel waits with griddepcontrol.wait before "
             "it touches memory). 0 launches in plain stream order (the C API's equivalent is the launch "
-            "flag UBNEXT_LAUNCH_NO_PDL)."),
-        Var("UBNEXT_DEBUG", _bool, False, "0|1",
+            "flag UBNEXT_LAUNCH_NO_PDL).",
+        ),
+        Var(
+            "UBNEXT_DEBUG",
+            _bool,
+            False,
+            "0|1",
             "Check shapes across ranks (and the fused op's eps, static FP8 or NVFP4 global scale, and "
             "checksums of its residual and weight) and synchronise after every call to surface kernel "
-            "errors at the call that caused them."),
-        Var("UBNEXT_ALLOW_NONDETERMINISTIC", _bool, False, "0|1",
-            "Let the automatic choice pick nvls_oneshot, whose results may differ in the last "
-            "bit between ranks."),
-        Var("UBNEXT_BATCH_INVARIANT", _bool, False, "0|1",
+            "errors at the call that caused them.",
+        ),
+        Var(
+            "UBNEXT_ALLOW_NONDETERMINISTIC",
+            _bool,
+            False,
+            "0|1",
+            "Let the automatic choice pick nvls_oneshot, whose results may differ in the last bit between ranks.",
+        ),
+        Var(
+            "UBNEXT_BATCH_INVARIANT",
+            _bool,
+            False,
+            "0|1",
             "Batch-invariant mode for the communicators ubnext makes itself (get_communicator, "
             "ubnext.nn, ubnext.fsdp) and any made without batch_invariant=: every allreduce and "
             "reduce-scatter sums the ranks in rank order in fp32 on every path and size, never "
-            "through multimem.ld_reduce, so a token's outputs do not depend on the batch around it."),
-        Var("UBNEXT_WORLD1_KERNELS", _bool, False, "0|1",
+            "through multimem.ld_reduce, so a token's outputs do not depend on the batch around it.",
+        ),
+        Var(
+            "UBNEXT_WORLD1_KERNELS",
+            _bool,
+            False,
+            "0|1",
             "TEST ONLY (the one-GPU check, tests/gpu_check): a one-rank communicator runs its ops through "
-            "the kernel paths instead of copying, so that one GPU can run every unicast kernel."),
-        Var("UBNEXT_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
+            "the kernel paths instead of copying, so that one GPU can run every unicast kernel.",
+        ),
+        Var(
+            "UBNEXT_LOG_LEVEL",
+            _choice("debug", "info", "warning", "error"),
+            "warning",
             "debug|info|warning|error",
             "Level of the 'ubnext' logger. A path not taken (`rank 1: not using lamport: ...`) is logged once per "
             "process, with the rank, whatever the number of communicators. The build lines (logger ubnext.build: "
-            "the emulator, NVRTC) show at the default level; error silences them."),
+            "the emulator, NVRTC) show at the default level; error silences them.",
+        ),
     )
 }
 
@@ -223,9 +359,7 @@ def get(name: str) -> Any:
         return var.parse(text)
     except (ValueError, TypeError):
         alias = f" (alias of {var.name})" if source != var.name else ""
-        raise EnvError(
-            f"{source}{alias}={text!r} is not valid; accepted: {var.accepted}"
-        ) from None
+        raise EnvError(f"{source}{alias}={text!r} is not valid; accepted: {var.accepted}") from None
 
 
 def check_all() -> None:

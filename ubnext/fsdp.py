@@ -42,18 +42,26 @@ checked, with an error that says so.
 from __future__ import annotations
 
 import fnmatch
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .runtime import _lifecycle
-from .reference._checks import FP8, FP8_MAX, FP8_TINY_SCALE_INV, POOL_DTYPES
 from .comm import Communicator
+from .reference._checks import FP8_MAX, FP8_TINY_SCALE_INV, POOL_DTYPES
+from .runtime import _lifecycle
 
-__all__ = ["AllGather", "ReduceScatter", "use_ubnext_collectives", "FP8AllGatherWeight", "convert_to_fp8_all_gather",
-           "fp8_gathered", "SCALINGS", "require_fsdp2"]
+__all__ = [
+    "AllGather",  # noqa: F822 (made on first use by the module's __getattr__)
+    "ReduceScatter",  # noqa: F822
+    "use_ubnext_collectives",
+    "FP8AllGatherWeight",
+    "convert_to_fp8_all_gather",
+    "fp8_gathered",
+    "SCALINGS",
+    "require_fsdp2",
+]
 
 SCALINGS = ("row", "shard", "tensor", "static")
 _NEEDS = "torch >= 2.9 (FSDPModule.set_custom_all_gather / set_custom_reduce_scatter, pytorch#155189)"
@@ -76,11 +84,16 @@ def _comm_of(comm: Communicator | None, group) -> Communicator:
     ranks, or the group's cached communicator."""
     if comm is None:
         return _lifecycle.communicator_of(group)
-    if group is not None and group is not comm.group and (
-            dist.get_process_group_ranks(group) != dist.get_process_group_ranks(comm.group)):
-        raise ValueError(f"FSDP2 runs this collective over ranks {dist.get_process_group_ranks(group)}, but the "
-                         f"ubnext communicator spans {dist.get_process_group_ranks(comm.group)}: give each FSDP "
-                         "mesh its own communicator (or none: the group's own is used)")
+    if (
+        group is not None
+        and group is not comm.group
+        and (dist.get_process_group_ranks(group) != dist.get_process_group_ranks(comm.group))
+    ):
+        raise ValueError(
+            f"FSDP2 runs this collective over ranks {dist.get_process_group_ranks(group)}, but the "
+            f"ubnext communicator spans {dist.get_process_group_ranks(comm.group)}: give each FSDP "
+            "mesh its own communicator (or none: the group's own is used)"
+        )
     return comm
 
 
@@ -131,7 +144,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ubnext.fsdp' has no attribute {name!r}")
 
 
-def _shard_group(module) -> "dist.ProcessGroup | None":
+def _shard_group(module) -> dist.ProcessGroup | None:
     """The process group over which FSDP2 all-gathers and reduce-scatters ``module``'s own
     parameters: its param group's shard group, or None when it has none (no parameters of its own,
     or a replicate-only mesh). Read from FSDP2's state, not from the parameters' DTensor mesh, which
@@ -184,9 +197,19 @@ _aten = torch.ops.aten
 # FSDP2's sharding and copies of a parameter keep it an FP8AllGatherWeight; every other op sees
 # the high-precision tensor (the optimizer's updates land in it)
 _KEEP_SUBCLASS = {
-    _aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor, _aten.copy_.default, _aten.view.default,
-    _aten.as_strided.default, _aten._to_copy.default, _aten._pin_memory.default, _aten.split.Tensor,
-    _aten.clone.default, _aten.detach.default, _aten.chunk.default, _aten.narrow.default,
+    _aten.empty_like.default,
+    _aten.new_zeros.default,
+    _aten.slice.Tensor,
+    _aten.copy_.default,
+    _aten.view.default,
+    _aten.as_strided.default,
+    _aten._to_copy.default,
+    _aten._pin_memory.default,
+    _aten.split.Tensor,
+    _aten.clone.default,
+    _aten.detach.default,
+    _aten.chunk.default,
+    _aten.narrow.default,
 }
 
 
@@ -209,8 +232,15 @@ class FP8AllGatherWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, scaling: str = "row", scale: torch.Tensor | None = None):
         return torch.Tensor._make_wrapper_subclass(
-            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
-            layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
 
     def __init__(self, tensor: torch.Tensor, scaling: str = "row", scale: torch.Tensor | None = None):
         _check_scaling(scaling, scale)
@@ -350,8 +380,13 @@ def fp8_gathered(weight: torch.Tensor):
     return _GATHERED.get(weight.untyped_storage().data_ptr())
 
 
-def convert_to_fp8_all_gather(model: torch.nn.Module, *, scaling: str = "row", scale: torch.Tensor | None = None,
-                              include: Callable[[str, torch.nn.Module], bool] | str = "*") -> list[str]:
+def convert_to_fp8_all_gather(
+    model: torch.nn.Module,
+    *,
+    scaling: str = "row",
+    scale: torch.Tensor | None = None,
+    include: Callable[[str, torch.nn.Module], bool] | str = "*",
+) -> list[str]:
     """Make the weights of ``model``'s ``nn.Linear`` layers FP8AllGatherWeights, before
     ``fully_shard``. ``include``: a glob over module names (``"layers.*.mlp.*"``) or a function
     ``(name, module) -> bool``. Returns the converted names.
@@ -363,22 +398,28 @@ def convert_to_fp8_all_gather(model: torch.nn.Module, *, scaling: str = "row", s
     parameters up from the plain weights, and a wrapped DTensor failed at the first forward."""
     _check_scaling(scaling, scale)
     chosen = include if callable(include) else (lambda name, _m: fnmatch.fnmatch(name, include))
-    layers = [(name, module) for name, module in model.named_modules()
-              if isinstance(module, torch.nn.Linear) and chosen(name, module)]
+    layers = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and chosen(name, module)
+    ]
     sharded = [name for name, module in layers if hasattr(module.weight, "_local_tensor")]
     if sharded:
-        raise ValueError(f"convert_to_fp8_all_gather: the weights of {sharded[:3]}{' ...' if len(sharded) > 3 else ''} "
-                         "are DTensors: the model is sharded already (fully_shard, or parallelize_module). "
-                         "Convert first, then fully_shard: convert_to_fp8_all_gather(model); fully_shard(...); "
-                         "use_ubnext_collectives(model)")
+        raise ValueError(
+            f"convert_to_fp8_all_gather: the weights of {sharded[:3]}{' ...' if len(sharded) > 3 else ''} "
+            "are DTensors: the model is sharded already (fully_shard, or parallelize_module). "
+            "Convert first, then fully_shard: convert_to_fp8_all_gather(model); fully_shard(...); "
+            "use_ubnext_collectives(model)"
+        )
     converted = []
     for name, module in layers:
         weight = module.weight
         if isinstance(weight, FP8AllGatherWeight):
             weight._scaling, weight._scale = scaling, scale
         else:
-            module.weight = torch.nn.Parameter(FP8AllGatherWeight(weight.data, scaling, scale),
-                                               requires_grad=weight.requires_grad)
+            module.weight = torch.nn.Parameter(
+                FP8AllGatherWeight(weight.data, scaling, scale), requires_grad=weight.requires_grad
+            )
         if not getattr(module, "_ubnext_fp8_state_dict_hooks", False):
             module.register_state_dict_post_hook(_plain_state_dict)
             module.register_load_state_dict_pre_hook(_fp8_load_state_dict)
@@ -412,8 +453,9 @@ def _with_local(tensor, local: torch.Tensor):
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
-                              shape=tensor.shape, stride=tensor.stride())
+    return DTensor.from_local(
+        local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
 
 
 def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
@@ -425,8 +467,9 @@ def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
         state_dict[prefix + name] = _with_local(value, fp8._tensor.detach())
 
 
-def _fp8_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                         error_msgs) -> None:
+def _fp8_load_state_dict(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
     # load_state_dict copies into the FP8AllGatherWeight either way, but assign=True (and DCP's
     # set_model_state_dict onto meta parameters) installs the given tensor as the parameter: wrap
     # it first so that the layer keeps all-gathering in FP8

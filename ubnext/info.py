@@ -17,12 +17,12 @@ import os
 import platform
 import shutil
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from . import __version__, envs, kernels, plan
+from .pool import plan_layout
 from .runtime._cuda import check, driver, driver_verdict, format_cuda_version, gpu_available, no_gpu_reason
 from .runtime._sources import CSRC
-from .pool import plan_layout
 
 SIZES = [8 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 DEFAULT_ARCHS = ("sm_90", "sm_100")
@@ -54,27 +54,42 @@ def gpus() -> list[dict]:
     count = check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
     devices = [check(drv.cuDeviceGet(i), "cuDeviceGet") for i in range(count)]
     for i, dev in enumerate(devices):
+
         def get(name, dev=dev):
             return check(drv.cuDeviceGetAttribute(getattr(attr, name), dev), name)
 
         name = check(drv.cuDeviceGetName(256, dev), "cuDeviceGetName").split(b"\0")[0].decode()
-        peers = [j for j, other in enumerate(devices)
-                 if j != i and check(drv.cuDeviceCanAccessPeer(dev, other), "cuDeviceCanAccessPeer")]
-        out.append({
-            "index": i, "name": name,
-            "arch": f"sm_{get('CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR')}{get('CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR')}",
-            "sms": get("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
-            "multicast": bool(get("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED")),
-            "peers": peers,
-        })
+        peers = [
+            j
+            for j, other in enumerate(devices)
+            if j != i and check(drv.cuDeviceCanAccessPeer(dev, other), "cuDeviceCanAccessPeer")
+        ]
+        out.append(
+            {
+                "index": i,
+                "name": name,
+                "arch": f"sm_{get('CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR')}{get('CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR')}",
+                "sms": get("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
+                "multicast": bool(get("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED")),
+                "peers": peers,
+            }
+        )
     return out
 
 
 def pool_view(world_size: int, hidden: int, mode: str, multicast: bool, unavailable: str | None) -> plan.PoolView:
     """The planner's view of a fresh pool of the default size for this world size and hidden."""
     layout = plan_layout(world_size, hidden)
-    return plan.PoolView(unavailable, multicast, layout.lamport_capacity, layout.staging_bytes, mode,
-                         torch_symm_op=mode == "gpu", sized_by=layout.sized_by, world_size=world_size)
+    return plan.PoolView(
+        unavailable,
+        multicast,
+        layout.lamport_capacity,
+        layout.staging_bytes,
+        mode,
+        torch_symm_op=mode == "gpu",
+        sized_by=layout.sized_by,
+        world_size=world_size,
+    )
 
 
 def report(world_size: int, hidden: int, build_emulator: bool) -> str:
@@ -84,8 +99,10 @@ def report(world_size: int, hidden: int, build_emulator: bool) -> str:
     add = lines.append
     # first: whether ubnext's kernels can run here at all (an old driver sends every op to NCCL)
     add(driver_verdict(kernels.nvrtc_version))
-    add(f"ubnext {__version__} ({os.path.dirname(__file__)}); kernel sources: {CSRC}"
-        + ("" if (CSRC / "kernels").is_dir() else "  MISSING"))
+    add(
+        f"ubnext {__version__} ({os.path.dirname(__file__)}); kernel sources: {CSRC}"
+        + ("" if (CSRC / "kernels").is_dir() else "  MISSING")
+    )
     add("")
     add("versions")
     add(f"  python         {platform.python_version()}")
@@ -114,8 +131,10 @@ def report(world_size: int, hidden: int, build_emulator: bool) -> str:
     else:
         devices = gpus()
         for d in devices:
-            add(f"  [{d['index']}] {d['name']} {d['arch']}, {d['sms']} SMs, multicast "
-                f"{'yes' if d['multicast'] else 'no'}, P2P to {d['peers'] or 'none'}")
+            add(
+                f"  [{d['index']}] {d['name']} {d['arch']}, {d['sms']} SMs, multicast "
+                f"{'yes' if d['multicast'] else 'no'}, P2P to {d['peers'] or 'none'}"
+            )
         visible = envs.cuda_visible_devices()
         if len(devices) == 1:
             add(f"  only one GPU is visible to this process (CUDA_VISIBLE_DEVICES={visible!r}): ranks that")
@@ -159,8 +178,10 @@ def report(world_size: int, hidden: int, build_emulator: bool) -> str:
     unavailable = None
     if mode == "torch":
         unavailable = "no GPU and emulation is off"
-    add(f"paths for {world_size} ranks, bf16, pool sized for hidden {hidden} (mode {mode}, multicast "
-        f"{'yes' if multicast else 'no'}, UBNEXT_ALGO={envs.get('UBNEXT_ALGO')})")
+    add(
+        f"paths for {world_size} ranks, bf16, pool sized for hidden {hidden} (mode {mode}, multicast "
+        f"{'yes' if multicast else 'no'}, UBNEXT_ALGO={envs.get('UBNEXT_ALGO')})"
+    )
     views = [("here", pool_view(world_size, hidden, mode, multicast, unavailable))]
     if mode != "gpu":
         views.append(("on GPUs with NVLS", pool_view(world_size, hidden, "gpu", True, None)))

@@ -42,8 +42,11 @@ __all__ = ["Linear", "SYMMETRIC_AR_TYPES"]
 log = logging.getLogger("ubnext")
 
 SYMMETRIC_AR_TYPES = (None, "nccl", "ubnext", "ubnext_add_rms", "one_shot", "two_shot", "multimem_all_reduce")
-_TORCH_SYMM_OPS = {"one_shot": "one_shot_all_reduce", "two_shot": "two_shot_all_reduce_",
-                   "multimem_all_reduce": "multimem_all_reduce_"}
+_TORCH_SYMM_OPS = {
+    "one_shot": "one_shot_all_reduce",
+    "two_shot": "two_shot_all_reduce_",
+    "multimem_all_reduce": "multimem_all_reduce_",
+}
 
 
 class _AllReduceTorch(torch.autograd.Function):
@@ -82,29 +85,50 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
 
 class Linear(torch.nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group=None,
-                 parallel_mode: str | None = None, symmetric_ar_type: str | None = None,
-                 eps: float = 1e-6, device=None, dtype=None, quant: str | None = None,
-                 quant_swizzled: bool = False, quant_ue8m0: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        tp_group=None,
+        parallel_mode: str | None = None,
+        symmetric_ar_type: str | None = None,
+        eps: float = 1e-6,
+        device=None,
+        dtype=None,
+        quant: str | None = None,
+        quant_swizzled: bool = False,
+        quant_ue8m0: bool = False,
+    ):
         super().__init__()
         if quant is not None or quant_swizzled or quant_ue8m0:
             if symmetric_ar_type != "ubnext_add_rms":
-                raise ValueError("quant= names the block-scaled output of the fused norm: it needs "
-                                 f"symmetric_ar_type='ubnext_add_rms', got {symmetric_ar_type!r}")
+                raise ValueError(
+                    "quant= names the block-scaled output of the fused norm: it needs "
+                    f"symmetric_ar_type='ubnext_add_rms', got {symmetric_ar_type!r}"
+                )
             if quant not in BLOCKS:
                 raise ValueError(f"quant must be one of {sorted(BLOCKS)}, got {quant!r}")
             if out_features % BLOCKS[quant]:
-                raise ValueError(f"K = {out_features} (out_features, the normed row) is not a multiple of the "
-                                 f"{quant} block of {BLOCKS[quant]} elements")
+                raise ValueError(
+                    f"K = {out_features} (out_features, the normed row) is not a multiple of the "
+                    f"{quant} block of {BLOCKS[quant]} elements"
+                )
         self.quant, self.quant_swizzled, self.quant_ue8m0 = quant, bool(quant_swizzled), bool(quant_ue8m0)
         if parallel_mode not in (None, "row", "column"):
             raise ValueError(f"parallel_mode must be None, 'row' or 'column', got {parallel_mode!r}")
         if symmetric_ar_type not in SYMMETRIC_AR_TYPES:
             raise ValueError(f"symmetric_ar_type must be one of {SYMMETRIC_AR_TYPES}, got {symmetric_ar_type!r}")
-        if symmetric_ar_type not in (None, "nccl") and parallel_mode != "row" and not (
-                symmetric_ar_type == "ubnext" and parallel_mode == "column"):
-            raise ValueError(f"symmetric_ar_type={symmetric_ar_type!r} applies to parallel_mode='row' only "
-                             "(a column-parallel layer takes None, 'nccl' or 'ubnext' for its backward)")
+        if (
+            symmetric_ar_type not in (None, "nccl")
+            and parallel_mode != "row"
+            and not (symmetric_ar_type == "ubnext" and parallel_mode == "column")
+        ):
+            raise ValueError(
+                f"symmetric_ar_type={symmetric_ar_type!r} applies to parallel_mode='row' only "
+                "(a column-parallel layer takes None, 'nccl' or 'ubnext' for its backward)"
+            )
         self.tp_group = tp_group
         if parallel_mode is None:
             tp = 1
@@ -130,8 +154,9 @@ class Linear(torch.nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(local_out, local_in, **factory))
         self.bias = torch.nn.Parameter(torch.empty(local_out, **factory)) if bias else None
-        self.norm_weight = (torch.nn.Parameter(torch.ones(out_features, **factory))
-                            if symmetric_ar_type == "ubnext_add_rms" else None)
+        self.norm_weight = (
+            torch.nn.Parameter(torch.ones(out_features, **factory)) if symmetric_ar_type == "ubnext_add_rms" else None
+        )
         self.reset_parameters()
         self._last_path: list[str | None] = [None]  # a holder: the backward records into it too
         if symmetric_ar_type in ("ubnext", "ubnext_add_rms"):
@@ -139,16 +164,32 @@ class Linear(torch.nn.Module):
             self.comm.register_hidden(out_features if parallel_mode == "row" else in_features)
 
     @classmethod
-    def from_dense(cls, linear: torch.nn.Linear, *, parallel_mode: str, tp_group=None,
-                   symmetric_ar_type: str | None = None, eps: float = 1e-6,
-                   norm_weight: torch.Tensor | None = None, device=None) -> "Linear":
+    def from_dense(
+        cls,
+        linear: torch.nn.Linear,
+        *,
+        parallel_mode: str,
+        tp_group=None,
+        symmetric_ar_type: str | None = None,
+        eps: float = 1e-6,
+        norm_weight: torch.Tensor | None = None,
+        device=None,
+    ) -> Linear:
         """This rank's shard of an existing ``nn.Linear`` (the layout in the module docstring),
         in its dtype, on ``device`` (default: the dense weight's). ``norm_weight``: the RMSNorm
         weight that ``symmetric_ar_type='ubnext_add_rms'`` owns (default ones)."""
         weight = linear.weight
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
-                    parallel_mode=parallel_mode, symmetric_ar_type=symmetric_ar_type, eps=eps,
-                    device=device if device is not None else weight.device, dtype=weight.dtype)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            tp_group=tp_group,
+            parallel_mode=parallel_mode,
+            symmetric_ar_type=symmetric_ar_type,
+            eps=eps,
+            device=device if device is not None else weight.device,
+            dtype=weight.dtype,
+        )
         with torch.no_grad():
             layer.weight.copy_(layer.shard_of(weight))
             if linear.bias is not None:
@@ -208,8 +249,9 @@ class Linear(torch.nn.Module):
     def _group(self):
         return self.tp_group if self.tp_group is not None else dist.group.WORLD
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
-                global_scale: torch.Tensor | None = None):
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, *, global_scale: torch.Tensor | None = None
+    ):
         if global_scale is not None and self.quant != "nvfp4":
             raise ValueError("global_scale is two-level NVFP4's per-tensor scale: it needs quant='nvfp4'")
         if (residual is not None) != (self.symmetric_ar_type == "ubnext_add_rms"):
@@ -220,9 +262,11 @@ class Linear(torch.nn.Module):
         if self.parallel_mode != "row":
             return F.linear(x, self.weight, self.bias)
         if x.dim() > 0 and x.shape[-1] != self.weight.shape[1]:
-            raise ValueError(f"x has {x.shape[-1]} features in its last dimension, but a row-parallel layer takes "
-                             f"this rank's shard of its input: {self.weight.shape[1]} features (in_features="
-                             f"{self.in_features} / {self.tp_size} ranks)")
+            raise ValueError(
+                f"x has {x.shape[-1]} features in its last dimension, but a row-parallel layer takes "
+                f"this rank's shard of its input: {self.weight.shape[1]} features (in_features="
+                f"{self.in_features} / {self.tp_size} ranks)"
+            )
         x = x.contiguous()
         kind = self.symmetric_ar_type
         if kind == "ubnext_add_rms":
@@ -231,12 +275,21 @@ class Linear(torch.nn.Module):
                 residual = residual + self.bias  # added once, before the fused norm
             if self.quant is not None:
                 q, residual_out, scales = ops.all_reduce_add_rmsnorm(
-                    partial, residual.contiguous(), self.norm_weight, self.eps, self._group_name, quant=self.quant,
-                    global_scale=global_scale, swizzled=self.quant_swizzled, ue8m0=self.quant_ue8m0)
+                    partial,
+                    residual.contiguous(),
+                    self.norm_weight,
+                    self.eps,
+                    self._group_name,
+                    quant=self.quant,
+                    global_scale=global_scale,
+                    swizzled=self.quant_swizzled,
+                    ue8m0=self.quant_ue8m0,
+                )
                 self._record()
                 return q, residual_out, scales
             normed, residual_out, _ = ops.all_reduce_add_rmsnorm(
-                partial, residual.contiguous(), self.norm_weight, self.eps, self._group_name)
+                partial, residual.contiguous(), self.norm_weight, self.eps, self._group_name
+            )
             self._record()
             return normed, residual_out
         if kind == "ubnext":

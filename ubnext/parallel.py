@@ -35,15 +35,24 @@ __all__ = ["ColwiseParallel", "RowwiseParallel", "check_attention_heads", "distr
 
 def _mesh_group(device_mesh):
     if device_mesh.ndim != 1:
-        raise ValueError(f"ubnext's styles take a 1-D (tensor-parallel) mesh, got {device_mesh.ndim} dimensions; "
-                         "pass the tensor-parallel sub-mesh (mesh['tp'])")
+        raise ValueError(
+            f"ubnext's styles take a 1-D (tensor-parallel) mesh, got {device_mesh.ndim} dimensions; "
+            "pass the tensor-parallel sub-mesh (mesh['tp'])"
+        )
     return device_mesh.get_group()
 
 
 def _hooks(module: torch.nn.Module) -> list[str]:
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-             "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-             "_load_state_dict_post_hooks")
+    names = (
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    )
     return [name for name in names if getattr(module, name, None)]
 
 
@@ -73,16 +82,23 @@ class _LinearStyle(ParallelStyle):
             raise TypeError(f"{type(self).__name__} converts torch.nn.Linear modules, got {type(module).__name__}")
         hooks = _hooks(module)
         if hooks:
-            raise ValueError(f"{type(self).__name__} replaces the module in place and would drop its hooks "
-                             f"({', '.join(hooks)}): parallelize before registering them")
+            raise ValueError(
+                f"{type(self).__name__} replaces the module in place and would drop its hooks "
+                f"({', '.join(hooks)}): parallelize before registering them"
+            )
         group = _mesh_group(device_mesh)
         if self.src_data_rank is not None:
             source = dist.get_global_rank(group, self.src_data_rank)
             with torch.no_grad():
                 for param in module.parameters():
                     dist.broadcast(param.data, src=source, group=group)
-        layer = Linear.from_dense(module, parallel_mode=self.parallel_mode, tp_group=group,
-                                  symmetric_ar_type=self.symmetric_ar_type, eps=self.eps)
+        layer = Linear.from_dense(
+            module,
+            parallel_mode=self.parallel_mode,
+            tp_group=group,
+            symmetric_ar_type=self.symmetric_ar_type,
+            eps=self.eps,
+        )
         return _become(module, layer)
 
     def __repr__(self) -> str:
@@ -110,11 +126,12 @@ class RowwiseParallel(_LinearStyle):
 def check_attention_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
     """Attention sharded by heads needs whole query and key/value heads on every rank: a GQA
     key/value head split across ranks would pair queries with the wrong keys."""
-    bad = [f"{what} {count}" for what, count in (("heads", num_heads), ("key/value heads", num_kv_heads))
-           if count % tp]
+    bad = [f"{what} {count}" for what, count in (("heads", num_heads), ("key/value heads", num_kv_heads)) if count % tp]
     if bad:
-        raise ValueError(f"tensor parallelism {tp} must divide the attention heads ({num_heads}) and the key/value "
-                         f"heads ({num_kv_heads}); it does not divide {' or '.join(bad)}")
+        raise ValueError(
+            f"tensor parallelism {tp} must divide the attention heads ({num_heads}) and the key/value "
+            f"heads ({num_kv_heads}); it does not divide {' or '.join(bad)}"
+        )
 
 
 def _placement(layer: Linear, name: str):

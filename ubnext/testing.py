@@ -56,8 +56,9 @@ def rank_order_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
     return acc
 
 
-def one_rounding_bound(inputs: list[torch.Tensor], residual: torch.Tensor,
-                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def one_rounding_bound(
+    inputs: list[torch.Tensor], residual: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp64 reference of allreduce(x) + residual, per-element bound of residual_out = T(s + residual)
     with s the fp32 sum over ranks and ONE rounding to T, issue 26's arithmetic): the fp32 sum's error
     e (N - 1 additions), the fp32 add of the residual, then one rounding to T. Tight where s and the
@@ -70,8 +71,9 @@ def one_rounding_bound(inputs: list[torch.Tensor], residual: torch.Tensor,
     return ref, bound
 
 
-def residual_bound(inputs: list[torch.Tensor], residual: torch.Tensor, dtype: torch.dtype, *,
-                   extra_rounding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def residual_bound(
+    inputs: list[torch.Tensor], residual: torch.Tensor, dtype: torch.dtype, *, extra_rounding: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp64 reference of allreduce(x) + residual, per-element bound)."""
     s = reference_sum(inputs)
     ref = s + residual.double().cpu()
@@ -97,8 +99,9 @@ def e4m3_step(value: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(mag)) - 3)
 
 
-def check_fp8(q: torch.Tensor, scale_inv: torch.Tensor, y: torch.Tensor, hidden: int,
-              per_token: bool, dtype: torch.dtype) -> None:
+def check_fp8(
+    q: torch.Tensor, scale_inv: torch.Tensor, y: torch.Tensor, hidden: int, per_token: bool, dtype: torch.dtype
+) -> None:
     """Assert the FP8 contract: codes finite and within +-448, each within one e4m3 step of
     y / scale_inv, and per-token scale_inv = max(amax/448, tiny) of the same y.
 

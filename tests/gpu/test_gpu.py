@@ -6,31 +6,75 @@ are exercised where the pool has a multicast address and fall back (asserted) wh
 import os
 
 import pytest
+import torch  # noqa: E402
 
 from tests.conftest import MPI_WORKER, assert_mpi_ok
 from ubnext.runtime import _cuda
 
-import torch  # noqa: E402
-
 # every test is collected and reported as skipped, with the reason, on a machine without a GPU
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _cuda.gpu_available(), reason=f"GPU tier: {_cuda.no_gpu_reason()}")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _cuda.gpu_available(), reason=f"GPU tier: {_cuda.no_gpu_reason()}"),
+]
 
 NGPU = torch.cuda.device_count() if _cuda.gpu_available() else 0
-CASES = ["allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "pool", "bad_input",
-         "linear", "compile", "cuda_graph", "misaligned", "fp8_nan", "divergent", "uneven_history",
-         "header_race", "kernel_failure", "timeout", "late_rank", "selftest", "subgroups", "in_place_past_staging", "linear_dense", "tp_checkpoint",
-         "all_gather", "reduce_scatter", "quantize_fp8", "quantize_blocks", "fsdp", "fsdp_odd_shards", "fsdp_fp8", "fsdp_fp8_gemm",
-         "exchange_compile", "exchange_grad", "local_first",
-         # the host path (contexts, streams, graphs, lifetimes): only a GPU shows these
-         "second_comm", "threads", "streams", "capture_first_use", "close_live", "device_mix",
-         "capture_empty", "other_device_thread", "torch_symm_prefill", "pool_gc_skew", "fsdp_steady", "fused_past_pool",
-         # two communicators' kernels in flight at once, opposite orders: the grid cap's residency rule
-         "two_comms_two_streams",
-         # issue 26: the batch-invariant mode, and its CUDA-graph replays
-         "batch_invariant", "batch_invariant_graph",
-         # issue 28: the fused block-scaled forms, one kernel each, bitwise quantize of the unquantised output
-         "fused_quant"]
+CASES = [
+    "allreduce",
+    "paths",
+    "fused",
+    "fused_paths",
+    "fp8",
+    "rotation",
+    "pool",
+    "bad_input",
+    "linear",
+    "compile",
+    "cuda_graph",
+    "misaligned",
+    "fp8_nan",
+    "divergent",
+    "uneven_history",
+    "header_race",
+    "kernel_failure",
+    "timeout",
+    "late_rank",
+    "selftest",
+    "subgroups",
+    "in_place_past_staging",
+    "linear_dense",
+    "tp_checkpoint",
+    "all_gather",
+    "reduce_scatter",
+    "quantize_fp8",
+    "quantize_blocks",
+    "fsdp",
+    "fsdp_odd_shards",
+    "fsdp_fp8",
+    "fsdp_fp8_gemm",
+    "exchange_compile",
+    "exchange_grad",
+    "local_first",
+    # the host path (contexts, streams, graphs, lifetimes): only a GPU shows these
+    "second_comm",
+    "threads",
+    "streams",
+    "capture_first_use",
+    "close_live",
+    "device_mix",
+    "capture_empty",
+    "other_device_thread",
+    "torch_symm_prefill",
+    "pool_gc_skew",
+    "fsdp_steady",
+    "fused_past_pool",
+    # two communicators' kernels in flight at once, opposite orders: the grid cap's residency rule
+    "two_comms_two_streams",
+    # issue 26: the batch-invariant mode, and its CUDA-graph replays
+    "batch_invariant",
+    "batch_invariant_graph",
+    # issue 28: the fused block-scaled forms, one kernel each, bitwise quantize of the unquantised output
+    "fused_quant",
+]
 
 
 def test_every_kernel_loads_on_this_gpu():
@@ -88,9 +132,18 @@ def test_chaos_free_benchmark_runs(mpi):
 def test_two_ranks_share_one_gpu(mpi):
     """Several ranks on one GPU: the VMM pool must not create a multicast object (its bind would
     wait forever for a second device); unicast paths only, right sums."""
-    proc = mpi(2, MPI_WORKER, "gpu", "allreduce", "paths",
-               env={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
-                    "UBNEXT_POOL_BACKEND": "vmm"}, timeout=900)
+    proc = mpi(
+        2,
+        MPI_WORKER,
+        "gpu",
+        "allreduce",
+        "paths",
+        env={
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+            "UBNEXT_POOL_BACKEND": "vmm",
+        },
+        timeout=900,
+    )
     assert_mpi_ok(proc)
 
 
@@ -106,7 +159,8 @@ def test_one_visible_gpu_per_rank(mpi, tmp_path):
         "rank = int(os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '0')))\n"
         "os.environ['CUDA_VISIBLE_DEVICES'] = visible[rank % len(visible)]\n"
         f"sys.argv = [{str(MPI_WORKER)!r}] + sys.argv[1:]\n"
-        f"runpy.run_path({str(MPI_WORKER)!r}, run_name='__main__')\n")
+        f"runpy.run_path({str(MPI_WORKER)!r}, run_name='__main__')\n"
+    )
     proc = mpi(2, wrapper, "gpu", "isolated", timeout=900)
     assert_mpi_ok(proc)
 

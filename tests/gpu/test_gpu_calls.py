@@ -12,8 +12,10 @@ import torch
 
 from ubnext.runtime import _cuda
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _cuda.gpu_available(), reason=f"GPU tier: {_cuda.no_gpu_reason()}")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _cuda.gpu_available(), reason=f"GPU tier: {_cuda.no_gpu_reason()}"),
+]
 
 
 def test_the_probe_and_the_arch_agree_with_torch():

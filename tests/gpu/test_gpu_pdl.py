@@ -27,11 +27,13 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from ubnext.runtime import _cuda
 from ubnext import kernels, pool
+from ubnext.runtime import _cuda
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _cuda.gpu_available(), reason=f"GPU tier: {_cuda.no_gpu_reason()}")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _cuda.gpu_available(), reason=f"GPU tier: {_cuda.no_gpu_reason()}"),
+]
 
 N = 1 << 16  # fp32 elements per call: 256 KB, 64 blocks of 256 threads
 BLOCK = 256
@@ -53,8 +55,8 @@ class OneRankPool(NamedTuple):
         """A fresh communicator's state: zeroed sync region, poisoned Lamport buffers, no error. Each
         chain starts from it, whatever the chain before did (a broken one may have aborted)."""
         lay = self.layout
-        self.memory[lay.sync_off:lay.sync_off + pool.SYNC_BYTES].zero_()
-        self.memory[lay.lamport_off:lay.lamport_off + lay.lamport_bytes].view(torch.int32).fill_(pool.SENTINEL_WORD)
+        self.memory[lay.sync_off : lay.sync_off + pool.SYNC_BYTES].zero_()
+        self.memory[lay.lamport_off : lay.lamport_off + lay.lamport_bytes].view(torch.int32).fill_(pool.SENTINEL_WORD)
         torch.cuda.synchronize()
         self.err.zero_()
 
@@ -74,9 +76,16 @@ def one_rank_pool():
     layout = pool.PoolLayout(1, pool.PAGE * ((N * 4 + pool.LAMPORT_HEADER_BYTES) // pool.PAGE + 1), 1 << 20)
     memory = torch.zeros(layout.pool_bytes, dtype=torch.uint8, device="cuda:0")
     err = torch.zeros(pool.ERR_WORDS, dtype=torch.int32, pin_memory=True)
-    desc = pool.pack_desc(rank=0, nranks=1, timeout_ns=2_000_000_000, err_ptr=_device_pointer_of_pinned(err),
-                          mc_base=0, layout=layout, peer_bases=[memory.data_ptr()])
-    memory[:len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
+    desc = pool.pack_desc(
+        rank=0,
+        nranks=1,
+        timeout_ns=2_000_000_000,
+        err_ptr=_device_pointer_of_pinned(err),
+        mc_base=0,
+        layout=layout,
+        peer_bases=[memory.data_ptr()],
+    )
+    memory[: len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
     torch.cuda.synchronize()
     return OneRankPool(memory, err, desc, layout)
 
@@ -101,10 +110,15 @@ def builds(one_rank_pool):
                 kernel = code.get_kernel(KERNEL)
             build = made[defines] = Build(code, kernel, _cuda.kernel_handle(kernel))
             one_rank_pool.reset()
-            empty = _cuda.KernelParams(one_rank_pool.desc, _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[8:],
-                                                                                  (0, 0, 0.0, 0)))
-            _cuda.launch(build.handle, _cuda.launch_config(1, BLOCK, _cuda.current_stream_handle(0), False),
-                         empty.address((0,) * 7), 0)
+            empty = _cuda.KernelParams(
+                one_rank_pool.desc, _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], (0, 0, 0.0, 0))
+            )
+            _cuda.launch(
+                build.handle,
+                _cuda.launch_config(1, BLOCK, _cuda.current_stream_handle(0), False),
+                empty.address((0,) * 7),
+                0,
+            )
             torch.cuda.synchronize()
             assert one_rank_pool.err[0].item() == 0, f"{defines}: an empty call failed: {one_rank_pool.err.tolist()}"
         return made[defines]
@@ -160,8 +174,10 @@ def test_a_pdl_chain_is_exact_and_takes_less_gpu_time(one_rank_pool, builds):
         assert us is not None, f"pdl={pdl}: the GPU ran out of queued work before the chain was queued"
         times[pdl].append(us)
     plain, overlapped = min(times[False]), min(times[True])
-    print(f"one-rank Lamport chain, {N * 4} bytes per call, GPU time by CUDA events: {plain:.2f} us per launch "
-          f"in stream order, {overlapped:.2f} us with PDL")
+    print(
+        f"one-rank Lamport chain, {N * 4} bytes per call, GPU time by CUDA events: {plain:.2f} us per launch "
+        f"in stream order, {overlapped:.2f} us with PDL"
+    )
     assert overlapped < plain, f"PDL did not shorten the chain: {overlapped:.2f} us against {plain:.2f} us"
 
 
@@ -183,5 +199,7 @@ def test_an_early_dependent_without_the_wait_goes_wrong(one_rank_pool, builds):
         if problem:
             seen.append(problem)
             break
-    assert seen, ("kernels that trigger their dependents at entry and skip griddepcontrol.wait gave exact "
-                  "chains under PDL: the GPU test cannot see a missing wait")
+    assert seen, (
+        "kernels that trigger their dependents at entry and skip griddepcontrol.wait gave exact "
+        "chains under PDL: the GPU test cannot see a missing wait"
+    )

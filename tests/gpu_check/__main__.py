@@ -25,8 +25,16 @@ from tests.gpu_check.common import ROOT, STEPS, log, result, run_bounded, write_
 # Each step's own bound on the device, in seconds: about twice the issue's estimate, so that a slow
 # step fails alone instead of eating the next one's time. `kernels` may compile when no cubins are
 # carried (nvls.cu is the long pole).
-STEP_TIMEOUT_S = {"facts": 30, "kernels": 240, "gpu_tests": 180, "world1": 120, "loopback": 200,
-                  "ranks2": 240, "timings": 150, "probes": 60}
+STEP_TIMEOUT_S = {
+    "facts": 30,
+    "kernels": 240,
+    "gpu_tests": 180,
+    "world1": 120,
+    "loopback": 200,
+    "ranks2": 240,
+    "timings": 150,
+    "probes": 60,
+}
 # The kernels' wait bound in every step: a lost peer shows in seconds, not in the group's 30 minutes.
 STEP_UBNEXT_TIMEOUT_S = "5"
 # The rehearsal's sm_90 kernel build before the stub-driver steps (cold on 2 cores: about 40 s)
@@ -38,12 +46,17 @@ STUB_DRIVER_STEPS = ("kernels", "probes")
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tests.gpu_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rehearse", action="store_true",
-                        help="run on the CPU: the emulator and the stub driver stand in for the GPU")
+    parser.add_argument(
+        "--rehearse", action="store_true", help="run on the CPU: the emulator and the stub driver stand in for the GPU"
+    )
     parser.add_argument("--only", default="", help=f"comma-separated steps to run (of {', '.join(STEPS)})")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "build" / "gpu_check"))
-    parser.add_argument("--budget", type=float, default=480.0,
-                        help="seconds for the whole run: a step that cannot get its own bound is skipped")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=480.0,
+        help="seconds for the whole run: a step that cannot get its own bound is skipped",
+    )
     args = parser.parse_args(argv)
     args.steps = [s for s in args.only.split(",") if s] or list(STEPS)
     unknown = [s for s in args.steps if s not in STEPS]
@@ -60,14 +73,21 @@ def _abi_param_sizes() -> str:
     return ",".join(str(sizes[kind]) for _, kind in kernels.KERNEL_SIGNATURE)
 
 
-def _step_env(name: str, args: argparse.Namespace, out: Path, stub_dir: Path | None,
-              timeout_s: float | None = None) -> dict[str, str]:
+def _step_env(
+    name: str, args: argparse.Namespace, out: Path, stub_dir: Path | None, timeout_s: float | None = None
+) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("UBNEXT_CACHE_DIR", str(ROOT / "build" / "cache"))
-    env.update({"UBNEXT_TIMEOUT": STEP_UBNEXT_TIMEOUT_S, "PYTHONUNBUFFERED": "1",
-                "GPU_CHECK_REHEARSE": "1" if args.rehearse else "0", "GPU_CHECK_OUT": str(out),
-                "GPU_CHECK_STEP_TIMEOUT": str(timeout_s or STEP_TIMEOUT_S[name])})
+    env.update(
+        {
+            "UBNEXT_TIMEOUT": STEP_UBNEXT_TIMEOUT_S,
+            "PYTHONUNBUFFERED": "1",
+            "GPU_CHECK_REHEARSE": "1" if args.rehearse else "0",
+            "GPU_CHECK_OUT": str(out),
+            "GPU_CHECK_STEP_TIMEOUT": str(timeout_s or STEP_TIMEOUT_S[name]),
+        }
+    )
     if stub_dir is not None:
         env["GPU_CHECK_STUB_DIR"] = str(stub_dir)
         if name in STUB_DRIVER_STEPS:
@@ -82,10 +102,19 @@ def _run_step(name: str, args: argparse.Namespace, out: Path, stub_dir: Path | N
     result_path = out / f".{name}.json"
     result_path.unlink(missing_ok=True)
     start = time.monotonic()
-    status, output = run_bounded([sys.executable, "-m", "tests.gpu_check.step", name, str(result_path)], timeout_s,
-                                 cwd=ROOT, env=_step_env(name, args, out, stub_dir, timeout_s))
-    crashed = (f"timed out after {timeout_s:g} s" if status is None else
-               None if status == 0 else f"the step's process exited with status {status}")
+    status, output = run_bounded(
+        [sys.executable, "-m", "tests.gpu_check.step", name, str(result_path)],
+        timeout_s,
+        cwd=ROOT,
+        env=_step_env(name, args, out, stub_dir, timeout_s),
+    )
+    crashed = (
+        f"timed out after {timeout_s:g} s"
+        if status is None
+        else None
+        if status == 0
+        else f"the step's process exited with status {status}"
+    )
     seconds = round(time.monotonic() - start, 1)
     with open(out / "gpu_check.log", "a") as fh:
         fh.write(f"\n===== {name} ({seconds} s)\n{output}")
@@ -105,8 +134,14 @@ def _driver_verdict(args: argparse.Namespace, out: Path, stub_dir: Path | None) 
     this one never touches the driver; the ``facts`` step records it too."""
     code = "from tests.gpu_check.step_facts import verdict; print(verdict())"
     try:
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_step_env("facts", args, out, stub_dir),
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=_step_env("facts", args, out, stub_dir),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except subprocess.TimeoutExpired:
         return "unknown: reading it took over 60 s"
     lines = proc.stdout.strip().splitlines()
@@ -127,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         stub_dir = stub_driver.build(ROOT / "build" / "stub_driver")
         # the stub driver cannot share a process with NVRTC: the cubins that the `kernels` step loads under
         # it are compiled here first, in a process of their own (from the cache when warm: about a second)
-        status, output = run_bounded([sys.executable, "-m", "ubnext.kernels", "build", "--arch", "sm_90"],
-                                     REHEARSAL_BUILD_TIMEOUT_S, cwd=ROOT, env=_step_env("kernels", args, out, None))
+        status, output = run_bounded(
+            [sys.executable, "-m", "ubnext.kernels", "build", "--arch", "sm_90"],
+            REHEARSAL_BUILD_TIMEOUT_S,
+            cwd=ROOT,
+            env=_step_env("kernels", args, out, None),
+        )
         if status != 0:
             print(f"rehearsal: the sm_90 kernel build failed ({status}):\n{output[-3000:]}", flush=True)
             return 1
@@ -146,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name}: running (at most {min(STEP_TIMEOUT_S[name], left):.0f} s)")
             report[name] = _run_step(name, args, out, stub_dir, min(STEP_TIMEOUT_S[name], left))
         outcome = report[name]
-        print(f"{name}: {outcome['status']}" + (f" ({outcome['reason']})" if outcome.get("reason") else ""),
-              flush=True)
+        print(f"{name}: {outcome['status']}" + (f" ({outcome['reason']})" if outcome.get("reason") else ""), flush=True)
         if outcome["status"] == "fail":
             failed.append(name)
         write_json(json_path, {step: report[step] for step in STEPS if step in report})

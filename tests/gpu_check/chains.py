@@ -87,8 +87,9 @@ def rehearse() -> dict:
     image, log = _compile("sm_90")
     resources = kernels.parse_ptxas_log(log, "sm_90")
     compiled = {"arch": "sm_90", "cubin_bytes": len(image), "kernels": [r.__dict__ for r in resources]}
-    figures = {name: skipped(f"rehearsal: compiled for sm_90 ({len(image)} bytes), no GPU to time it on")
-               for name in CHAINS}
+    figures = {
+        name: skipped(f"rehearsal: compiled for sm_90 ({len(image)} bytes), no GPU to time it on") for name in CHAINS
+    }
     figures["dsmem_ld_and_barrier_cluster"] = skipped(NO_CLUSTERS)
     return {"status": "pass", "compiled": compiled, "figures": figures}
 
@@ -97,8 +98,8 @@ def measure(device_index: int) -> dict[str, dict]:
     """Each chain's ns per link on GPU ``device_index``; raises if a walk did not follow its chain."""
     import torch
 
-    from ubnext.runtime import _cuda
     from ubnext import kernels, pool
+    from ubnext.runtime import _cuda
 
     arch = _cuda.device_arch(device_index)
     image, _ = _compile(arch)
@@ -114,13 +115,16 @@ def measure(device_index: int) -> dict[str, dict]:
     config = _cuda.launch_config(1, 32, stream, False)  # one warp; thread 0 walks
     figures: dict[str, dict] = {}
     for name, (mode, what) in CHAINS.items():
-        params = _cuda.KernelParams(bytes(pool.DESC_STRUCT_BYTES),
-                                    _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], (STEPS, LINKS, 0.0, mode)))
+        params = _cuda.KernelParams(
+            bytes(pool.DESC_STRUCT_BYTES),
+            _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], (STEPS, LINKS, 0.0, mode)),
+        )
         per_link = []
         for _ in range(REPEATS):
             result.zero_()
-            _cuda.launch(handle, config, params.address((links.data_ptr(), result.data_ptr(), 0, 0, 0, 0, 0)),
-                         device_index)
+            _cuda.launch(
+                handle, config, params.address((links.data_ptr(), result.data_ptr(), 0, 0, 0, 0, 0)), device_index
+            )
             torch.cuda.synchronize(device)
             out = result.cpu().numpy().view(np.uint64)
             problem = walk_problem(out, mode, table, LINKS, STEPS)
@@ -128,12 +132,16 @@ def measure(device_index: int) -> dict[str, dict]:
                 raise RuntimeError(f"{name}: {problem}")
             per_link.append(int(out[0]) / STEPS)
         figures[name] = figure(
-            min(per_link), "ns",
+            min(per_link),
+            "ns",
             f"one thread of one CTA follows {STEPS} dependent links, one {what} each, through a random "
             f"{LINKS}-link cycle of 16-byte links (256 KiB, L2-resident after an untimed pass over every "
             f"link), timed by %globaltimer inside the kernel (csrc/probes/chains.cu); the fastest of "
             f"{REPEATS} launches, ns per link",
-            repeats_ns=per_link, steps=STEPS, links=LINKS)
+            repeats_ns=per_link,
+            steps=STEPS,
+            links=LINKS,
+        )
     figures["dsmem_ld_and_barrier_cluster"] = skipped(NO_CLUSTERS)
     del kernel, code
     return figures

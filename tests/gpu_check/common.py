@@ -45,12 +45,14 @@ class Context:
             write_json(self.result_path, outcome)
 
     @classmethod
-    def from_env(cls) -> "Context":
+    def from_env(cls) -> Context:
         stub = os.environ.get("GPU_CHECK_STUB_DIR")
-        return cls(rehearse=os.environ.get("GPU_CHECK_REHEARSE") == "1",
-                   out=Path(os.environ.get("GPU_CHECK_OUT", ROOT / "build" / "gpu_check")),
-                   timeout_s=float(os.environ.get("GPU_CHECK_STEP_TIMEOUT", "120")),
-                   stub_dir=Path(stub) if stub else None)
+        return cls(
+            rehearse=os.environ.get("GPU_CHECK_REHEARSE") == "1",
+            out=Path(os.environ.get("GPU_CHECK_OUT", ROOT / "build" / "gpu_check")),
+            timeout_s=float(os.environ.get("GPU_CHECK_STEP_TIMEOUT", "120")),
+            stub_dir=Path(stub) if stub else None,
+        )
 
 
 def figure(value: Any, unit: str, method: str, **extra: Any) -> dict:
@@ -99,8 +101,9 @@ def run_bounded(command: list[str], timeout_s: float, **kwargs) -> tuple[int | N
     """Run ``command`` in a session of its own; past ``timeout_s`` kill its whole process group (torchrun's
     workers, pytest's children, the program under compute-sanitizer), so nothing outlives the step on the
     GPU. Returns (exit status, or None when killed; stdout and stderr together)."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **kwargs)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs
+    )
     try:
         output, _ = proc.communicate(timeout=timeout_s)
         return proc.returncode, output

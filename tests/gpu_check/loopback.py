@@ -73,7 +73,7 @@ def reference(case: Case, xs: list[torch.Tensor], round_: int) -> list[torch.Ten
     s = rank_order_sum(xs)
     if case.algo == "reduce_scatter":
         shard = case.numel // n
-        return [s[r * shard:(r + 1) * shard].to(DTYPE) for r in range(n)]
+        return [s[r * shard : (r + 1) * shard].to(DTYPE) for r in range(n)]
     if case.fused:
         residual, weight = norm_operands(round_)
         rows = s.view(-1, HIDDEN)
@@ -95,6 +95,7 @@ def compare(got: list, want: list) -> str | None:
         for i, (a, b) in enumerate(zip(g, w)):
             if _bits(a) != _bits(b):
                 return f"rank {rank} output {i} differs from the rank-order reference"
+
     def bits_of(held) -> list[bytes]:
         return [_bits(t) for t in (held if isinstance(held, tuple) else (held,))]
 
@@ -131,11 +132,17 @@ class VirtualRanks:
         lay = self.layout
         for r in range(n):
             row = self.row(r)
-            row[lay.lamport_off:lay.lamport_off + lay.lamport_bytes].view(torch.int32).fill_(P.SENTINEL_WORD)
-            desc = P.pack_desc(rank=r, nranks=n, timeout_ns=int(timeout_s * 1e9),
-                               err_ptr=self._device_address(self.err[r]), mc_base=0, layout=lay,
-                               peer_bases=self.bases)
-            row[:len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
+            row[lay.lamport_off : lay.lamport_off + lay.lamport_bytes].view(torch.int32).fill_(P.SENTINEL_WORD)
+            desc = P.pack_desc(
+                rank=r,
+                nranks=n,
+                timeout_ns=int(timeout_s * 1e9),
+                err_ptr=self._device_address(self.err[r]),
+                mc_base=0,
+                layout=lay,
+                peer_bases=self.bases,
+            )
+            row[: len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
             self.descs.append(desc)
         self.streams = [torch.cuda.Stream(device=0) for _ in range(n)] if on_gpu else []
         self.synchronize()
@@ -153,26 +160,34 @@ class VirtualRanks:
         return max(1, torch.cuda.get_device_properties(0).multi_processor_count // self.n)
 
     def row(self, rank: int) -> torch.Tensor:
-        return self.memory[rank * self.row_bytes:(rank + 1) * self.row_bytes]
+        return self.memory[rank * self.row_bytes : (rank + 1) * self.row_bytes]
 
     def staging(self, rank: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """The staging region of a rank's row (the data arena's start: the same offset on every rank)."""
         off = self.layout.data_off
-        return self.row(rank)[off:off + nbytes].view(dtype)
+        return self.row(rank)[off : off + nbytes].view(dtype)
 
-    def launch(self, name: str, grid: int, block: int, scalars: tuple, pointers: list[tuple],
-               ranks: list[int] | None = None, kernel=None) -> None:
+    def launch(
+        self,
+        name: str,
+        grid: int,
+        block: int,
+        scalars: tuple,
+        pointers: list[tuple],
+        ranks: list[int] | None = None,
+        kernel=None,
+    ) -> None:
         """One launch per rank (``ranks``: a subset, to leave a peer missing), each on its own stream,
         without PDL (nothing precedes them), then wait for all of them. ``scalars``: (n, hidden, eps,
         flags), or a list of them, one per rank (a forced mismatch)."""
-        from ubnext.runtime import _cuda
         from ubnext import kernels
+        from ubnext.runtime import _cuda
 
         # load_kernel keeps the object; ``kernel``: a handle of another build (the stamped one), kept by the caller
         kernel = kernel if kernel is not None else _cuda.kernel_handle(kernels.load_kernel(name, 0))
-        for r in (range(self.n) if ranks is None else ranks):
+        for r in range(self.n) if ranks is None else ranks:
             mine = scalars[r] if isinstance(scalars, list) else scalars
-            packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(mine):], mine)
+            packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(mine) :], mine)
             params = _cuda.KernelParams(self.descs[r], packed)
             config = _cuda.launch_config(grid, block, self.streams[r].cuda_stream, False)
             _cuda.launch(kernel, config, params.address(pointers[r]), 0)
@@ -181,7 +196,7 @@ class VirtualRanks:
     def sync_region(self, rank: int) -> bytes:
         """A rank's sync region as it is now (after a launch has ended)."""
         off = self.layout.sync_off
-        return self.row(rank)[off:off + P.SYNC_BYTES].cpu().numpy().tobytes()
+        return self.row(rank)[off : off + P.SYNC_BYTES].cpu().numpy().tobytes()
 
     def error(self) -> str | None:
         """ubnext's error for the first rank whose error word is set, else None."""
@@ -215,16 +230,16 @@ class RecordingRanks(VirtualRanks):
         return max(1, self.H100_SMS // self.n)
 
     def launch(self, name, grid, block, scalars, pointers, ranks=None, kernel=None):
-        from ubnext.runtime import _cuda
         from ubnext import kernels
+        from ubnext.runtime import _cuda
 
         if not any(name in names for names in kernels.sources().values()):
             raise AssertionError(f"no kernel named {name}")
-        for mine in (scalars if isinstance(scalars, list) else [scalars]):
-            _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(mine):], mine)
+        for mine in scalars if isinstance(scalars, list) else [scalars]:
+            _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(mine) :], mine)
         if not (1 <= grid <= self.max_blocks() and block == 256):
             raise AssertionError(f"{name}: grid {grid} x {block} breaks the residency cap {self.max_blocks()}")
-        for r in (range(self.n) if ranks is None else ranks):
+        for r in range(self.n) if ranks is None else ranks:
             if len(pointers[r]) != 7 or not all(isinstance(p, int) for p in pointers[r]):
                 raise AssertionError(f"{name}: rank {r}'s pointers {pointers[r]}")
             self.launches.append((name, grid, block, scalars[r] if isinstance(scalars, list) else scalars, r))

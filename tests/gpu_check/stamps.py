@@ -43,13 +43,14 @@ def decode(sync_region: bytes, nranks: int | None = None) -> dict:
     nranks - 1, the ns at which slot p (rank p's data, this rank's own included) was seen, or None.
     Without ``nranks``, the slots up to the last one stamped."""
     if len(sync_region) < OFFSET + RECORD_BYTES:
-        raise ValueError(f"the stamp record ends at byte {OFFSET + RECORD_BYTES} of the sync region; "
-                         f"got {len(sync_region)} bytes")
+        raise ValueError(
+            f"the stamp record ends at byte {OFFSET + RECORD_BYTES} of the sync region; got {len(sync_region)} bytes"
+        )
     if nranks is not None and not 1 <= nranks <= MAX_RANKS:
         raise ValueError(f"nranks must be 1..{MAX_RANKS}, got {nranks}")
     words = struct.unpack_from(f"<{STAMP_COUNT}Q", sync_region, OFFSET)
     out: dict = {name: words[i] or None for i, name in enumerate(PHASES)}
-    slots = list(words[len(PHASES):])
+    slots = list(words[len(PHASES) :])
     if nranks is None:
         while slots and slots[-1] == 0:
             slots.pop()
@@ -75,9 +76,12 @@ def order_problems(stamps: dict, *, row_split: bool) -> list[str]:
         problems.append(f"slot stamps missing: {slots}")
     if problems:
         return problems
-    sequence = ([("entry", stamps["entry"]), ("wait", stamps["wait"]), ("push", stamps["push"])]
-                + [(f"slot {p}", s) for p, s in enumerate(slots)]
-                + ([("row_exchange", stamps["row_exchange"])] if row_split else []) + [("exit", stamps["exit"])])
+    sequence = (
+        [("entry", stamps["entry"]), ("wait", stamps["wait"]), ("push", stamps["push"])]
+        + [(f"slot {p}", s) for p, s in enumerate(slots)]
+        + ([("row_exchange", stamps["row_exchange"])] if row_split else [])
+        + [("exit", stamps["exit"])]
+    )
     # the slots are stamped in rank order by one thread, so they are ordered among themselves too
     for (a, ta), (b, tb) in zip(sequence, sequence[1:]):
         if ta > tb:

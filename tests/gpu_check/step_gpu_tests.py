@@ -24,18 +24,25 @@ def _outcomes(junit_path) -> dict[str, str]:
 
 def run(ctx: Context) -> dict:
     junit = ctx.out / ".gpu_tests.xml"
-    status, output = run_bounded([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                  f"--junitxml={junit}", "tests/gpu"], ctx.timeout_s - 10, cwd=ROOT)
+    status, output = run_bounded(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}", "tests/gpu"],
+        ctx.timeout_s - 10,
+        cwd=ROOT,
+    )
     lines = output.strip().splitlines()
     summary = lines[-1] if lines else "(no output)"
     outcomes = _outcomes(junit) if junit.exists() else {}
     junit.unlink(missing_ok=True)
-    counts = {kind: sum(1 for o in outcomes.values() if o.startswith(kind)) for kind in ("passed", "failure", "error", "skipped")}
+    counts = {
+        kind: sum(1 for o in outcomes.values() if o.startswith(kind))
+        for kind in ("passed", "failure", "error", "skipped")
+    }
     figures = {kind: figure(n, "tests", "pytest --junitxml") for kind, n in counts.items()}
     if status not in (0, 5) or counts["failure"] or counts["error"]:
         summary = summary if status is not None else f"killed after {ctx.timeout_s - 10:g} s ({summary})"
-        return result("fail", f"pytest tests/gpu: {summary}", figures=figures, tests=outcomes,
-                      output_tail="\n".join(lines[-60:]))
+        return result(
+            "fail", f"pytest tests/gpu: {summary}", figures=figures, tests=outcomes, output_tail="\n".join(lines[-60:])
+        )
     if counts["passed"] == 0:
         return result("skip", f"every GPU test skipped ({summary})", figures=figures, tests=outcomes)
     return result("pass", summary=summary, figures=figures, tests=outcomes)

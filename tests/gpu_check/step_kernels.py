@@ -30,12 +30,19 @@ def run(ctx: Context) -> dict:
         problems.append(f"missing from the report: {', '.join(missing)}")
     figures = {
         "kernels": figure(len(rows), "kernels", "kernels.kernel_report (one row per loaded kernel)"),
-        "min_blocks_per_sm": figure(min((row["max_blocks_per_sm"] for row in rows), default=0), "CTAs per SM",
-                                    f"cuOccupancyMaxActiveBlocksPerMultiprocessor at {BLOCK} threads"),
-        "max_registers": figure(max((row["registers"] for row in rows), default=0), "registers per thread",
-                                "cuFuncGetAttribute(NUM_REGS)"),
-        "max_local_bytes": figure(max((row["local_bytes"] for row in rows), default=0), "bytes per thread",
-                                  "cuFuncGetAttribute(LOCAL_SIZE_BYTES)"),
+        "min_blocks_per_sm": figure(
+            min((row["max_blocks_per_sm"] for row in rows), default=0),
+            "CTAs per SM",
+            f"cuOccupancyMaxActiveBlocksPerMultiprocessor at {BLOCK} threads",
+        ),
+        "max_registers": figure(
+            max((row["registers"] for row in rows), default=0), "registers per thread", "cuFuncGetAttribute(NUM_REGS)"
+        ),
+        "max_local_bytes": figure(
+            max((row["local_bytes"] for row in rows), default=0),
+            "bytes per thread",
+            "cuFuncGetAttribute(LOCAL_SIZE_BYTES)",
+        ),
     }
     method = "stub driver (rehearsal)" if ctx.rehearse else "driver"
     if problems:

@@ -31,9 +31,11 @@ SANITIZER_TOOLS = ("memcheck", "racecheck")
 SANITIZER_ROUNDS = 1
 SANITIZER_MIN_S = 30  # torch and a CUDA context under the tool take most of this
 SANITIZER_MAX_S = 60
-REHEARSAL_REASON = ("the emulator runs one launch at a time per process (csrc/emu/sched.cpp g_launch_mutex): "
-                    "concurrent virtual ranks need a GPU; the rehearsal built every case's inputs and references "
-                    "at N = 2, 4, 8 and checked the comparison both ways")
+REHEARSAL_REASON = (
+    "the emulator runs one launch at a time per process (csrc/emu/sched.cpp g_launch_mutex): "
+    "concurrent virtual ranks need a GPU; the rehearsal built every case's inputs and references "
+    "at N = 2, 4, 8 and checked the comparison both ways"
+)
 
 
 def _rehearse() -> dict:
@@ -67,8 +69,13 @@ def _rehearse() -> dict:
     _round(vr, case, 0, vr.max_blocks(), ranks=[0])
     if [launch[3][0] for launch in vr.launches] != [case.numel, case.numel // 2, case.numel]:
         return result("fail", f"the forced cases launched {vr.launches}")
-    return result("skip", REHEARSAL_REASON, cases=[c.name for c in L.CASES], rank_counts=list(RANK_COUNTS),
-                  figures={"recorded_launches": figure(launches, "launches", "RecordingRanks (rehearsal)")})
+    return result(
+        "skip",
+        REHEARSAL_REASON,
+        cases=[c.name for c in L.CASES],
+        rank_counts=list(RANK_COUNTS),
+        figures={"recorded_launches": figure(launches, "launches", "RecordingRanks (rehearsal)")},
+    )
 
 
 def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=None, kernel=None) -> list:
@@ -88,8 +95,12 @@ def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=Non
         numel = case.numel
         tokens = numel // L.HIDDEN if case.fused else 0
         grid, block = launch_geometry("lamport", numel, elem, tokens, case.fused, n, GPU_BLOCK, max_blocks)
-        scalars = (numel, L.HIDDEN if case.fused else 0, L.EPS if case.fused else 0.0,
-                   kernels.F_FUSED_NORM if case.fused else 0)
+        scalars = (
+            numel,
+            L.HIDDEN if case.fused else 0,
+            L.EPS if case.fused else 0.0,
+            kernels.F_FUSED_NORM if case.fused else 0,
+        )
         residual, weight = (t.to(dev) for t in L.norm_operands(round_))
         rows = numel // L.HIDDEN
         for r in range(n):
@@ -97,8 +108,9 @@ def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=Non
             if case.fused:
                 res = residual.repeat(rows)
                 res_out = torch.empty_like(res)
-                pointers.append((xs[r].data_ptr(), out.data_ptr(), res.data_ptr(), res_out.data_ptr(),
-                                 weight.data_ptr(), 0, 0))
+                pointers.append(
+                    (xs[r].data_ptr(), out.data_ptr(), res.data_ptr(), res_out.data_ptr(), weight.data_ptr(), 0, 0)
+                )
                 outputs.append((out, res_out, res))
             else:
                 pointers.append((xs[r].data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0))
@@ -118,7 +130,7 @@ def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=Non
         scalars = (nbytes, 0, 0.0, 0)
         for r in range(n):
             target = vr.staging(r, n * nbytes, torch.uint8)
-            target[r * nbytes:(r + 1) * nbytes].copy_(xs[r].view(torch.uint8))
+            target[r * nbytes : (r + 1) * nbytes].copy_(xs[r].view(torch.uint8))
             pointers.append((target.data_ptr() + r * nbytes, target.data_ptr(), 0, 0, 0, 0, 0))
             outputs.append(target)
     else:  # reduce_scatter
@@ -131,8 +143,7 @@ def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=Non
             pointers.append((src.data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0))
             outputs.append(out)
     vr.synchronize()  # the inputs, written on the default stream, before the ranks' streams read them
-    vr.launch(name, grid, block, scalars if numel_of_rank is None else scalars_of, pointers, ranks=ranks,
-              kernel=kernel)
+    vr.launch(name, grid, block, scalars if numel_of_rank is None else scalars_of, pointers, ranks=ranks, kernel=kernel)
     if case.fused:
         return [(o[0], o[1]) for o in outputs], xs
     return outputs, xs
@@ -174,8 +185,8 @@ def _stamps() -> dict:
 
     from tests.gpu_check import loopback as L
     from tests.gpu_check import stamps as S
-    from ubnext.runtime import _cuda
     from ubnext import kernels
+    from ubnext.runtime import _cuda
 
     image = S.compile_stamped("lamport.cu", _cuda.device_arch(0))
     with _cuda.primary_context(0):
@@ -195,8 +206,9 @@ def _stamps() -> dict:
                     break
                 for r in range(n):
                     stamps = S.decode(vr.sync_region(r), n)
-                    problems += [f"{case.name} N={n} rank {r}: {p}" for p in
-                                 S.order_problems(stamps, row_split=case.fused)][:1]
+                    problems += [
+                        f"{case.name} N={n} rank {r}: {p}" for p in S.order_problems(stamps, row_split=case.fused)
+                    ][:1]
                     relative = S.since_entry(stamps)
                     slots = [ns for ns in relative.pop("slots") if ns is not None]
                     if slots:  # the first and the last peer's data seen
@@ -206,9 +218,11 @@ def _stamps() -> dict:
                             phases.setdefault(phase, []).append(int(ns))
             for phase, values in phases.items():
                 figures[f"{case.name}.N{n}.{phase}"] = figure(
-                    statistics.median(values), "ns after entry",
+                    statistics.median(values),
+                    "ns after entry",
                     f"%globaltimer stamps (UBNEXT_STAMPS build), thread 0 of CTA 0, median of {len(values)} "
-                    f"(rounds x ranks), virtual ranks on one GPU")
+                    f"(rounds x ranks), virtual ranks on one GPU",
+                )
     return {"figures": figures, "problems": problems}
 
 
@@ -225,8 +239,9 @@ def _forced_errors() -> dict:
     vr = L.VirtualRanks(2, timeout_s=1.0)
     _round(vr, case, 0, vr.max_blocks(), ranks=[0])
     error = vr.error() or ""
-    out["timeout"] = ("pass: " + error[:300]) if "timed out" in error and "peer 1" in error else \
-        f"fail: got {error or 'no error'}"
+    out["timeout"] = (
+        ("pass: " + error[:300]) if "timed out" in error and "peer 1" in error else f"fail: got {error or 'no error'}"
+    )
     return out
 
 
@@ -243,20 +258,37 @@ def _sanitized(deadline: float) -> dict:
         # --report-api-errors no: cuda-python looks up driver entry points with cuGetProcAddress, and a
         # refused lookup is an API error to the tool, not a memory error (the first GPU run reported 34 of
         # them, all cuGetProcAddress_v2); an API error of our own raises in Python and fails the run anyway.
-        command = [tool, "--tool", name, "--report-api-errors", "no", "--error-exitcode", "99", sys.executable, "-m",
-                   "tests.gpu_check.step_loopback", "--sanitized-run"]
+        command = [
+            tool,
+            "--tool",
+            name,
+            "--report-api-errors",
+            "no",
+            "--error-exitcode",
+            "99",
+            sys.executable,
+            "-m",
+            "tests.gpu_check.step_loopback",
+            "--sanitized-run",
+        ]
         bound = min(SANITIZER_MAX_S, left)
         status, text = run_bounded(command, bound, cwd=ROOT, env=dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32"))
         if status is None:
-            out[name] = skipped(f"ran past {bound:.0f} s: the tool may serialise the concurrent kernels, which "
-                                "then wait on each other")
+            out[name] = skipped(
+                f"ran past {bound:.0f} s: the tool may serialise the concurrent kernels, which then wait on each other"
+            )
             continue
         if status == 0:
-            out[name] = figure(0, "errors", f"compute-sanitizer --tool {name} --report-api-errors no, N = 2, {SANITIZER_ROUNDS} rounds per case",
-                               tail=text[-800:])
+            out[name] = figure(
+                0,
+                "errors",
+                f"compute-sanitizer --tool {name} --report-api-errors no, N = 2, {SANITIZER_ROUNDS} rounds per case",
+                tail=text[-800:],
+            )
         elif "timed out" in text:
-            out[name] = skipped(f"the ranks timed out under {name}: the tool serialises concurrent kernels "
-                                f"({text[-400:]})")
+            out[name] = skipped(
+                f"the ranks timed out under {name}: the tool serialises concurrent kernels ({text[-400:]})"
+            )
         elif status == 99:
             out[name] = {"status": "fail", "reason": f"{name} reported errors", "tail": text[-3000:]}
         else:
@@ -277,11 +309,26 @@ def run(ctx: Context) -> dict:
     deadline = time.monotonic() + ctx.timeout_s - 10
     note = "concurrent grids on one GPU: real GPU memory ordering, not NVLink"
     soak = _soak(L.ROUNDS)
-    ctx.save_partial(result("fail" if soak["failures"] else "pass", "; ".join(soak["failures"][:10]) or None,
-                            note=note, cases=soak["cases"], partial="the soak only"))
+    ctx.save_partial(
+        result(
+            "fail" if soak["failures"] else "pass",
+            "; ".join(soak["failures"][:10]) or None,
+            note=note,
+            cases=soak["cases"],
+            partial="the soak only",
+        )
+    )
     forced = _forced_errors()
-    ctx.save_partial(result("fail" if soak["failures"] else "pass", "; ".join(soak["failures"][:10]) or None,
-                            note=note, cases=soak["cases"], forced=forced, partial="the soak and the forced errors"))
+    ctx.save_partial(
+        result(
+            "fail" if soak["failures"] else "pass",
+            "; ".join(soak["failures"][:10]) or None,
+            note=note,
+            cases=soak["cases"],
+            forced=forced,
+            partial="the soak and the forced errors",
+        )
+    )
     try:
         stamped = _stamps()
     except Exception as exc:  # noqa: BLE001 - the stamps are figures: their failure is reported, the rest stands
@@ -290,9 +337,14 @@ def run(ctx: Context) -> dict:
     failures = soak["failures"] + [f"forced {k}: {v}" for k, v in forced.items() if v.startswith("fail")]
     failures += stamped["problems"]
     failures += [f"{k}: {v['reason']}" for k, v in sanitizer.items() if v.get("status") == "fail"]
-    fields = dict(note=note, cases=soak["cases"],
-                  forced=forced, sanitizer=sanitizer, figures=stamped["figures"],
-                  max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+    fields = dict(
+        note=note,
+        cases=soak["cases"],
+        forced=forced,
+        sanitizer=sanitizer,
+        figures=stamped["figures"],
+        max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+    )
     if failures:
         return result("fail", "; ".join(failures[:10]), **fields)
     return result("pass", **fields)

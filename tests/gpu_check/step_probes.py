@@ -39,9 +39,18 @@ from tests.gpu_check.common import Context, figure, result, skipped
 
 STUB_DEVICE_NAME = "Stub GPU"  # what tests/stub_driver's cuDeviceGetName answers (ubnext.bench says so too)
 NVIDIA_SMI_TIMEOUT_S = 20
-PROBES = ("driver_problem", "device_name", "multicast_supported", "multicast_create_one_device",
-          "module_loading.env", "module_loading.driver", "module_loading.kernels_loaded", "compute_mode",
-          "mig.torch", "mig.nvidia_smi")
+PROBES = (
+    "driver_problem",
+    "device_name",
+    "multicast_supported",
+    "multicast_create_one_device",
+    "module_loading.env",
+    "module_loading.driver",
+    "module_loading.kernels_loaded",
+    "compute_mode",
+    "mig.torch",
+    "mig.nvidia_smi",
+)
 
 
 def _failed(reason: str) -> dict:
@@ -51,8 +60,8 @@ def _failed(reason: str) -> dict:
 
 def verdict() -> tuple[str, str]:
     """(the driver gate's one-line verdict, how it was obtained)."""
-    from ubnext.runtime import _cuda
     from ubnext import kernels
+    from ubnext.runtime import _cuda
 
     gate = getattr(_cuda, "driver_verdict", None)
     if gate is not None:
@@ -61,8 +70,10 @@ def verdict() -> tuple[str, str]:
         takes_nvrtc = bool(inspect.signature(gate).parameters)
         return (gate(kernels.nvrtc_version) if takes_nvrtc else gate()), "ubnext.runtime._cuda.driver_verdict"
     problem = _cuda.driver_problem(_cuda.driver_version(), int(kernels.nvrtc_version().split(".")[0]))
-    return (f"driver PROBLEM: {problem}" if problem else "driver OK",
-            "_cuda.driver_problem(cuDriverGetVersion, NVRTC major) (ubnext.runtime._cuda.driver_verdict is missing)")
+    return (
+        f"driver PROBLEM: {problem}" if problem else "driver OK",
+        "_cuda.driver_problem(cuDriverGetVersion, NVRTC major) (ubnext.runtime._cuda.driver_verdict is missing)",
+    )
 
 
 class _Driver:
@@ -81,8 +92,12 @@ class _Driver:
         return f"stub driver (rehearsal): {call}" if self.rehearse else f"driver: {call}"
 
     def attribute(self, name: str) -> int:
-        return int(self.check(self.drv.cuDeviceGetAttribute(getattr(self.drv.CUdevice_attribute, name), self.dev),
-                              f"cuDeviceGetAttribute({name})"))
+        return int(
+            self.check(
+                self.drv.cuDeviceGetAttribute(getattr(self.drv.CUdevice_attribute, name), self.dev),
+                f"cuDeviceGetAttribute({name})",
+            )
+        )
 
     def name(self) -> str:
         raw = self.check(self.drv.cuDeviceGetName(256, self.dev), "cuDeviceGetName")
@@ -90,13 +105,18 @@ class _Driver:
 
 
 def _driver_problem(ctx: Context, d: _Driver) -> dict:
-    from ubnext.runtime import _cuda
     from ubnext import kernels
+    from ubnext.runtime import _cuda
 
     driver_cuda, nvrtc = _cuda.driver_version(), kernels.nvrtc_version()
     problem = _cuda.driver_problem(driver_cuda, int(nvrtc.split(".")[0]))
-    return figure(problem or "none", "problem", d.method("cuDriverGetVersion and nvrtcVersion into _cuda.driver_problem"),
-                  driver_cuda=_cuda.format_cuda_version(driver_cuda), nvrtc=nvrtc)
+    return figure(
+        problem or "none",
+        "problem",
+        d.method("cuDriverGetVersion and nvrtcVersion into _cuda.driver_problem"),
+        driver_cuda=_cuda.format_cuda_version(driver_cuda),
+        nvrtc=nvrtc,
+    )
 
 
 def _device_name(ctx: Context, d: _Driver) -> dict:
@@ -105,7 +125,9 @@ def _device_name(ctx: Context, d: _Driver) -> dict:
 
 def _multicast_supported(ctx: Context, d: _Driver) -> dict:
     value = d.attribute("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED")
-    return figure(value, "bool (1: supported)", d.method("cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)"))
+    return figure(
+        value, "bool (1: supported)", d.method("cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)")
+    )
 
 
 def _multicast_create_one_device(ctx: Context, d: _Driver) -> dict:
@@ -119,7 +141,8 @@ def _multicast_create_one_device(ctx: Context, d: _Driver) -> dict:
     prop.flags = 0
     prop.size = 2 << 20
     granularity_status, granularity = drv.cuMulticastGetGranularity(
-        prop, drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM)
+        prop, drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM
+    )
     granularity = int(granularity) if int(granularity_status) == 0 else 0
     if granularity:
         prop.size = -(-prop.size // granularity) * granularity
@@ -127,20 +150,29 @@ def _multicast_create_one_device(ctx: Context, d: _Driver) -> dict:
     released = None
     if int(status) == 0:
         released = getattr(drv.cuMemRelease(handle)[0], "name", "?")
-    return figure(getattr(status, "name", str(int(status))), "CUresult",
-                  d.method(f"cuMulticastCreate(numDevices=1, size={prop.size}, POSIX-fd handles)"),
-                  granularity_status=getattr(granularity_status, "name", str(int(granularity_status))),
-                  granularity=granularity, size=int(prop.size), released=released)
+    return figure(
+        getattr(status, "name", str(int(status))),
+        "CUresult",
+        d.method(f"cuMulticastCreate(numDevices=1, size={prop.size}, POSIX-fd handles)"),
+        granularity_status=getattr(granularity_status, "name", str(int(granularity_status))),
+        granularity=granularity,
+        size=int(prop.size),
+        released=released,
+    )
 
 
 def _module_loading_env(torch_initialised: bool) -> dict:
     from ubnext import envs
 
     value = envs.environment_with().get("CUDA_MODULE_LOADING")  # envs: ubnext's one reader of the environment
-    return figure(value if value is not None else "unset", "CUDA_MODULE_LOADING",
-                  "this process's environment (ubnext.envs.environment_with), read "
-                  + ("after" if torch_initialised else "before") + " torch initialised CUDA here",
-                  torch_cuda_initialised=torch_initialised)
+    return figure(
+        value if value is not None else "unset",
+        "CUDA_MODULE_LOADING",
+        "this process's environment (ubnext.envs.environment_with), read "
+        + ("after" if torch_initialised else "before")
+        + " torch initialised CUDA here",
+        torch_cuda_initialised=torch_initialised,
+    )
 
 
 def _module_loading_driver(ctx: Context, d: _Driver) -> dict:
@@ -150,8 +182,12 @@ def _module_loading_driver(ctx: Context, d: _Driver) -> dict:
     except ValueError as exc:
         # the binding converts the answer to the enum: a driver that wrote no valid mode (the stub writes
         # nothing) ends here
-        return figure("not a CUmoduleLoadingMode", "CUmoduleLoadingMode", method,
-                      answer=f"{type(exc).__name__}: " + re.sub(r"^-?\d+", "<value>", str(exc)))
+        return figure(
+            "not a CUmoduleLoadingMode",
+            "CUmoduleLoadingMode",
+            method,
+            answer=f"{type(exc).__name__}: " + re.sub(r"^-?\d+", "<value>", str(exc)),
+        )
     d.check((status,), "cuModuleGetLoadingMode")
     return figure(getattr(mode, "name", str(mode)), "CUmoduleLoadingMode", method)
 
@@ -161,29 +197,39 @@ def _row_field(row, name: str):
 
 
 def _kernels_loaded(ctx: Context, d: _Driver) -> dict:
-    from ubnext.runtime import _cuda
     from ubnext import kernels
+    from ubnext.runtime import _cuda
 
     report = getattr(kernels, "kernel_report", None)
     if report is None:
-        return skipped("ubnext.kernels.kernel_report is missing (its rows' 'loaded' field says whether load_all "
-                       "loaded each kernel eagerly)")
+        return skipped(
+            "ubnext.kernels.kernel_report is missing (its rows' 'loaded' field says whether load_all "
+            "loaded each kernel eagerly)"
+        )
     arch = _cuda.device_arch(0)
     if ctx.rehearse:
         # NVRTC cannot run beside the stub driver (it crashes): the cubins must be in the cache already
         missing = [f for f in kernels.sources() if not kernels.is_cached(f, arch)]
         if missing:
-            return skipped(f"rehearsal: {', '.join(missing)} not compiled for the stub's {arch}, and NVRTC cannot "
-                           f"run beside the stub driver (python -m ubnext.kernels build --arch {arch} first)")
+            return skipped(
+                f"rehearsal: {', '.join(missing)} not compiled for the stub's {arch}, and NVRTC cannot "
+                f"run beside the stub driver (python -m ubnext.kernels build --arch {arch} first)"
+            )
     rows = list(report(0))  # it runs load_all(0) first
     if not rows:
         return _failed("kernels.kernel_report(0) returned no rows")
     if any(_row_field(row, "loaded") is None for row in rows):
         return skipped("kernels.kernel_report(0)'s rows have no 'loaded' field")
     not_loaded = [str(_row_field(row, "name")) for row in rows if not _row_field(row, "loaded")]
-    return figure(len(rows) - len(not_loaded), "kernels loaded",
-                  d.method("kernels.kernel_report(0)'s rows' loaded field (cuFuncIsLoaded), after its load_all(0)"),
-                  total=len(rows), eager=not not_loaded, not_loaded=not_loaded[:20], arch=arch)
+    return figure(
+        len(rows) - len(not_loaded),
+        "kernels loaded",
+        d.method("kernels.kernel_report(0)'s rows' loaded field (cuFuncIsLoaded), after its load_all(0)"),
+        total=len(rows),
+        eager=not not_loaded,
+        not_loaded=not_loaded[:20],
+        arch=arch,
+    )
 
 
 def _compute_mode(ctx: Context, d: _Driver) -> dict:
@@ -192,8 +238,7 @@ def _compute_mode(ctx: Context, d: _Driver) -> dict:
         name = d.drv.CUcomputemode(value).name
     except ValueError:
         name = f"not a CUcomputemode ({value})"
-    return figure(name, "CUcomputemode", d.method("cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_COMPUTE_MODE)"),
-                  raw=value)
+    return figure(name, "CUcomputemode", d.method("cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_COMPUTE_MODE)"), raw=value)
 
 
 def _mig_torch(ctx: Context, d: _Driver | None) -> dict:
@@ -204,9 +249,14 @@ def _mig_torch(ctx: Context, d: _Driver | None) -> dict:
     if not torch.cuda.is_available():
         return skipped("torch sees no CUDA device")
     props = torch.cuda.get_device_properties(0)
-    return figure(props.name, "name", "torch.cuda.get_device_properties(0) (a MIG instance's name says MIG)",
-                  mig_in_name="MIG" in props.name, uuid=str(getattr(props, "uuid", "")),
-                  multi_processor_count=props.multi_processor_count)
+    return figure(
+        props.name,
+        "name",
+        "torch.cuda.get_device_properties(0) (a MIG instance's name says MIG)",
+        mig_in_name="MIG" in props.name,
+        uuid=str(getattr(props, "uuid", "")),
+        multi_processor_count=props.multi_processor_count,
+    )
 
 
 def parse_nvidia_smi_xml(text: str) -> dict:
@@ -221,9 +271,13 @@ def parse_nvidia_smi_xml(text: str) -> dict:
         found = node.find(path)
         return found.text.strip() if found is not None and found.text else None
 
-    return {"product_name": field(gpu, "product_name"), "current_mig": field(gpu, "mig_mode/current_mig"),
-            "pending_mig": field(gpu, "mig_mode/pending_mig"), "compute_mode": field(gpu, "compute_mode"),
-            "driver_version": field(root, "driver_version")}
+    return {
+        "product_name": field(gpu, "product_name"),
+        "current_mig": field(gpu, "mig_mode/current_mig"),
+        "pending_mig": field(gpu, "mig_mode/pending_mig"),
+        "compute_mode": field(gpu, "compute_mode"),
+        "driver_version": field(root, "driver_version"),
+    }
 
 
 def _mig_nvidia_smi(ctx: Context, d: _Driver | None) -> dict:
@@ -233,8 +287,9 @@ def _mig_nvidia_smi(ctx: Context, d: _Driver | None) -> dict:
     if smi is None:
         return skipped("nvidia-smi is not on PATH")
     try:
-        done = subprocess.run([smi, "-q", "-x", "-i", "0"], capture_output=True, text=True,
-                              timeout=NVIDIA_SMI_TIMEOUT_S)
+        done = subprocess.run(
+            [smi, "-q", "-x", "-i", "0"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         return _failed(f"nvidia-smi -q -x -i 0 did not answer within {NVIDIA_SMI_TIMEOUT_S} s")
     if done.returncode != 0:
@@ -243,11 +298,15 @@ def _mig_nvidia_smi(ctx: Context, d: _Driver | None) -> dict:
     return figure(fields["current_mig"] or "not reported", "MIG mode", "nvidia-smi -q -x -i 0 (read-only)", **fields)
 
 
-DRIVER_PROBES = {"driver_problem": _driver_problem, "device_name": _device_name,
-                 "multicast_supported": _multicast_supported,
-                 "multicast_create_one_device": _multicast_create_one_device,
-                 "module_loading.driver": _module_loading_driver, "module_loading.kernels_loaded": _kernels_loaded,
-                 "compute_mode": _compute_mode}
+DRIVER_PROBES = {
+    "driver_problem": _driver_problem,
+    "device_name": _device_name,
+    "multicast_supported": _multicast_supported,
+    "multicast_create_one_device": _multicast_create_one_device,
+    "module_loading.driver": _module_loading_driver,
+    "module_loading.kernels_loaded": _kernels_loaded,
+    "compute_mode": _compute_mode,
+}
 
 
 def _driver_is_the_stub() -> bool:
@@ -268,8 +327,10 @@ def run(ctx: Context) -> dict:
     figures["module_loading.env"] = _module_loading_env(bool(torch.version.cuda) and torch.cuda.is_initialized())
     driver, no_driver = None, None
     if ctx.rehearse and not _driver_is_the_stub():
-        no_driver = ("rehearsal without the stub driver: libcuda.so.1 here is not tests/stub_driver's (the harness "
-                     "puts ctx.stub_dir first on LD_LIBRARY_PATH for this step)")
+        no_driver = (
+            "rehearsal without the stub driver: libcuda.so.1 here is not tests/stub_driver's (the harness "
+            "puts ctx.stub_dir first on LD_LIBRARY_PATH for this step)"
+        )
     else:
         try:
             driver = _Driver(ctx.rehearse)
@@ -291,5 +352,11 @@ def run(ctx: Context) -> dict:
             figures[name] = _failed(f"{type(exc).__name__}: {exc}")
     figures = {name: figures[name] for name in PROBES}
     failed = [f"{name}: {f['reason']}" for name, f in figures.items() if f.get("status") == "fail"]
-    return result("fail" if failed else "pass", "; ".join(failed) if failed else None, verdict=gate,
-                  verdict_method=gate_method, rehearsal=ctx.rehearse, figures=figures)
+    return result(
+        "fail" if failed else "pass",
+        "; ".join(failed) if failed else None,
+        verdict=gate,
+        verdict_method=gate_method,
+        rehearsal=ctx.rehearse,
+        figures=figures,
+    )

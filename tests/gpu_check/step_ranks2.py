@@ -16,10 +16,33 @@ import time
 from tests.gpu_check.common import ROOT, Context, figure, result, run_bounded
 
 # tests/mpi/worker.py's cases that need no multicast and no second GPU
-GPU_CASES = ("allreduce", "paths", "fused", "fused_paths", "fp8", "rotation", "pool", "bad_input", "misaligned",
-             "fp8_nan", "divergent", "uneven_history", "header_race", "timeout", "selftest", "all_gather",
-             "reduce_scatter", "quantize_fp8", "quantize_blocks", "fused_quant", "batch_invariant", "threads",
-             "streams", "cuda_graph", "close_live")
+GPU_CASES = (
+    "allreduce",
+    "paths",
+    "fused",
+    "fused_paths",
+    "fp8",
+    "rotation",
+    "pool",
+    "bad_input",
+    "misaligned",
+    "fp8_nan",
+    "divergent",
+    "uneven_history",
+    "header_race",
+    "timeout",
+    "selftest",
+    "all_gather",
+    "reduce_scatter",
+    "quantize_fp8",
+    "quantize_blocks",
+    "fused_quant",
+    "batch_invariant",
+    "threads",
+    "streams",
+    "cuda_graph",
+    "close_live",
+)
 REHEARSAL_CASES = ("allreduce", "fused", "all_gather", "reduce_scatter")
 WORKER = ROOT / "tests" / "mpi" / "worker.py"
 
@@ -32,8 +55,9 @@ def run(ctx: Context) -> dict:
         env.update(UBNEXT_EMU_MULTICAST="0")
     else:
         mode = "gpu"
-        env.update(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
-                   UBNEXT_POOL_BACKEND="vmm")
+        env.update(
+            CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], UBNEXT_POOL_BACKEND="vmm"
+        )
     # One torchrun job runs the cases in order and stops at the first that fails; the cases after it
     # then run in a job of their own, so that one failure does not hide the others' verdicts.
     seconds: dict[str, float] = {}
@@ -44,8 +68,17 @@ def run(ctx: Context) -> dict:
         left = deadline - time.monotonic()
         if left < 15:
             break
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(WORKER), mode, *remaining]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKER),
+            mode,
+            *remaining,
+        ]
         status, output = run_bounded(command, left, cwd=ROOT, env=env)
         seconds.update({name: float(s) for name, s in re.findall(rf"{mode} (\w+): ok \(([\d.]+) s\)", output)})
         if status == 0:
@@ -56,13 +89,28 @@ def run(ctx: Context) -> dict:
             break
         why = f"ran past {left:.0f} s" if status is None else f"exit status {status}"
         failures[failed] = f"{why}: {output[-3000:]}"
-        remaining = remaining[remaining.index(failed) + 1:]
+        remaining = remaining[remaining.index(failed) + 1 :]
     figures = {"cases_passed": figure(len(seconds), "cases", "tests/mpi/worker.py's 'ok' lines, rank 0")}
     missing = [c for c in cases if c not in seconds]
     if failures or missing:
-        return result("fail", f"failed: {', '.join(failures) or 'none'}; not run: "
-                      f"{', '.join(c for c in missing if c not in failures) or 'none'}",
-                      cases=list(cases), seconds=seconds, figures=figures, failures=failures)
-    return result("pass", mode=mode, cases=list(cases), seconds=seconds, figures=figures,
-                  note=("time-sliced processes on one GPU: correctness, not speed" if not ctx.rehearse else
-                        "rehearsal: emulator ranks without multicast, a shorter case list"))
+        return result(
+            "fail",
+            f"failed: {', '.join(failures) or 'none'}; not run: "
+            f"{', '.join(c for c in missing if c not in failures) or 'none'}",
+            cases=list(cases),
+            seconds=seconds,
+            figures=figures,
+            failures=failures,
+        )
+    return result(
+        "pass",
+        mode=mode,
+        cases=list(cases),
+        seconds=seconds,
+        figures=figures,
+        note=(
+            "time-sliced processes on one GPU: correctness, not speed"
+            if not ctx.rehearse
+            else "rehearsal: emulator ranks without multicast, a shorter case list"
+        ),
+    )

@@ -70,8 +70,14 @@ GRAPH_CALLS = 50
 GRAPH_REPS = 5
 BUSY_MS = 40.0  # how long the GPU sleeps ahead of a timed block
 QUANT_FORMATS = ("nvfp4", "mxfp8", "fp8_group128")
-HOST_CALL_NAMES = ("noop_op", "torch_add_out", "comm.all_reduce", "comm.all_reduce_add_rmsnorm",
-                   "torch.ops.ubnext.all_reduce", "torch.ops.ubnext.all_reduce_add_rmsnorm")
+HOST_CALL_NAMES = (
+    "noop_op",
+    "torch_add_out",
+    "comm.all_reduce",
+    "comm.all_reduce_add_rmsnorm",
+    "torch.ops.ubnext.all_reduce",
+    "torch.ops.ubnext.all_reduce_add_rmsnorm",
+)
 LOCAL_OPS = tuple(f"quantize_{fmt}" for fmt in QUANT_FORMATS) + ("quantize_fp8", "add_rmsnorm")
 GRAPH_OPS = ("all_reduce", "all_reduce_add_rmsnorm")
 STREAMS = ("default_stream", "side_stream")
@@ -81,13 +87,20 @@ NO_GPU = "no GPU (torch is a CPU build)"
 
 def chain_configs() -> list[tuple[bool, bool, str, bool]]:
     """(pdl, event, stream, captured) of every chain timed."""
-    return [(pdl, event, stream, captured) for captured in (False, True) for stream in STREAMS
-            for pdl in (True, False) for event in (True, False)]
+    return [
+        (pdl, event, stream, captured)
+        for captured in (False, True)
+        for stream in STREAMS
+        for pdl in (True, False)
+        for event in (True, False)
+    ]
 
 
 def chain_name(pdl: bool, event: bool, stream: str, captured: bool) -> str:
-    return (f"chain_us.pdl_{'on' if pdl else 'off'}.event_{'on' if event else 'off'}.{stream}."
-            f"{'graph' if captured else 'eager'}")
+    return (
+        f"chain_us.pdl_{'on' if pdl else 'off'}.event_{'on' if event else 'off'}.{stream}."
+        f"{'graph' if captured else 'eager'}"
+    )
 
 
 # -- the one-rank communicator ---------------------------------------------------------------------
@@ -210,9 +223,9 @@ def _recorder_in_place_of_the_launch(comm):
 
     import torch
 
-    from ubnext.runtime import _cuda
     from ubnext import kernels
     from ubnext.bench import _FakeStream
+    from ubnext.runtime import _cuda
 
     launches = [0]
 
@@ -274,7 +287,8 @@ def _host_section(ctx: Context, comm, figures: dict, details: dict) -> None:
         "comm.all_reduce_add_rmsnorm": lambda: comm.all_reduce_add_rmsnorm(x, residual, weight, EPS),
         "torch.ops.ubnext.all_reduce": lambda: torch.ops.ubnext.all_reduce(x, comm.key, ""),
         "torch.ops.ubnext.all_reduce_add_rmsnorm": lambda: torch.ops.ubnext.all_reduce_add_rmsnorm(
-            x, residual, weight, EPS, comm.key),
+            x, residual, weight, EPS, comm.key
+        ),
     }
     assert tuple(fns) == HOST_CALL_NAMES
     shape = f"{SHAPE[0]}x{SHAPE[1]} bf16"
@@ -283,19 +297,23 @@ def _host_section(ctx: Context, comm, figures: dict, details: dict) -> None:
         if ctx.rehearse:
             launches = stack.enter_context(_recorder_in_place_of_the_launch(comm))
             busy = _NoGpu()
-            method = (f"CPU rehearsal (no GPU): host time.perf_counter over {HOST_CALLS} calls, median of {ROUNDS} "
-                      f"alternating rounds; the GPU code path (comm.mode 'gpu') over the emulator's pool with a fake "
-                      f"current stream and a recorder in place of the kernel launch (as python -m ubnext.bench "
-                      f"--host): the Python path's cost, not the driver's; world 1 through UBNEXT_WORLD1_KERNELS; "
-                      f"{shape}; inference_mode")
+            method = (
+                f"CPU rehearsal (no GPU): host time.perf_counter over {HOST_CALLS} calls, median of {ROUNDS} "
+                f"alternating rounds; the GPU code path (comm.mode 'gpu') over the emulator's pool with a fake "
+                f"current stream and a recorder in place of the kernel launch (as python -m ubnext.bench "
+                f"--host): the Python path's cost, not the driver's; world 1 through UBNEXT_WORLD1_KERNELS; "
+                f"{shape}; inference_mode"
+            )
         else:
             launches = None
             busy = _GpuBusy()
             details["sleep_cycles_per_ms"] = round(busy.cycles_per_ms)
-            method = (f"host time.perf_counter over {HOST_CALLS} calls, median of {ROUNDS} alternating rounds, the "
-                      f"real driver, the GPU kept busy by torch.cuda._sleep ({BUSY_MS:g} ms) queued ahead of each "
-                      f"timed block so that the host never waits on it; world 1 through UBNEXT_WORLD1_KERNELS; "
-                      f"{shape}; inference_mode")
+            method = (
+                f"host time.perf_counter over {HOST_CALLS} calls, median of {ROUNDS} alternating rounds, the "
+                f"real driver, the GPU kept busy by torch.cuda._sleep ({BUSY_MS:g} ms) queued ahead of each "
+                f"timed block so that the host never waits on it; world 1 through UBNEXT_WORLD1_KERNELS; "
+                f"{shape}; inference_mode"
+            )
         paths = {}
         for name, fn in fns.items():  # each ubnext call once: the kernel path, not the one-rank copy
             fn()
@@ -320,9 +338,11 @@ def _host_section(ctx: Context, comm, figures: dict, details: dict) -> None:
         if name != "noop_op":
             ratios = [(t - f) / f for t, f in zip(per_round, floor)]
             figures[f"host_floors.{name}"] = figure(
-                round(statistics.median(ratios), 3), "floors: (call - no-op op) / no-op op",
+                round(statistics.median(ratios), 3),
+                "floors: (call - no-op op) / no-op op",
                 f"per round against the no-op Library operator timed in the same round, median over the rounds; "
-                f"{method}")
+                f"{method}",
+            )
 
 
 # -- launch chains -----------------------------------------------------------------------------------
@@ -359,12 +379,18 @@ def _rehearse_chain(comm, details: dict) -> None:
     for p in pointers[:CHAIN_REHEARSE_LINKS]:
         comm._run(how, p)
     exact = torch.equal(buffers[CHAIN_REHEARSE_LINKS], buffers[0])
-    untouched = bool(buffers[CHAIN_REHEARSE_LINKS + 1:].isnan().all())
-    details["chain_rehearsal"] = {"kernel": how.name, "grid": how.grid, "block": how.block,
-                                  "links_run_on_the_emulator": CHAIN_REHEARSE_LINKS, "exact": exact}
+    untouched = bool(buffers[CHAIN_REHEARSE_LINKS + 1 :].isnan().all())
+    details["chain_rehearsal"] = {
+        "kernel": how.name,
+        "grid": how.grid,
+        "block": how.block,
+        "links_run_on_the_emulator": CHAIN_REHEARSE_LINKS,
+        "exact": exact,
+    }
     if not (exact and untouched):
-        raise AssertionError(f"the emulated chain of {CHAIN_REHEARSE_LINKS} links: exact={exact}, "
-                             f"later rows untouched={untouched}")
+        raise AssertionError(
+            f"the emulated chain of {CHAIN_REHEARSE_LINKS} links: exact={exact}, later rows untouched={untouched}"
+        )
 
 
 def _chain_enqueue(comm, how, pointers, pdl: bool, event: bool, captured: bool, extra_event):
@@ -379,12 +405,14 @@ def _chain_enqueue(comm, how, pointers, pdl: bool, event: bool, captured: bool, 
     how = how._replace(pdl=pdl)
     device_index = comm._device_index
     if event != captured:
+
         def enqueue():
             comm._check_usable()  # this stream becomes the call's (comm._stream), captured or not
             if comm._capturing != captured:
                 raise AssertionError(f"the communicator sees capturing={comm._capturing}")
             for p in pointers:
                 comm._run(how, p)
+
         return enqueue
     done = extra_event if event else None
 
@@ -392,6 +420,7 @@ def _chain_enqueue(comm, how, pointers, pdl: bool, event: bool, captured: bool, 
         config = _cuda.launch_config(how.grid, how.block, torch.cuda.current_stream().cuda_stream, pdl)
         for p in pointers:
             _cuda.launch(how.kernel, config, how.params.address(p), device_index, done)
+
     return enqueue
 
 
@@ -418,9 +447,11 @@ def _time_chain(comm, buffers, stream, busy, enqueue=None, graph=None) -> tuple[
 def _chain_section(ctx: Context, comm, figures: dict, details: dict) -> None:
     if ctx.rehearse:
         _rehearse_chain(comm, details)
-        why = (f"{NO_GPU}: CUDA events, programmatic dependent launch and CUDA graphs need one; the chain's "
-               f"launches ran through Executor._run on the emulator for {CHAIN_REHEARSE_LINKS} links "
-               "(details.chain_rehearsal)")
+        why = (
+            f"{NO_GPU}: CUDA events, programmatic dependent launch and CUDA graphs need one; the chain's "
+            f"launches ran through Executor._run on the emulator for {CHAIN_REHEARSE_LINKS} links "
+            "(details.chain_rehearsal)"
+        )
         for config in chain_configs():
             figures[chain_name(*config)] = skipped(why)
         for stream in STREAMS:
@@ -435,14 +466,33 @@ def _chain_section(ctx: Context, comm, figures: dict, details: dict) -> None:
     busy = _GpuBusy()
     streams = {"default_stream": torch.cuda.default_stream(), "side_stream": torch.cuda.Stream()}
     extra_event = _cuda.create_event(comm._device_index)  # never comm's own: a capture records it
-    details["chain"] = {"kernel": how.name, "grid": how.grid, "block": how.block, "bytes_per_link": n * 2,
-                        "links": CHAIN, "pdl_supported": _cuda.pdl_enabled(comm._device_index)}
+    details["chain"] = {
+        "kernel": how.name,
+        "grid": how.grid,
+        "block": how.block,
+        "bytes_per_link": n * 2,
+        "links": CHAIN,
+        "pdl_supported": _cuda.pdl_enabled(comm._device_index),
+    }
     medians, spreads, problems, graphs = {}, {}, [], []
     for pdl, event, stream_name, captured in chain_configs():
         name = chain_name(pdl, event, stream_name, captured)
         try:
-            figures[name] = _one_chain(comm, how, n, buffers, pointers, busy, streams[stream_name], extra_event,
-                                       pdl, event, stream_name, captured, graphs)
+            figures[name] = _one_chain(
+                comm,
+                how,
+                n,
+                buffers,
+                pointers,
+                busy,
+                streams[stream_name],
+                extra_event,
+                pdl,
+                event,
+                stream_name,
+                captured,
+                graphs,
+            )
         except Exception as exc:  # noqa: BLE001 - this configuration's failure; the others still run
             figures[name] = {"status": "fail", "reason": f"{type(exc).__name__}: {exc}"}
             problems.append(f"{name}: {type(exc).__name__}: {exc}")
@@ -453,8 +503,9 @@ def _chain_section(ctx: Context, comm, figures: dict, details: dict) -> None:
         spreads[name] = max(figures[name]["runs_us"]) - min(figures[name]["runs_us"])
     del graphs
     for stream_name in STREAMS:
-        names = {(pdl, event): chain_name(pdl, event, stream_name, False) for pdl in (True, False)
-                 for event in (True, False)}
+        names = {
+            (pdl, event): chain_name(pdl, event, stream_name, False) for pdl in (True, False) for event in (True, False)
+        }
         if not all(n in medians for n in names.values()):
             figures[f"chain_pdl_gain_kept.{stream_name}"] = skipped("an eager chain it compares failed")
             continue
@@ -465,22 +516,40 @@ def _chain_section(ctx: Context, comm, figures: dict, details: dict) -> None:
             figures[f"chain_pdl_gain_kept.{stream_name}"] = skipped(
                 f"PDL's gain without the event ({t[(False, False)]:.3f} - {t[(True, False)]:.3f} = {gain_without:.3f} "
                 f"us per kernel) is not above the runs' spread ({noise:.3f} us): nothing measurable for the event "
-                "to defeat")
+                "to defeat"
+            )
             continue
         kept = gain_with / gain_without
         figures[f"chain_pdl_gain_kept.{stream_name}"] = figure(
-            round(kept, 3), "fraction of PDL's per-kernel gain kept with the per-launch event",
+            round(kept, 3),
+            "fraction of PDL's per-kernel gain kept with the per-launch event",
             "eager chains: (pdl off - pdl on) with the event over the same without it, from the chain_us medians; "
             "defeats: less than half kept",
-            defeats=kept < 0.5, gain_without_event_us=round(gain_without, 3), gain_with_event_us=round(gain_with, 3),
-            runs_spread_us=round(noise, 3))
+            defeats=kept < 0.5,
+            gain_without_event_us=round(gain_without, 3),
+            gain_with_event_us=round(gain_with, 3),
+            runs_spread_us=round(noise, 3),
+        )
     details["event_defeats_pdl"] = {s: figures[f"chain_pdl_gain_kept.{s}"].get("defeats") for s in STREAMS}
     if problems:
         raise AssertionError("; ".join(problems))
 
 
-def _one_chain(comm, how, n, buffers, pointers, busy, stream, extra_event, pdl: bool, event: bool,
-               stream_name: str, captured: bool, graphs: list) -> dict:
+def _one_chain(
+    comm,
+    how,
+    n,
+    buffers,
+    pointers,
+    busy,
+    stream,
+    extra_event,
+    pdl: bool,
+    event: bool,
+    stream_name: str,
+    captured: bool,
+    graphs: list,
+) -> dict:
     """One configuration's figure, with ``exact`` (every run's result right, no kernel error) to pop."""
     import torch
 
@@ -495,17 +564,23 @@ def _one_chain(comm, how, n, buffers, pointers, busy, stream, extra_event, pdl: 
     _time_chain(comm, buffers, stream, busy, enqueue, graph)  # warm-up
     runs = [_time_chain(comm, buffers, stream, busy, enqueue, graph) for _ in range(CHAIN_REPS)]
     us = [r[0] for r in runs]
-    how_launched = {(True, False): "Executor._run (ubnext's eager launch: its ordering event after each kernel)",
-                    (False, True): "Executor._run under capture (ubnext's: no event)",
-                    (False, False): "_cuda.launch without the event",
-                    (True, True): "_cuda.launch with a cuEventRecord after each kernel inside the capture "
-                                  "(ubnext records none when captured)"}[(event, captured)]
+    how_launched = {
+        (True, False): "Executor._run (ubnext's eager launch: its ordering event after each kernel)",
+        (False, True): "Executor._run under capture (ubnext's: no event)",
+        (False, False): "_cuda.launch without the event",
+        (True, True): "_cuda.launch with a cuEventRecord after each kernel inside the capture "
+        "(ubnext records none when captured)",
+    }[(event, captured)]
     return figure(
-        round(statistics.median(us), 3), "us per kernel",
+        round(statistics.median(us), 3),
+        "us per kernel",
         f"CUDA events around {CHAIN} dependent one-rank {how.name} launches ({n * 2} bytes each) on the "
         f"{stream_name.replace('_', ' ')}, {'replayed CUDA graph' if captured else 'eager'}, launched by "
         f"{how_launched}; the chain queued behind a torch.cuda._sleep; median of {CHAIN_REPS}",
-        runs_us=[round(u, 3) for u in us], runs_gpu_ran_dry=sum(r[2] for r in runs), exact=all(r[1] for r in runs))
+        runs_us=[round(u, 3) for u in us],
+        runs_gpu_ran_dry=sum(r[2] for r in runs),
+        exact=all(r[1] for r in runs),
+    )
 
 
 # -- local kernels -----------------------------------------------------------------------------------
@@ -522,13 +597,14 @@ def _torchao_quantizer(fmt: str):
             from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
 
             return lambda x: nvfp4_quantize(x, 16, None), "torchao nvfp4_quantize(x, 16)"
+        import torch
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.prototype.mx_formats.mx_tensor import to_mx
 
-        import torch
-
-        return (lambda x: to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL),
-                "torchao to_mx(x, float8_e4m3fn, 32, RCEIL)")
+        return (
+            lambda x: to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL),
+            "torchao to_mx(x, float8_e4m3fn, 32, RCEIL)",
+        )
     except Exception as exc:  # noqa: BLE001 - not installed, or an API that moved
         return None, f"torchao is not importable here ({type(exc).__name__}: {exc})"
 
@@ -547,15 +623,21 @@ def _local_cases(comm, shape) -> dict:
     cases = {}
     for fmt in QUANT_FORMATS:
         if fmt == "fp8_group128":
-            alt, what = (lambda x=x: quantize_fp8_reference(x, 128, None)), \
-                "torch eager ops: ubnext.reference._checks.quantize_fp8_reference over groups of 128 (no torchao form)"
+            alt, what = (
+                (lambda x=x: quantize_fp8_reference(x, 128, None)),
+                "torch eager ops: ubnext.reference._checks.quantize_fp8_reference over groups of 128 (no torchao form)",
+            )
         else:
             quantizer, what = _torchao_quantizer(fmt)
             alt = None if quantizer is None else (lambda q=quantizer: q(x))
         cases[f"quantize_{fmt}"] = ((lambda fmt=fmt: comm.quantize(x, fmt)), _nbytes(x), alt, what, _nbytes(x))
-    cases["quantize_fp8"] = ((lambda: comm.quantize_fp8(x)), _nbytes(x),
-                             (lambda: quantize_fp8_reference(x, hidden, None)),
-                             "torch eager ops: ubnext.reference._checks.quantize_fp8_reference per row", _nbytes(x))
+    cases["quantize_fp8"] = (
+        (lambda: comm.quantize_fp8(x)),
+        _nbytes(x),
+        (lambda: quantize_fp8_reference(x, hidden, None)),
+        "torch eager ops: ubnext.reference._checks.quantize_fp8_reference per row",
+        _nbytes(x),
+    )
     # the add + RMSNorm kernel, as the fused op runs it on torch.distributed's fp32 sum past the pool
     # (ubnext/comm/_fused.py, Planner._call_for's norm launch)
     reduced = x.float()
@@ -571,9 +653,13 @@ def _local_cases(comm, shape) -> dict:
         residual_out = x + residual
         return F.rms_norm(residual_out, (hidden,), weight, EPS), residual_out
 
-    cases["add_rmsnorm"] = (add_rmsnorm, _nbytes(reduced, residual, weight), torch_add_rmsnorm,
-                            "torch eager: x + residual, then F.rms_norm (bf16 x: the sum a bf16 allreduce returns)",
-                            _nbytes(x, residual, weight))
+    cases["add_rmsnorm"] = (
+        add_rmsnorm,
+        _nbytes(reduced, residual, weight),
+        torch_add_rmsnorm,
+        "torch eager: x + residual, then F.rms_norm (bf16 x: the sum a bf16 allreduce returns)",
+        _nbytes(x, residual, weight),
+    )
     return cases
 
 
@@ -620,25 +706,35 @@ def _local_section(ctx: Context, comm, figures: dict, details: dict) -> None:
     assert tuple(cases) == LOCAL_OPS
     if ctx.rehearse:
         ran = {}
-        for op, (call, read, alt, what, alt_read) in cases.items():
+        for op, (call, read, alt, what, _alt_read) in cases.items():
             written = _outputs_bytes(call())
             kernel = _kernel_of(comm, op) if op != "add_rmsnorm" else "add_rmsnorm"
             if kernel != op:
                 raise AssertionError(f"{op} ran {kernel or 'no kernel'} on the emulator, not its kernel")
-            alt_ran = "none: " + what if alt is None else f"{what}: ran once on the CPU, {_outputs_bytes(alt())} bytes out"
-            ran[op] = {"ubnext": f"ran its kernel once on the emulator at {shape[0]}x{shape[1]} bf16",
-                       "bytes_read": read, "bytes_written": written, "torch": alt_ran}
+            alt_ran = (
+                "none: " + what if alt is None else f"{what}: ran once on the CPU, {_outputs_bytes(alt())} bytes out"
+            )
+            ran[op] = {
+                "ubnext": f"ran its kernel once on the emulator at {shape[0]}x{shape[1]} bf16",
+                "bytes_read": read,
+                "bytes_written": written,
+                "torch": alt_ran,
+            }
         details["local_rehearsal"] = ran
-        why = (f"{NO_GPU}: GB/s by CUDA events needs one; each op was called once on the emulator and its torch "
-               "counterpart on the CPU (details.local_rehearsal)")
+        why = (
+            f"{NO_GPU}: GB/s by CUDA events needs one; each op was called once on the emulator and its torch "
+            "counterpart on the CPU (details.local_rehearsal)"
+        )
         for op in cases:
             for side in ("ubnext", "d2d_copy", "torch"):
                 figures[f"local_gbps.{op}.{side}"] = skipped(why)
         return
     busy = _GpuBusy()
     shape_text = f"{shape[0]}x{shape[1]} bf16"
-    events = (f"CUDA events around {LOCAL_REPS} calls queued behind a torch.cuda._sleep, median of "
-              f"{LOCAL_BLOCKS} blocks; {shape_text}")
+    events = (
+        f"CUDA events around {LOCAL_REPS} calls queued behind a torch.cuda._sleep, median of "
+        f"{LOCAL_BLOCKS} blocks; {shape_text}"
+    )
     problems = []
     for op, (call, read, alt, what, alt_read) in cases.items():
         try:
@@ -647,15 +743,23 @@ def _local_section(ctx: Context, comm, figures: dict, details: dict) -> None:
                 raise AssertionError(f"took {_kernel_of(comm, op)}, not its kernel")
             us, dry = _gpu_us_per_call(call, LOCAL_REPS, busy)
             figures[f"local_gbps.{op}.ubnext"] = figure(
-                round(traffic / us / 1e3, 1), "GB/s (bytes read + written per second, 1e9)",
-                f"ubnext's kernel; {events}", us_per_call=round(us, 3), bytes=traffic, blocks_gpu_ran_dry=dry)
+                round(traffic / us / 1e3, 1),
+                "GB/s (bytes read + written per second, 1e9)",
+                f"ubnext's kernel; {events}",
+                us_per_call=round(us, 3),
+                bytes=traffic,
+                blocks_gpu_ran_dry=dry,
+            )
             half = torch.empty(traffic // 2, dtype=torch.uint8, device=comm.device)
             other = torch.empty_like(half)
-            copy_us, copy_dry = _gpu_us_per_call(lambda: other.copy_(half), LOCAL_REPS, busy)
+            copy_us, copy_dry = _gpu_us_per_call(lambda dst=other, src=half: dst.copy_(src), LOCAL_REPS, busy)
             figures[f"local_gbps.{op}.d2d_copy"] = figure(
-                round(2 * half.numel() / copy_us / 1e3, 1), "GB/s (bytes read + written per second, 1e9)",
+                round(2 * half.numel() / copy_us / 1e3, 1),
+                "GB/s (bytes read + written per second, 1e9)",
                 f"device-to-device copy_ of {half.numel()} bytes (the kernel's traffic, read and written); {events}",
-                us_per_call=round(copy_us, 3), blocks_gpu_ran_dry=copy_dry)
+                us_per_call=round(copy_us, 3),
+                blocks_gpu_ran_dry=copy_dry,
+            )
             del half, other
         except Exception as exc:  # noqa: BLE001 - this op's failure; the others still run
             problems.append(f"{op}: {type(exc).__name__}: {exc}")
@@ -675,8 +779,14 @@ def _torch_counterpart(alt, what: str, alt_read: int, events: str, busy) -> dict
         alt_us, alt_dry = _gpu_us_per_call(alt, LOCAL_REPS, busy)
     except Exception as exc:  # noqa: BLE001 - a third party's failure is reported, not ours
         return skipped(f"{what} raised {type(exc).__name__}: {exc}")
-    return figure(round(alt_traffic / alt_us / 1e3, 1), "GB/s (its own inputs read once + outputs written once, 1e9)",
-                  f"{what}; {events}", us_per_call=round(alt_us, 3), bytes=alt_traffic, blocks_gpu_ran_dry=alt_dry)
+    return figure(
+        round(alt_traffic / alt_us / 1e3, 1),
+        "GB/s (its own inputs read once + outputs written once, 1e9)",
+        f"{what}; {events}",
+        us_per_call=round(alt_us, 3),
+        bytes=alt_traffic,
+        blocks_gpu_ran_dry=alt_dry,
+    )
 
 
 # -- graph replay against eager -------------------------------------------------------------------
@@ -692,8 +802,10 @@ def _graph_section(ctx: Context, comm, figures: dict, details: dict) -> None:
 
     x, residual, weight = _inputs(SHAPE, comm.device, seed=9)
     out = torch.empty_like(x)
-    fns = {"all_reduce": lambda: comm.all_reduce(x, out=out),
-           "all_reduce_add_rmsnorm": lambda: comm.all_reduce_add_rmsnorm(x, residual, weight, EPS)}
+    fns = {
+        "all_reduce": lambda: comm.all_reduce(x, out=out),
+        "all_reduce_add_rmsnorm": lambda: comm.all_reduce_add_rmsnorm(x, residual, weight, EPS),
+    }
     assert tuple(fns) == GRAPH_OPS
     busy = _GpuBusy()
     shape = f"{SHAPE[0]}x{SHAPE[1]} bf16, world 1"
@@ -744,17 +856,26 @@ def _graph_against_eager(comm, op: str, fn, busy, shape: str, figures: dict, det
         replayed.append(start.elapsed_time(end) * 1000.0 / GRAPH_CALLS)
     del graph
     figures[f"graph_vs_eager.{op}.eager_us"] = figure(
-        round(statistics.median(eager), 3), "us per op",
+        round(statistics.median(eager), 3),
+        "us per op",
         f"CUDA events around {GRAPH_CALLS} eager calls as the host issues them (host-paced), median of "
-        f"{GRAPH_REPS}; {shape}", runs_us=[round(u, 3) for u in eager])
+        f"{GRAPH_REPS}; {shape}",
+        runs_us=[round(u, 3) for u in eager],
+    )
     figures[f"graph_vs_eager.{op}.eager_queued_us"] = figure(
-        round(queued_us, 3), "us per op",
+        round(queued_us, 3),
+        "us per op",
         f"CUDA events around {GRAPH_CALLS} eager calls queued behind a torch.cuda._sleep (the GPU's own time "
-        f"per op), median of {LOCAL_BLOCKS}; {shape}", blocks_gpu_ran_dry=queued_dry)
+        f"per op), median of {LOCAL_BLOCKS}; {shape}",
+        blocks_gpu_ran_dry=queued_dry,
+    )
     figures[f"graph_vs_eager.{op}.graph_us"] = figure(
-        round(statistics.median(replayed), 3), "us per op",
+        round(statistics.median(replayed), 3),
+        "us per op",
         f"CUDA events around one replay of a CUDA graph of {GRAPH_CALLS} captured calls, median of "
-        f"{GRAPH_REPS}; {shape}", runs_us=[round(u, 3) for u in replayed])
+        f"{GRAPH_REPS}; {shape}",
+        runs_us=[round(u, 3) for u in replayed],
+    )
 
 
 # -- dependent-load chains (tests/gpu_check/chains.py) -------------------------------------------------
@@ -764,7 +885,9 @@ def _dependent_chains_section(ctx: Context, comm, figures: dict, details: dict) 
     try:
         chains = importlib.import_module("tests.gpu_check.chains")
     except Exception as exc:  # noqa: BLE001 - missing, or broken: the figure says which
-        figures["dependent_chains"] = skipped(f"tests/gpu_check/chains.py is not importable: {type(exc).__name__}: {exc}")
+        figures["dependent_chains"] = skipped(
+            f"tests/gpu_check/chains.py is not importable: {type(exc).__name__}: {exc}"
+        )
         return
     what = "rehearse()" if ctx.rehearse else "measure(0)"
     try:
@@ -786,8 +909,13 @@ def _dependent_chains_section(ctx: Context, comm, figures: dict, details: dict) 
 
 # -- the step ----------------------------------------------------------------------------------------
 
-SECTIONS = (("host", _host_section), ("chains", _chain_section), ("graph", _graph_section),
-            ("local", _local_section), ("dependent_chains", _dependent_chains_section))
+SECTIONS = (
+    ("host", _host_section),
+    ("chains", _chain_section),
+    ("graph", _graph_section),
+    ("local", _local_section),
+    ("dependent_chains", _dependent_chains_section),
+)
 
 
 def run(ctx: Context) -> dict:

@@ -100,16 +100,28 @@ def _fused_cases(comm, recorder, path: str, dtype, dtype_name: str, eps=1e-6) ->
         scale = torch.tensor([0.01], dtype=torch.float32)
         for form, form_scale in (("fp8_static", scale), ("fp8_per_token", None)):
             want = reference_add_rmsnorm(xc.float(), rc, wc, eps, FP8, form_scale)
-            got = comm.all_reduce_add_rmsnorm(x, residual, weight, eps, out_dtype=FP8,
-                                              scale=None if form_scale is None else form_scale.to(comm.device))
+            got = comm.all_reduce_add_rmsnorm(
+                x,
+                residual,
+                weight,
+                eps,
+                out_dtype=FP8,
+                scale=None if form_scale is None else form_scale.to(comm.device),
+            )
             cases[f"fused {form} {tag}"] = _check(got, want, recorder.take(), kernel)
         if dtype == torch.float32 and path != "torch":
             continue  # the block formats' fused forms: 16-bit inputs (docs/QUANTIZE.md)
         for fmt in QUANT_FORMATS:
             global_scale = torch.tensor([0.5], dtype=torch.float32) if fmt == "nvfp4" else None
             q_ref, s_ref = quantize_reference(plain_ref[0], fmt, global_scale)
-            got = comm.all_reduce_add_rmsnorm(x, residual, weight, eps, quant=fmt,
-                                              global_scale=None if global_scale is None else global_scale.to(comm.device))
+            got = comm.all_reduce_add_rmsnorm(
+                x,
+                residual,
+                weight,
+                eps,
+                quant=fmt,
+                global_scale=None if global_scale is None else global_scale.to(comm.device),
+            )
             cases[f"fused {fmt} {tag}"] = _check(got, (q_ref, plain_ref[1], s_ref), recorder.take(), kernel)
     return cases
 
@@ -134,11 +146,13 @@ def _path_cases(path: str, emulate: bool) -> dict:
         for dtype_name, dtype in zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32)):
             x, _, _ = _inputs(PLAIN_SHAPE, dtype, comm.device, seed=7)
             got = comm.all_reduce(x)
-            cases[f"all_reduce {dtype_name}"] = (_check([got], [x], recorder.take(), f"ubnext_{path}_{dtype_name}")
-                                                 or (None if comm.last_path == path else f"path {comm.last_path}"))
+            cases[f"all_reduce {dtype_name}"] = _check([got], [x], recorder.take(), f"ubnext_{path}_{dtype_name}") or (
+                None if comm.last_path == path else f"path {comm.last_path}"
+            )
             if path != "nvls_oneshot":  # never fused: its bits may differ across ranks
-                cases.update({f"{k} {dtype_name}": v
-                              for k, v in _fused_cases(comm, recorder, path, dtype, dtype_name).items()})
+                cases.update(
+                    {f"{k} {dtype_name}": v for k, v in _fused_cases(comm, recorder, path, dtype, dtype_name).items()}
+                )
         return cases
     finally:
         comm.close()
@@ -159,33 +173,49 @@ def _local_and_exchange_cases(emulate: bool) -> dict:
         recorder = _Recorder(comm)
         for dtype_name, dtype in zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32)):
             x, _, _ = _inputs((4, 1024), dtype, comm.device, seed=11)
-            cases[f"all_gather {dtype_name}"] = _check([comm.all_gather(x)], [x], recorder.take(), "ubnext_allgather_u8")
-            cases[f"reduce_scatter {dtype_name}"] = _check([comm.reduce_scatter(x)], [x], recorder.take(),
-                                                           f"ubnext_reduce_scatter_{dtype_name}")
+            cases[f"all_gather {dtype_name}"] = _check(
+                [comm.all_gather(x)], [x], recorder.take(), "ubnext_allgather_u8"
+            )
+            cases[f"reduce_scatter {dtype_name}"] = _check(
+                [comm.reduce_scatter(x)], [x], recorder.take(), f"ubnext_reduce_scatter_{dtype_name}"
+            )
             xc = x.cpu()
             got = comm.quantize_fp8(x)
-            cases[f"quantize_fp8 row {dtype_name}"] = _check(got, quantize_fp8_reference(xc, 1024, None),
-                                                             recorder.take(), f"ubnext_quantize_fp8_{dtype_name}")
+            cases[f"quantize_fp8 row {dtype_name}"] = _check(
+                got, quantize_fp8_reference(xc, 1024, None), recorder.take(), f"ubnext_quantize_fp8_{dtype_name}"
+            )
             scale = torch.tensor([0.02], dtype=torch.float32)
             got = comm.quantize_fp8(x, scaling="static", scale=scale.to(comm.device))
-            cases[f"quantize_fp8 static {dtype_name}"] = _check(got, quantize_fp8_reference(xc, 1024, scale),
-                                                                recorder.take(), f"ubnext_quantize_fp8_{dtype_name}")
+            cases[f"quantize_fp8 static {dtype_name}"] = _check(
+                got, quantize_fp8_reference(xc, 1024, scale), recorder.take(), f"ubnext_quantize_fp8_{dtype_name}"
+            )
             for fmt in QUANT_FORMATS:
                 global_scale = torch.tensor([0.5], dtype=torch.float32) if fmt == "nvfp4" else None
-                for swizzled in ((False, True) if fmt != "fp8_group128" else (False,)):
-                    got = comm.quantize(x, fmt, global_scale=None if global_scale is None else global_scale.to(comm.device),
-                                        swizzled=swizzled)
+                for swizzled in (False, True) if fmt != "fp8_group128" else (False,):
+                    got = comm.quantize(
+                        x,
+                        fmt,
+                        global_scale=None if global_scale is None else global_scale.to(comm.device),
+                        swizzled=swizzled,
+                    )
                     cases[f"quantize {fmt}{' swizzled' if swizzled else ''} {dtype_name}"] = _check(
-                        got, quantize_reference(xc, fmt, global_scale, swizzled), recorder.take(),
-                        f"ubnext_quantize_{fmt}_{dtype_name}")
+                        got,
+                        quantize_reference(xc, fmt, global_scale, swizzled),
+                        recorder.take(),
+                        f"ubnext_quantize_{fmt}_{dtype_name}",
+                    )
     finally:
         comm.close()
     norm = ubnext.Communicator(emulate=emulate, max_hidden=HIDDEN_MAX, algo="torch")
     try:
         recorder = _Recorder(norm)
         for dtype_name, dtype in zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32)):
-            cases.update({f"add_rmsnorm {k} {dtype_name}": v
-                          for k, v in _fused_cases(norm, recorder, "torch", dtype, dtype_name).items()})
+            cases.update(
+                {
+                    f"add_rmsnorm {k} {dtype_name}": v
+                    for k, v in _fused_cases(norm, recorder, "torch", dtype, dtype_name).items()
+                }
+            )
     finally:
         norm.close()
     return cases
@@ -223,9 +253,11 @@ def run(ctx: Context) -> dict:
             report[backend][group] = {case: why or "pass" for case, why in cases.items()}
     figures = {"cases": figure(ran, "cases", "ops compared bitwise with their torch reference")}
     for backend in backends:  # what one GPU must run whatever its multicast: never a vacuous pass
-        failures += [f"{backend} {group}: {report[backend][group].get('reason')}"
-                     for group in ("lamport", "twoshot", "local_and_exchange")
-                     if report[backend][group].get("status") == "skip"]
+        failures += [
+            f"{backend} {group}: {report[backend][group].get('reason')}"
+            for group in ("lamport", "twoshot", "local_and_exchange")
+            if report[backend][group].get("status") == "skip"
+        ]
     if ran == 0:
         failures.append("no case ran")
     if failures:

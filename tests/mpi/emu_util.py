@@ -6,8 +6,20 @@ from __future__ import annotations
 
 import numpy as np
 
-SIGNATURE = ("desc", "in", "out", "residual", "residual_out", "weight", "scale", "scale_inv",
-             "n", "hidden", "eps", "flags")
+SIGNATURE = (
+    "desc",
+    "in",
+    "out",
+    "residual",
+    "residual_out",
+    "weight",
+    "scale",
+    "scale_inv",
+    "n",
+    "hidden",
+    "eps",
+    "flags",
+)
 TYPES = ("desc",) + ("ptr",) * 7 + ("i32", "i32", "f32", "i32")  # desc: by value (pack_desc's array)
 MAX_RANKS = 16
 SYNC_BARRIER_FLAG = 1024  # UBNEXT_SYNC_BARRIER_FLAG, in u32 words
@@ -38,14 +50,37 @@ def kargs(**kw) -> KernelArgs:
     return KernelArgs(zip(TYPES, vals), arrays)
 
 
-def pack_desc(*, rank, nranks, peer_bases, timeout_ns=0, err_ptr=0, mc_base=0, sync_off=0,
-              lamport_off=0, lamport_slot_bytes=0, data_off=0, pool_bytes=0) -> np.ndarray:
+def pack_desc(
+    *,
+    rank,
+    nranks,
+    peer_bases,
+    timeout_ns=0,
+    err_ptr=0,
+    mc_base=0,
+    sync_off=0,
+    lamport_off=0,
+    lamport_slot_bytes=0,
+    data_off=0,
+    pool_bytes=0,
+) -> np.ndarray:
     """ubnext_comm_desc as a uint64 array (magic, rank, nranks, timeout_ns, err_ptr, mc_base,
     sync_off, lamport_off, lamport_slot_bytes, data_off, pool_bytes, reserved[5], peer_base[16])."""
     d = np.zeros(16 + MAX_RANKS, np.uint64)
-    d[:11] = [0x55424E5800000002, rank, nranks, timeout_ns, err_ptr, mc_base, sync_off, lamport_off,
-              lamport_slot_bytes, data_off, pool_bytes]
-    d[16:16 + nranks] = peer_bases
+    d[:11] = [
+        0x55424E5800000002,
+        rank,
+        nranks,
+        timeout_ns,
+        err_ptr,
+        mc_base,
+        sync_off,
+        lamport_off,
+        lamport_slot_bytes,
+        data_off,
+        pool_bytes,
+    ]
+    d[16 : 16 + nranks] = peer_bases
     return d
 
 

@@ -31,8 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from tests.mpi.emu_util import (SYNC_BARRIER_FLAG, bf16_round, bf16_to_f32, kargs, pack_desc,  # noqa: E402
-                                reduce_in_order)
+from tests.mpi.emu_util import (
+    SYNC_BARRIER_FLAG,
+    bf16_round,
+    bf16_to_f32,
+    kargs,
+    pack_desc,  # noqa: E402
+    reduce_in_order,
+)
 from ubnext.pool import _fdshare  # noqa: E402
 from ubnext.runtime import _emu  # noqa: E402
 
@@ -63,8 +69,15 @@ class Pool:
         self.own = self.arrays[RANK]
 
     def desc(self, **kw):
-        return pack_desc(rank=RANK, nranks=NRANKS, peer_bases=self.bases, mc_base=self.mc,
-                         data_off=DATA_OFF, pool_bytes=POOL_BYTES, **kw)
+        return pack_desc(
+            rank=RANK,
+            nranks=NRANKS,
+            peer_bases=self.bases,
+            mc_base=self.mc,
+            data_off=DATA_OFF,
+            pool_bytes=POOL_BYTES,
+            **kw,
+        )
 
     def close(self):
         self.emu.unregister(self.handle)
@@ -86,18 +99,22 @@ def case_multicast(emu, pool, chaos):
     inputs = []
     for r in range(NRANKS):  # every rank knows every rank's data, for the reference
         rng = np.random.default_rng(100 + r)
-        inputs.append((rng.standard_normal(8 * n).astype(np.float32),
-                       rng.standard_normal(8 * n).astype(np.float16),
-                       rng.standard_normal(4 * n).astype(np.float32)))
+        inputs.append(
+            (
+                rng.standard_normal(8 * n).astype(np.float32),
+                rng.standard_normal(8 * n).astype(np.float16),
+                rng.standard_normal(4 * n).astype(np.float32),
+            )
+        )
     bf, f16, f32 = inputs[RANK]
-    d[0:16 * n].view(np.uint16)[:] = bf16_round(bf)
-    d[16 * n:32 * n].view(np.float16)[:] = f16
-    d[32 * n:48 * n].view(np.float32)[:] = f32
+    d[0 : 16 * n].view(np.uint16)[:] = bf16_round(bf)
+    d[16 * n : 32 * n].view(np.float16)[:] = f16
+    d[32 * n : 48 * n].view(np.float32)[:] = f32
     COMM.Barrier()
     desc = pool.desc()
     # the kernel addresses sections from the pool base: hand it the data arena as the "pool"
     desc[5] = pool.mc + DATA_OFF
-    desc[16:16 + NRANKS] = [b + DATA_OFF for b in pool.bases]
+    desc[16 : 16 + NRANKS] = [b + DATA_OFF for b in pool.bases]
     out = np.zeros(3 * n * 16, np.uint8)
     emu.launch("ubnext_emu_selftest_multicast", 4, 64, kargs(desc=desc, out=out, n=n))
     traffic = emu.traffic()
@@ -106,8 +123,11 @@ def case_multicast(emu, pool, chaos):
     ref_bf = reduce_in_order([bf16_to_f32(bf16_round(x[0])) for x in inputs])
     ref_f16 = reduce_in_order([x[1] for x in inputs]).astype(np.float16)
     ref_f32 = reduce_in_order([x[2] for x in inputs])
-    got_bf, got_f16, got_f32 = (out[0:16 * n].view(np.uint16), out[16 * n:32 * n].view(np.float16),
-                                out[32 * n:].view(np.float32))
+    got_bf, got_f16, got_f32 = (
+        out[0 : 16 * n].view(np.uint16),
+        out[16 * n : 32 * n].view(np.float16),
+        out[32 * n :].view(np.float32),
+    )
     if chaos:
         np.testing.assert_allclose(bf16_to_f32(got_bf), ref_bf, rtol=1e-2, atol=1e-6)
         np.testing.assert_allclose(got_f16.astype(np.float32), ref_f16.astype(np.float32), rtol=2e-3, atol=1e-6)
@@ -121,28 +141,37 @@ def case_multicast(emu, pool, chaos):
 
     words = d.view(np.uint32)
     for r in range(NRANKS):
-        slot = words[(3 * n + r) * 4:(3 * n + r) * 4 + 4]
+        slot = words[(3 * n + r) * 4 : (3 * n + r) * 4 + 4]
         check(list(slot) == [r, 0xABCD, 7, 9], f"rank {r}'s multicast store missing here: {slot}")
     check(words[(3 * n + NRANKS) * 4] == NRANKS, f"multicast reds: {words[(3 * n + NRANKS) * 4]} != {NRANKS}")
-    pushed = words[4 * n * 4:5 * n * 4].reshape(n, 4)
-    check((pushed[:, 0] == (RANK - 1) % NRANKS).all() and (pushed[:, 1] == np.arange(n)).all(),
-          "unicast push from the previous rank missing")
+    pushed = words[4 * n * 4 : 5 * n * 4].reshape(n, 4)
+    check(
+        (pushed[:, 0] == (RANK - 1) % NRANKS).all() and (pushed[:, 1] == np.arange(n)).all(),
+        "unicast push from the previous rank missing",
+    )
     nxt = (RANK + 1) % NRANKS
-    check(traffic.peer_store_bytes[nxt] == 16 * n and sum(traffic.peer_store_bytes) == 16 * n,
-          f"peer store traffic {traffic.peer_store_bytes[:NRANKS]}")
-    check(traffic.peer_load_bytes[RANK] == 0 and all(traffic.peer_load_bytes[p] == 4 * n
-                                                      for p in range(NRANKS) if p != RANK),
-          f"peer load traffic {traffic.peer_load_bytes[:NRANKS]}")
-    check((traffic.mc_ld_reduce_bytes, traffic.mc_store_ops, traffic.mc_red_ops) == (48 * n, 1, 1),
-          f"multicast traffic {traffic}")
+    check(
+        traffic.peer_store_bytes[nxt] == 16 * n and sum(traffic.peer_store_bytes) == 16 * n,
+        f"peer store traffic {traffic.peer_store_bytes[:NRANKS]}",
+    )
+    check(
+        traffic.peer_load_bytes[RANK] == 0
+        and all(traffic.peer_load_bytes[p] == 4 * n for p in range(NRANKS) if p != RANK),
+        f"peer load traffic {traffic.peer_load_bytes[:NRANKS]}",
+    )
+    check(
+        (traffic.mc_ld_reduce_bytes, traffic.mc_store_ops, traffic.mc_red_ops) == (48 * n, 1, 1),
+        f"multicast traffic {traffic}",
+    )
 
 
 def _litmus(emu, pool, fence, messages=40, threads=32):
-    pool.own[DATA_OFF:DATA_OFF + 3 * threads * 4] = 0
+    pool.own[DATA_OFF : DATA_OFF + 3 * threads * 4] = 0
     COMM.Barrier()
     out = np.zeros(threads, np.uint32)
-    emu.launch("ubnext_emu_selftest_litmus", 1, threads,
-               kargs(desc=pool.desc(), out=out, n=messages, flags=1 if fence else 0))
+    emu.launch(
+        "ubnext_emu_selftest_litmus", 1, threads, kargs(desc=pool.desc(), out=out, n=messages, flags=1 if fence else 0)
+    )
     COMM.Barrier()
     check((out != 0xFFFFFFFF).all(), "litmus timed out")
     return int(COMM.bcast(int(out.sum()) if RANK == 1 else None, root=1))
@@ -159,14 +188,18 @@ def case_litmus(emu, pool, chaos):
 
 def case_parked(emu, pool, chaos):
     launches, stale = 5, 0
-    inbox = pool.own[DATA_OFF:DATA_OFF + 64].view(np.uint32)
+    inbox = pool.own[DATA_OFF : DATA_OFF + 64].view(np.uint32)
     for mode in range(4):  # __syncthreads, __syncwarp, spin_pause, __nanosleep
         for i in range(launches):
             inbox[:] = 0
             out = np.zeros(2, np.uint32)
             COMM.Barrier()
-            emu.launch("ubnext_emu_selftest_parked", 1, 64,
-                       kargs(desc=pool.desc(), out=out, n=(mode * launches + i + 1) << 8, flags=mode))
+            emu.launch(
+                "ubnext_emu_selftest_parked",
+                1,
+                64,
+                kargs(desc=pool.desc(), out=out, n=(mode * launches + i + 1) << 8, flags=mode),
+            )
             COMM.Barrier()
             check(out[0] == 1, f"mode {mode}: the previous rank's flag never came (parked stores stuck)")
             stale += int(out[1])
@@ -184,9 +217,12 @@ def case_timeout(emu, pool, chaos):
     COMM.Barrier()
     if RANK == 0:  # rank 1 never arrives
         t0 = time.monotonic()
-        emu.launch("ubnext_emu_selftest_wait", 2, 32,
-                   kargs(desc=pool.desc(timeout_ns=int(1e9), err_ptr=err.__array_interface__["data"][0]),
-                         n=3, hidden=1))
+        emu.launch(
+            "ubnext_emu_selftest_wait",
+            2,
+            32,
+            kargs(desc=pool.desc(timeout_ns=int(1e9), err_ptr=err.__array_interface__["data"][0]), n=3, hidden=1),
+        )
         elapsed = time.monotonic() - t0
         check(list(err) == [1, 3, 0, 1], f"error words {list(err)} (want timeout, op 3, rank 0, peer 1)")
         # the lower bound is the protocol's; the upper one only says "it ended", generously,
@@ -204,9 +240,12 @@ def case_timeout(emu, pool, chaos):
         for b in range(2):
             peer_sync[SYNC_BARRIER_FLAG + b * 16 + 1] = 1
     elif RANK == 0:
-        emu.launch("ubnext_emu_selftest_wait", 2, 32,
-                   kargs(desc=pool.desc(timeout_ns=int(10e9), err_ptr=err.__array_interface__["data"][0]),
-                         n=3, hidden=1))
+        emu.launch(
+            "ubnext_emu_selftest_wait",
+            2,
+            32,
+            kargs(desc=pool.desc(timeout_ns=int(10e9), err_ptr=err.__array_interface__["data"][0]), n=3, hidden=1),
+        )
         # a wait that missed the peer's flags would end at the 10 s bound with the timeout code
         check(list(err) == [0, 0, 0, 0], f"the wait failed although the peer came: {list(err)}")
     COMM.Barrier()
@@ -228,10 +267,19 @@ def _lamport(emu, pool, err, dtype, n, hidden, grid, flags):
     out = np.zeros(n, dtype)
     fused = {}
     if flags & F_FUSED_NORM:
-        fused = {"residual": bf16_round(rng.standard_normal(n).astype(np.float32)), "residual_out": np.zeros(n, dtype),
-                 "weight": bf16_round(np.ones(hidden, np.float32)), "eps": 1e-6}
-    desc = pool.desc(timeout_ns=int(20e9), err_ptr=err.__array_interface__["data"][0], sync_off=0,
-                     lamport_off=LAMPORT_OFF, lamport_slot_bytes=LAMPORT_SLOT)
+        fused = {
+            "residual": bf16_round(rng.standard_normal(n).astype(np.float32)),
+            "residual_out": np.zeros(n, dtype),
+            "weight": bf16_round(np.ones(hidden, np.float32)),
+            "eps": 1e-6,
+        }
+    desc = pool.desc(
+        timeout_ns=int(20e9),
+        err_ptr=err.__array_interface__["data"][0],
+        sync_off=0,
+        lamport_off=LAMPORT_OFF,
+        lamport_slot_bytes=LAMPORT_SLOT,
+    )
     emu.launch(kernel, grid, 64, kargs(desc=desc, out=out, n=n, hidden=hidden, flags=flags, **{"in": x}, **fused))
     check(not err.any(), f"{kernel} flags={flags} failed: error words {list(err)}")
     return x, out
@@ -242,7 +290,7 @@ def case_stamps(emu, pool, chaos):
 
     own_sync = pool.own[:DATA_OFF]
     own_sync[:] = 0
-    pool.own[LAMPORT_OFF:LAMPORT_OFF + 3 * NRANKS * LAMPORT_SLOT].view(np.int32)[:] = SENTINEL
+    pool.own[LAMPORT_OFF : LAMPORT_OFF + 3 * NRANKS * LAMPORT_SLOT].view(np.int32)[:] = SENTINEL
     err = np.zeros(8, np.uint32)
     COMM.Barrier()
     stamped = _emu.load(stamps.EMU_BUILD)
@@ -252,8 +300,10 @@ def case_stamps(emu, pool, chaos):
         x, out = _lamport(emu, pool, err, np.float32, 1024, 0, 2, 0)
         sums = COMM.allgather(x)
         check(np.array_equal(out, reduce_in_order(sums)), "the normal build's sum is wrong")
-        check(not own_sync[stamps.OFFSET:stamps.OFFSET + stamps.RECORD_BYTES].any(),
-              "the normal build wrote into the stamp record")
+        check(
+            not own_sync[stamps.OFFSET : stamps.OFFSET + stamps.RECORD_BYTES].any(),
+            "the normal build wrote into the stamp record",
+        )
         calls = [  # what, dtype, n, hidden, grid, flags, row split
             ("plain", np.float32, 1024, 0, 2, 0, False),
             ("plain multicast", np.float32, 1024, 0, 2, F_MULTICAST, False),
@@ -265,7 +315,9 @@ def case_stamps(emu, pool, chaos):
         for what, dtype, n, hidden, grid, flags, row_split in calls:
             x, out = _lamport(stamped, pool, err, dtype, n, hidden, grid, flags)
             if not flags & F_FUSED_NORM:
-                check(np.array_equal(out, reduce_in_order(COMM.allgather(x))), f"{what}: the stamped build's sum is wrong")
+                check(
+                    np.array_equal(out, reduce_in_order(COMM.allgather(x))), f"{what}: the stamped build's sum is wrong"
+                )
             record = stamps.decode(bytes(own_sync), NRANKS)
             problems = stamps.order_problems(record, row_split=row_split)
             check(not problems, f"{what}: stamps {record}: {problems}")
@@ -276,8 +328,13 @@ def case_stamps(emu, pool, chaos):
         stamped.unregister(handle)
 
 
-CASES = {"multicast": case_multicast, "litmus": case_litmus, "parked": case_parked, "timeout": case_timeout,
-         "stamps": case_stamps}
+CASES = {
+    "multicast": case_multicast,
+    "litmus": case_litmus,
+    "parked": case_parked,
+    "timeout": case_timeout,
+    "stamps": case_stamps,
+}
 
 
 def main(argv):

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import ubnext
-from ubnext.reference._checks import FP8
 from ubnext.plan import lamport_bytes_needed
+from ubnext.reference._checks import FP8
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HIDDEN = 256  # the fused cases' rows: 512 bytes in bf16
@@ -65,8 +65,10 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         elem = got.element_size()
         bad = (g != w).view(-1, elem).any(1).nonzero().flatten()
         i = int(bad[0])
-        raise AssertionError(f"{what}: {bad.numel()} elements differ in their bits, first at {i}: "
-                             f"{got.reshape(-1)[i].item()!r} against {want.reshape(-1)[i].item()!r}")
+        raise AssertionError(
+            f"{what}: {bad.numel()} elements differ in their bits, first at {i}: "
+            f"{got.reshape(-1)[i].item()!r} against {want.reshape(-1)[i].item()!r}"
+        )
 
 
 def _small_pool_comm(mode: str) -> ubnext.Communicator:
@@ -116,8 +118,10 @@ def check_refusals(mode: str, comm) -> None:
             text = comm.explain(torch.empty(nbytes // 4, device=comm.device))
         finally:
             comm._allow_nondeterministic = allowed
-        push_fits = lamport_bytes_needed("nvls_lamport", nbytes, False, dist.get_world_size(), True) \
+        push_fits = (
+            lamport_bytes_needed("nvls_lamport", nbytes, False, dist.get_world_size(), True)
             <= comm.pool.lamport_capacity
+        )
         chosen = "nvls_lamport" if push_fits else "nvls_twoshot"
         assert text.startswith(chosen + ":"), text
         if not push_fits:
@@ -140,7 +144,9 @@ def check_all_reduce(comm) -> None:
             for numel in sizes:
                 inputs = [spread_input(r, numel, dtype, numel) for r in range(n)]
                 out = comm.all_reduce(inputs[rank].to(comm.device))
-                assert_same_bits(out, rank_order(inputs, dtype), f"all_reduce {path}->{comm.last_path} {dtype} n={numel}")
+                assert_same_bits(
+                    out, rank_order(inputs, dtype), f"all_reduce {path}->{comm.last_path} {dtype} n={numel}"
+                )
                 _expect_path(comm, path, numel * e, dtype, fused=False)
     comm._algo = None
     if _multicast(comm):
@@ -168,13 +174,15 @@ def check_all_reduce(comm) -> None:
         numel = staging // 4 + 8 * n + 3
         twoshot = "nvls_twoshot" if _multicast(comm) else "twoshot"
         push_fits = _multicast(comm) and lamport_bytes_needed("nvls_lamport", numel * 4, False, n, True) <= cap
-        for forced in ((None, twoshot) if push_fits else (None,)):
+        for forced in (None, twoshot) if push_fits else (None,):
             comm._algo = forced
             inputs = [spread_input(r, numel, torch.float32, 3) for r in range(n)]
             x = comm.empty(numel, dtype=torch.float32)
             x.copy_(inputs[rank])
             assert comm.all_reduce(x, out=x) is x
-            assert_same_bits(x, rank_order(inputs, torch.float32), f"all_reduce in place in the pool ({comm.last_path})")
+            assert_same_bits(
+                x, rank_order(inputs, torch.float32), f"all_reduce in place in the pool ({comm.last_path})"
+            )
             assert comm.last_path == (forced or ("nvls_lamport" if push_fits else twoshot)), comm.last_path
             del x
         comm._algo = None
@@ -189,7 +197,7 @@ def check_reduce_scatter(comm) -> None:
             for shard in (5, 1000, staging // (n * dtype.itemsize) + 9):
                 inputs = [spread_input(r, n * shard, dtype, shard + 7) for r in range(n)]
                 out = comm.reduce_scatter(inputs[rank].to(comm.device), op=op)
-                want = rank_order([x[rank * shard:(rank + 1) * shard] for x in inputs], dtype, factor)
+                want = rank_order([x[rank * shard : (rank + 1) * shard] for x in inputs], dtype, factor)
                 assert_same_bits(out, want, f"reduce_scatter {comm.last_path} {dtype} {op} shard={shard}")
 
 
@@ -218,7 +226,7 @@ class FusedRows:
         # activations of ordinary size (the norm's rsqrt of 2^40-sized rows would hide nothing),
         # still spread enough that the order of the ranks' additions matters
         x = spread_input(rank, rows * HIDDEN, torch.float32, seed)
-        self.x = (x * 2.0 ** -12).clamp(-30, 30).to(dtype).view(rows, HIDDEN)
+        self.x = (x * 2.0**-12).clamp(-30, 30).to(dtype).view(rows, HIDDEN)
         gen = torch.Generator().manual_seed(seed)
         self.residual = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
         self.weight = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype)
@@ -252,8 +260,12 @@ class FusedRows:
         assert all(b == everyone[0] for b in everyone), f"fused {path} {count} tokens: the ranks' outputs differ"
         for p, k in zip(where.tolist(), self.probes):
             for i, (g, a) in enumerate(zip(got, self.alone[(k, form)])):
-                assert_same_bits(g[p], a[0], f"{what} ({path}) {self.dtype} form={form} {count} tokens: token {k} "
-                                 f"at position {p}, output {i}, against the token alone")
+                assert_same_bits(
+                    g[p],
+                    a[0],
+                    f"{what} ({path}) {self.dtype} form={form} {count} tokens: token {k} "
+                    f"at position {p}, output {i}, against the token alone",
+                )
 
 
 def _fused_counts(comm, dtype: torch.dtype) -> dict[str, int]:
@@ -271,8 +283,12 @@ def check_fused(comm, paths: tuple[str, ...]) -> None:
         for path in paths:
             comm._algo = None if path == "auto" else path
             # a count fits a forced path only up to its own threshold (past it the plan falls back)
-            top = {"lamport": counts["lamport"], "twoshot": counts["twoshot"], "nvls_twoshot": counts["twoshot"],
-                   "nvls_lamport": counts["lamport"]}.get(path, counts["torch"])
+            top = {
+                "lamport": counts["lamport"],
+                "twoshot": counts["twoshot"],
+                "nvls_twoshot": counts["twoshot"],
+                "nvls_lamport": counts["lamport"],
+            }.get(path, counts["torch"])
             for count in sorted({1, 2, 5, counts["lamport"], counts["twoshot"], counts["torch"]}):
                 if count <= top:
                     rows.check(count, seed=count, form=None, what=f"fused {path}")
@@ -375,6 +391,8 @@ def case_batch_invariant_graph(mode: str) -> None:
                 assert_same_bits(g, e, f"graph replay ({comm.last_path}), {count} tokens, output {i}")
             alone = _fused_rows(comm, x[:1], r[:1], w, False)
             for i, (g, a) in enumerate(zip(got, alone)):
-                assert_same_bits(g[0], a[0], f"graph replay ({comm.last_path}), {count} tokens, token 0 alone, output {i}")
+                assert_same_bits(
+                    g[0], a[0], f"graph replay ({comm.last_path}), {count} tokens, token 0 alone, output {i}"
+                )
     finally:
         comm.close()

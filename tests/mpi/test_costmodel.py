@@ -79,9 +79,16 @@ PINNED_MULTICAST = {
 }
 # the same without a multicast address (PCIe peers, ranks sharing a GPU): unicast pushes need no
 # proxy fence
-UNICAST_PATHS = frozenset({("all_reduce", "lamport"), ("all_reduce", "twoshot"), ("all_reduce_add_rmsnorm", "lamport"),
-                           ("all_reduce_add_rmsnorm", "twoshot"), ("all_gather", "allgather"),
-                           ("reduce_scatter", "reduce_scatter")})
+UNICAST_PATHS = frozenset(
+    {
+        ("all_reduce", "lamport"),
+        ("all_reduce", "twoshot"),
+        ("all_reduce_add_rmsnorm", "lamport"),
+        ("all_reduce_add_rmsnorm", "twoshot"),
+        ("all_gather", "allgather"),
+        ("reduce_scatter", "reduce_scatter"),
+    }
+)
 PINNED_UNICAST = {
     ("all_reduce", "lamport", 2048): (1, 1, 0, 28848),
     ("all_reduce", "twoshot", 2048): (1, 6, 2, 4192),
@@ -123,15 +130,20 @@ def plain_at_2(plain_rows_at_2):
 
 
 def _counts(rows, measured_only=True):
-    return {(r["op"], r["path"], r["bytes"]): (r["ctas"], r["hops"], r["fences"], r["max_cta_bytes"])
-            for r in rows if not (measured_only and r["derived"])}
+    return {
+        (r["op"], r["path"], r["bytes"]): (r["ctas"], r["hops"], r["fences"], r["max_cta_bytes"])
+        for r in rows
+        if not (measured_only and r["derived"])
+    }
 
 
 def _assert_pinned(got: dict, want: dict) -> None:
     diff = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
     assert not diff and set(got) == set(want), (
-        "critical-path counts changed, (got, pinned) per (op, path, bytes): " + json.dumps(
-            {" ".join(map(str, k)): v for k, v in diff.items()}) + f"; unpinned: {sorted(set(got) - set(want))}")
+        "critical-path counts changed, (got, pinned) per (op, path, bytes): "
+        + json.dumps({" ".join(map(str, k)): v for k, v in diff.items()})
+        + f"; unpinned: {sorted(set(got) - set(want))}"
+    )
 
 
 def test_counts_are_pinned_with_multicast(multicast_at_4):
@@ -145,8 +157,8 @@ def test_counts_are_pinned_without_multicast(unicast_at_4):
 def _differences_from_the_table(rows, world: int, multicast: bool) -> tuple[list[str], int]:
     """Where measured rows differ from the counts ubnext/plan/_thresholds.py keeps at that world (the counts
     its path orders were derived from), and how many cases both hold."""
-    from ubnext.tuning import _crossovers
     from ubnext.plan import _thresholds
+    from ubnext.tuning import _crossovers
 
     model = _crossovers.model_of(_thresholds.COUNTS, _thresholds.SM_COUNT)
     differ, compared = [], 0
@@ -157,9 +169,13 @@ def _differences_from_the_table(rows, world: int, multicast: bool) -> tuple[list
             continue
         compared += 1
         launches = measured[case]
-        table = (max(c["ctas"] for c in launches), sum(c["hops"] for c in launches),
-                 sum(c["fences"] for c in launches), max(c["max_cta_bytes"] for c in launches),
-                 _costmodel.model_us(launches))
+        table = (
+            max(c["ctas"] for c in launches),
+            sum(c["hops"] for c in launches),
+            sum(c["fences"] for c in launches),
+            max(c["max_cta_bytes"] for c in launches),
+            _costmodel.model_us(launches),
+        )
         now = (r["ctas"], r["hops"], r["fences"], r["max_cta_bytes"], r["model_us"])
         if table != now:
             differ.append(f"{r['op']} {r['path']} {r['bytes']} multicast {multicast}: table {table}, measured {now}")
@@ -177,8 +193,10 @@ def test_the_planners_table_holds_todays_counts(multicast_at_4, unicast_at_4):
         d, c = _differences_from_the_table(rows, 4, multicast)
         differ, compared = differ + d, compared + c
     assert compared >= 20, compared
-    assert not differ, (f"ubnext/plan/_thresholds.py is stale (kernel counts changed): regenerate it with "
-                        f"`{_crossovers.COMMAND}`.\n  " + "\n  ".join(differ))
+    assert not differ, (
+        f"ubnext/plan/_thresholds.py is stale (kernel counts changed): regenerate it with "
+        f"`{_crossovers.COMMAND}`.\n  " + "\n  ".join(differ)
+    )
 
 
 def test_an_added_fence_raises_the_count(plain_at_2, plain_rows_at_2):
@@ -224,8 +242,10 @@ def test_eps_check_adds_no_hop_and_no_byte():
     no data byte."""
     checked = _counts(_costmodel.run(2, quick=True, only=FUSED))
     unchecked = _counts(_costmodel.run(2, quick=True, only=FUSED, env={"UBNEXT_EMU_BREAK": "no_eps_check"}))
-    assert checked == unchecked and {path for _, path, _ in checked} == {path for _, path in FUSED}, (checked,
-                                                                                                    unchecked)
+    assert checked == unchecked and {path for _, path, _ in checked} == {path for _, path in FUSED}, (
+        checked,
+        unchecked,
+    )
 
 
 def test_bench_model_command():
@@ -240,8 +260,9 @@ def test_bench_model_command():
     # issue 26: the batch-invariant mode beside the default, per reducing op and size, never on a
     # path that reduces through the switch (the NVLS two-shot paths only in their rank-order form)
     invariant = {(r["op"], r["bytes"]): r for r in lines if r.get("table") == "batch_invariant"}
-    assert invariant and all(r["mode_path"] in ("lamport", "twoshot", "torch", "nvls_twoshot", "nvls_lamport")
-                             for r in invariant.values()), invariant
+    assert invariant and all(
+        r["mode_path"] in ("lamport", "twoshot", "torch", "nvls_twoshot", "nvls_lamport") for r in invariant.values()
+    ), invariant
     assert invariant[("all_reduce", 16384)]["ratio"] == 1.0, invariant[("all_reduce", 16384)]
     chosen: dict = {}
     for r in rows:
@@ -255,12 +276,16 @@ def test_fused_row_split_at_8_ranks():
     """Issue 24 item 2 at its own geometry (8 ranks, bf16, hidden 8192, GPU grids from 132 SMs): the
     fused op at 1 token on the path the planner chooses spreads the row over at least 8 CTAs with 1 hop
     and no more fences than the path's pushes need; at 4 tokens (derived) 4 x 8 CTAs."""
-    rows = _costmodel.run(8, quick=True, only=frozenset({("all_reduce_add_rmsnorm", "lamport"),
-                                                         (_costmodel.FUSED_NVFP4, "lamport")}))
+    rows = _costmodel.run(
+        8, quick=True, only=frozenset({("all_reduce_add_rmsnorm", "lamport"), (_costmodel.FUSED_NVFP4, "lamport")})
+    )
     # issue 28: the NVFP4 form keeps the fused op's targets, in one launch
     nvfp4 = [r for r in rows if r["op"] == _costmodel.FUSED_NVFP4 and r["tokens"] == 1]
-    assert len(nvfp4) == 1 and nvfp4[0]["ctas"] >= 8 and (nvfp4[0]["hops"], nvfp4[0]["fences"], nvfp4[0]["launches"]) \
-        == (1, 0, 1), nvfp4
+    assert (
+        len(nvfp4) == 1
+        and nvfp4[0]["ctas"] >= 8
+        and (nvfp4[0]["hops"], nvfp4[0]["fences"], nvfp4[0]["launches"]) == (1, 0, 1)
+    ), nvfp4
     rows = [r for r in rows if r["op"] == "all_reduce_add_rmsnorm"]
     by_tokens = {r["tokens"]: r for r in rows}
     one = by_tokens[1]

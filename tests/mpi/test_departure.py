@@ -18,8 +18,7 @@ TIMEOUT_S = 120  # UBNEXT_TIMEOUT: what the callers would wait without the depar
 @pytest.mark.parametrize("how, where", [("exit", "kernel"), ("raise", "kernel"), ("exit", "setup")])
 def test_a_departed_rank_is_noticed_in_seconds(mpi, how, where):
     start = time.monotonic()
-    proc = mpi(2, SCRIPT, how, where, env={"UBNEXT_EMULATE": "1", "UBNEXT_TIMEOUT": str(TIMEOUT_S)},
-               timeout=TIMEOUT_S)
+    proc = mpi(2, SCRIPT, how, where, env={"UBNEXT_EMULATE": "1", "UBNEXT_TIMEOUT": str(TIMEOUT_S)}, timeout=TIMEOUT_S)
     _check(proc, how, where, time.monotonic() - start)
 
 
@@ -27,8 +26,9 @@ def test_a_departed_rank_is_noticed_in_seconds(mpi, how, where):
 def test_a_rank_that_ends_before_the_first_op_is_noticed_under_torchrun():
     """The same under torchrun (no MPI_Finalize on the leaving rank; the store is torchrun's)."""
     start = time.monotonic()
-    proc = run_torchrun(2, SCRIPT, "exit", "setup", env={"UBNEXT_EMULATE": "1", "UBNEXT_TIMEOUT": str(TIMEOUT_S)},
-                        timeout=TIMEOUT_S)
+    proc = run_torchrun(
+        2, SCRIPT, "exit", "setup", env={"UBNEXT_EMULATE": "1", "UBNEXT_TIMEOUT": str(TIMEOUT_S)}, timeout=TIMEOUT_S
+    )
     _check(proc, "exit", "setup", time.monotonic() - start)
 
 

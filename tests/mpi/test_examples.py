@@ -11,9 +11,16 @@ EXAMPLE = ROOT / "examples" / "llama_tp.py"
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("np,emulate,flags", [
-    (2, "1", []), (2, "1", ["--fused"]), (4, "1", ["--fused"]), (2, "0", []),
-], ids=["np2-emulator", "np2-emulator-fused", "np4-emulator-fused", "np2-torch"])
+@pytest.mark.parametrize(
+    "np,emulate,flags",
+    [
+        (2, "1", []),
+        (2, "1", ["--fused"]),
+        (4, "1", ["--fused"]),
+        (2, "0", []),
+    ],
+    ids=["np2-emulator", "np2-emulator-fused", "np4-emulator-fused", "np2-torch"],
+)
 def test_llama_tp_example(mpi, np, emulate, flags):
     proc = mpi(np, EXAMPLE, *flags, env={"UBNEXT_EMULATE": emulate}, timeout=300)
     assert_mpi_ok(proc)
@@ -22,10 +29,14 @@ def test_llama_tp_example(mpi, np, emulate, flags):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("np,how,sites", [
-    (4, "model", "4 all_reduce_add_rmsnorm, 0 all_reduce"),  # every norm of 2 layers, the final one too
-    (2, "block", "1 all_reduce_add_rmsnorm, 1 all_reduce"),  # one graph for both layers, cut before the MLP's norm
-], ids=["np4-model", "np2-block"])
+@pytest.mark.parametrize(
+    "np,how,sites",
+    [
+        (4, "model", "4 all_reduce_add_rmsnorm, 0 all_reduce"),  # every norm of 2 layers, the final one too
+        (2, "block", "1 all_reduce_add_rmsnorm, 1 all_reduce"),  # one graph for both layers, cut before the MLP's norm
+    ],
+    ids=["np4-model", "np2-block"],
+)
 def test_llama_tp_example_compiled_with_fusion(mpi, np, how, sites):
     """The plain model made tensor-parallel with torch's own styles, compiled with ubnext.fusion on:
     the fused op runs at the norms the example names, on the emulator, within the example's bound.
@@ -34,8 +45,13 @@ def test_llama_tp_example_compiled_with_fusion(mpi, np, how, sites):
     kernels (TORCHINDUCTOR_VEC_ISA_OK=0): on an empty Inductor cache the vector ISA probes alone
     build and load a program per ISA, about 10 s of the two CI cores, for kernels whose speed
     nothing here measures (the example's bound does not depend on the order of a reduction)."""
-    env = {"UBNEXT_EMULATE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
-           "TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0"}
+    env = {
+        "UBNEXT_EMULATE": "1",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "TORCHINDUCTOR_VEC_ISA_OK": "0",
+    }
     proc = mpi(np, EXAMPLE, "--compile", how, env=env, timeout=300)
     assert_mpi_ok(proc)
     assert f"tp={np} " in proc.stdout and "paths ['lamport']" in proc.stdout, proc.stdout

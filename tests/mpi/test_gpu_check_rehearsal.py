@@ -34,16 +34,28 @@ FIGURE_SKIPS = {
     **{("facts", name): "no GPU" for name in ("driver_cuda", "device", "arch", "sm_count", "gpu_count", "driver")},
     ("facts", "torch_cuda"): "CPU build",
     # timings: what only CUDA events, PDL and graphs can time
-    **{("timings", f"chain_us.pdl_{pdl}.event_{event}.{stream}_stream.{mode}"): "no GPU"
-       for pdl in ("on", "off") for event in ("on", "off") for stream in ("default", "side") for mode in ("eager", "graph")},
+    **{
+        ("timings", f"chain_us.pdl_{pdl}.event_{event}.{stream}_stream.{mode}"): "no GPU"
+        for pdl in ("on", "off")
+        for event in ("on", "off")
+        for stream in ("default", "side")
+        for mode in ("eager", "graph")
+    },
     **{("timings", f"chain_pdl_gain_kept.{stream}_stream"): "no GPU" for stream in ("default", "side")},
-    **{("timings", f"graph_vs_eager.{op}.{kind}"): "no GPU" for op in ("all_reduce", "all_reduce_add_rmsnorm")
-       for kind in ("eager_us", "eager_queued_us", "graph_us")},
-    **{("timings", f"local_gbps.{op}.{against}"): "no GPU"
-       for op in ("quantize_nvfp4", "quantize_mxfp8", "quantize_fp8_group128", "quantize_fp8", "add_rmsnorm")
-       for against in ("ubnext", "d2d_copy", "torch")},
-    **{("timings", f"dependent_chains.{chain}"): "no GPU to time it on"
-       for chain in ("ld_relaxed_sys_v4", "ld_volatile_v4", "atom_add_acq_rel_gpu")},
+    **{
+        ("timings", f"graph_vs_eager.{op}.{kind}"): "no GPU"
+        for op in ("all_reduce", "all_reduce_add_rmsnorm")
+        for kind in ("eager_us", "eager_queued_us", "graph_us")
+    },
+    **{
+        ("timings", f"local_gbps.{op}.{against}"): "no GPU"
+        for op in ("quantize_nvfp4", "quantize_mxfp8", "quantize_fp8_group128", "quantize_fp8", "add_rmsnorm")
+        for against in ("ubnext", "d2d_copy", "torch")
+    },
+    **{
+        ("timings", f"dependent_chains.{chain}"): "no GPU to time it on"
+        for chain in ("ld_relaxed_sys_v4", "ld_volatile_v4", "atom_add_acq_rel_gpu")
+    },
     ("timings", "dependent_chains.dsmem_ld_and_barrier_cluster"): "no clusters yet",
     # probes: what neither torch's CPU build nor the stub driver stands in for
     ("probes", "mig.torch"): "torch is a CPU build",
@@ -51,18 +63,25 @@ FIGURE_SKIPS = {
 }
 
 
-def _rehearse(out: Path, *args: str, env: dict | None = None, timeout: float = 400) -> tuple[subprocess.CompletedProcess, dict]:
+def _rehearse(
+    out: Path, *args: str, env: dict | None = None, timeout: float = 400
+) -> tuple[subprocess.CompletedProcess, dict]:
     full_env = dict(os.environ, OUT=str(out), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--rehearse", *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--rehearse", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     report_path = out / "gpu_check.json"
     assert report_path.exists(), f"no gpu_check.json:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc, json.loads(report_path.read_text())
 
 
 def _figures(step: dict):
-    for name, value in (step.get("figures") or {}).items():
-        yield name, value
+    yield from (step.get("figures") or {}).items()
 
 
 def test_the_rehearsal_passes_and_every_skip_is_named(tmp_path):
@@ -85,10 +104,14 @@ def test_the_rehearsal_passes_and_every_skip_is_named(tmp_path):
                 assert expected is not None, f"a new skipped figure: {name}.{figure_name}: {value['reason']}"
                 assert expected in value["reason"], f"{name}.{figure_name}'s reason changed: {value['reason']}"
             else:
-                assert {"value", "unit", "method"} <= set(value), f"{name}.{figure_name} lacks its unit or method: {value}"
+                assert {"value", "unit", "method"} <= set(value), (
+                    f"{name}.{figure_name} lacks its unit or method: {value}"
+                )
     assert report["world1"]["figures"]["cases"]["value"] >= 190, "world1 ran fewer cases than every unicast path needs"
     named = {(step, fig) for step, fig in FIGURE_SKIPS}
-    seen = {(name, fig) for name, step in report.items() for fig, value in _figures(step) if value.get("status") == "skip"}
+    seen = {
+        (name, fig) for name, step in report.items() for fig, value in _figures(step) if value.get("status") == "skip"
+    }
     assert seen == named, f"skips named here but not seen (stale names): {sorted(named - seen)}"
     files = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")]
     assert len(files) <= 8, f"more files than the device returns: {files}"

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from tests.conftest import assert_mpi_ok, run_script
 
-ROWS = ("comm.all_reduce ", "comm.all_reduce_add_rmsnorm ", "torch.ops.ubnext.all_reduce_add_rmsnorm ",
-        "nn.Linear forward")
+ROWS = (
+    "comm.all_reduce ",
+    "comm.all_reduce_add_rmsnorm ",
+    "torch.ops.ubnext.all_reduce_add_rmsnorm ",
+    "nn.Linear forward",
+)
 ENV = {"UBNEXT_EMULATE": "1", "UBNEXT_SELFTEST": "0"}
 
 
@@ -59,6 +63,10 @@ def test_fsdp_step_bench_runs_as_gpu_check_runs_it():
     for mode, env in (("ubnext", {"UBNEXT_EMULATE": "1"}), ("gloo", {})):
         proc = run_script(f"mpirun -np 2 python scripts/fsdp_step_bench.py --mode {mode} {small}", env=env)
         assert_mpi_ok(proc)
-        line = [l for l in proc.stdout.splitlines() if l.startswith("fsdp_step ")]
+        line = [text for text in proc.stdout.splitlines() if text.startswith("fsdp_step ")]
         assert len(line) == 1 and f"mode={mode} ranks=2" in line[0], proc.stdout[-2000:]
-        assert ("path=reduce_scatter" in line[0] or "path=allgather" in line[0]) if mode == "ubnext" else "path=-" in line[0]
+        assert (
+            ("path=reduce_scatter" in line[0] or "path=allgather" in line[0])
+            if mode == "ubnext"
+            else "path=-" in line[0]
+        )

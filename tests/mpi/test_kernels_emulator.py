@@ -5,52 +5,166 @@ import pytest
 
 from tests.conftest import MPI_WORKER, assert_mpi_ok
 
-FULL = ["allreduce", "auto", "paths", "fused", "fused_paths", "fp8", "rotation", "long_runs", "traffic", "pool",
-        "bad_input", "timeout", "linear", "compile", "pool_cycles", "kernel_failure",
-        "misaligned", "misaligned_unstaged", "divergent", "fp8_nan", "uneven_history", "header_race", "late_rank",
-        "captured_sizes", "selftest", "in_place_past_staging", "linear_dense", "tp_checkpoint", "all_gather",
-        "reduce_scatter", "quantize_fp8", "quantize_blocks", "fsdp", "fsdp_fp8", "exchange_compile", "mismatch", "mismatch_exchange", "misuse", "departed",
-        "close_after_peer_left", "exchange_grad", "local_first",
-        "setup_absent", "pool_gc_skew", "fsdp_steady", "fused_past_pool", "fused_arithmetic",
-        # issue 28: the fused block-scaled forms, bitwise quantize of the unquantised call's output
-        "fused_quant",
-        # issue 25 (FSDP2 for real runs): checkpoints, any shard size, torchao's float8 training (2 ranks)
-        "fsdp_checkpoint", "fsdp_odd_shards", "fsdp_torchao",
-        # issue 24 E: nvls_twoshot straight into a pool `out`
-        "nvls_twoshot_into_out",
-        # issue 26: the batch-invariant mode (at 2 ranks a sum of two is order-free: 3 and 4 show the order)
-        "batch_invariant", "batch_invariant_fused",
-        # issue 24 item C: griddepcontrol placed in every kernel (the emulator checks the wait)
-        "pdl",
-        # issue 40 H3 and C3: settings agreed at set-up; a bad environment on one rank stops its peers too
-        "setup_settings", "bad_environment_peer"]
-CORE = ["allreduce", "paths", "fused_paths", "fused_arithmetic", "fp8", "rotation", "traffic", "timeout", "linear", "misaligned",
-        "divergent", "subgroups", "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8",
-        "fsdp", "fsdp_fp8", "mismatch", "mismatch_exchange", "departed", "setup_absent", "pool_gc_skew", "fsdp_steady",
-        # issue 25: checkpoints, any shard size, HSDP and FSDP x TP=2 (these two need 4 ranks)
-        "fsdp_checkpoint", "fsdp_odd_shards", "hsdp", "fsdp_tp", "batch_invariant", "batch_invariant_fused",
-        "fused_quant"]
-CHAOS = ["allreduce", "paths", "fused_paths", "rotation", "long_runs", "divergent", "header_race", "all_gather",
-         "reduce_scatter", "fsdp", "nvls_twoshot_into_out"]
+FULL = [
+    "allreduce",
+    "auto",
+    "paths",
+    "fused",
+    "fused_paths",
+    "fp8",
+    "rotation",
+    "long_runs",
+    "traffic",
+    "pool",
+    "bad_input",
+    "timeout",
+    "linear",
+    "compile",
+    "pool_cycles",
+    "kernel_failure",
+    "misaligned",
+    "misaligned_unstaged",
+    "divergent",
+    "fp8_nan",
+    "uneven_history",
+    "header_race",
+    "late_rank",
+    "captured_sizes",
+    "selftest",
+    "in_place_past_staging",
+    "linear_dense",
+    "tp_checkpoint",
+    "all_gather",
+    "reduce_scatter",
+    "quantize_fp8",
+    "quantize_blocks",
+    "fsdp",
+    "fsdp_fp8",
+    "exchange_compile",
+    "mismatch",
+    "mismatch_exchange",
+    "misuse",
+    "departed",
+    "close_after_peer_left",
+    "exchange_grad",
+    "local_first",
+    "setup_absent",
+    "pool_gc_skew",
+    "fsdp_steady",
+    "fused_past_pool",
+    "fused_arithmetic",
+    # issue 28: the fused block-scaled forms, bitwise quantize of the unquantised call's output
+    "fused_quant",
+    # issue 25 (FSDP2 for real runs): checkpoints, any shard size, torchao's float8 training (2 ranks)
+    "fsdp_checkpoint",
+    "fsdp_odd_shards",
+    "fsdp_torchao",
+    # issue 24 E: nvls_twoshot straight into a pool `out`
+    "nvls_twoshot_into_out",
+    # issue 26: the batch-invariant mode (at 2 ranks a sum of two is order-free: 3 and 4 show the order)
+    "batch_invariant",
+    "batch_invariant_fused",
+    # issue 24 item C: griddepcontrol placed in every kernel (the emulator checks the wait)
+    "pdl",
+    # issue 40 H3 and C3: settings agreed at set-up; a bad environment on one rank stops its peers too
+    "setup_settings",
+    "bad_environment_peer",
+]
+CORE = [
+    "allreduce",
+    "paths",
+    "fused_paths",
+    "fused_arithmetic",
+    "fp8",
+    "rotation",
+    "traffic",
+    "timeout",
+    "linear",
+    "misaligned",
+    "divergent",
+    "subgroups",
+    "linear_dense",
+    "tp_checkpoint",
+    "all_gather",
+    "reduce_scatter",
+    "quantize_fp8",
+    "fsdp",
+    "fsdp_fp8",
+    "mismatch",
+    "mismatch_exchange",
+    "departed",
+    "setup_absent",
+    "pool_gc_skew",
+    "fsdp_steady",
+    # issue 25: checkpoints, any shard size, HSDP and FSDP x TP=2 (these two need 4 ranks)
+    "fsdp_checkpoint",
+    "fsdp_odd_shards",
+    "hsdp",
+    "fsdp_tp",
+    "batch_invariant",
+    "batch_invariant_fused",
+    "fused_quant",
+]
+CHAOS = [
+    "allreduce",
+    "paths",
+    "fused_paths",
+    "rotation",
+    "long_runs",
+    "divergent",
+    "header_race",
+    "all_gather",
+    "reduce_scatter",
+    "fsdp",
+    "nvls_twoshot_into_out",
+]
 # issue 26: nvls_lamport's push form under chaos where it runs and its rank order shows (multicast, 4 ranks)
 CHAOS_NP4 = CHAOS + ["batch_invariant"]
 # without a multicast address: unicast Lamport push, unicast two-shot and its barrier
-UNICAST = ["allreduce", "auto", "paths", "fused_paths", "fused_arithmetic", "traffic", "rotation", "long_runs", "timeout", "misaligned",
-           "divergent", "fp8_nan", "late_rank", "captured_sizes", "selftest", "in_place_past_staging", "all_gather",
-           "reduce_scatter", "mismatch", "mismatch_exchange", "departed",
-           # issue 25 at 3 ranks: shards that are not whole vectors, FP8 rows that do not divide among the ranks
-           "fsdp_odd_shards", "fsdp_fp8_uneven", "batch_invariant", "batch_invariant_fused", "pdl"]
+UNICAST = [
+    "allreduce",
+    "auto",
+    "paths",
+    "fused_paths",
+    "fused_arithmetic",
+    "traffic",
+    "rotation",
+    "long_runs",
+    "timeout",
+    "misaligned",
+    "divergent",
+    "fp8_nan",
+    "late_rank",
+    "captured_sizes",
+    "selftest",
+    "in_place_past_staging",
+    "all_gather",
+    "reduce_scatter",
+    "mismatch",
+    "mismatch_exchange",
+    "departed",
+    # issue 25 at 3 ranks: shards that are not whole vectors, FP8 rows that do not divide among the ranks
+    "fsdp_odd_shards",
+    "fsdp_fp8_uneven",
+    "batch_invariant",
+    "batch_invariant_fused",
+    "pdl",
+]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("np,chaos,multicast,cases", [
-    (2, "0", "1", FULL),
-    (4, "0", "1", CORE),
-    (3, "0", "0", UNICAST),
-    (2, "1", "1", CHAOS),
-    (4, "1", "1", CHAOS_NP4),
-    (3, "1", "0", CHAOS),
-], ids=["np2", "np4", "np3-unicast", "np2-chaos", "np4-chaos", "np3-unicast-chaos"])
+@pytest.mark.parametrize(
+    "np,chaos,multicast,cases",
+    [
+        (2, "0", "1", FULL),
+        (4, "0", "1", CORE),
+        (3, "0", "0", UNICAST),
+        (2, "1", "1", CHAOS),
+        (4, "1", "1", CHAOS_NP4),
+        (3, "1", "0", CHAOS),
+    ],
+    ids=["np2", "np4", "np3-unicast", "np2-chaos", "np4-chaos", "np3-unicast-chaos"],
+)
 def test_kernels_on_emulator(mpi, np, chaos, multicast, cases):
     # UBNEXT_EMULATE: the group's own communicator (ubnext.nn layers, ubnext.get_communicator)
     # emulates too, not only the ones the cases construct
@@ -71,9 +185,9 @@ def test_bad_environment_on_one_rank_stops_every_rank(mpi, name, bad):
 # Each deliberately broken build (csrc, behind a test-only macro) must make a protocol test
 # fail with a wrong or diverging result, not pass and not crash the emulator.
 BROKEN = {
-    "skip_repoison": ["rotation"],    # Lamport buffer not re-poisoned: stale data read as ready
-    "no_release": ["paths"],         # barrier signal without release: flag overtakes the data
-    "skip_barrier": ["paths"],       # two-shot barrier does not wait: peers read half-written data
+    "skip_repoison": ["rotation"],  # Lamport buffer not re-poisoned: stale data read as ready
+    "no_release": ["paths"],  # barrier signal without release: flag overtakes the data
+    "skip_barrier": ["paths"],  # two-shot barrier does not wait: peers read half-written data
     "no_header_check": ["divergent"],  # call headers not compared: differing offsets reduce wrong memory
     "single_header_slot": ["header_race"],  # one header slot: a rank a call ahead overwrites it
     "no_abort_check": ["late_rank"],  # nobody reads the abort flag: the late rank completes or times out alone
@@ -85,7 +199,9 @@ BROKEN = {
     "no_lamport_header_check": ["mismatch"],  # Lamport pushes call headers but never compares them
     "no_eps_check": ["mismatch"],  # a fused call's eps pushed but never compared: each rank returns its own norm
     "no_departure_check": ["departed"],  # a departed peer is waited for until the timeout
-    "ssq_block_order": ["fused_arithmetic"],  # the norm's sum of squares in block order: bits change with the block size
+    "ssq_block_order": [
+        "fused_arithmetic"
+    ],  # the norm's sum of squares in block order: bits change with the block size
     "two_roundings": ["fused_arithmetic"],  # two-shot fused paths round s before the residual add
     "row_split_no_arrival": ["fused_arithmetic"],  # a split row's block never arrives: the bounded wait times out
     # a two-shot portion summed N-1..0: the batch-invariant mode's rank-order reference catches it
@@ -102,13 +218,15 @@ BROKEN = {
 # a sum of two is the same in either order: a break of the order shows from 3 ranks
 BROKEN_NP = {"twoshot_reverse_order": 3, "rank_order_ignored": 3}
 # breaks whose catch must be a timeout that names the op and what it waited for
-CAUGHT_AS = {"nvfp4_nibble_order": "nvfp4 1x8192 torch.bfloat16 swizzled=True ue8m0=False global_scale=True: q vs the "
-                                   "reference differs",
-             # one row's swizzled scales sit where plain order puts them: the 7-row shape shows the break
-             "swizzle": "nvfp4 7x1040 torch.bfloat16 swizzled=True ue8m0=False global_scale=True: scales vs the "
-                        "reference differs",
-             "row_split_no_arrival": "timed out in lamport after 5 s (UBNEXT_TIMEOUT, else the process group's "
-                                     "timeout) waiting for its own blocks sharing a token row"}
+CAUGHT_AS = {
+    "nvfp4_nibble_order": "nvfp4 1x8192 torch.bfloat16 swizzled=True ue8m0=False global_scale=True: q vs the "
+    "reference differs",
+    # one row's swizzled scales sit where plain order puts them: the 7-row shape shows the break
+    "swizzle": "nvfp4 7x1040 torch.bfloat16 swizzled=True ue8m0=False global_scale=True: scales vs the "
+    "reference differs",
+    "row_split_no_arrival": "timed out in lamport after 5 s (UBNEXT_TIMEOUT, else the process group's "
+    "timeout) waiting for its own blocks sharing a token row",
+}
 # A violation is caught as a wrong result (AssertionError) or a lost peer (UbnextTimeoutError). Three
 # breaks also show as a call header read wrong: their cases make the same call on every rank, so a
 # mismatch error means the protocol delivered a header the peer never sent for this call: read from the
@@ -128,17 +246,30 @@ RACE_CALLS = "2000"
 @pytest.mark.parametrize("break_name", sorted(BROKEN))
 def test_broken_protocol_is_caught(mpi, break_name):
     # without the self-test, which would disable some broken paths before the tests reach them
-    proc = mpi(BROKEN_NP.get(break_name, 2), MPI_WORKER, "emulator", *BROKEN[break_name],
-               env={"UBNEXT_EMU_BREAK": break_name, "UBNEXT_EMU_CHAOS": "1", "UBNEXT_TIMEOUT": "5",
-                    "UBNEXT_SELFTEST": "0", "UBNEXT_TEST_RACE_CALLS": RACE_CALLS},
-               timeout=600)
+    proc = mpi(
+        BROKEN_NP.get(break_name, 2),
+        MPI_WORKER,
+        "emulator",
+        *BROKEN[break_name],
+        env={
+            "UBNEXT_EMU_BREAK": break_name,
+            "UBNEXT_EMU_CHAOS": "1",
+            "UBNEXT_TIMEOUT": "5",
+            "UBNEXT_SELFTEST": "0",
+            "UBNEXT_TEST_RACE_CALLS": RACE_CALLS,
+        },
+        timeout=600,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"the {break_name} build passed the tests that should catch it:\n{output[-3000:]}"
     # the broken library itself must have run: not refused by envs, not replaced by torch.distributed
     assert "EnvError" not in output and "kernels unavailable" not in output, output[-4000:]
     caught = any(marker in output for marker in CAUGHT) or (
-        break_name in CAUGHT_AS_MISMATCH and "with different arguments" in output)
-    assert caught, f"the {break_name} build failed for another reason than a caught protocol violation:\n{output[-4000:]}"
+        break_name in CAUGHT_AS_MISMATCH and "with different arguments" in output
+    )
+    assert caught, (
+        f"the {break_name} build failed for another reason than a caught protocol violation:\n{output[-4000:]}"
+    )
     if break_name in CAUGHT_AS:
         assert CAUGHT_AS[break_name] in output, output[-4000:]
 
@@ -148,5 +279,13 @@ def test_broken_protocol_is_caught(mpi, break_name):
 def test_selftest_disables_a_broken_path(mpi, np):
     """A kernel that gives wrong sums (the test-only twoshot_drop_peer build) is found by the
     self-test at preparation and disabled on every rank: the calls still get right sums."""
-    assert_mpi_ok(mpi(np, MPI_WORKER, "emulator", "selftest",
-                      env={"UBNEXT_EMU_BREAK": "twoshot_drop_peer", "UBNEXT_EMU_MULTICAST": "0"}, timeout=600))
+    assert_mpi_ok(
+        mpi(
+            np,
+            MPI_WORKER,
+            "emulator",
+            "selftest",
+            env={"UBNEXT_EMU_BREAK": "twoshot_drop_peer", "UBNEXT_EMU_MULTICAST": "0"},
+            timeout=600,
+        )
+    )

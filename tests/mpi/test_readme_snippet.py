@@ -51,8 +51,9 @@ def test_readme_block_runs(mpi, tmp_path, emulate, launcher):
 
 def readme_plan_block() -> str:
     text = (ROOT / "README.md").read_text()
-    return re.search(r"```python\n(import torch\nimport ubnext\nfrom torch\.distributed\.device_mesh.*?)```",
-                     text, re.S).group(1)
+    return re.search(
+        r"```python\n(import torch\nimport ubnext\nfrom torch\.distributed\.device_mesh.*?)```", text, re.S
+    ).group(1)
 
 
 @pytest.mark.mpi
@@ -69,8 +70,7 @@ def test_readme_parallelize_module_block_runs(mpi, tmp_path, emulate, launcher):
 
 def readme_fsdp_block() -> str:
     text = (ROOT / "README.md").read_text()
-    return re.search(r"```python\n(import torch\nimport ubnext\nimport ubnext\.fsdp\n.*?)```",
-                     text, re.S).group(1)
+    return re.search(r"```python\n(import torch\nimport ubnext\nimport ubnext\.fsdp\n.*?)```", text, re.S).group(1)
 
 
 @pytest.mark.mpi

@@ -5,11 +5,33 @@ import pytest
 
 from tests.conftest import MPI_WORKER, assert_mpi_ok
 
-CASES = ["allreduce", "auto", "fused", "fused_arithmetic", "fp8", "pool", "bad_input", "linear", "compile", "misaligned", "fp8_nan",
-         "linear_dense", "tp_checkpoint", "all_gather", "reduce_scatter", "quantize_fp8", "quantize_blocks", "fused_quant", "fsdp", "fsdp_fp8",
-         "exchange_compile", "exchange_grad", "misuse",
-         # issue 26: the batch-invariant mode's rank-ordered fallback, without any pool
-         "batch_invariant"]
+CASES = [
+    "allreduce",
+    "auto",
+    "fused",
+    "fused_arithmetic",
+    "fp8",
+    "pool",
+    "bad_input",
+    "linear",
+    "compile",
+    "misaligned",
+    "fp8_nan",
+    "linear_dense",
+    "tp_checkpoint",
+    "all_gather",
+    "reduce_scatter",
+    "quantize_fp8",
+    "quantize_blocks",
+    "fused_quant",
+    "fsdp",
+    "fsdp_fp8",
+    "exchange_compile",
+    "exchange_grad",
+    "misuse",
+    # issue 26: the batch-invariant mode's rank-ordered fallback, without any pool
+    "batch_invariant",
+]
 
 
 @pytest.mark.mpi

@@ -24,10 +24,22 @@ def test_the_watchdog_names_the_calls_and_one_ctrl_c_ends_the_job():
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("mpirun not found")
-    env = dict(os.environ, UBNEXT_EMULATE="1", UBNEXT_TIMEOUT=str(TIMEOUT_S), UBNEXT_WARN_AFTER="1",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([mpirun, "-np", "2", sys.executable, str(SCRIPT)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    env = dict(
+        os.environ,
+        UBNEXT_EMULATE="1",
+        UBNEXT_TIMEOUT=str(TIMEOUT_S),
+        UBNEXT_WARN_AFTER="1",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.Popen(
+        [mpirun, "-np", "2", sys.executable, str(SCRIPT)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()

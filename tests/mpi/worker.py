@@ -22,9 +22,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import ubnext  # noqa: E402
+from tests.mpi import invariant_cases  # noqa: E402 - issue 26's batch-invariant mode
 from ubnext import testing as T  # noqa: E402
 from ubnext.reference._checks import FP8  # noqa: E402
-from tests.mpi import invariant_cases  # noqa: E402 - issue 26's batch-invariant mode
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MODE = "torch"
@@ -82,8 +82,9 @@ def check_allreduce(numel: int, dtype: torch.dtype, seed: int, *, nvls_rounding=
     err = (out.double().cpu() - T.reference_sum(inputs)).abs()
     bound = T.allreduce_bound(inputs, dtype)
     bad = err > bound
-    assert not bad.any(), (f"{COMM.last_path} {dtype} n={numel}: {int(bad.sum())} elements over the bound, "
-                           f"max err {err.max().item():.3e}")
+    assert not bad.any(), (
+        f"{COMM.last_path} {dtype} n={numel}: {int(bad.sum())} elements over the bound, max err {err.max().item():.3e}"
+    )
     if COMM.last_path != "nvls_oneshot":
         assert_identical_across_ranks(out, f"{COMM.last_path} allreduce {dtype} n={numel}")
     return out
@@ -166,8 +167,17 @@ def case_auto():
 # -- fused add + RMSNorm ----------------------------------------------------------------------
 
 
-def check_fused(tokens: int, hidden: int, dtype: torch.dtype, seed: int, out_dtype=None, scale=None,
-                zero=False, misalign=False, cancel=False):
+def check_fused(
+    tokens: int,
+    hidden: int,
+    dtype: torch.dtype,
+    seed: int,
+    out_dtype=None,
+    scale=None,
+    zero=False,
+    misalign=False,
+    cancel=False,
+):
     """One fused call against fp64 references. ``cancel``: the residual is minus the sum rounded to
     the dtype, so that s + residual cancels to about the sum's own rounding error, and residual_out
     must be within ONE rounding of the exact value (issue 26), which rounding s first would miss."""
@@ -184,8 +194,13 @@ def check_fused(tokens: int, hidden: int, dtype: torch.dtype, seed: int, out_dty
     x = inputs[dist.get_rank()].view(tokens, hidden).to(device())
     place = misaligned if misalign else (lambda t: t.to(device()))
     out, residual_out, scale_inv = COMM.all_reduce_add_rmsnorm(
-        place(x), place(residual), place(weight), 1e-6, out_dtype=out_dtype,
-        scale=None if scale is None else scale.to(device()))
+        place(x),
+        place(residual),
+        place(weight),
+        1e-6,
+        out_dtype=out_dtype,
+        scale=None if scale is None else scale.to(device()),
+    )
     path = COMM.last_path
     ref, bound = (T.one_rounding_bound if cancel else T.residual_bound)(inputs, residual.reshape(-1), dtype)
     err = (residual_out.reshape(-1).double().cpu() - ref).abs()
@@ -315,8 +330,9 @@ def case_fused_arithmetic():
             assert "lamport" in bits and "twoshot" in bits, sorted(bits)
             first = next(iter(bits.values()))
             for path, b in bits.items():
-                assert all(torch.equal(u, v) for u, v in zip(b, first)), \
+                assert all(torch.equal(u, v) for u, v in zip(b, first)), (
                     f"{path} {tokens}x{hidden} {dtype} {kwargs}: outputs differ from {next(iter(bits))}'s"
+                )
             if not kwargs:
                 references.append((tokens, hidden, dtype, first, s, residual, weight))
             seen[(tokens, hidden, dtype, k)] = first
@@ -329,8 +345,9 @@ def case_fused_arithmetic():
                 for k, kwargs in enumerate(forms):
                     bits, *_ = fused_bits_by_path(tokens, hidden, dtype, seed=hidden + k, **kwargs)
                     for path, b in bits.items():
-                        assert all(torch.equal(u, v) for u, v in zip(b, seen[(tokens, hidden, dtype, k)])), \
+                        assert all(torch.equal(u, v) for u, v in zip(b, seen[(tokens, hidden, dtype, k)])), (
                             f"{path} {tokens}x{hidden} {dtype} {kwargs}: block {block} x grid {grid} changed the bits"
+                        )
     finally:
         for v, old in saved.items():
             if old is None:
@@ -385,8 +402,10 @@ def case_long_runs():
     paths = ["lamport", "nvls_lamport", "nvls_twoshot", "twoshot", "nvls_oneshot"]
     sizes = [7, 256, 4096 + 8, 12000, 30000]
     base = [T.rank_input(r, max(sizes), torch.bfloat16, 5) for r in range(n)]
-    refs = {s: (T.reference_sum([b[:s] for b in base]), T.allreduce_bound([b[:s] for b in base], torch.bfloat16))
-            for s in sizes}
+    refs = {
+        s: (T.reference_sum([b[:s] for b in base]), T.allreduce_bound([b[:s] for b in base], torch.bfloat16))
+        for s in sizes
+    }
     x_all = base[dist.get_rank()].to(device())
     counts: dict[str, int] = {}
     for i in range(300):
@@ -425,7 +444,7 @@ def case_pool():
     if MODE == "emulator":
         arrays = pool.backend._arrays
         for peer in range(dist.get_world_size()):
-            peer_view = torch.from_numpy(arrays[peer][offs[1]: offs[1] + b.numel() * 4]).view(torch.float32)
+            peer_view = torch.from_numpy(arrays[peer][offs[1] : offs[1] + b.numel() * 4]).view(torch.float32)
             assert torch.all(peer_view == peer + 1), f"peer {peer}'s data not visible"
     dist.barrier()
     used = COMM.pool_stats()["used"]
@@ -564,7 +583,7 @@ def case_departed():
                 call(comm)
                 comm.synchronize()
             except ubnext.UbnextTimeoutError as exc:
-                raise AssertionError(f"{path}: rank {rank} waited out the timeout for a departed peer: {exc}")
+                raise AssertionError(f"{path}: rank {rank} waited out the timeout for a departed peer: {exc}") from exc
             except ubnext.UbnextError as exc:
                 took, msg = time.monotonic() - start, str(exc)
             else:
@@ -625,12 +644,19 @@ def case_pool_cycles():
     def counts():
         """(open fds, pool memfd mappings, bytes of address space mapped)."""
         maps = open("/proc/self/maps").read().splitlines()
-        mapped = sum(int(b, 16) - int(a, 16) for a, b in (l.split()[0].split("-") for l in maps))
-        return len(os.listdir("/proc/self/fd")), sum("ubnext-pool" in l for l in maps), mapped
+        mapped = sum(int(b, 16) - int(a, 16) for a, b in (line.split()[0].split("-") for line in maps))
+        return len(os.listdir("/proc/self/fd")), sum("ubnext-pool" in line for line in maps), mapped
 
     def cycle():
-        p = SymmetricPool(layout=layout, rank=dist.get_rank(), group=None, device=torch.device("cpu"),
-                          allgather=gather, timeout_s=30.0, backend="emulator")
+        p = SymmetricPool(
+            layout=layout,
+            rank=dist.get_rank(),
+            group=None,
+            device=torch.device("cpu"),
+            allgather=gather,
+            timeout_s=30.0,
+            backend="emulator",
+        )
         t = p.empty((16,), torch.float32)
         t.fill_(1.0)
         del t
@@ -670,7 +696,9 @@ def case_bad_input():
     assert on_meta.device.type == "meta" and on_meta.shape == (4, 3)
     expect_error(ValueError, lambda: COMM.all_reduce(torch.ones(4, 3, device="meta").t()), "contiguous")
     expect_error(ValueError, lambda: COMM.all_reduce(x, out=torch.empty(8, 15, device=device())), "out must match")
-    expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x, torch.ones(15, device=device())), "weight must have shape")
+    expect_error(
+        ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x, torch.ones(15, device=device())), "weight must have shape"
+    )
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x[:4], w), "residual must match")
     expect_error(TypeError, lambda: COMM.all_reduce_add_rmsnorm(x, x, w, out_dtype=torch.float16), "out_dtype")
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(x, x, w, scale=torch.ones(1)), "scale")
@@ -680,8 +708,9 @@ def case_bad_input():
     COMM.all_reduce(square)
     COMM.all_reduce_add_rmsnorm(square, square, w)
     expect_error(ValueError, lambda: COMM.all_reduce(square.t()), "contiguous")
-    expect_error(ValueError, lambda: COMM.all_reduce(square, out=torch.empty(16, 16, device=device()).t()),
-                 "contiguous")
+    expect_error(
+        ValueError, lambda: COMM.all_reduce(square, out=torch.empty(16, 16, device=device()).t()), "contiguous"
+    )
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(square, square.t(), w), "contiguous")
     expect_error(ValueError, lambda: COMM.all_reduce_add_rmsnorm(square, square, w, eps=float("nan")), "eps")
     # an operator passes None through for a tensor argument: the error names the argument
@@ -691,7 +720,9 @@ def case_bad_input():
     # the staging view kept for that shape)
     big = torch.ones(4, 4096, device=device())
     for bad_weight in (torch.ones(4096, device=device()), torch.ones(8, 4095, device=device())):
-        expect_error(ValueError, lambda: torch.ops.ubnext.linear_all_reduce(big, bad_weight, COMM.key), "weight must be")
+        expect_error(
+            ValueError, lambda w=bad_weight: torch.ops.ubnext.linear_all_reduce(big, w, COMM.key), "weight must be"
+        )
     expect_error(ValueError, lambda: COMM.empty(-1, 4, dtype=torch.float32), "negative")
     expect_error(ValueError, lambda: COMM.empty(0, 4, dtype=torch.float32), "at least one element")
     expect_error(TypeError, lambda: COMM.empty(4, dtype=torch.int64), "support")
@@ -723,8 +754,9 @@ def check_overlapping_out_refused():
         except ValueError as exc:
             message = str(exc)
         messages = gather(message)
-        assert message and message.startswith(f"all_reduce: out partly overlaps x: x is bytes [{x0 * 4}, {x1 * 4}) "
-                                              f"and out bytes [{o0 * 4}, {o1 * 4})"), messages
+        assert message and message.startswith(
+            f"all_reduce: out partly overlaps x: x is bytes [{x0 * 4}, {x1 * 4}) and out bytes [{o0 * 4}, {o1 * 4})"
+        ), messages
         assert messages == [message] * world, f"the ranks refused differently: {messages}"
     total = world * (world + 1) / 2
     buf[:n].fill_(rank + 1)
@@ -735,17 +767,26 @@ def check_overlapping_out_refused():
     assert (buf[:n] == total).all()
     # all_gather: x may lie in out only as this rank's slice (FSDP2's in-place form)
     big = torch.zeros((world + 1) * n, device=device())
-    out = big[:world * n]
-    expect_error(ValueError, lambda: COMM.all_gather(big[rank * n + 8:(rank + 1) * n + 8], out=out),
-                 "all_gather: out partly overlaps x")
+    out = big[: world * n]
+    expect_error(
+        ValueError,
+        lambda: COMM.all_gather(big[rank * n + 8 : (rank + 1) * n + 8], out=out),
+        "all_gather: out partly overlaps x",
+    )
     other = (rank + 1) % world
-    expect_error(ValueError, lambda: COMM.all_gather(big[other * n:(other + 1) * n], out=out),
-                 "all_gather: out partly overlaps x")
-    COMM.all_gather(out[rank * n:(rank + 1) * n].fill_(rank + 1), out=out)
+    expect_error(
+        ValueError,
+        lambda: COMM.all_gather(big[other * n : (other + 1) * n], out=out),
+        "all_gather: out partly overlaps x",
+    )
+    COMM.all_gather(out[rank * n : (rank + 1) * n].fill_(rank + 1), out=out)
     assert torch.equal(out.view(world, n)[:, 0].cpu(), torch.arange(1, world + 1, dtype=out.dtype)), out
     # reduce_scatter: no in-place form (the peers read all of x); out must not overlap it
-    expect_error(ValueError, lambda: COMM.reduce_scatter(out, out=out[rank * n:(rank + 1) * n]),
-                 "reduce_scatter: out overlaps x")
+    expect_error(
+        ValueError,
+        lambda: COMM.reduce_scatter(out, out=out[rank * n : (rank + 1) * n]),
+        "reduce_scatter: out overlaps x",
+    )
 
 
 # -- timeout ------------------------------------------------------------------------------------
@@ -757,8 +798,14 @@ def case_timeout():
         return
     os.environ["UBNEXT_TIMEOUT"] = "2"
     # (path, batch-invariant mode): the mode's plain nvls_lamport is its own protocol (the push form)
-    for algo, invariant in (("lamport", False), ("nvls_twoshot", False), ("twoshot", False), ("nvls_lamport", False),
-                            ("nvls_oneshot", False), ("nvls_lamport", True)):
+    for algo, invariant in (
+        ("lamport", False),
+        ("nvls_twoshot", False),
+        ("twoshot", False),
+        ("nvls_lamport", False),
+        ("nvls_oneshot", False),
+        ("nvls_lamport", True),
+    ):
         # every rank out of the last communicator's close (the late rank's can take longer) before the
         # next one's creation, whose agreement waits only UBNEXT_TIMEOUT for the slowest rank
         dist.barrier()
@@ -813,7 +860,7 @@ def case_captured_sizes():
         cu.capturing = real
     comm.prepare()
     before = comm.pool_stats()
-    sizes = [1024 * round(1.25 ** k) for k in range(32)]  # 2 KB .. 2 MB of bf16
+    sizes = [1024 * round(1.25**k) for k in range(32)]  # 2 KB .. 2 MB of bf16
     paths = []
     cu.capturing = lambda device: True
     try:
@@ -833,7 +880,9 @@ def case_captured_sizes():
     # past the Lamport slot, the two-shot kernel the model's order puts first (at 2 ranks with
     # multicast the unicast one models faster)
     big = comm.pool.lamport_capacity + 16
-    two_shot = next(p for p in plan.auto_order(big, False, comm.pool.has_multicast, False, n) if p in plan.IN_PLACE_PATHS)
+    two_shot = next(
+        p for p in plan.auto_order(big, False, comm.pool.has_multicast, False, n) if p in plan.IN_PLACE_PATHS
+    )
     assert set(paths) == {"lamport", two_shot, "torch"}, sorted(set(paths))
     after = comm.pool_stats()
     assert (after["used"], after["allocations"]) == (before["used"], before["allocations"]), (before, after)
@@ -1090,11 +1139,18 @@ def case_all_gather():
     push of the shard's whole vectors, its head and tail bytes going to each peer."""
     n, rank = dist.get_world_size(), dist.get_rank()
     kernel = MODE != "torch"
-    for numel, dtype, in_pool, off_grid in ((4096, torch.bfloat16, True, False), (1000, torch.float32, False, False),
-                                            (4 * 37, torch.uint8, True, False), (12, torch.uint8, False, False),
-                                            (6, torch.bfloat16, True, False), (13, torch.uint8, True, False),
-                                            (77, torch.uint8, False, True), (965, torch.bfloat16, True, True),
-                                            (3, torch.bfloat16, False, False), (1, torch.uint8, True, False)):
+    for numel, dtype, in_pool, off_grid in (
+        (4096, torch.bfloat16, True, False),
+        (1000, torch.float32, False, False),
+        (4 * 37, torch.uint8, True, False),
+        (12, torch.uint8, False, False),
+        (6, torch.bfloat16, True, False),
+        (13, torch.uint8, True, False),
+        (77, torch.uint8, False, True),
+        (965, torch.bfloat16, True, True),
+        (3, torch.bfloat16, False, False),
+        (1, torch.uint8, True, False),
+    ):
         shards = [T.rank_input(r, numel, torch.float32, 7).mul(40).to(dtype) for r in range(n)]
         x = shards[rank].to(device())
         if off_grid:  # one element past an aligned address: copied onto the slice's grid first
@@ -1103,7 +1159,9 @@ def case_all_gather():
         got = COMM.all_gather(x, out=out)
         expect_path(("allgather",))
         want = torch.cat(shards)
-        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), f"all_gather {numel} {dtype}: wrong bytes"
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), (
+            f"all_gather {numel} {dtype}: wrong bytes"
+        )
         if MODE == "emulator":
             # the shard once per peer (or its whole vectors once through multicast, its head and
             # tail bytes to every rank), plus per block a 16-byte call header and two 4-byte
@@ -1121,7 +1179,7 @@ def case_all_gather():
             assert sum(t.peer_load_bytes) == 0 and t.peer_atomic_ops == 0, t
     # FSDP2's form: the input is this rank's slice of a pool output
     out = COMM.empty(n * 256, dtype=torch.bfloat16)
-    mine = out[rank * 256:(rank + 1) * 256]
+    mine = out[rank * 256 : (rank + 1) * 256]
     mine.copy_(T.rank_input(rank, 256, torch.bfloat16, 8))
     COMM.all_gather(mine, out=out)
     want = torch.cat([T.rank_input(r, 256, torch.bfloat16, 8) for r in range(n)])
@@ -1139,9 +1197,12 @@ def case_reduce_scatter():
     (testing.allreduce_bound), scaled by sum / avg / PREMUL_SUM factors: bf16 traffic, fp32
     accumulation; the emulator's counters show (N-1) shards of peer loads."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    for numel, dtype, op, in_pool in ((4096, torch.bfloat16, "sum", True), (256, torch.float32, "avg", False),
-                                      (1024, torch.float16, dist.ReduceOp.AVG, True),
-                                      (512, torch.bfloat16, dist._make_nccl_premul_sum(0.125), False)):
+    for numel, dtype, op, in_pool in (
+        (4096, torch.bfloat16, "sum", True),
+        (256, torch.float32, "avg", False),
+        (1024, torch.float16, dist.ReduceOp.AVG, True),
+        (512, torch.bfloat16, dist._make_nccl_premul_sum(0.125), False),
+    ):
         inputs = [T.rank_input(r, n * numel, dtype, 11) for r in range(n)]
         factor = ubnext.reference._checks.reduce_factor(op, n)
         x = inputs[rank].to(device())
@@ -1149,7 +1210,7 @@ def case_reduce_scatter():
             x = COMM.empty(n * numel, dtype=dtype).copy_(x)
         got = COMM.reduce_scatter(x, op=op)
         expect_path(("reduce_scatter",))
-        mine = [t[rank * numel:(rank + 1) * numel] for t in inputs]
+        mine = [t[rank * numel : (rank + 1) * numel] for t in inputs]
         ref = T.reference_sum(mine) * factor
         # the factor (a power of two here) scales the sum and its bound exactly
         bound = T.allreduce_bound(mine, dtype) * factor
@@ -1163,9 +1224,14 @@ def case_reduce_scatter():
     # with the same contract; 3860 bf16 is the per-rank shard of Linear(192, 40) with its bias at
     # 2 ranks. `out`: FSDP2's aligned buffer (element stores where the shard is off the grid), or
     # one that lies like the shard (whole-vector stores after the head).
-    for numel, dtype, in_pool, out_like_shard in ((5, torch.bfloat16, True, False), (3860, torch.bfloat16, True, False),
-                                                  (7, torch.float32, False, False), (13, torch.float16, True, True),
-                                                  (3861, torch.bfloat16, False, True), (1, torch.float32, True, False)):
+    for numel, dtype, in_pool, out_like_shard in (
+        (5, torch.bfloat16, True, False),
+        (3860, torch.bfloat16, True, False),
+        (7, torch.float32, False, False),
+        (13, torch.float16, True, True),
+        (3861, torch.bfloat16, False, True),
+        (1, torch.float32, True, False),
+    ):
         inputs = [T.rank_input(r, n * numel, dtype, 12) for r in range(n)]
         x = inputs[rank].to(device())
         if in_pool:
@@ -1173,10 +1239,10 @@ def case_reduce_scatter():
         out = None
         if out_like_shard:
             skew = (rank * numel * dtype.itemsize) % 16 // dtype.itemsize
-            out = torch.empty(numel + 16, dtype=dtype, device=device())[skew:skew + numel]
+            out = torch.empty(numel + 16, dtype=dtype, device=device())[skew : skew + numel]
         got = COMM.reduce_scatter(x, out=out)
         expect_path(("reduce_scatter",))
-        mine = [t[rank * numel:(rank + 1) * numel] for t in inputs]
+        mine = [t[rank * numel : (rank + 1) * numel] for t in inputs]
         err = (got.double().cpu() - T.reference_sum(mine)).abs()
         assert not (err > T.allreduce_bound(mine, dtype)).any(), f"reduce_scatter of {numel} {dtype}: over the bound"
         if MODE == "emulator":
@@ -1189,18 +1255,19 @@ def case_quantize_blocks():
     (tests/unit/test_blockscale.py ties that reference to torchao): every format and dtype, M of 1, 7,
     129 and 200, swizzled scales with padding rows (M 7, 129, 200) and columns (K 1040: 65 NVFP4
     scales a row), NaN, inf and zero blocks."""
-    from ubnext.reference._blockscale import BLOCKS, block_flags, quantize_reference
+    from ubnext.reference._blockscale import block_flags, quantize_reference
     from ubnext.reference._checks import FP8_MAX
 
     g = torch.Generator().manual_seed(dist.get_rank())
     for m, k, dtype, fmt, two_level, swizzled, ue8m0 in (
-            (1, 8192, torch.bfloat16, "nvfp4", True, True, False),
-            (129, 1040, torch.float16, "nvfp4", False, True, False),
-            (7, 1024, torch.float32, "nvfp4", False, False, False),
-            (200, 1024, torch.bfloat16, "mxfp8", False, True, False),
-            (7, 2048, torch.float32, "mxfp8", False, False, False),
-            (129, 1024, torch.bfloat16, "fp8_group128", False, False, True),
-            (7, 1024, torch.float16, "fp8_group128", False, False, False)):
+        (1, 8192, torch.bfloat16, "nvfp4", True, True, False),
+        (129, 1040, torch.float16, "nvfp4", False, True, False),
+        (7, 1024, torch.float32, "nvfp4", False, False, False),
+        (200, 1024, torch.bfloat16, "mxfp8", False, True, False),
+        (7, 2048, torch.float32, "mxfp8", False, False, False),
+        (129, 1024, torch.bfloat16, "fp8_group128", False, False, True),
+        (7, 1024, torch.float16, "fp8_group128", False, False, False),
+    ):
         scale = torch.exp2(torch.randint(-10, 10, (m, 1), generator=g).float())
         x = (torch.randn(m, k, generator=g) * scale).to(dtype)
         x[0, 32:160].zero_()  # a zero block in every format
@@ -1208,23 +1275,31 @@ def case_quantize_blocks():
             x[1, 3] = float("nan")
             x[m - 1, 130] = float("inf")
         gs = torch.tensor([float(x.float().abs().nan_to_num(0, 0, 0).amax()) / (FP8_MAX * 6)]) if two_level else None
-        q, scales = COMM.quantize(x.to(device()), fmt, global_scale=None if gs is None else gs.to(device()),
-                                  swizzled=swizzled, ue8m0=ue8m0)
+        q, scales = COMM.quantize(
+            x.to(device()), fmt, global_scale=None if gs is None else gs.to(device()), swizzled=swizzled, ue8m0=ue8m0
+        )
         q_ref, s_ref = quantize_reference(x, fmt, gs, swizzled, ue8m0)
         what = f"{fmt} {m}x{k} {dtype} swizzled={swizzled}"
         assert q.shape == q_ref.shape and q.dtype == q_ref.dtype, (what, q.shape, q.dtype)
         assert scales.shape == s_ref.shape and scales.dtype == s_ref.dtype, (what, scales.shape, scales.dtype)
         bad = (q.cpu().view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
-        assert not len(bad), f"{what}: q differs at {bad[:5].tolist()}: {q.cpu().view(torch.uint8)[tuple(bad[0])]} vs {q_ref.view(torch.uint8)[tuple(bad[0])]} x {x[tuple(bad[0])]}"
+        assert not len(bad), (
+            f"{what}: q differs at {bad[:5].tolist()}: {q.cpu().view(torch.uint8)[tuple(bad[0])]} vs {q_ref.view(torch.uint8)[tuple(bad[0])]} x {x[tuple(bad[0])]}"
+        )
         assert torch.equal(scales.cpu().view(torch.uint8), s_ref.view(torch.uint8)), f"{what}: scales differ"
         path = "torch" if MODE == "torch" else "quantize_" + fmt
         assert COMM._calls[("quantize_" + fmt, m * k, dtype, k, block_flags(None, swizzled, ue8m0))].path == path, what
 
 
 # (fmt, swizzled, ue8m0, two-level NVFP4) of the fused block-scaled forms
-FUSED_QUANT_FORMS = (("nvfp4", True, False, True), ("nvfp4", False, False, False), ("mxfp8", True, False, False),
-                     ("mxfp8", False, False, False), ("fp8_group128", False, True, False),
-                     ("fp8_group128", False, False, False))
+FUSED_QUANT_FORMS = (
+    ("nvfp4", True, False, True),
+    ("nvfp4", False, False, False),
+    ("mxfp8", True, False, False),
+    ("mxfp8", False, False, False),
+    ("fp8_group128", False, True, False),
+    ("fp8_group128", False, False, False),
+)
 
 
 def check_fused_quant(comm, tokens: int, hidden: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -1245,15 +1320,20 @@ def check_fused_quant(comm, tokens: int, hidden: int, seed: int, dtype: torch.dt
         if hidden % BLOCKS[fmt]:
             continue  # refused (case_fused_quant): K must be a multiple of the block
         gs = torch.tensor([float(out.float().abs().amax()) / (FP8_MAX * 6)]).to(device()) if two_level else None
-        q, res_q, scales = comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, quant=fmt, global_scale=gs,
-                                                       swizzled=swizzled, ue8m0=ue8m0)
+        q, res_q, scales = comm.all_reduce_add_rmsnorm(
+            x, residual, weight, 1e-6, quant=fmt, global_scale=gs, swizzled=swizzled, ue8m0=ue8m0
+        )
         what = f"{path} {fmt} {tokens}x{hidden} {dtype} swizzled={swizzled} ue8m0={ue8m0} global_scale={two_level}"
         assert comm.last_path == path, (what, comm.last_path)
         assert torch.equal(res_q.view(torch.uint8), residual_out.view(torch.uint8)), f"{what}: residual_out differs"
         q_alone, s_alone = comm.quantize(out, fmt, global_scale=gs, swizzled=swizzled, ue8m0=ue8m0)
         q_ref, s_ref = quantize_reference(out.cpu(), fmt, None if gs is None else gs.cpu(), swizzled, ue8m0)
-        for got, want, name in ((q, q_alone, "q vs quantize"), (scales, s_alone, "scales vs quantize"),
-                                (q, q_ref, "q vs the reference"), (scales, s_ref, "scales vs the reference")):
+        for got, want, name in (
+            (q, q_alone, "q vs quantize"),
+            (scales, s_alone, "scales vs quantize"),
+            (q, q_ref, "q vs the reference"),
+            (scales, s_ref, "scales vs the reference"),
+        ):
             assert got.shape == want.shape and got.dtype == want.dtype, (what, name, got.shape, want.shape)
             assert torch.equal(got.cpu().view(torch.uint8), want.cpu().view(torch.uint8)), f"{what}: {name} differs"
     return path
@@ -1263,8 +1343,14 @@ def check_fused_quant(comm, tokens: int, hidden: int, seed: int, dtype: torch.dt
 # (K 1040: 130 bf16 vectors; a multiple of NVFP4's block only), the swizzled layout's padding rows (129
 # and 200 rows: two 128-row tiles, the second mostly padding), and the other dtypes (fp32: 4 values per
 # vector, so a block spans twice the lanes)
-FUSED_QUANT_SHAPES = ((1, 8192, torch.bfloat16), (7, 1040, torch.bfloat16), (129, 1024, torch.bfloat16),
-                      (200, 1024, torch.bfloat16), (3, 2048, torch.float16), (2, 4096, torch.float32))
+FUSED_QUANT_SHAPES = (
+    (1, 8192, torch.bfloat16),
+    (7, 1040, torch.bfloat16),
+    (129, 1024, torch.bfloat16),
+    (200, 1024, torch.bfloat16),
+    (3, 2048, torch.float16),
+    (2, 4096, torch.float32),
+)
 
 
 def case_fused_quant():
@@ -1275,9 +1361,12 @@ def case_fused_quant():
     hidden = 2048
     x = torch.zeros(2, 1040, dtype=torch.bfloat16, device=device())
     w = torch.ones(1040, dtype=torch.bfloat16, device=device())
-    for kwargs, words in (({"quant": "mxfp8", "out_dtype": FP8}, "excludes out_dtype and scale"),
-                          ({"quant": "nvfp4", "scale": torch.tensor([0.02]).to(device())}, "excludes out_dtype"),
-                          ({"quant": "fp8_group128"}, "K = 1040"), ({"swizzled": True}, "pass quant=")):
+    for kwargs, words in (
+        ({"quant": "mxfp8", "out_dtype": FP8}, "excludes out_dtype and scale"),
+        ({"quant": "nvfp4", "scale": torch.tensor([0.02]).to(device())}, "excludes out_dtype"),
+        ({"quant": "fp8_group128"}, "K = 1040"),
+        ({"swizzled": True}, "pass quant="),
+    ):
         try:
             COMM.all_reduce_add_rmsnorm(x, x, w, 1e-6, **kwargs)
         except ValueError as e:
@@ -1311,13 +1400,18 @@ def case_quantize_fp8():
     the 1e-12 floor of an all-zero row), per row, per tensor and static, including rows longer than
     the kernel's row cache, and a one-scale tensor past ONE_CTA_BYTES (its amax first, then split
     over the grid)."""
-    from ubnext.reference._checks import quantize_fp8_reference
     from ubnext.comm._quantize import ONE_CTA_BYTES, split_row
+    from ubnext.reference._checks import quantize_fp8_reference
 
     # rows of 8 vectors (2 threads each), 2560 (a block, read twice), 512 (a block, held in registers),
     # 8 fp32 and 6 fp16 vectors: every shape of the per-row kernel's thread groups
-    for rows, cols, dtype in ((8, 64, torch.bfloat16), (3, 4096 * 5, torch.bfloat16), (2, 4096, torch.bfloat16),
-                              (5, 32, torch.float32), (4, 48, torch.float16)):
+    for rows, cols, dtype in (
+        (8, 64, torch.bfloat16),
+        (3, 4096 * 5, torch.bfloat16),
+        (2, 4096, torch.bfloat16),
+        (5, 32, torch.float32),
+        (4, 48, torch.float16),
+    ):
         x = T.rank_input(dist.get_rank(), rows * cols, torch.float32, 13).mul(30).to(dtype).view(rows, cols)
         x[1].zero_()
         for scaling in ("row", "tensor", "static"):
@@ -1352,7 +1446,9 @@ def case_local_first():
         q, scale_inv = comm.quantize_fp8(x.to(device()))
         q4, scales4 = comm.quantize(x.to(device()), "nvfp4", swizzled=True)
         assert torch.equal(q.cpu().view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(scale_inv.cpu(), s_want)
-        assert torch.equal(q4.cpu(), q4_want) and torch.equal(scales4.cpu().view(torch.uint8), s4_want.view(torch.uint8))
+        assert torch.equal(q4.cpu(), q4_want) and torch.equal(
+            scales4.cpu().view(torch.uint8), s4_want.view(torch.uint8)
+        )
         kernel = "torch" if MODE == "torch" else "quantize_fp8"
         assert [c.path for k, c in comm._calls.items() if k[0] == "quantize_fp8"] == [kernel], comm._calls
 
@@ -1433,7 +1529,7 @@ def case_exchange_grad():
             factor = ubnext.reference._checks.reduce_factor(op, n)
             xs = [ints((n * rows, cols), 3, r).requires_grad_() for r in range(n)]
             vs = [ints((rows, cols), 4, r) for r in range(n)]
-            sum((factor * sum(xr[r * rows:(r + 1) * rows] for xr in xs) * vs[r]).sum() for r in range(n)).backward()
+            sum((factor * sum(xr[r * rows : (r + 1) * rows] for xr in xs) * vs[r]).sum() for r in range(n)).backward()
             x = xs[rank].detach().to(dtype).to(device()).requires_grad_()
             (COMM.reduce_scatter(x, op=op) * vs[rank].to(dtype).to(device())).sum().backward()
             assert x.grad is not None and x.grad.dtype == dtype, f"reduce_scatter {op} {dtype}: grad {x.grad}"
@@ -1441,8 +1537,9 @@ def case_exchange_grad():
             err = (x.grad.double().cpu() - want).abs()
             # an exact integer times the factor in dtype: two roundings at most, the factor's and the
             # product's (none for a power of two)
-            assert not (err > 2 * T.UNIT_ROUNDOFF[dtype] * want.abs()).any(), \
+            assert not (err > 2 * T.UNIT_ROUNDOFF[dtype] * want.abs()).any(), (
                 f"reduce_scatter {op} {dtype}: grad max err {err.max():.3g}"
+            )
             expect_path(("allgather",))  # the backward's
             if op == "sum" and x.device.type == "cpu" and dist.get_backend(COMM.group) == "gloo":
                 ref = xs[rank].detach().float().requires_grad_()
@@ -1455,8 +1552,9 @@ def case_exchange_grad():
 FSDP_HIDDEN, FSDP_FFN, FSDP_OUT, FSDP_BATCH = 32, 64, 16, 4
 
 
-def _fsdp_stack(seed: int, hidden: int = FSDP_HIDDEN, ffn: int = FSDP_FFN, out: int = FSDP_OUT,
-                bias: bool = False) -> torch.nn.Module:
+def _fsdp_stack(
+    seed: int, hidden: int = FSDP_HIDDEN, ffn: int = FSDP_FFN, out: int = FSDP_OUT, bias: bool = False
+) -> torch.nn.Module:
     """A small transformer-like stack: residual MLP blocks and a head, no biases by default (every
     weight's rows divide evenly among 2 and 4 ranks); _fsdp_odd_stack is the other shape."""
     import torch.nn.functional as F
@@ -1496,8 +1594,8 @@ def _fsdp_odd_stack(seed: int) -> torch.nn.Module:
 def _fsdp_effective(name: str, full: torch.Tensor, scaling: str | None, static_scale, world: int) -> torch.Tensor:
     """The weight the FSDP2 forward must compute with, from the full fp32 master: its bf16 cast,
     or for an FP8 layer the e4m3 round trip of its scaling mode (torch reference), in bf16."""
-    from ubnext.reference._checks import FP8_MAX, FP8_TINY_SCALE_INV, quantize_fp8_reference
     from ubnext.fsdp import dequantize
+    from ubnext.reference._checks import FP8_MAX, FP8_TINY_SCALE_INV, quantize_fp8_reference
 
     if scaling is None or not name.startswith("blocks.") or name.endswith(".bias"):
         return full.to(torch.bfloat16)
@@ -1507,15 +1605,19 @@ def _fsdp_effective(name: str, full: torch.Tensor, scaling: str | None, static_s
         parts = [quantize_fp8_reference(c, c.numel(), None) for c in full.chunk(world)]
         q, s = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     else:
-        scale = (torch.clamp(full.abs().amax().float() / FP8_MAX, min=FP8_TINY_SCALE_INV).reshape(1)
-                 if scaling == "tensor" else static_scale)
+        scale = (
+            torch.clamp(full.abs().amax().float() / FP8_MAX, min=FP8_TINY_SCALE_INV).reshape(1)
+            if scaling == "tensor"
+            else static_scale
+        )
         q, s = quantize_fp8_reference(full, full.numel(), scale)
         s = s.repeat(world)
     return dequantize(q, s, scaling, torch.bfloat16)
 
 
-def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsdp_stack, replicas: int = 1,
-              shard_comm=None) -> dict:
+def _fsdp_run(
+    scaling: str | None, steps: int = 3, static_scale=None, stack=_fsdp_stack, replicas: int = 1, shard_comm=None
+) -> dict:
     """FSDP2 with ubnext's collectives (and FP8 all-gather of the blocks' weights when
     ``scaling``), SGD for ``steps`` steps, checked at every step against a reference computed
     from the same fp32 masters:
@@ -1534,10 +1636,11 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsd
     (the stale-scale check). Errors are compared relative to each gradient's largest element.
     ``stack`` builds the model (_fsdp_stack's signature); the result records each FSDP2 all-gather
     and reduce-scatter (bytes, traffic, path, in the pool)."""
-    import ubnext.fsdp as UF
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
+
+    import ubnext.fsdp as UF
 
     n, rank = dist.get_world_size(), dist.get_rank()
     model = stack(seed=5)
@@ -1563,9 +1666,14 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsd
     scatters: list[tuple[int, object, str, bool]] = []
 
     def record(into: list, pool_tensor, input_tensor):
-        into.append((input_tensor.numel() * input_tensor.element_size(),
-                     comm._emu.traffic() if MODE == "emulator" else None, comm.last_path,
-                     comm._in_pool_aligned(pool_tensor)))
+        into.append(
+            (
+                input_tensor.numel() * input_tensor.element_size(),
+                comm._emu.traffic() if MODE == "emulator" else None,
+                comm.last_path,
+                comm._in_pool_aligned(pool_tensor),
+            )
+        )
 
     class Recording(UF.AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
@@ -1624,10 +1732,12 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsd
             # are two more fp32 roundings (2^-23 |mean|)
             means, bounds = [], []
             for first in range(0, n, shards):
-                group_grads = grads[first:first + shards]
+                group_grads = grads[first : first + shards]
                 means.append(T.reference_sum(group_grads) / shards)
-                bounds.append(T.allreduce_bound([g.to(torch.bfloat16) for g in group_grads], torch.bfloat16) / shards
-                              + 2.0 ** -23 * means[-1].abs())
+                bounds.append(
+                    T.allreduce_bound([g.to(torch.bfloat16) for g in group_grads], torch.bfloat16) / shards
+                    + 2.0**-23 * means[-1].abs()
+                )
             bound = sum(bounds) / replicas
             if replicas > 1:  # gloo's bf16 sum of the two rounded means, rounded once, halved exactly
                 bound = bound + u * sum(m.abs() + b for m, b in zip(means, bounds)) / replicas + T.TINY[torch.bfloat16]
@@ -1649,7 +1759,7 @@ def _fsdp_run(scaling: str | None, steps: int = 3, static_scale=None, stack=_fsd
             if replicate_group is not None:
                 dist.all_reduce(rs, group=replicate_group)
             if hi > lo:
-                gloo_err = (rs[:hi - lo].double().cpu() / n - ref[lo:hi]).abs().max()
+                gloo_err = (rs[: hi - lo].double().cpu() / n - ref[lo:hi]).abs().max()
                 worst["gloo_bf16"] = max(worst["gloo_bf16"], float(gloo_err) / scale)
         opt.step()
         opt.zero_grad()
@@ -1661,15 +1771,17 @@ def case_fsdp():
     every collective took the ubnext kernels on the emulator, in pool buffers."""
     result = _fsdp_run(None)
     assert result["traffic"]
-    for nbytes, _, path, in_pool in result["traffic"]:
+    for _nbytes, _, path, in_pool in result["traffic"]:
         assert path == ("torch" if MODE == "torch" else "allgather"), path
         if MODE != "torch":
             assert in_pool, "FSDP2's all-gather output is not a pool buffer"
     expect_path(("reduce_scatter",))  # the last collective of the last step
     worst = result["worst"]
     baseline = "NCCL" if MODE == "gpu" else "gloo"
-    log(f"fsdp bf16: max |grad - fp64| / max |grad| {worst['ubnext']:.3g} (ubnext reduce-scatter, fp32 "
-        f"accumulation); {worst['gloo_bf16']:.3g} ({baseline} bf16 reduce-scatter of the same gradients)")
+    log(
+        f"fsdp bf16: max |grad - fp64| / max |grad| {worst['ubnext']:.3g} (ubnext reduce-scatter, fp32 "
+        f"accumulation); {worst['gloo_bf16']:.3g} ({baseline} bf16 reduce-scatter of the same gradients)"
+    )
     if MODE != "gpu":  # gloo accumulates bf16 in bf16; how NCCL accumulates is NCCL's choice
         assert worst["ubnext"] <= worst["gloo_bf16"], worst
 
@@ -1681,8 +1793,9 @@ def case_fsdp_fp8_gemm():
     bf16 rounding of the output (2^-8 |y|)."""
     if MODE != "gpu":
         return  # the CPU tiers have no FP8 GEMM: case_fsdp_fp8 checks the gathered weight itself
-    import ubnext.fsdp as UF
     from torch.distributed.fsdp import FSDPModule
+
+    import ubnext.fsdp as UF
 
     cap = torch.cuda.get_device_capability(device())
     assert cap >= (8, 9), f"FP8 GEMMs need compute capability 8.9+, this GPU has {cap}"
@@ -1695,16 +1808,18 @@ def case_fsdp_fp8_gemm():
     assert gathered is not None, "no (q, scale_inv) recorded for an unsharded FP8 layer"
     q, scale_inv, scaling = gathered
     assert scaling == "row" and q.dtype == FP8 and scale_inv.shape == (q.shape[0],), (q.shape, scale_inv.shape)
-    assert torch.equal(UF.dequantize(q, scale_inv, scaling, torch.bfloat16), layer.weight.detach()), \
+    assert torch.equal(UF.dequantize(q, scale_inv, scaling, torch.bfloat16), layer.weight.detach()), (
         "the unsharded weight is not the dequantised gathered (q, scale_inv)"
+    )
     x = T.rank_input(0, 16 * FSDP_HIDDEN, torch.float32, 40).view(16, FSDP_HIDDEN).to(device())
     xq, x_scale = COMM.quantize_fp8(x, scaling="row")
-    got = torch._scaled_mm(xq, q.t(), scale_a=x_scale.view(-1, 1), scale_b=scale_inv.view(1, -1),
-                           out_dtype=torch.bfloat16)
+    got = torch._scaled_mm(
+        xq, q.t(), scale_a=x_scale.view(-1, 1), scale_b=scale_inv.view(1, -1), out_dtype=torch.bfloat16
+    )
     xs = xq.double() * x_scale.double().view(-1, 1)
     ws = q.double() * scale_inv.double().view(-1, 1)
     want = xs @ ws.t()
-    bound = 2.0 ** -8 * want.abs() + FSDP_HIDDEN * 2.0 ** -24 * (xs.abs() @ ws.abs().t()) + 2.0 ** -133
+    bound = 2.0**-8 * want.abs() + FSDP_HIDDEN * 2.0**-24 * (xs.abs() @ ws.abs().t()) + 2.0**-133
     err = (got.double() - want).abs()
     assert not (err > bound).any(), f"_scaled_mm on the gathered FP8 weight: max err {err.max():.3g}"
     for m in model.modules():
@@ -1717,8 +1832,12 @@ def case_fsdp_fp8():
     (_fsdp_run's checks, the stale-scale probe included); on the emulator, each block's all-gather
     moves its q bytes plus its scale_inv bytes, about half of the bf16 all-gather's."""
     bf16 = _fsdp_run(None, steps=1)["traffic"]
-    for scaling, scale in (("row", None), ("shard", None), ("tensor", None),
-                           ("static", torch.tensor([0.02], device=device()))):
+    for scaling, scale in (
+        ("row", None),
+        ("shard", None),
+        ("tensor", None),
+        ("static", torch.tensor([0.02], device=device())),
+    ):
         fp8 = _fsdp_run(scaling, static_scale=scale)["traffic"]
         if MODE != "emulator":
             continue
@@ -1728,8 +1847,11 @@ def case_fsdp_fp8():
         scales = {"row": 2 * (FSDP_FFN + FSDP_HIDDEN) // n // 2 * 4, "shard": 2 * 4, "tensor": 2 * 4, "static": 2 * 4}
         blocks_fp8 = [t for t in fp8 if t[0] != FSDP_OUT * FSDP_HIDDEN * 2 // n]
         blocks_bf16 = [t for t in bf16 if t[0] != FSDP_OUT * FSDP_HIDDEN * 2 // n]
-        assert blocks_fp8 and all(nb == block_elems + scales[scaling] for nb, *_ in blocks_fp8), \
-            (scaling, [t[0] for t in blocks_fp8], block_elems + scales[scaling])
+        assert blocks_fp8 and all(nb == block_elems + scales[scaling] for nb, *_ in blocks_fp8), (
+            scaling,
+            [t[0] for t in blocks_fp8],
+            block_elems + scales[scaling],
+        )
         assert all(nb == 2 * block_elems for nb, *_ in blocks_bf16), [t[0] for t in blocks_bf16]
         for nbytes, t, path, _ in blocks_fp8:
             assert path == "allgather", path
@@ -1739,8 +1861,10 @@ def case_fsdp_fp8():
             grid = COMM._calls[("all_gather", nbytes, True)].launch.grid
             assert moved == nbytes + 24 * grid, (moved, nbytes, grid)
         ratio = blocks_fp8[0][0] / blocks_bf16[0][0]
-        log(f"fsdp fp8 {scaling}: a block's all-gather moves {blocks_fp8[0][0]} bytes per rank "
-            f"({block_elems} e4m3 + {scales[scaling]} scale_inv) against {blocks_bf16[0][0]} in bf16: {ratio:.3f}")
+        log(
+            f"fsdp fp8 {scaling}: a block's all-gather moves {blocks_fp8[0][0]} bytes per rank "
+            f"({block_elems} e4m3 + {scales[scaling]} scale_inv) against {blocks_bf16[0][0]} in bf16: {ratio:.3f}"
+        )
         assert ratio < 0.6, ratio
 
 
@@ -1780,8 +1904,12 @@ def case_fsdp_fp8_uneven():
     n = dist.get_world_size()
     assert 40 % n, "run this case where fc1's 40 rows do not divide among the ranks"
     padded = -(-40 // n)
-    for scaling, steps, scale in (("row", 2, None), ("tensor", 2, None), ("shard", 1, None),
-                                  ("static", 1, torch.tensor([0.02], device=device()))):
+    for scaling, steps, scale in (
+        ("row", 2, None),
+        ("tensor", 2, None),
+        ("shard", 1, None),
+        ("static", 1, torch.tensor([0.02], device=device())),
+    ):
         _assert_fsdp_kernels(_fsdp_run(scaling, steps=steps, static_scale=scale, stack=_fsdp_odd_stack))
         scales = COMM._calls.get(("all_gather", 4 * padded, False))
         if scaling == "row" and MODE != "torch":
@@ -1807,17 +1935,22 @@ def case_hsdp():
         assert comm.world_size == n // 2, comm
         _assert_fsdp_kernels(result)
         worst = result["worst"]
-        log(f"hsdp {scaling or 'bf16'}: max |grad - fp64| / max |grad| {worst['ubnext']:.3g} (ubnext shard "
-            f"reduce-scatter, then gloo's replica all-reduce); {worst['gloo_bf16']:.3g} (gloo for both)")
+        log(
+            f"hsdp {scaling or 'bf16'}: max |grad - fp64| / max |grad| {worst['ubnext']:.3g} (ubnext shard "
+            f"reduce-scatter, then gloo's replica all-reduce); {worst['gloo_bf16']:.3g} (gloo for both)"
+        )
         assert worst["ubnext"] <= worst["gloo_bf16"], worst
     real_host = _lifecycle.host_identity
     shards = n // 2
     for node_of, wanted in ((lambda r: r // shards, {"allgather", "reduce_scatter"}), (lambda r: r % 2, {"torch"})):
         _lifecycle.host_identity = lambda: f"node{node_of(rank)}/boot"  # noqa: B023 - called within the loop
         try:
-            result = _fsdp_run(None, steps=1, replicas=2,
-                               shard_comm=lambda group: ubnext.Communicator(group, emulate=MODE == "emulator",
-                                                                            max_hidden=4096))
+            result = _fsdp_run(
+                None,
+                steps=1,
+                replicas=2,
+                shard_comm=lambda group: ubnext.Communicator(group, emulate=MODE == "emulator", max_hidden=4096),
+            )
         finally:
             _lifecycle.host_identity = real_host
         paths = {path for _, _, path, _ in result["traffic"] + result["scatters"]}
@@ -1897,26 +2030,42 @@ def _tp_fsdp(model: torch.nn.Module, mesh, mp) -> torch.nn.Module:
     on each block and the root."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     tp = mesh["tp"]
-    parallelize_module(model, tp, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
     for layer in model.layers:
-        parallelize_module(layer, tp, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(
+            layer,
+            tp,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
     fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
@@ -1938,9 +2087,10 @@ def case_fsdp_tp():
         2^-40 max |g| for the fp64 computation's other summation order (the row-parallel layers add
         two partial sums: about K 2^-53 relative per reduction, K <= 64, four reductions deep)."""
     import torch.nn.functional as F
-    import ubnext.fsdp as UF
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import ubnext.fsdp as UF
 
     n, rank = dist.get_world_size(), dist.get_rank()
     assert n == 4, "TP=2 x FSDP=2: the bitwise claim and the bound below are those of a two-rank mean"
@@ -1956,7 +2106,8 @@ def case_fsdp_tp():
     u, tiny = T.UNIT_ROUNDOFF[torch.float32], T.TINY[torch.float32]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
     for step in range(2):
-        def batch(d):
+
+        def batch(d, step=step):
             gen = torch.Generator().manual_seed(1000 * step + d)
             return torch.randint(0, TP_VOCAB, (TP_BATCH, TP_SEQ + 1), generator=gen).to(device())
 
@@ -1985,15 +2136,16 @@ def case_fsdp_tp():
             ref_loss = loss_of(reference, batch(d))
             ref_loss.backward()
             if d == dp_rank:
-                assert abs(loss.item() - ref_loss.item()) <= 2.0 ** -40 * abs(ref_loss.item()), \
+                assert abs(loss.item() - ref_loss.item()) <= 2.0**-40 * abs(ref_loss.item()), (
                     f"step {step}: loss {loss.item()!r} against the unsharded {ref_loss.item()!r}"
+                )
             per_dp.append({k: p.grad.detach().cpu() for k, p in reference.named_parameters()})
         worst = 0.0
         for k, got in grads.items():
             g = [pd[k] for pd in per_dp]
             mean = torch.stack(g).mean(0)
             total = torch.stack(g).abs().sum(0)
-            bound = (u * total + u * (1 + u) * total) / len(g) + 2.0 ** -40 * float(mean.abs().max()) + tiny
+            bound = (u * total + u * (1 + u) * total) / len(g) + 2.0**-40 * float(mean.abs().max()) + tiny
             err = (got.double() - mean).abs()
             assert not (err > bound).any(), f"step {step}: {k} grad err {err.max():.3g} over its bound"
             worst = max(worst, float(err.max() / mean.abs().max()))
@@ -2012,10 +2164,11 @@ def case_fsdp_torchao():
     collectives: loss and gradients bitwise at each of two steps. At two ranks the runs can differ
     only in FSDP2's collectives, and these give the same bits: the all-gather moves the e4m3 bytes,
     and the fp32 mean of two gradients is one rounding of a + b (either order) and an exact halving."""
-    import ubnext.fsdp as UF
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    import ubnext.fsdp as UF
 
     n, rank = dist.get_world_size(), dist.get_rank()
     assert n == 2, "the bitwise claim is that of a two-rank mean"
@@ -2039,8 +2192,9 @@ def case_fsdp_torchao():
             """FSDP2's default all-gather of the e4m3 bytes: gloo has no float8 type ("Invalid scalar type")."""
 
             def __call__(self, output_tensor, input_tensor, group, async_op=False):
-                return super().__call__(output_tensor.view(torch.uint8), input_tensor.view(torch.uint8), group,
-                                        async_op)
+                return super().__call__(
+                    output_tensor.view(torch.uint8), input_tensor.view(torch.uint8), group, async_op
+                )
 
         for m in plain.modules():
             if hasattr(m, "set_custom_all_gather"):
@@ -2091,11 +2245,12 @@ def case_fsdp_checkpoint():
     import tempfile
 
     import torch.distributed.checkpoint as dcp
-    import ubnext.fsdp as UF
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
+
+    import ubnext.fsdp as UF
 
     n, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(device().type, (n,))
@@ -2139,8 +2294,9 @@ def case_fsdp_checkpoint():
 
     def assert_plain(state: dict, what: str):
         for k, v in state.items():
-            assert isinstance(v, DTensor) and type(v._local_tensor) is torch.Tensor, \
+            assert isinstance(v, DTensor) and type(v._local_tensor) is torch.Tensor, (
                 f"{what}: {k} is {type(v).__name__} over {type(getattr(v, '_local_tensor', v)).__name__}"
+            )
 
     def assert_fp8(model, what: str):
         """Every converted layer is still an FP8AllGatherWeight on COMM, and FSDP2 gathers it in FP8:
@@ -2156,8 +2312,9 @@ def case_fsdp_checkpoint():
         for name, scaling in fp8_layers.items():
             got = model.get_submodule(name).weight.detach()
             master = weights[name + ".weight"]
-            assert torch.equal(got.cpu(), _fsdp_effective(name, master, scaling, None, n)), \
+            assert torch.equal(got.cpu(), _fsdp_effective(name, master, scaling, None, n)), (
                 f"{what}: {name}'s gathered weight is not its FP8 round trip"
+            )
             assert not torch.equal(got.cpu(), master.to(torch.bfloat16)), f"{what}: {name} gathered in bf16"
         for m in fsdp_modules:
             m.reshard()
@@ -2176,8 +2333,9 @@ def case_fsdp_checkpoint():
     torch.save(state, os.path.join(path, f"rank{rank}.pt"))
     mine = torch.load(os.path.join(path, f"rank{rank}.pt"))
     assert_plain(mine, "torch.load")
-    assert_same({k: v._local_tensor for k, v in mine.items()}, {k: v._local_tensor for k, v in state.items()},
-                "torch.load")
+    assert_same(
+        {k: v._local_tensor for k, v in mine.items()}, {k: v._local_tensor for k, v in state.items()}, "torch.load"
+    )
     uninterrupted_loss = step(model, 2)
     uninterrupted = full(model)
 
@@ -2222,8 +2380,12 @@ def case_fsdp_checkpoint():
     assert_same(full_state, weights, "get_model_state_dict(full)")
     sharded = get_model_state_dict(model)
     assert_plain(sharded, "get_model_state_dict")
-    for target_fp8, given, options in ((True, full_state, full_opts), (True, sharded, None),
-                                      (False, full_state, full_opts), (False, sharded, None)):
+    for target_fp8, given, options in (
+        (True, full_state, full_opts),
+        (True, sharded, None),
+        (False, full_state, full_opts),
+        (False, sharded, None),
+    ):
         target = build(fp8=target_fp8)
         set_model_state_dict(target, given, options=options or StateDictOptions())
         what = f"set_model_state_dict({'full' if options else 'sharded'}) into a {'converted' if target_fp8 else 'plain'} model"
@@ -2267,9 +2429,13 @@ def case_linear():
         y.square().sum().backward()
         g_ref = 2 * ref
         assert (x.grad.double().cpu() - g_ref @ w_full[:, shard]).abs().max() < 1e-3, f"row {kind}: grad x"
-        assert (layer.weight.grad.double().cpu() - g_ref.t() @ x_full[:, shard]).abs().max() < 1e-3, f"row {kind}: grad w"
+        assert (layer.weight.grad.double().cpu() - g_ref.t() @ x_full[:, shard]).abs().max() < 1e-3, (
+            f"row {kind}: grad w"
+        )
     # fused: linear -> allreduce -> add -> RMSNorm, against an unfused fp64 reference
-    layer = Linear(fin, fout, parallel_mode="row", symmetric_ar_type="ubnext_add_rms", dtype=torch.float32, device=device())
+    layer = Linear(
+        fin, fout, parallel_mode="row", symmetric_ar_type="ubnext_add_rms", dtype=torch.float32, device=device()
+    )
     with torch.no_grad():
         layer.weight.copy_(w_full[:, shard])
         layer.bias.copy_(b_full)
@@ -2291,8 +2457,16 @@ def case_linear():
     assert (res.grad.double().cpu() - rr.grad).abs().max() < 1e-3, "fused: grad residual"
     assert (layer.norm_weight.grad.double().cpu() - wn.grad).abs().max() < 1e-3, "fused: grad norm weight"
     # quant= (issue 28): the same layer's block-scaled output is quantize of its normed output, bitwise
-    qlayer = Linear(fin, fout, parallel_mode="row", symmetric_ar_type="ubnext_add_rms", dtype=torch.float32,
-                    device=device(), quant="nvfp4", quant_swizzled=True)
+    qlayer = Linear(
+        fin,
+        fout,
+        parallel_mode="row",
+        symmetric_ar_type="ubnext_add_rms",
+        dtype=torch.float32,
+        device=device(),
+        quant="nvfp4",
+        quant_swizzled=True,
+    )
     qlayer.load_state_dict(layer.state_dict())
     with torch.no_grad():
         normed, res_out = layer(x, res)
@@ -2343,27 +2517,34 @@ def case_linear_dense():
     for kind in (None, "ubnext"):
         col = Linear.from_dense(dense32, parallel_mode="column", symmetric_ar_type=kind, device=device())
         assert col.comm is ubnext.get_communicator() and col.last_path is None
-        assert torch.equal(col.weight.cpu(), dense.weight.float()[rank * 8:(rank + 1) * 8])
+        assert torch.equal(col.weight.cpu(), dense.weight.float()[rank * 8 : (rank + 1) * 8])
         x = x_full.float().to(device()).requires_grad_()
         y = col(x)
-        ref = (x_full @ dense.weight.detach().t() + dense.bias.detach())[:, rank * 8:(rank + 1) * 8]
+        ref = (x_full @ dense.weight.detach().t() + dense.bias.detach())[:, rank * 8 : (rank + 1) * 8]
         assert (y.double().cpu() - ref).abs().max() < 1e-4, f"column {kind}: forward"
         y.square().sum().backward()
         # the input gradient sums every rank's shard: 2 * (full output) @ W
         full_out = x_full @ dense.weight.detach().t() + dense.bias.detach()
-        assert (x.grad.double().cpu() - 2 * full_out @ dense.weight.detach()).abs().max() < 1e-3, f"column {kind}: grad x"
+        assert (x.grad.double().cpu() - 2 * full_out @ dense.weight.detach()).abs().max() < 1e-3, (
+            f"column {kind}: grad x"
+        )
         assert col.last_path == ("torch" if kind is None else expected_path), (kind, col.last_path)
         paths = gather(col.last_path)
         assert len(set(paths)) == 1, paths
     row = Linear.from_dense(dense32, parallel_mode="row", symmetric_ar_type="ubnext", device=device())
     shard = slice(rank * fin // n, (rank + 1) * fin // n)
-    assert torch.equal(row.weight.cpu(), dense.weight.float()[:, shard]) and torch.equal(row.bias.cpu(), dense.bias.float())
+    assert torch.equal(row.weight.cpu(), dense.weight.float()[:, shard]) and torch.equal(
+        row.bias.cpu(), dense.bias.float()
+    )
     y = row(x_full[:, shard].float().to(device()))
     assert (y.double().cpu() - (x_full @ dense.weight.detach().t() + dense.bias.detach())).abs().max() < 1e-4
     assert row.last_path == expected_path, row.last_path
     expect_error(ValueError, lambda: row.shard_of(torch.ones(3, 3)), "expected a dense tensor")
-    expect_error(ValueError, lambda: Linear.from_dense(dense32, parallel_mode="column", symmetric_ar_type="ubnext_add_rms"),
-                 "applies to parallel_mode='row' only")
+    expect_error(
+        ValueError,
+        lambda: Linear.from_dense(dense32, parallel_mode="column", symmetric_ar_type="ubnext_add_rms"),
+        "applies to parallel_mode='row' only",
+    )
     # parallelize_module's styles: the dense weights come from src_data_rank (0), whatever the
     # other ranks hold; the module keeps its training mode and requires_grad; hooks are refused
     from torch.distributed.device_mesh import DeviceMesh
@@ -2379,7 +2560,7 @@ def case_linear_dense():
     rank0_weight = gather(m.up.weight.detach().clone())[0]
     mesh = DeviceMesh.from_group(dist.group.WORLD, device().type)
     parallelize_module(m.to(device()), mesh, {"up": ColwiseParallel()})
-    assert isinstance(m.up, Linear) and torch.equal(m.up.weight.cpu(), rank0_weight[rank * 8:(rank + 1) * 8])
+    assert isinstance(m.up, Linear) and torch.equal(m.up.weight.cpu(), rank0_weight[rank * 8 : (rank + 1) * 8])
     assert not m.up.training and not m.up.bias.requires_grad and m.up.weight.requires_grad
     hooked = torch.nn.Sequential()
     hooked.add_module("up", torch.nn.Linear(fin, fout).to(device()))
@@ -2496,7 +2677,7 @@ def case_divergent():
     for agreed in (True, False):
         for algo in ("twoshot", "nvls_twoshot", "nvls", "auto"):
             comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo)
-            comm.pool  # collective creation before the ranks' histories diverge
+            _ = comm.pool  # collective creation before the ranks' histories diverge
             if agreed:
                 if rank == 0:
                     gc.disable()
@@ -2623,8 +2804,10 @@ def case_mismatch():
     def fused(tokens, hidden, eps=1e-6):
         def call(comm):
             x = torch.ones(tokens, hidden, dtype=torch.bfloat16, device=device())
-            return comm.all_reduce_add_rmsnorm(x, torch.zeros_like(x), torch.ones(hidden, dtype=x.dtype,
-                                                                                     device=device()), eps)
+            return comm.all_reduce_add_rmsnorm(
+                x, torch.zeros_like(x), torch.ones(hidden, dtype=x.dtype, device=device()), eps
+            )
+
         return call
 
     variants = {  # what differs: (rank 0's call, the other ranks' call, the field the error names)
@@ -2640,13 +2823,22 @@ def case_mismatch():
         # (path, batch-invariant mode): the mode's plain nvls_lamport is its push form, whose headers
         # travel in the Lamport buffer (csrc/kernels/nvls.cu); its fused rows are the barrier form, so a
         # fused call against a plain one there is two protocols, which end in the timeout instead
-        for algo, invariant in (("lamport", False), ("twoshot", False), ("nvls_twoshot", False),
-                                ("nvls_lamport", False), ("nvls_oneshot", False), ("nvls_lamport", True)):
+        for algo, invariant in (
+            ("lamport", False),
+            ("twoshot", False),
+            ("nvls_twoshot", False),
+            ("nvls_lamport", False),
+            ("nvls_oneshot", False),
+            ("nvls_lamport", True),
+        ):
             for what, (first, other, field) in variants.items():
-                if (algo == "nvls_oneshot" and what in ("hidden", "op", "eps")) or (invariant and what in ("hidden", "op")):
+                if (algo == "nvls_oneshot" and what in ("hidden", "op", "eps")) or (
+                    invariant and what in ("hidden", "op")
+                ):
                     continue  # never fused (its ranks may differ in the last bits), or fused: another form
-                comm = ubnext.Communicator(emulate=MODE == "emulator", max_hidden=4096, algo=algo,
-                                           batch_invariant=invariant)
+                comm = ubnext.Communicator(
+                    emulate=MODE == "emulator", max_hidden=4096, algo=algo, batch_invariant=invariant
+                )
                 plain(torch.bfloat16, 1024)(comm)  # every rank alike: creates the pool
                 # every rank out of that call before any makes the mismatched one: the abort it causes
                 # is sticky, so a rank still inside the call before (descheduled; its peers were free to
@@ -2699,8 +2891,13 @@ def check_debug_compares_fused_values():
     fp8 = dict(out_dtype=torch.float8_e4m3fn, scale=torch.tensor([0.5], device=device()))
     cases = {  # what rank 0 passes differently -> (rank 0's arguments, the others', what the error shows)
         "eps": ((residual, weight, 1e-5), (residual, weight, 1e-6), {}, {}, "rank 0: 1e-05, rank 1: 1e-06"),
-        "static FP8 scale": ((residual, weight, 1e-6), (residual, weight, 1e-6),
-                             dict(fp8, scale=torch.tensor([0.25], device=device())), fp8, "rank 0: 0.25, rank 1: 0.5"),
+        "static FP8 scale": (
+            (residual, weight, 1e-6),
+            (residual, weight, 1e-6),
+            dict(fp8, scale=torch.tensor([0.25], device=device())),
+            fp8,
+            "rank 0: 0.25, rank 1: 0.5",
+        ),
         "residual": ((swapped, weight, 1e-6), (residual, weight, 1e-6), {}, {}, "checksums of its bits: rank 0: "),
         "weight": ((residual, 2 * weight, 1e-6), (residual, weight, 1e-6), {}, {}, "checksums of its bits: rank 0: "),
     }
@@ -2832,12 +3029,19 @@ def case_setup_settings():
         "UBNEXT_EMU_GRID": ("4", "2"),
         "UBNEXT_SYMM_POOL_SIZE": ("32", "64"),
     }
-    trials = [({name: values[0 if rank == 0 else 1]}, [f"{name}={values[0]}", f"{name}={values[1]}"])
-              for name, values in per_rank.items()]
-    trials.append(({"UBNEXT_MAX_BATCH": per_rank["UBNEXT_MAX_BATCH"][rank != 0],
-                    "UBNEXT_EMU_MULTICAST": "1" if rank == 0 else "0"},
-                   ["UBNEXT_MAX_BATCH=64", "UBNEXT_MAX_BATCH=32", "UBNEXT_EMU_MULTICAST=True",
-                    "UBNEXT_EMU_MULTICAST=False"]))
+    trials = [
+        ({name: values[0 if rank == 0 else 1]}, [f"{name}={values[0]}", f"{name}={values[1]}"])
+        for name, values in per_rank.items()
+    ]
+    trials.append(
+        (
+            {
+                "UBNEXT_MAX_BATCH": per_rank["UBNEXT_MAX_BATCH"][rank != 0],
+                "UBNEXT_EMU_MULTICAST": "1" if rank == 0 else "0",
+            },
+            ["UBNEXT_MAX_BATCH=64", "UBNEXT_MAX_BATCH=32", "UBNEXT_EMU_MULTICAST=True", "UBNEXT_EMU_MULTICAST=False"],
+        )
+    )
     trials.append(({}, ["Communicator(algo='lamport')", "Communicator(algo='twoshot')"]))
     with kernel_timeout(60.0):
         for env, named in trials:
@@ -3000,8 +3204,14 @@ def _uneven_history_calls(comm, n, rank, algo, stats):
 
 
 # the torch.distributed calls that make the host wait for the other ranks (issue 25 item 2)
-HOST_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
-                    "monitored_barrier")
+HOST_COLLECTIVES = (
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "barrier",
+    "monitored_barrier",
+)
 
 
 @contextlib.contextmanager
@@ -3015,6 +3225,7 @@ def counting_host_collectives():
         def call(*args, **kwargs):
             called.append(name)
             return fn(*args, **kwargs)
+
         return call
 
     for name, fn in saved.items():
@@ -3088,9 +3299,10 @@ def case_fsdp_steady():
     buffers, and no call aborts."""
     import gc
 
-    import ubnext.fsdp as UF
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import ubnext.fsdp as UF
 
     if MODE == "torch":
         return
@@ -3140,7 +3352,9 @@ def case_misaligned():
                 p.copy_(inputs[dist.get_rank()])
                 COMM.all_reduce(p, out=p)
                 err = (p.double().cpu() - T.reference_sum(inputs)).abs()
-                assert (err <= T.allreduce_bound(inputs, dtype)).all(), f"{COMM.last_path} in place on a misaligned pool view"
+                assert (err <= T.allreduce_bound(inputs, dtype)).all(), (
+                    f"{COMM.last_path} in place on a misaligned pool view"
+                )
                 if path == "nvls_oneshot":
                     continue
                 check_fused(3, 256, dtype, seed=7, misalign=True)
@@ -3181,8 +3395,8 @@ def case_misaligned_unstaged():
 def case_kernel_failure():
     """A rank that cannot build or load the kernels sends every rank to the torch path, agreed,
     with the cause logged; the sums stay right."""
-    from ubnext.runtime import _emu
     from ubnext import kernels
+    from ubnext.runtime import _emu
 
     if MODE == "torch":
         return
@@ -3245,7 +3459,9 @@ def case_compile():
                 got, want = compiled(x, r, w), fn(x, r, w)
                 for i, (g, e) in enumerate(zip(got, want)):
                     assert torch.equal(g, e), f"{fn.__name__} {backend} tokens={tokens} output {i}: compiled != eager"
-            assert counter.frame_count == 1, f"{fn.__name__} {backend}: {counter.frame_count} compiles for 3 token counts"
+            assert counter.frame_count == 1, (
+                f"{fn.__name__} {backend}: {counter.frame_count} compiles for 3 token counts"
+            )
             explanation = torch._dynamo.explain(fn)(x, r, w)
             assert explanation.graph_break_count == 0, explanation.break_reasons
 
@@ -3254,7 +3470,9 @@ def case_compile():
         layer = Linear(hidden * 2, hidden, parallel_mode="row", symmetric_ar_type=kind, device=device())
         torch._dynamo.reset()
         compiled = torch.compile(layer, fullgraph=True)
-        x = torch.randn(8, hidden * 2 // dist.get_world_size(), generator=torch.Generator().manual_seed(rank)).to(device())
+        x = torch.randn(8, hidden * 2 // dist.get_world_size(), generator=torch.Generator().manual_seed(rank)).to(
+            device()
+        )
         args = (x, torch.randn(8, hidden).to(device())) if kind == "ubnext_add_rms" else (x,)
         with torch.no_grad():
             got, want = compiled(*args), layer(*args)
@@ -3378,9 +3596,13 @@ def case_torch_symm_prefill():
     if MODE != "gpu":
         return
     comm = ubnext.Communicator(max_hidden=1024, algo="torch_symm")
-    for dtype, numel, want in ((torch.bfloat16, 1 << 20, "torch_symm"), (torch.float16, 1 << 20, "torch"),
-                               (torch.bfloat16, (1 << 20) + 1, "torch"), (torch.float32, 777_777, "torch_symm"),
-                               (torch.bfloat16, 3 << 19, "torch_symm")):
+    for dtype, numel, want in (
+        (torch.bfloat16, 1 << 20, "torch_symm"),
+        (torch.float16, 1 << 20, "torch"),
+        (torch.bfloat16, (1 << 20) + 1, "torch"),
+        (torch.float32, 777_777, "torch_symm"),
+        (torch.bfloat16, 3 << 19, "torch_symm"),
+    ):
         _check_sum(comm, numel=numel, dtype=dtype, seed=numel % 97, what=f"torch_symm {dtype} {numel}")
         if comm.pool_stats()["backend"] == "torch_symm":
             assert comm.last_path == want, (dtype, numel, comm.last_path)
@@ -3461,6 +3683,7 @@ def case_threads():
                 _check_sum(COMM, what=f"from a thread, {algo}")
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+
     t = threading.Thread(target=work)
     t.start()
     t.join()
@@ -3497,6 +3720,7 @@ def case_capture_first_use():
     the same call captures and replays."""
     if MODE != "gpu":
         return
+
     def refused_inside_capture(first_use, what: str) -> None:
         try:
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
@@ -3552,8 +3776,9 @@ def case_device_mix():
             msg = str(exc)
         else:
             raise AssertionError(f"{name} on the CPU beside CUDA tensors was accepted")
-        assert msg.startswith(name.strip() + " ") and "cpu" in msg and ("cuda" in msg or "x's device" in msg), \
+        assert msg.startswith(name.strip() + " ") and "cpu" in msg and ("cuda" in msg or "x's device" in msg), (
             f"{name}: {msg}"
+        )
     comm.close()
 
 

@@ -25,4 +25,3 @@ def build(directory: Path) -> Path:
         subprocess.run([cc, "-O2", "-shared", "-fPIC", "-Wall", "-o", str(tmp), str(SOURCE), "-ldl"], check=True)
         tmp.replace(target)  # atomic: a concurrent build never leaves a half-written library
     return directory
-

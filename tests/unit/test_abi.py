@@ -9,17 +9,23 @@ import pytest
 from ubnext import errors, kernels, pool
 
 # the descriptor by value: 256 bytes, 8-byte aligned (its u64 fields), as the launcher lays it out
-PTX_KIND = {"ptr": {".u64", ".b64"}, "i32": {".u32", ".s32", ".b32"}, "f32": {".f32"},
-            "desc": {f".align 8 .b8 [{pool.DESC_STRUCT_BYTES}]"}}
+PTX_KIND = {
+    "ptr": {".u64", ".b64"},
+    "i32": {".u32", ".s32", ".b32"},
+    "f32": {".f32"},
+    "desc": {f".align 8 .b8 [{pool.DESC_STRUCT_BYTES}]"},
+}
 ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
 PARAM = re.compile(r"\.param\s+(?:(\.align\s+\d+)\s+)?(\.\w+)(?:\s+\.ptr[^ ]*)*(?:\s+\.align\s+\d+)?\s+\w+(\[\d+\])?")
 
 
 def _entries(ptx: str) -> dict[str, list[str]]:
     """Each .entry's parameters as their PTX types: ".u64", or ".align 8 .b8 [256]" for a struct."""
+
     def kind(p):
         align, type_, array = p.groups()
         return f"{align} {type_} {array}" if array else type_
+
     return {m.group(1): [kind(p) for p in PARAM.finditer(m.group(2))] for m in ENTRY.finditer(ptx)}
 
 
@@ -32,7 +38,9 @@ def test_entry_parameters_match_launcher(fname):
     for name in expected_names:
         assert name in entries, f"{fname} has no .entry {name}"
         params = entries[name]
-        assert len(params) == len(kernels.KERNEL_SIGNATURE), f"{name}: {len(params)} params, launcher passes {len(kernels.KERNEL_SIGNATURE)}"
+        assert len(params) == len(kernels.KERNEL_SIGNATURE), (
+            f"{name}: {len(params)} params, launcher passes {len(kernels.KERNEL_SIGNATURE)}"
+        )
         for (arg, kind), ptx_type in zip(kernels.KERNEL_SIGNATURE, params):
             assert ptx_type in PTX_KIND[kind], f"{name}: parameter {arg} is {ptx_type} in PTX, launcher passes {kind}"
 
@@ -63,15 +71,23 @@ def test_descriptor_field_order_matches_header():
     for flag in ("FUSED_NORM", "FP8_STATIC", "FP8_PER_TOKEN", "MULTICAST"):
         assert f"#define UBNEXT_F_{flag} {getattr(kernels, 'F_' + flag)}" in text
     assert f"#define UBNEXT_F_RANK_ORDER {kernels.F_RANK_ORDER:#x}" in text
-    assert kernels.F_RANK_ORDER <= 0xffff, "the call headers compare the low 16 flag bits only"
+    assert kernels.F_RANK_ORDER <= 0xFFFF, "the call headers compare the low 16 flag bits only"
     for flag in ("FMT_MASK", "NVFP4", "MXFP8", "GROUP128", "SWIZZLED", "UE8M0"):
         value = getattr(kernels, "F_BLOCK_" + flag)
         assert f"#define UBNEXT_F_BLOCK_{flag} {value:#x}" in text, flag
-        assert value <= 0xffff, "the call headers compare the low 16 flag bits only"
-    packed = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=6, mc_base=7,
-                            layout=pool.PoolLayout(2, 4096, 8192), peer_bases=[100, 200])
+        assert value <= 0xFFFF, "the call headers compare the low 16 flag bits only"
+    packed = pool.pack_desc(
+        rank=1,
+        nranks=2,
+        timeout_ns=5,
+        err_ptr=6,
+        mc_base=7,
+        layout=pool.PoolLayout(2, 4096, 8192),
+        peer_bases=[100, 200],
+    )
     assert len(packed) == pool.DESC_STRUCT_BYTES == 8 * (16 + pool.MAX_RANKS) <= pool.DESC_BYTES
     from ubnext.runtime import _emu
+
     assert _emu.DESC_BYTES == pool.DESC_STRUCT_BYTES  # the emulator binding passes as many bytes by value
 
 

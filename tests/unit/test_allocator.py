@@ -7,10 +7,10 @@ from ubnext.pool.allocator import Allocator, NoRoom
 
 def _check_invariants(a: Allocator, live: dict[int, int]):
     spans = sorted(live.items())
-    for (o1, e1), (o2, _) in zip(spans, spans[1:]):
+    for (_, e1), (o2, _) in zip(spans, spans[1:]):
         assert e1 <= o2, "live allocations overlap"
     free = a.free_ranges()
-    for (s1, e1), (s2, _) in zip(free, free[1:]):
+    for (_, e1), (s2, _) in zip(free, free[1:]):
         assert e1 < s2, "adjacent free ranges were not coalesced"
     # free + live cover the arena exactly once (alignment padding is free space)
     covered = sum(e - s for s, e in free) + sum(e - o for o, e in spans)
@@ -53,12 +53,13 @@ def test_deterministic_offsets():
         a.free(out[0])
         out.append(a.alloc(50))
         return out
+
     assert run() == run()
 
 
 def test_first_fit_reuses_hole():
     a = Allocator(0, 4096)
-    x, y, z = a.alloc(1024), a.alloc(1024), a.alloc(1024)
+    _, y, _ = a.alloc(1024), a.alloc(1024), a.alloc(1024)
     a.free(y)
     assert a.alloc(512) == y
 
@@ -98,6 +99,7 @@ def test_largest_free_counts_the_alignment():
 
 # ---------------------------------------------------------------------------- the ring (eager arena)
 
+
 def test_ring_places_by_the_sequence_of_allocations_whatever_the_frees():
     """Two ranks allocate the same sequence; one frees each buffer at once, the other only much
     later (its garbage collector has not run): the offsets are the same."""
@@ -122,9 +124,9 @@ def test_ring_collects_before_it_skips_and_skips_what_is_still_held():
 
     garbage: list[int] = []
     ring = RingAllocator(0, 4096, collect=lambda: [ring.free(o) for o in garbage] and garbage.clear())
-    held = ring.alloc(1024)             # [0, 1024): held for good
-    assert ring.alloc(2048) == 1024      # [1024, 3072)
-    garbage.append(1024)                 # dropped, but only the collector would free it
+    held = ring.alloc(1024)  # [0, 1024): held for good
+    assert ring.alloc(2048) == 1024  # [1024, 3072)
+    garbage.append(1024)  # dropped, but only the collector would free it
     calls = []
     ring._collect = lambda: (calls.append(1), [ring.free(o) for o in garbage], garbage.clear())
     # 2048 does not fit in [3072, 4096): back to the base, where [0, 1024) is held and [1024, 3072)

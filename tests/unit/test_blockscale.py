@@ -12,8 +12,14 @@ import math
 import pytest
 import torch
 
-from ubnext.reference._blockscale import (E8M0, check_quantize_block_args, output_specs, quantize_reference, swizzled_count,
-                                to_blocked)
+from ubnext.reference._blockscale import (
+    E8M0,
+    check_quantize_block_args,
+    output_specs,
+    quantize_reference,
+    swizzled_count,
+    to_blocked,
+)
 from ubnext.reference._checks import FP8, FP8_MAX, quantize_fp8_reference
 
 nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")

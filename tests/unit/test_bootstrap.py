@@ -10,13 +10,13 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
-
-pytestmark = pytest.mark.filterwarnings("ignore:Attempted to get default timeout:UserWarning")
 import torch
 import torch.distributed as dist
 
 import ubnext.runtime._cuda
 from ubnext.runtime import _lifecycle
+
+pytestmark = pytest.mark.filterwarnings("ignore:Attempted to get default timeout:UserWarning")
 
 
 class Recorded(Exception):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ubnext.runtime import _cuda, _filelock
 from ubnext import kernels
 from ubnext.kernels.__main__ import main as kernels_main
+from ubnext.runtime import _cuda, _filelock
 
 
 def test_lock_wait_is_bounded_and_names_the_holder(tmp_path):
@@ -50,8 +50,10 @@ def test_ranks_that_miss_the_cache_together_compile_once(tmp_path, monkeypatch, 
     monkeypatch.setattr(kernels, "nvrtc_version", lambda: "13.0")
     monkeypatch.setattr(kernels, "_nvrtc_images", slow_compile)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(kernels.compile_kernels("lamport.cu", "sm_90")))
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: results.append(kernels.compile_kernels("lamport.cu", "sm_90")))
+        for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -63,10 +65,18 @@ def test_ranks_that_miss_the_cache_together_compile_once(tmp_path, monkeypatch, 
     assert kernels.compile_ptx("lamport.cu", "sm_90") == "PTXlamport.cu" and compiles == ["lamport.cu"]
 
 
-@pytest.mark.parametrize("driver_cuda,nvrtc_major,ok", [
-    (13000, 13, True), (13020, 13, True), (12080, 13, False), (12020, 13, False),
-    (12020, 12, True), (13000, 12, True), (11080, 12, False),
-])
+@pytest.mark.parametrize(
+    "driver_cuda,nvrtc_major,ok",
+    [
+        (13000, 13, True),
+        (13020, 13, True),
+        (12080, 13, False),
+        (12020, 13, False),
+        (12020, 12, True),
+        (13000, 12, True),
+        (11080, 12, False),
+    ],
+)
 def test_driver_check(driver_cuda, nvrtc_major, ok):
     problem = _cuda.driver_problem(driver_cuda, nvrtc_major)
     assert (problem is None) == ok, problem
@@ -86,6 +96,7 @@ def test_old_driver_refuses_before_any_load(monkeypatch):
 
 
 # --- the cache key -------------------------------------------------------------------------------
+
 
 def _checkout(csrc: Path, cuda: Path, monkeypatch) -> None:
     """Point the key computation at csrc and CUDA headers in other places (another checkout and
@@ -116,8 +127,11 @@ def test_the_cache_key_is_the_same_in_another_checkout(two_checkouts, tmp_path, 
     monkeypatch.setenv("UBNEXT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "nvrtc_version", lambda: "13.0")
     compiles = []
-    monkeypatch.setattr(kernels, "_nvrtc_images", lambda fname, arch, wants, defines=():
-                        (compiles.append(fname) or {w: b"image" for w in wants}, ""))
+    monkeypatch.setattr(
+        kernels,
+        "_nvrtc_images",
+        lambda fname, arch, wants, defines=(): (compiles.append(fname) or {w: b"image" for w in wants}, ""),
+    )
     (csrc_a, cuda_a), (csrc_b, cuda_b) = two_checkouts
     _checkout(csrc_a, cuda_a, monkeypatch)
     key_a = kernels._cache_key("lamport.cu", "sm_90")
@@ -146,8 +160,11 @@ def _headers_with(tmp_path: Path, cuda: Path, changed: str) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("header,used", [("cuda_bf16.hpp", True), ("nv/target", True), ("cuda_fp4.h", False)],
-                         ids=["included-by-an-included-header", "angle-include-in-a-subfolder", "not-included"])
+@pytest.mark.parametrize(
+    "header,used",
+    [("cuda_bf16.hpp", True), ("nv/target", True), ("cuda_fp4.h", False)],
+    ids=["included-by-an-included-header", "angle-include-in-a-subfolder", "not-included"],
+)
 def test_the_cache_key_follows_the_cuda_headers_content(two_checkouts, tmp_path, monkeypatch, header, used):
     """A change in a CUDA header that the kernels include (directly or through another header)
     changes the key; a change in one they never include does not."""
@@ -175,13 +192,17 @@ def test_the_cache_key_follows_the_sources_and_the_nvrtc_version(two_checkouts, 
 
 # --- carried cubins ------------------------------------------------------------------------------
 
+
 def _fake_nvrtc(compiles: list):
     """NVRTC's stand-in: an image naming the file and arch, and a ptxas log for each kernel."""
 
     def images(fname, arch, wants, defines=()):
         compiles.append((fname, arch))
-        log = "".join(f"ptxas info    : Compiling entry function '{name}' for '{arch}'\n"
-                      f"ptxas info    : Used 40 registers, used 1 barriers\n" for name in kernels.sources()[fname])
+        log = "".join(
+            f"ptxas info    : Compiling entry function '{name}' for '{arch}'\n"
+            f"ptxas info    : Used 40 registers, used 1 barriers\n"
+            for name in kernels.sources()[fname]
+        )
         return {want: f"{want} of {fname} for {arch}".encode() for want in wants}, log
 
     return images

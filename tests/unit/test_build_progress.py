@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ubnext.runtime import _build_progress, _emu
 from ubnext import envs, kernels
+from ubnext.runtime import _build_progress, _emu
 
 
 def _progress(caplog) -> list[str]:
@@ -18,7 +18,9 @@ def _progress(caplog) -> list[str]:
 
 def test_the_emulator_build_says_what_where_and_how_long(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("UBNEXT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_emu, "_compile", lambda cxx, flags, sources, workdir, out, objects: Path(out).write_bytes(b"lib"))
+    monkeypatch.setattr(
+        _emu, "_compile", lambda cxx, flags, sources, workdir, out, objects: Path(out).write_bytes(b"lib")
+    )
     lib = _emu.build()
     start, end = _progress(caplog)
     assert start.startswith("building the CPU emulator library into ") and str(lib) in start
@@ -30,8 +32,9 @@ def test_the_emulator_build_says_what_where_and_how_long(tmp_path, monkeypatch, 
 def test_a_kernel_compile_says_what_where_and_how_long(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("UBNEXT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "nvrtc_version", lambda: "13.0")
-    monkeypatch.setattr(kernels, "_nvrtc_images", lambda fname, arch, wants, defines=(): (
-        {want: want.encode() for want in wants}, ""))
+    monkeypatch.setattr(
+        kernels, "_nvrtc_images", lambda fname, arch, wants, defines=(): ({want: want.encode() for want in wants}, "")
+    )
     kernels.compile_kernels("lamport.cu", "sm_90")
     start, end = _progress(caplog)
     assert start.startswith("building the kernels of lamport.cu for sm_90 (NVRTC 13.0) into ")

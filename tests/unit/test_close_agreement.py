@@ -97,6 +97,7 @@ def _close_in_threads(comms, delays):
             outcomes[i] = "ok"
         except Exception as exc:  # noqa: BLE001 - compared by the test
             outcomes[i] = exc
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(comms))]
     for t in threads:
         t.start()
@@ -122,8 +123,11 @@ def test_close_gives_up_after_the_bound_naming_the_missing_rank(store):
     pool = _Pool()
     comm = _rank(0, pool)
     start = time.monotonic()
-    with pytest.raises(UbnextTimeoutError, match=r"while closing the communicator, rank 0 waited 0.4 s for "
-                                                 r"rank\(s\) \[1\] of the group, which never reached it"):
+    with pytest.raises(
+        UbnextTimeoutError,
+        match=r"while closing the communicator, rank 0 waited 0.4 s for "
+        r"rank\(s\) \[1\] of the group, which never reached it",
+    ):
         comm.close()
     took = time.monotonic() - start
     assert BOUND_S <= took < BOUND_S + 5, f"the close took {took:.2f} s for a bound of {BOUND_S} s"

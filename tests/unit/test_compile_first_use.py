@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import ubnext
-from ubnext.runtime import _lifecycle
 from ubnext.errors import UbnextError
+from ubnext.runtime import _lifecycle
 
 
 def _bootstrap_reached():
@@ -33,6 +33,7 @@ def test_compiled_all_reduce_before_any_communicator_names_get_communicator(monk
 def test_making_a_communicator_while_compiling_is_refused(monkeypatch):
     """An initialised group whose communicator does not exist yet (get_communicator() inside the
     compiled function): refused before the Communicator is constructed."""
+
     class Group:
         group_name = "never_set_up"
 
@@ -42,5 +43,7 @@ def test_making_a_communicator_while_compiling_is_refused(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(_lifecycle, "communicator_class", construct)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with pytest.raises(UbnextError, match=r"'never_set_up' has no ubnext communicator yet.*ubnext\.get_communicator\(\)"):
+    with pytest.raises(
+        UbnextError, match=r"'never_set_up' has no ubnext communicator yet.*ubnext\.get_communicator\(\)"
+    ):
         _lifecycle.communicator_of(Group())

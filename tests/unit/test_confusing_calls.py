@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 
 import ubnext
-from ubnext.comm import _executor
 from ubnext import errors, kernels
+from ubnext.comm import Communicator, _executor
 from ubnext.runtime import _lifecycle
-from ubnext.comm import Communicator
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +30,7 @@ def world():
 
 
 # -- C1: the mismatch error names the call's output form, and speaks of offsets only for an offset --
+
 
 def _mismatch(field: int, mine: int, theirs: int) -> str:
     return str(errors.kernel_error([errors.ERR_MISMATCH, 4, 0, 1, field, mine, theirs, 0], 5.0, 0))
@@ -60,17 +60,28 @@ def test_every_flag_has_a_name():
         names = errors._flag_names(value)
         assert names and not any("unknown" in n for n in names), (name, names)
     assert errors._flag_names(0x100) == ["unknown flags 0x100"]
-    swizzled = errors._flag_names(kernels.F_FUSED_NORM | kernels.F_BLOCK_GROUP128 | kernels.F_BLOCK_SWIZZLED
-                                  | kernels.F_BLOCK_UE8M0 | kernels.F_RANK_ORDER)
-    assert swizzled == ["fused add+RMSNorm", "FP8 group-128 output", "swizzled scales", "ue8m0 scales",
-                        "rank-order sum (batch-invariant)"]
+    swizzled = errors._flag_names(
+        kernels.F_FUSED_NORM
+        | kernels.F_BLOCK_GROUP128
+        | kernels.F_BLOCK_SWIZZLED
+        | kernels.F_BLOCK_UE8M0
+        | kernels.F_RANK_ORDER
+    )
+    assert swizzled == [
+        "fused add+RMSNorm",
+        "FP8 group-128 output",
+        "swizzled scales",
+        "ue8m0 scales",
+        "rank-order sum (batch-invariant)",
+    ]
 
 
 OFFSETS = "same offset on every rank"
 
 
-@pytest.mark.parametrize("field,mine,theirs", [(0, _kind(1), _kind(0x21)), (1, 1024, 2048), (2, 4096, 8192),
-                                               (4, 0x3727C5AC, 0x358637BD)])
+@pytest.mark.parametrize(
+    "field,mine,theirs", [(0, _kind(1), _kind(0x21)), (1, 1024, 2048), (2, 4096, 8192), (4, 0x3727C5AC, 0x358637BD)]
+)
 def test_the_offsets_sentence_is_left_out_where_offsets_do_not_matter(field, mine, theirs):
     message = _mismatch(field, mine, theirs)
     assert OFFSETS not in message and "every rank must make the same calls with the same arguments" in message
@@ -83,17 +94,22 @@ def test_an_offset_mismatch_says_how_pool_tensors_get_the_same_offset():
 
 # -- C8: a rank outside the group --
 
+
 def test_a_rank_outside_the_group_is_told_so(world):
     """torch.distributed.new_group gives a non-member GroupMember.NON_GROUP_MEMBER, an int: it used to
     end in "'int' object has no attribute 'group_name'"."""
     outside = dist.GroupMember.NON_GROUP_MEMBER
-    for call in (lambda: Communicator(outside, emulate=False), lambda: ubnext.get_communicator(outside),
-                 lambda: ubnext.all_reduce(torch.ones(4), outside)):
+    for call in (
+        lambda: Communicator(outside, emulate=False),
+        lambda: ubnext.get_communicator(outside),
+        lambda: ubnext.all_reduce(torch.ones(4), outside),
+    ):
         with pytest.raises(ValueError, match="rank 0 is not a member of this group .*only on the group's ranks"):
             call()
 
 
 # -- C9: torch.distributed habits --
+
 
 def test_a_reduce_op_in_the_group_place_gets_the_signature(world):
     with pytest.raises(TypeError) as info:
@@ -104,8 +120,11 @@ def test_a_reduce_op_in_the_group_place_gets_the_signature(world):
 
 
 def test_something_that_is_no_group_gets_the_signature(world):
-    with pytest.raises(TypeError, match=r"^ubnext\.all_reduce\(x, group=None.*ProcessGroup, its group_name \(str\) "
-                                        r"or None, not int"):
+    with pytest.raises(
+        TypeError,
+        match=r"^ubnext\.all_reduce\(x, group=None.*ProcessGroup, its group_name \(str\) "
+        r"or None, not int",
+    ):
         ubnext.all_reduce(torch.ones(4), 3)
     with pytest.raises(TypeError, match=r"^ubnext\.all_reduce_add_rmsnorm\(.*not list"):
         ubnext.all_reduce_add_rmsnorm(torch.ones(2, 4), torch.ones(2, 4), torch.ones(4), group=[0])
@@ -122,12 +141,16 @@ def test_a_group_by_name_is_accepted(world):
 
 
 def test_an_unknown_group_name_is_refused(world):
-    with pytest.raises(ValueError, match=r"no process group named 'tp' in this process \(its groups' group_name: "
-                                         r"'0'"):
+    with pytest.raises(
+        ValueError,
+        match=r"no process group named 'tp' in this process \(its groups' group_name: "
+        r"'0'",
+    ):
         ubnext.all_reduce(torch.ones(4), "tp")
 
 
 # -- C10: each fallback once per process, with the rank --
+
 
 def test_a_fallback_is_logged_once_per_process_with_the_rank(world, monkeypatch, caplog):
     """Two communicators planning the same 8 MB call: each skipped path is said once, by rank."""

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import pytest
 
-from ubnext.tuning import _costmodel as M
 from ubnext.comm._executor import GPU_BLOCK, GRID_CAP, gpu_max_blocks, launch_geometry
+from ubnext.tuning import _costmodel as M
 
 
 def _launch(**kw):
-    base = {"kernel": "k", "ctas": 4, "block": 256, "hops": 0, "fences": 0, "max_cta_bytes": 0,
-            "total_bytes": 0, "nvlink_bytes": 0, "multicast_bytes": 0}
+    base = {
+        "kernel": "k",
+        "ctas": 4,
+        "block": 256,
+        "hops": 0,
+        "fences": 0,
+        "max_cta_bytes": 0,
+        "total_bytes": 0,
+        "nvlink_bytes": 0,
+        "multicast_bytes": 0,
+    }
     return base | kw
 
 
@@ -36,8 +45,10 @@ def test_large_sizes_are_derived_from_the_largest_measured_size_of_their_path():
     small = M.Case("all_reduce", "twoshot", 65536)
     smaller = M.Case("all_reduce", "twoshot", 16384)
     grid0 = launch_geometry("twoshot", small.nbytes // 2, 2, 0, False, 8, GPU_BLOCK, GRID_CAP)[0]
-    measured = {smaller: [_launch(ctas=1, hops=6, fences=4, max_cta_bytes=100, total_bytes=100)],
-                small: [_launch(ctas=grid0, hops=6, fences=4, max_cta_bytes=1000, total_bytes=4000, nvlink_bytes=800)]}
+    measured = {
+        smaller: [_launch(ctas=1, hops=6, fences=4, max_cta_bytes=100, total_bytes=100)],
+        small: [_launch(ctas=grid0, hops=6, fences=4, max_cta_bytes=1000, total_bytes=4000, nvlink_bytes=800)],
+    }
     big = M.Case("all_reduce", "twoshot", 64 << 20)
     (d,) = M.derive(measured, big, 8, 132)
     ratio = big.nbytes / small.nbytes
@@ -58,8 +69,10 @@ def test_the_planner_mark_follows_the_default_pool():
     for world in (2, 8):
         for fused in (False, True):
             op = "all_reduce_add_rmsnorm" if fused else "all_reduce"
-            assert M.chosen_path(M.Case(op, "lamport", 16384, 1), world) == plan.auto_order(
-                16384, fused, True, False, world)[0], (world, fused)
+            assert (
+                M.chosen_path(M.Case(op, "lamport", 16384, 1), world)
+                == plan.auto_order(16384, fused, True, False, world)[0]
+            ), (world, fused)
     assert M.chosen_path(M.Case("all_reduce", "lamport", 64 << 20, 4096), 8) == "torch"  # past the staging region
 
 
@@ -79,7 +92,10 @@ def test_fused_lamport_rows_split_over_free_sms():
     hidden 8192 bf16 while the SMs allow, one CTA a row once the rows' partials would not fit the sync
     region (32 tokens x 32 groups > 896 words) and for per-token FP8; the other paths one CTA a row."""
     n = 8192
-    geometry = lambda algo, tokens, **kw: launch_geometry(algo, tokens * n, 2, tokens, True, 8, GPU_BLOCK, 128, **kw)[0]
+
+    def geometry(algo, tokens, **kw):
+        return launch_geometry(algo, tokens * n, 2, tokens, True, 8, GPU_BLOCK, 128, **kw)[0]
+
     assert [geometry("lamport", t) for t in (1, 2, 16, 32, 64)] == [8, 16, 128, 32, 64]
     assert geometry("lamport", 1, split_rows=False) == 1
     assert geometry("twoshot", 1) == geometry("nvls_lamport", 1) == 1
@@ -90,19 +106,31 @@ def test_the_modes_plain_nvls_rows_are_timed_by_their_rank_order_form():
     """Issue 26: where the batch-invariant mode runs a plain allreduce on an NVLS two-shot path, its
     time is that of the path's own measured form (/ro: unicast rank-order sums), never the default's
     multimem.ld_reduce row of the same name; the fused op's rows sum so in both modes."""
+
     def row(op, path, nbytes, us, chosen=False):
-        return {"op": op, "path": path, "bytes": nbytes, "tokens": nbytes // (2 * M.HIDDEN), "world": 8,
-                "model_us": us, "chosen": chosen}
+        return {
+            "op": op,
+            "path": path,
+            "bytes": nbytes,
+            "tokens": nbytes // (2 * M.HIDDEN),
+            "world": 8,
+            "model_us": us,
+            "chosen": chosen,
+        }
 
     mb = 1 << 20
     assert M.chosen_path(M.Case("all_reduce", "nvls_lamport", mb, 64), 8) == "nvls_lamport"
-    rows = [row("all_reduce", "nvls_lamport", mb, 6.0, chosen=True),
-            row("all_reduce", "nvls_lamport" + M.RANK_ORDER_SUFFIX, mb, 7.5),
-            row("all_reduce_add_rmsnorm", "nvls_lamport", mb, 7.0, chosen=True)]
+    rows = [
+        row("all_reduce", "nvls_lamport", mb, 6.0, chosen=True),
+        row("all_reduce", "nvls_lamport" + M.RANK_ORDER_SUFFIX, mb, 7.5),
+        row("all_reduce_add_rmsnorm", "nvls_lamport", mb, 7.0, chosen=True),
+    ]
     plain, fused = M.invariant_rows(rows)
     assert (plain["mode_path"], plain["mode_us"], plain["ratio"]) == ("nvls_lamport", 7.5, 1.25), plain
     assert (fused["mode_path"], fused["mode_us"], fused["ratio"]) == ("nvls_lamport", 7.0, 1.0), fused
     # the flagged two-shot sums by unicast loads: the unicast two-shot's grid, not NCCL's 2 CTAs at 8 ranks
     big = (M.Case("all_reduce", "nvls_twoshot", 4 * mb, 256), M.Case("all_reduce", "nvls_twoshot", 4 * mb, 256, True))
-    assert M.grid_of(big[0], 8, 132) == 2 and M.grid_of(big[1], 8, 132) == M.grid_of(
-        M.Case("all_reduce", "twoshot", 4 * mb, 256), 8, 132) == 64
+    assert (
+        M.grid_of(big[0], 8, 132) == 2
+        and M.grid_of(big[1], 8, 132) == M.grid_of(M.Case("all_reduce", "twoshot", 4 * mb, 256), 8, 132) == 64
+    )

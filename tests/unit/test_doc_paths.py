@@ -12,8 +12,13 @@ import pytest
 
 from tests.conftest import ROOT
 
-PAGES = sorted(["README.md", "csrc/emu/README.md",
-                *(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md") if p.name != "PERF.md")])
+PAGES = sorted(
+    [
+        "README.md",
+        "csrc/emu/README.md",
+        *(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md") if p.name != "PERF.md"),
+    ]
+)
 PATH = re.compile(r"(?<![\w/.-])ubnext/(?:\w+/)*\w+\.py\b")
 COMMAND = re.compile(r"python -m (ubnext(?:\.\w+)*)")
 

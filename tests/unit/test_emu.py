@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
 import subprocess
 import sys
 import textwrap
-import socket
 import threading
 import time
 from pathlib import Path
@@ -17,10 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.mpi.emu_util import (SYNC_BARRIER_FLAG, bf16_round, bf16_to_f32, kargs, pack_desc,
-                                reduce_in_order)
-from ubnext.runtime import _emu
+from tests.mpi.emu_util import SYNC_BARRIER_FLAG, bf16_round, bf16_to_f32, kargs, pack_desc, reduce_in_order
 from ubnext.pool import _fdshare
+from ubnext.runtime import _emu
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +40,7 @@ def chaos(request, emu):
 
 
 # ---------------------------------------------------------------------------- execution model
+
 
 @pytest.mark.parametrize("grid,block", [(1, 32), (3, 64), (4, 256)])
 def test_block_model(emu, chaos, grid, block):
@@ -114,35 +114,46 @@ def test_a_kernel_that_touches_memory_before_griddepcontrol_wait_fails_under_pdl
 
     def quantize(lib, pdl):
         q, scale_inv = np.zeros(rows * hidden, np.uint8), np.zeros(rows, np.float32)
-        lib.launch("ubnext_quantize_fp8_bf16", 2, 64,
-                   kargs(**{"in": x, "out": q, "scale_inv": scale_inv, "n": rows * hidden, "hidden": hidden,
-                            "flags": 4}), pdl=pdl)  # UBNEXT_F_FP8_PER_TOKEN
+        lib.launch(
+            "ubnext_quantize_fp8_bf16",
+            2,
+            64,
+            kargs(**{"in": x, "out": q, "scale_inv": scale_inv, "n": rows * hidden, "hidden": hidden, "flags": 4}),
+            pdl=pdl,
+        )  # UBNEXT_F_FP8_PER_TOKEN
         return q, scale_inv
 
     want = quantize(emu, pdl=False)
     assert np.array_equal(quantize(emu, pdl=True)[0], want[0])
     assert emu.griddep() == _emu.GridDep(threads=128, waited=128, launched=0)  # local: launched at exit
     broken = _emu.load("no_pdl_wait")
-    with pytest.raises(_emu.EmulatorError, match=r"load at 0x[0-9a-f]+ before griddepcontrol.wait .* in "
-                                                 r"block \(\d,0,0\) thread"):
+    with pytest.raises(
+        _emu.EmulatorError,
+        match=r"load at 0x[0-9a-f]+ before griddepcontrol.wait .* in "
+        r"block \(\d,0,0\) thread",
+    ):
         quantize(broken, pdl=True)
     assert np.array_equal(quantize(broken, pdl=False)[0], want[0])  # without the attribute nothing waits
     assert broken.griddep().waited == 0
 
 
-@pytest.mark.parametrize("kernel,grid,block,match", [
-    ("ubnext_no_such_kernel", 1, 32, "no kernel named"),
-    ("ubnext_emu_selftest_block", 0, 32, "grid 0"),
-    ("ubnext_emu_selftest_block", _emu.MAX_GRID + 1, 32, f"grid {_emu.MAX_GRID + 1}"),
-    ("ubnext_emu_selftest_block", 1, 48, "block 48"),
-    ("ubnext_emu_selftest_block", 1, 2048, "block 2048"),
-])
+@pytest.mark.parametrize(
+    "kernel,grid,block,match",
+    [
+        ("ubnext_no_such_kernel", 1, 32, "no kernel named"),
+        ("ubnext_emu_selftest_block", 0, 32, "grid 0"),
+        ("ubnext_emu_selftest_block", _emu.MAX_GRID + 1, 32, f"grid {_emu.MAX_GRID + 1}"),
+        ("ubnext_emu_selftest_block", 1, 48, "block 48"),
+        ("ubnext_emu_selftest_block", 1, 2048, "block 2048"),
+    ],
+)
 def test_bad_launch(emu, kernel, grid, block, match):
     with pytest.raises(_emu.EmulatorError, match=match):
         emu.launch(kernel, grid, block, kargs())
 
 
 # ---------------------------------------------------------------------------- multicast, traffic
+
 
 class FakeRanks:
     """`nranks` copies of a region in this process, registered as rank 0's view, plus a
@@ -178,16 +189,16 @@ def test_multicast_semantics_and_traffic(emu, chaos, nranks):
         f16 = [_f16_inputs(rng, 8 * n) for _ in range(nranks)]
         f32 = [rng.standard_normal(4 * n).astype(np.float32) for _ in range(nranks)]
         for r, c in enumerate(fake.copies):
-            c[0:16 * n].view(np.uint16)[:] = bf16_round(bf[r])
-            c[16 * n:32 * n].view(np.float16)[:] = f16[r]
-            c[32 * n:48 * n].view(np.float32)[:] = f32[r]
+            c[0 : 16 * n].view(np.uint16)[:] = bf16_round(bf[r])
+            c[16 * n : 32 * n].view(np.float16)[:] = f16[r]
+            c[32 * n : 48 * n].view(np.float32)[:] = f32[r]
         desc = pack_desc(rank=0, nranks=nranks, peer_bases=fake.bases, mc_base=fake.mc)
         out = np.zeros(3 * n * 16, np.uint8)
         emu.launch("ubnext_emu_selftest_multicast", 2, 64, kargs(desc=desc, out=out, n=n))
 
-        got_bf = out[0:16 * n].view(np.uint16)
-        got_f16 = out[16 * n:32 * n].view(np.float16)
-        got_f32 = out[32 * n:48 * n].view(np.float32)
+        got_bf = out[0 : 16 * n].view(np.uint16)
+        got_f16 = out[16 * n : 32 * n].view(np.float16)
+        got_f32 = out[32 * n : 48 * n].view(np.float32)
         ref_bf = reduce_in_order([bf16_to_f32(bf16_round(x)) for x in bf])
         with np.errstate(over="ignore"):  # 4 x 16400 is beyond fp16: must round to inf
             ref_f16 = reduce_in_order(f16).astype(np.float16)
@@ -203,10 +214,10 @@ def test_multicast_semantics_and_traffic(emu, chaos, nranks):
 
         for r, c in enumerate(fake.copies):
             words = c.view(np.uint32)
-            slot = words[(3 * n) * 4:(3 * n) * 4 + 4]
+            slot = words[(3 * n) * 4 : (3 * n) * 4 + 4]
             np.testing.assert_array_equal(slot, [0, 0xABCD, 7, 9], f"multicast store missing in copy {r}")
             assert words[(3 * n + nranks) * 4] == 1, f"multicast red missing in copy {r}"
-        pushed = fake.copies[1].view(np.uint32)[4 * n * 4:5 * n * 4].reshape(n, 4)
+        pushed = fake.copies[1].view(np.uint32)[4 * n * 4 : 5 * n * 4].reshape(n, 4)
         np.testing.assert_array_equal(pushed[:, 1], np.arange(n), "unicast store to the next peer")
 
         t = emu.traffic()
@@ -236,7 +247,7 @@ def test_proxy_model(emu, chaos, fence):
         emu.launch("ubnext_emu_selftest_proxy", 2, 32, kargs(desc=desc, out=out, n=n, flags=1 if fence else 0))
         stored = np.stack([np.arange(1, n + 1), np.full(n, 0xABCD), np.zeros(n), np.full(n, 7)], 1).astype(np.uint32)
         for c in fake.copies:
-            np.testing.assert_array_equal(c.view(np.uint32)[:4 * n].reshape(n, 4), stored)
+            np.testing.assert_array_equal(c.view(np.uint32)[: 4 * n].reshape(n, 4), stored)
         if fence or not chaos:
             np.testing.assert_array_equal(out, stored)
         else:
@@ -272,8 +283,12 @@ def test_traffic_resets_per_launch(emu):
         desc = pack_desc(rank=0, nranks=2, peer_bases=fake.bases, mc_base=fake.mc)
         emu.launch("ubnext_emu_selftest_multicast", 1, 32, kargs(desc=desc, out=np.zeros(3 * 16 * 4, np.uint8), n=4))
         assert emu.traffic().mc_ld_reduce_ops == 12
-        emu.launch("ubnext_emu_selftest_block", 1, 32, kargs(out=np.zeros((1, 32, 8), np.uint32),
-                                                             residual_out=np.zeros(1, np.uint32)))
+        emu.launch(
+            "ubnext_emu_selftest_block",
+            1,
+            32,
+            kargs(out=np.zeros((1, 32, 8), np.uint32), residual_out=np.zeros(1, np.uint32)),
+        )
         t = emu.traffic()
         assert t.mc_ld_reduce_ops == 0 and sum(t.peer_load_ops) == 0
     finally:
@@ -282,11 +297,16 @@ def test_traffic_resets_per_launch(emu):
 
 # ---------------------------------------------------------------------------- chaos: ordering
 
+
 def _litmus(emu, fence: bool, messages: int = 40, threads: int = 64) -> int:
     words = np.zeros(3 * threads, np.uint32)
     out = np.zeros(threads, np.uint32)
-    emu.launch("ubnext_emu_selftest_litmus", 2, threads,
-               kargs(out=out, residual_out=words, n=messages, flags=1 if fence else 0))
+    emu.launch(
+        "ubnext_emu_selftest_litmus",
+        2,
+        threads,
+        kargs(out=out, residual_out=words, n=messages, flags=1 if fence else 0),
+    )
     assert (out != 0xFFFFFFFF).all(), "litmus test timed out"
     return int(out.sum())
 
@@ -331,8 +351,9 @@ def test_parked_thread_stores_become_visible(emu, chaos, mode):
     for _ in range(launches):
         words = np.zeros(32, np.uint32)
         out = np.zeros((2, 2), np.uint32)
-        emu.launch("ubnext_emu_selftest_parked", 2, 128,
-                   kargs(out=out, residual_out=words, n=next(_parked_tag), flags=mode))
+        emu.launch(
+            "ubnext_emu_selftest_parked", 2, 128, kargs(out=out, residual_out=words, n=next(_parked_tag), flags=mode)
+        )
         assert (out[:, 0] == 1).all(), f"a block never saw the other's flag (5 s): {out[:, 0]}"
         stale += int(out[:, 1].sum())
     assert time.monotonic() - t0 < 5
@@ -344,11 +365,17 @@ def test_parked_thread_stores_become_visible(emu, chaos, mode):
 
 # ---------------------------------------------------------------------------- bounded waits
 
+
 def _wait_setup(timeout_s: float):
     pool = np.zeros(SYNC_BARRIER_FLAG * 4 + 4096, np.uint8)
     err = np.zeros(4, np.uint32)
-    desc = pack_desc(rank=0, nranks=2, peer_bases=[pool.__array_interface__["data"][0], 0],
-                     timeout_ns=int(timeout_s * 1e9), err_ptr=err.__array_interface__["data"][0])
+    desc = pack_desc(
+        rank=0,
+        nranks=2,
+        peer_bases=[pool.__array_interface__["data"][0], 0],
+        timeout_ns=int(timeout_s * 1e9),
+        err_ptr=err.__array_interface__["data"][0],
+    )
     return pool, err, desc
 
 
@@ -365,7 +392,8 @@ def test_watchdog_aborts_a_stuck_launch(tmp_path):
     """A kernel that spins without a bound: the watchdog ends the process with a report instead
     of hanging the test run."""
     script = tmp_path / "stuck.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(ROOT)!r})
         from tests.unit.test_emu import _wait_setup
         from tests.mpi.emu_util import kargs
@@ -375,7 +403,8 @@ def test_watchdog_aborts_a_stuck_launch(tmp_path):
         pool, err, desc = _wait_setup(0.1)
         emu.launch("ubnext_emu_selftest_wait", 2, 32, kargs(desc=desc, n=5, hidden=1, flags=1))
         print("launch returned")
-    """))
+    """)
+    )
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "launch returned" not in proc.stdout
@@ -384,6 +413,7 @@ def test_watchdog_aborts_a_stuck_launch(tmp_path):
 
 
 # ---------------------------------------------------------------------------- build
+
 
 def test_build_is_cached_and_break_builds_are_separate(emu):
     first = _emu.build()  # may differ from emu.path if csrc/ changed since the module loaded it
@@ -422,6 +452,7 @@ def test_concurrent_builds_share_one_library(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------- fd passing
 
+
 def _thread_allgather(nranks):
     """allgather for ranks that are threads of this process."""
     slots = [None] * nranks
@@ -434,7 +465,9 @@ def _thread_allgather(nranks):
             result = list(slots)
             barrier.wait(timeout=30)
             return result
+
         return allgather
+
     return make
 
 

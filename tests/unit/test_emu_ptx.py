@@ -78,8 +78,12 @@ def _compile(arch: str, want: str) -> str:
         pytest.skip(str(exc))
     prog = nvrtc.nvrtcCreateProgram(CALLS.encode(), b"ptx_probe.cu", 0, [], [])[1]
     try:
-        opts = [f"--gpu-architecture={arch}".encode(), f"-I{kernels.CSRC}".encode(),
-                f"-I{include}".encode(), b"-std=c++17"]
+        opts = [
+            f"--gpu-architecture={arch}".encode(),
+            f"-I{kernels.CSRC}".encode(),
+            f"-I{include}".encode(),
+            b"-std=c++17",
+        ]
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
         # writable buffers: NVRTC writing into b" " * 1 (an empty log) overwrites CPython's shared

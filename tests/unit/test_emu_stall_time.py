@@ -42,8 +42,12 @@ def _wait(emu, work_ms: int) -> tuple[int, int, float]:
     desc = pack_desc(rank=0, nranks=1, peer_bases=[0], timeout_ns=int(TIMEOUT_S * 1e9))
     emu.set_watchdog(60.0)
     t0 = time.monotonic()
-    emu.launch("ubnext_emu_selftest_progress_wait", 2, 32,
-               kargs(desc=desc, out=out, residual=scratch, residual_out=flag, n=work_ms))
+    emu.launch(
+        "ubnext_emu_selftest_progress_wait",
+        2,
+        32,
+        kargs(desc=desc, out=out, residual=scratch, residual_out=flag, n=work_ms),
+    )
     return int(out[0]), int(out[1]), time.monotonic() - t0
 
 

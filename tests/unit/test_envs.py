@@ -29,10 +29,17 @@ def test_aliases_and_precedence(monkeypatch):
     assert envs.get("UBNEXT_SYMM_POOL_SIZE") == 256
 
 
-@pytest.mark.parametrize("name,value", [
-    ("UBNEXT_ALGO", "fastest"), ("UBNEXT_MAX_BATCH", "0"), ("UBNEXT_MAX_BATCH", "many"),
-    ("UBNEXT_TIMEOUT", "-1"), ("UBNEXT_EMULATE", "maybe"), ("UBNEXT_POOL_BACKEND", "cuda"),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("UBNEXT_ALGO", "fastest"),
+        ("UBNEXT_MAX_BATCH", "0"),
+        ("UBNEXT_MAX_BATCH", "many"),
+        ("UBNEXT_TIMEOUT", "-1"),
+        ("UBNEXT_EMULATE", "maybe"),
+        ("UBNEXT_POOL_BACKEND", "cuda"),
+    ],
+)
 def test_bad_value_names_variable_and_accepted(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(envs.EnvError) as info:
@@ -121,15 +128,18 @@ def test_kernel_timeout_reads_a_real_gloo_groups_timeout():
 
     from tests.conftest import ROOT
 
-    script = ("import datetime, torch, torch.distributed as dist\n"
-              "from ubnext.runtime._lifecycle import kernel_timeout_s\n"
-              "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1,\n"
-              "                        timeout=datetime.timedelta(seconds=77))\n"
-              "print(kernel_timeout_s(dist.group.WORLD, torch.device('cpu')))\n"
-              "dist.destroy_process_group()\n")
+    script = (
+        "import datetime, torch, torch.distributed as dist\n"
+        "from ubnext.runtime._lifecycle import kernel_timeout_s\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1,\n"
+        "                        timeout=datetime.timedelta(seconds=77))\n"
+        "print(kernel_timeout_s(dist.group.WORLD, torch.device('cpu')))\n"
+        "dist.destroy_process_group()\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "UBNEXT_TIMEOUT"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.split() == ["77.0"], proc.stdout + proc.stderr[-2000:]
 
 

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from ubnext.pool import _fdshare
 from ubnext.pool import PoolSetupError
 from ubnext.pool._backend import _share_fd
 
@@ -37,6 +36,7 @@ def _run_ranks(publish=lambda rank, obj: obj):
             result = list(slots)
             barrier.wait(timeout=60)
             return result
+
         return allgather
 
     results = [None] * NRANKS
@@ -50,6 +50,7 @@ def _run_ranks(publish=lambda rank, obj: obj):
             results[rank] = fds
         except Exception as exc:  # noqa: BLE001 - compared below
             results[rank] = exc
+
     start = time.monotonic()
     threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(NRANKS)]
     for t in threads:
@@ -81,9 +82,15 @@ def test_a_pid_from_another_pid_namespace(monkeypatch):
     raises it alike, at once."""
     real_getpid, real_readlink = os.getpid, os.readlink
     monkeypatch.setattr(os, "getpid", lambda: 1 if getattr(this_rank, "value", None) == 1 else real_getpid())
-    monkeypatch.setattr(os, "readlink", lambda path, *a, **k: (_ for _ in ()).throw(PermissionError(path))
-                        if getattr(this_rank, "value", None) is not None and path.startswith("/proc/self/ns/")
-                        else real_readlink(path, *a, **k))
+    monkeypatch.setattr(
+        os,
+        "readlink",
+        lambda path, *a, **k: (
+            (_ for _ in ()).throw(PermissionError(path))
+            if getattr(this_rank, "value", None) is not None and path.startswith("/proc/self/ns/")
+            else real_readlink(path, *a, **k)
+        ),
+    )
     monkeypatch.setenv("UBNEXT_TIMEOUT", "30")
     before = _open_fds()
     results, seconds = _run_ranks()
@@ -104,6 +111,7 @@ def test_ranks_in_different_pid_namespaces_are_told_before_any_socket(monkeypatc
         if getattr(this_rank, "value", None) == 2 and path == "/proc/self/ns/pid":
             return "pid:[4026599999]"
         return real_readlink(path, *args, **kwargs)
+
     monkeypatch.setattr(os, "readlink", readlink)
     before = _open_fds()
     results, _ = _run_ranks()
@@ -129,6 +137,7 @@ def test_a_rank_in_another_network_namespace(monkeypatch, namespaces_readable):
             if this_rank.value == 1 and path.endswith("/net"):
                 return "net:[4026588888]"
         return real_readlink(path, *args, **kwargs)
+
     monkeypatch.setattr(os, "readlink", readlink)
     monkeypatch.setenv("UBNEXT_TIMEOUT", "30")
 
@@ -137,6 +146,7 @@ def test_a_rank_in_another_network_namespace(monkeypatch, namespaces_readable):
         if rank == 1 and isinstance(obj, tuple) and isinstance(obj[0], bytes) and obj[0].startswith(b"\0ubnext-fds-"):
             return (b"\0ubnext-fds-in-another-network-namespace", *obj[1:])
         return obj
+
     before = _open_fds()
     results, seconds = _run_ranks(publish)
     message = _agreed_error(results)

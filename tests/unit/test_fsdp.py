@@ -7,8 +7,14 @@ import torch.distributed as dist
 
 from ubnext import fsdp as UF
 from ubnext import plan
-from ubnext.reference._checks import FP8, check_all_gather_args, check_quantize_args, check_reduce_scatter_args, \
-    quantize_fp8_reference, reduce_factor
+from ubnext.reference._checks import (
+    FP8,
+    check_all_gather_args,
+    check_quantize_args,
+    check_reduce_scatter_args,
+    quantize_fp8_reference,
+    reduce_factor,
+)
 
 
 def test_reduce_factor():
@@ -114,8 +120,11 @@ def test_dequantize_uneven_rows():
     product once, as does the cast of the exact fp64 product)."""
     q = (torch.randn(40, 6) * 100).clamp(-448, 448).to(FP8)
     shard_scales = torch.tensor([0.5, 0.25, 3.0])
-    row_scale = {"shard": shard_scales.repeat_interleave(torch.tensor([14, 14, 12])),
-                 "row": torch.rand(40) + 0.1, "tensor": torch.full((40,), 0.75)}
+    row_scale = {
+        "shard": shard_scales.repeat_interleave(torch.tensor([14, 14, 12])),
+        "row": torch.rand(40) + 0.1,
+        "tensor": torch.full((40,), 0.75),
+    }
     given = {"shard": shard_scales, "row": row_scale["row"], "tensor": torch.tensor([0.75])}
     for scaling, scales in given.items():
         want = (q.double() * row_scale[scaling].double().view(40, 1)).float()
@@ -123,8 +132,12 @@ def test_dequantize_uneven_rows():
 
 
 def test_convert_by_name():
-    model = torch.nn.ModuleDict({"attn": torch.nn.Linear(4, 8), "mlp": torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))})
+    model = torch.nn.ModuleDict(
+        {
+            "attn": torch.nn.Linear(4, 8),
+            "mlp": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)),
+        }
+    )
     assert UF.convert_to_fp8_all_gather(model, include="mlp.*") == ["mlp.0", "mlp.2"]
     assert isinstance(model["mlp"][0].weight.data, UF.FP8AllGatherWeight)
     assert isinstance(model["mlp"][0].weight, torch.nn.Parameter) and model["mlp"][0].weight.requires_grad
@@ -143,8 +156,9 @@ def test_convert_by_name():
     assert model["mlp"][2].weight._scaling == "tensor"
     # the converted layer computes as before
     x = torch.randn(2, 4)
-    assert torch.equal(model["attn"](x), torch.nn.functional.linear(x, model["attn"].weight._tensor,
-                                                                     model["attn"].bias))
+    assert torch.equal(
+        model["attn"](x), torch.nn.functional.linear(x, model["attn"].weight._tensor, model["attn"].bias)
+    )
 
 
 def test_missing_fsdp2_api_is_named(monkeypatch):
@@ -157,6 +171,7 @@ def test_missing_fsdp2_api_is_named(monkeypatch):
 
 def _pair():
     """A converted model (one "row", one "static" layer) and a plain one of the same shapes."""
+
     def make():
         return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
 

@@ -98,8 +98,9 @@ def compile_once(fn, *calls, dynamic_dim0=True):
         ubnext.fusion.disable()
         logger.removeHandler(handler)
         logger.setLevel(level)
-    result = SimpleNamespace(outs=outs, code="\n".join(code), graphs=counter.frame_count,
-                             stats=ubnext.fusion.stats(reset=True), lines=lines)
+    result = SimpleNamespace(
+        outs=outs, code="\n".join(code), graphs=counter.frame_count, stats=ubnext.fusion.stats(reset=True), lines=lines
+    )
     torch._dynamo.reset()
     return result
 
@@ -159,8 +160,13 @@ def norms(weight, eps):
 
 
 # every form of the norm, each in a dtype, in one graph
-NORM_FORMS = [("nn.RMSNorm", torch.bfloat16), ("F.rms_norm", torch.float32), ("F.rms_norm-no-weight", torch.bfloat16),
-              ("transformers", torch.bfloat16), ("input-dtype", torch.float16)]
+NORM_FORMS = [
+    ("nn.RMSNorm", torch.bfloat16),
+    ("F.rms_norm", torch.float32),
+    ("F.rms_norm-no-weight", torch.bfloat16),
+    ("transformers", torch.bfloat16),
+    ("input-dtype", torch.float16),
+]
 NORM_EPS = 1e-5
 
 
@@ -176,10 +182,13 @@ def norm_forms(group):
     def blocks(*xs_and_residuals):
         outs = []
         for i, (norm, _) in enumerate(forms):
-            x, residual = xs_and_residuals[2 * i:2 * i + 2]
+            x, residual = xs_and_residuals[2 * i : 2 * i + 2]
             # the residual on either side of the add
-            h = residual + funcol.all_reduce(x, "sum", dist.group.WORLD) if i % 2 else \
-                funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+            h = (
+                residual + funcol.all_reduce(x, "sum", dist.group.WORLD)
+                if i % 2
+                else funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+            )
             outs += [norm(h), h]
         return outs
 
@@ -195,8 +204,8 @@ def test_all_reduce_add_rmsnorm_is_fused(norm_forms):
     assert compiled.stats["all_reduce_add_rmsnorm"] == len(NORM_FORMS), compiled.stats
     assert compiled.stats["graphs"] == {"inference": 1}, compiled.stats
     for args, outs in zip(calls, compiled.outs):
-        for i, (name, _) in enumerate(NORM_FORMS):
-            check_fused_result(outs[2 * i], outs[2 * i + 1], *args[2 * i:2 * i + 2], weights[i], NORM_EPS)
+        for i in range(len(NORM_FORMS)):
+            check_fused_result(outs[2 * i], outs[2 * i + 1], *args[2 * i : 2 * i + 2], weights[i], NORM_EPS)
 
 
 def test_dynamic_token_counts_compile_once(norm_forms):
@@ -241,19 +250,30 @@ def quantise_per_token(y):
 
 # near misses: the fused op would not give the composite's bits (ubnext/fusion/_match.py)
 FP8_LEFT_IN_TORCH = {
-    "bf16 quotient": ("the quantisation computes in torch.bfloat16, not on y.float()",
-                      lambda y, h, s1, s0: (y / s0).clamp(-448, 448).to(FP8)),  # a 0-dim scale keeps bf16
-    "reciprocal": ("a multiplication by the reciprocal scale (the fused op divides: one FP8 step apart at times)",
-                   lambda y, h, s1, s0: (y.float() * (1 / s1)).clamp(-448, 448).to(FP8)),
-    "y used too": ("the normed tensor is used unquantised too (the FP8 form returns only the FP8 values)",
-                   lambda y, h, s1, s0: (quantise_static(y, s1), y)),
-    "per-tensor": ("a per-tensor scale computed from the normed tensor (dynamic scaling; the fused op's is "
-                   "static or per token)",
-                   lambda y, h, s1, s0: quantise_static(y, y.float().abs().amax() / 448)),
-    "scale of h": ("a scale computed from the residual sum (dynamic scaling; the fused op's is static or per token)",
-                   lambda y, h, s1, s0: quantise_static(y, h.float().abs().amax() / 448)),
-    "e5m2": ("an FP8 format other than float8_e4m3fn (torch.float8_e5m2)",
-             lambda y, h, s1, s0: (y.float() / s1).clamp(-448, 448).to(torch.float8_e5m2)),
+    "bf16 quotient": (
+        "the quantisation computes in torch.bfloat16, not on y.float()",
+        lambda y, h, s1, s0: (y / s0).clamp(-448, 448).to(FP8),
+    ),  # a 0-dim scale keeps bf16
+    "reciprocal": (
+        "a multiplication by the reciprocal scale (the fused op divides: one FP8 step apart at times)",
+        lambda y, h, s1, s0: (y.float() * (1 / s1)).clamp(-448, 448).to(FP8),
+    ),
+    "y used too": (
+        "the normed tensor is used unquantised too (the FP8 form returns only the FP8 values)",
+        lambda y, h, s1, s0: (quantise_static(y, s1), y),
+    ),
+    "per-tensor": (
+        "a per-tensor scale computed from the normed tensor (dynamic scaling; the fused op's is static or per token)",
+        lambda y, h, s1, s0: quantise_static(y, y.float().abs().amax() / 448),
+    ),
+    "scale of h": (
+        "a scale computed from the residual sum (dynamic scaling; the fused op's is static or per token)",
+        lambda y, h, s1, s0: quantise_static(y, h.float().abs().amax() / 448),
+    ),
+    "e5m2": (
+        "an FP8 format other than float8_e4m3fn (torch.float8_e5m2)",
+        lambda y, h, s1, s0: (y.float() / s1).clamp(-448, 448).to(torch.float8_e5m2),
+    ),
 }
 FP8_EPS = 1e-6
 
@@ -282,8 +302,10 @@ def fp8_forms(group):
             outs += [quantise(y, h, scale1, scale0)]
         return outs
 
-    calls = [(*inputs(torch.bfloat16, tokens, seed=tokens)[:2], *inputs(torch.float32, tokens, seed=tokens + 1)[:2])
-             for tokens in (8, 5)]
+    calls = [
+        (*inputs(torch.bfloat16, tokens, seed=tokens)[:2], *inputs(torch.float32, tokens, seed=tokens + 1)[:2])
+        for tokens in (8, 5)
+    ]
     return compile_once(sites, *calls), calls, (weight, weight32, scale1, scale0)
 
 
@@ -307,8 +329,14 @@ def test_fp8_static_and_per_token_quantisation_is_fused_bit_for_bit(fp8_forms):
         y, h = fused_normed(x, residual, weight)
         y2, h2 = fused_normed(x * 2, residual, weight)
         y32, h32 = fused_normed(x32, residual32, weight32)
-        want = [quantise_static(y, scale1), h, *quantise_per_token(y2), h2,
-                torch.clamp(y32 / scale0, min=-448.0, max=448.0).to(FP8), h32]
+        want = [
+            quantise_static(y, scale1),
+            h,
+            *quantise_per_token(y2),
+            h2,
+            torch.clamp(y32 / scale0, min=-448.0, max=448.0).to(FP8),
+            h32,
+        ]
         for i, (got, expected) in enumerate(zip(outs, want)):
             assert got.dtype == expected.dtype and torch.equal(bits(got), bits(expected)), f"output {i}"
 
@@ -391,13 +419,17 @@ def test_what_the_fused_op_cannot_take_is_left_alone_and_logged_once(not_fused):
     twice too."""
     compiled, fn, args, _ = not_fused
     assert compiled.code.count(TORCH_CALL) == 3, compiled.code
-    assert compiled.stats["left_alone"] == {"reduce op 'avg' (ubnext sums)": 2,
-                                            "dtype torch.int64 (ubnext takes bfloat16, float16 and float32)": 1}
+    assert compiled.stats["left_alone"] == {
+        "reduce op 'avg' (ubnext sums)": 2,
+        "dtype torch.int64 (ubnext takes bfloat16, float16 and float32)": 1,
+    }
     bare = ("no RMSNorm of the residual sum", "no residual add after the all-reduce")  # the test above's
     not_fused = {k: v for k, v in compiled.stats["not_fused"].items() if k not in bare}
-    assert not_fused == {"an RMSNorm over another dimension than the last": 1,
-                         "a norm weight of dtype torch.float32 with torch.bfloat16 activations": 1,
-                         "the reduced tensor is used by more than the residual add": 1}, compiled.stats
+    assert not_fused == {
+        "an RMSNorm over another dimension than the last": 1,
+        "a norm weight of dtype torch.float32 with torch.bfloat16 activations": 1,
+        "the reduced tensor is used by more than the residual add": 1,
+    }, compiled.stats
     lines = [line for line in compiled.lines if "ubnext.fusion" in line]
     assert len(lines) == len(set(lines)) and sum("reduce op 'avg'" in line for line in lines) == 1, lines
     for reason in [*compiled.stats["left_alone"], *not_fused]:
@@ -525,4 +557,3 @@ def test_enable_chains_the_installed_pass_and_disable_gives_it_back(group, monke
     _, code = compile_fn(True)
     assert PLAIN_CALL in code and recorder.calls == 2, "the rewritten graph was not served by the cache"
     assert not counters["inductor"]["fxgraph_cache_bypass"], dict(counters["inductor"])
-

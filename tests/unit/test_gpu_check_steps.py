@@ -21,20 +21,46 @@ from tests import stub_driver
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CHAIN_NAMES = {f"chain_us.pdl_{p}.event_{e}.{s}.{m}" for p in ("on", "off") for e in ("on", "off")
-               for s in ("default_stream", "side_stream") for m in ("eager", "graph")}
-TIMINGS_SKIPS = (CHAIN_NAMES | {f"chain_pdl_gain_kept.{s}" for s in ("default_stream", "side_stream")}
-                 | {f"graph_vs_eager.{op}.{side}" for op in ("all_reduce", "all_reduce_add_rmsnorm")
-                    for side in ("eager_us", "eager_queued_us", "graph_us")}
-                 | {f"local_gbps.{op}.{side}" for op in ("quantize_nvfp4", "quantize_mxfp8", "quantize_fp8_group128",
-                                                         "quantize_fp8", "add_rmsnorm")
-                    for side in ("ubnext", "d2d_copy", "torch")})
-HOST_CALLS = ("noop_op", "torch_add_out", "comm.all_reduce", "comm.all_reduce_add_rmsnorm",
-              "torch.ops.ubnext.all_reduce", "torch.ops.ubnext.all_reduce_add_rmsnorm")
-TIMINGS_FIGURES = ({f"host_us.{c}" for c in HOST_CALLS} | {f"host_floors.{c}" for c in HOST_CALLS[1:]})
+CHAIN_NAMES = {
+    f"chain_us.pdl_{p}.event_{e}.{s}.{m}"
+    for p in ("on", "off")
+    for e in ("on", "off")
+    for s in ("default_stream", "side_stream")
+    for m in ("eager", "graph")
+}
+TIMINGS_SKIPS = (
+    CHAIN_NAMES
+    | {f"chain_pdl_gain_kept.{s}" for s in ("default_stream", "side_stream")}
+    | {
+        f"graph_vs_eager.{op}.{side}"
+        for op in ("all_reduce", "all_reduce_add_rmsnorm")
+        for side in ("eager_us", "eager_queued_us", "graph_us")
+    }
+    | {
+        f"local_gbps.{op}.{side}"
+        for op in ("quantize_nvfp4", "quantize_mxfp8", "quantize_fp8_group128", "quantize_fp8", "add_rmsnorm")
+        for side in ("ubnext", "d2d_copy", "torch")
+    }
+)
+HOST_CALLS = (
+    "noop_op",
+    "torch_add_out",
+    "comm.all_reduce",
+    "comm.all_reduce_add_rmsnorm",
+    "torch.ops.ubnext.all_reduce",
+    "torch.ops.ubnext.all_reduce_add_rmsnorm",
+)
+TIMINGS_FIGURES = {f"host_us.{c}" for c in HOST_CALLS} | {f"host_floors.{c}" for c in HOST_CALLS[1:]}
 PROBES_SKIPS = {"mig.torch", "mig.nvidia_smi"}
-PROBES_FIGURES = {"driver_problem", "device_name", "multicast_supported", "multicast_create_one_device",
-                  "module_loading.env", "module_loading.driver", "compute_mode"}
+PROBES_FIGURES = {
+    "driver_problem",
+    "device_name",
+    "multicast_supported",
+    "multicast_create_one_device",
+    "module_loading.env",
+    "module_loading.driver",
+    "compute_mode",
+}
 # where ubnext.kernels.kernel_report exists and the stub's sm_90 cubins are all in the cache, the eager-loading
 # probe runs under the stub; otherwise it says which of the two it lacks
 KERNELS_LOADED_SKIP_PREFIXES = ("ubnext.kernels.kernel_report is missing", "rehearsal: ")
@@ -42,11 +68,23 @@ KERNELS_LOADED_SKIP_PREFIXES = ("ubnext.kernels.kernel_report is missing", "rehe
 
 def _run_step(name: str, tmp_path: Path, **env) -> dict:
     result_path = tmp_path / f"{name}.json"
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), GPU_CHECK_REHEARSE="1", GPU_CHECK_OUT=str(tmp_path),
-                    GPU_CHECK_STEP_TIMEOUT="120", **env)
+    full_env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        GPU_CHECK_REHEARSE="1",
+        GPU_CHECK_OUT=str(tmp_path),
+        GPU_CHECK_STEP_TIMEOUT="120",
+        **env,
+    )
     full_env.setdefault("UBNEXT_CACHE_DIR", str(ROOT / "build" / "cache"))
-    done = subprocess.run([sys.executable, "-m", "tests.gpu_check.step", name, str(result_path)], cwd=ROOT,
-                          env=full_env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.gpu_check.step", name, str(result_path)],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     return json.loads(result_path.read_text())  # the harness wrote it with json.dumps: it is JSON
 
@@ -84,8 +122,13 @@ def test_timings_rehearsal(tmp_path):
         assert figures[name]["value"] > (0 if name.startswith("host_us.") else -1), figures[name]
     assert outcome["host_paths"] == {c: "lamport" for c in HOST_CALLS[2:]}
     assert outcome["chain_rehearsal"]["exact"] is True
-    assert set(outcome["local_rehearsal"]) == {"quantize_nvfp4", "quantize_mxfp8", "quantize_fp8_group128",
-                                               "quantize_fp8", "add_rmsnorm"}
+    assert set(outcome["local_rehearsal"]) == {
+        "quantize_nvfp4",
+        "quantize_mxfp8",
+        "quantize_fp8_group128",
+        "quantize_fp8",
+        "add_rmsnorm",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +137,12 @@ def stub_dir(tmp_path_factory):
 
 
 def test_probes_rehearsal_under_the_stub_driver(tmp_path, stub_dir):
-    outcome = _run_step("probes", tmp_path, GPU_CHECK_STUB_DIR=str(stub_dir),
-                        LD_LIBRARY_PATH=os.pathsep.join(p for p in (str(stub_dir), os.environ.get("LD_LIBRARY_PATH"))
-                                                        if p))
+    outcome = _run_step(
+        "probes",
+        tmp_path,
+        GPU_CHECK_STUB_DIR=str(stub_dir),
+        LD_LIBRARY_PATH=os.pathsep.join(p for p in (str(stub_dir), os.environ.get("LD_LIBRARY_PATH")) if p),
+    )
     assert outcome["status"] == "pass", outcome.get("reason")
     assert list(outcome)[:2] == ["status", "verdict"], list(outcome)  # the driver gate's verdict first
     figures = outcome["figures"]
@@ -124,9 +170,13 @@ def test_nvidia_smi_xml_is_read():
           <gpu id="00000000:18:00.0"><product_name>NVIDIA H100 80GB HBM3</product_name>
             <mig_mode><current_mig>Disabled</current_mig><pending_mig>Disabled</pending_mig></mig_mode>
             <compute_mode>Default</compute_mode></gpu></nvidia_smi_log>""")
-    assert parse_nvidia_smi_xml(xml) == {"product_name": "NVIDIA H100 80GB HBM3", "current_mig": "Disabled",
-                                         "pending_mig": "Disabled", "compute_mode": "Default",
-                                         "driver_version": "580.65.06"}
+    assert parse_nvidia_smi_xml(xml) == {
+        "product_name": "NVIDIA H100 80GB HBM3",
+        "current_mig": "Disabled",
+        "pending_mig": "Disabled",
+        "compute_mode": "Default",
+        "driver_version": "580.65.06",
+    }
     assert parse_nvidia_smi_xml("<nvidia_smi_log><gpu></gpu></nvidia_smi_log>")["current_mig"] is None
 
 
@@ -259,8 +309,9 @@ FAKE_GPU_SCRIPT = textwrap.dedent("""
 def test_timings_gpu_branch_runs_against_a_fake_cuda():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.setdefault("UBNEXT_CACHE_DIR", str(ROOT / "build" / "cache"))
-    done = subprocess.run([sys.executable, "-c", FAKE_GPU_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", FAKE_GPU_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
     assert not outcome["failures"], "\n".join(outcome["failures"].values())
@@ -272,7 +323,12 @@ def test_timings_gpu_branch_runs_against_a_fake_cuda():
     assert all(figures[n]["status"] == "skip" for n in skips)
     # the chains ran whole and exact on every configuration (the step raises otherwise); the GPU-only skips
     # are PDL's gain (timings of a fake) and torchao where it is not installed
-    assert skips <= {"chain_pdl_gain_kept.default_stream", "chain_pdl_gain_kept.side_stream", "dependent_chains",
-                     "local_gbps.quantize_nvfp4.torch", "local_gbps.quantize_mxfp8.torch"}, skips
+    assert skips <= {
+        "chain_pdl_gain_kept.default_stream",
+        "chain_pdl_gain_kept.side_stream",
+        "dependent_chains",
+        "local_gbps.quantize_nvfp4.torch",
+        "local_gbps.quantize_mxfp8.torch",
+    }, skips
     assert outcome["details"]["host_paths"] == {c: "lamport" for c in HOST_CALLS[2:]}
     assert outcome["launches"] > 16 * 6 * 200

@@ -9,21 +9,39 @@ import sys
 import pytest
 import torch
 
-from ubnext.runtime import _cuda
 from ubnext import info
+from ubnext.runtime import _cuda
 
 
 def test_runs_here_and_says_there_is_no_gpu():
     env = dict(os.environ, UBNEXT_EMULATE="0", CUDA_VISIBLE_DEVICES="")  # no GPU, also on a GPU node
-    proc = subprocess.run([sys.executable, "-W", "error", "-m", "ubnext.info", "--world-size", "4", "--no-build"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "ubnext.info", "--world-size", "4", "--no-build"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert out.splitlines()[0].startswith("no GPU: "), f"the first line is not the verdict:\n{out}"
-    for needle in ("torch ", "NVRTC", "no GPU:", "What runs instead", "pool backend", "sm_90:", "sm_100:",
-                   "emulator", "paths for 4 ranks"):
+    for needle in (
+        "torch ",
+        "NVRTC",
+        "no GPU:",
+        "What runs instead",
+        "pool backend",
+        "sm_90:",
+        "sm_100:",
+        "emulator",
+        "paths for 4 ranks",
+    ):
         assert needle in out, f"{needle!r} missing:\n{out}"
-    rows = [line.split() for line in out.splitlines() if line.strip().endswith(("lamport", "twoshot", "torch", "torch_symm"))]
+    rows = [
+        line.split()
+        for line in out.splitlines()
+        if line.strip().endswith(("lamport", "twoshot", "torch", "torch_symm"))
+    ]
     sizes = [" ".join(r[:2]) for r in rows]
     assert sizes == ["8 KB", "64 KB", "256 KB", "1 MB", "4 MB", "16 MB", "64 MB"], out
     assert all(r[2] == "torch" for r in rows), "without a GPU or emulation every size takes torch here"
@@ -46,8 +64,13 @@ def _fake_gpu(monkeypatch, driver_cuda: int):
     monkeypatch.setattr(_cuda, "_probe", (True, "1 CUDA device(s)"))  # what gpu_available() reads, everywhere
     monkeypatch.setattr(_cuda, "driver_version", lambda: driver_cuda)
     monkeypatch.setattr(info.kernels, "nvrtc_version", lambda: "13.0")
-    monkeypatch.setattr(info, "gpus", lambda: [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "arch": "sm_90",
-                                                "sms": 132, "multicast": True, "peers": []}])
+    monkeypatch.setattr(
+        info,
+        "gpus",
+        lambda: [
+            {"index": 0, "name": "NVIDIA H100 80GB HBM3", "arch": "sm_90", "sms": 132, "multicast": True, "peers": []}
+        ],
+    )
 
 
 def test_fake_gpu_with_old_driver(monkeypatch):

@@ -17,14 +17,29 @@ def _gxx(*defines: str) -> subprocess.CompletedProcess:
     if gxx is None:
         pytest.skip("g++ not found")
     cuda_inc = kernels.cuda_include_dir()
-    cmd = [gxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas",
-           "-DUBNEXT_EMULATOR", *[f"-D{d}" for d in defines], "-x", "c++",
-           f"-I{kernels.CSRC}", f"-I{cuda_inc}", f"-I{kernels.CSRC / 'emu' / 'shim'}", str(LAMPORT)]
+    cmd = [
+        gxx,
+        "-std=c++20",
+        "-fsyntax-only",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-Wno-unknown-pragmas",
+        "-DUBNEXT_EMULATOR",
+        *[f"-D{d}" for d in defines],
+        "-x",
+        "c++",
+        f"-I{kernels.CSRC}",
+        f"-I{cuda_inc}",
+        f"-I{kernels.CSRC / 'emu' / 'shim'}",
+        str(LAMPORT),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("defines", [(), ("UBNEXT_BREAK_SKIP_REPOISON",), ("UBNEXT_BREAK_NO_RELEASE",),
-                                     ("UBNEXT_STAMPS",)])  # the per-phase stamps (stamps.cuh)
+@pytest.mark.parametrize(
+    "defines", [(), ("UBNEXT_BREAK_SKIP_REPOISON",), ("UBNEXT_BREAK_NO_RELEASE",), ("UBNEXT_STAMPS",)]
+)  # the per-phase stamps (stamps.cuh)
 def test_lamport_compiles_as_emulator_host_code(defines):
     proc = _gxx(*defines)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -53,14 +68,19 @@ def test_nvrtc_writes_only_into_writable_buffers(monkeypatch):
             outputs = {"nvrtcGetProgramLog": b"\0", "nvrtcGetPTX": b".version 8.0\0", "nvrtcGetCUBIN": b"\x7fELF"}
             sizes = {"nvrtcGetProgramLogSize": 1, "nvrtcGetPTXSize": 13, "nvrtcGetCUBINSize": 4}
             if name in outputs:
+
                 def fill(prog, buf, data=outputs[name]):
-                    memoryview(buf)[:len(data)] = data
+                    memoryview(buf)[: len(data)] = data
                     return (0,)
+
                 return fill
             if name in sizes:
                 return lambda prog, size=sizes[name]: (0, size)
-            return {"nvrtcCreateProgram": lambda *a: (0, object()), "nvrtcCompileProgram": lambda *a: (0,),
-                    "nvrtcDestroyProgram": lambda prog: (0,)}[name]
+            return {
+                "nvrtcCreateProgram": lambda *a: (0, object()),
+                "nvrtcCompileProgram": lambda *a: (0,),
+                "nvrtcDestroyProgram": lambda prog: (0,),
+            }[name]
 
     monkeypatch.setattr(cuda_bindings, "nvrtc", FakeNvrtc(), raising=False)
     assert kernels._nvrtc_compile("lamport.cu", "sm_90", "ptx") == (b".version 8.0\0", "")

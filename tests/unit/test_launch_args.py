@@ -10,13 +10,20 @@ import threading
 import numpy as np
 import pytest
 
-from ubnext.runtime import _cuda
 from ubnext import kernels, pool
+from ubnext.runtime import _cuda
 from ubnext.runtime._cuda import KernelParams, pack_kernel_args
 
 _READ = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
-DESC = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=0x7000, mc_base=0x9000,
-                      layout=pool.PoolLayout(2, 4096, 8192), peer_bases=[0x1_0000_0000, 0x2_0000_0000])
+DESC = pool.pack_desc(
+    rank=1,
+    nranks=2,
+    timeout_ns=5,
+    err_ptr=0x7000,
+    mc_base=0x9000,
+    layout=pool.PoolLayout(2, 4096, 8192),
+    peer_bases=[0x1_0000_0000, 0x2_0000_0000],
+)
 
 
 def _param_holder():
@@ -70,8 +77,9 @@ def test_pointers_and_scalars_are_packed_as_cuda_core_packs_them():
     theirs = (ctypes.c_void_p * 11).from_address(holder.ptr)
     ours = (ctypes.c_void_p * 12).from_address(KernelParams(DESC, packed).address(pointers))
     sizes = [8] * 7 + [4] * 4
-    assert [ctypes.string_at(a, n) for a, n in zip(theirs, sizes)] == \
-        [ctypes.string_at(a, n) for a, n in zip(list(ours)[1:], sizes)]
+    assert [ctypes.string_at(a, n) for a, n in zip(theirs, sizes)] == [
+        ctypes.string_at(a, n) for a, n in zip(list(ours)[1:], sizes)
+    ]
 
 
 def test_each_thread_fills_its_own_buffer():
@@ -96,8 +104,7 @@ def test_scalar_types():
             pack_kernel_args((("n", "i32"),), (2**31,))
 
 
-@pytest.mark.parametrize("pdl_env,major,pdl", [(None, 9, True), ("0", 9, False), (None, 8, False),
-                                               ("1", 10, True)])
+@pytest.mark.parametrize("pdl_env,major,pdl", [(None, 9, True), ("0", 9, False), (None, 8, False), ("1", 10, True)])
 def test_a_cached_launch_passes_the_descriptor_the_scalars_and_the_pdl_rule(monkeypatch, pdl_env, major, pdl):
     """The hot path lays out a call signature's descriptor and scalars once (Executor._launch_for) and
     adds the pointers per call (Executor._run): what reaches _cuda.launch is the loaded kernel's

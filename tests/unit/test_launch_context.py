@@ -44,7 +44,6 @@ class FakeDriver:
         popped, self.local.ctx = self.local.ctx, self.local.stack.pop()
         return (driver.CUresult.CUDA_SUCCESS, driver.CUcontext(popped))
 
-
     def cuLaunchKernelEx(self, config, kernel, params, extra):
         # what the real driver requires: the kernel's context is current on this thread
         self.launches.append((threading.get_ident(), self.cuCtxGetCurrent()[1], kernel, config, params))

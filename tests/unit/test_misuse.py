@@ -21,13 +21,26 @@ def meta(t: torch.Tensor) -> torch.Tensor:
 CALLS = {  # entry point -> (the call with one argument on meta, that argument's name)
     "all_reduce out": (lambda: ops.all_reduce_out(X, meta(X), "no-comm"), "out"),
     "linear weight": (lambda: ops.linear_all_reduce(X, meta(torch.ones(32, 64, dtype=X.dtype)), "no-comm"), "weight"),
-    "fused residual": (lambda: ops.all_reduce_add_rmsnorm(X, meta(X), torch.ones(64, dtype=X.dtype), 1e-6, "no-comm"),
-                       "residual"),
-    "fused weight": (lambda: ops.all_reduce_add_rmsnorm(X, X.clone(), meta(torch.ones(64, dtype=X.dtype)), 1e-6,
-                                                        "no-comm"), "weight"),
-    "fused scale": (lambda: ops.all_reduce_add_rmsnorm(X, X.clone(), torch.ones(64, dtype=X.dtype), 1e-6, "no-comm",
-                                                       out_dtype=torch.float8_e4m3fn,
-                                                       scale=meta(torch.ones(1))), "scale"),
+    "fused residual": (
+        lambda: ops.all_reduce_add_rmsnorm(X, meta(X), torch.ones(64, dtype=X.dtype), 1e-6, "no-comm"),
+        "residual",
+    ),
+    "fused weight": (
+        lambda: ops.all_reduce_add_rmsnorm(X, X.clone(), meta(torch.ones(64, dtype=X.dtype)), 1e-6, "no-comm"),
+        "weight",
+    ),
+    "fused scale": (
+        lambda: ops.all_reduce_add_rmsnorm(
+            X,
+            X.clone(),
+            torch.ones(64, dtype=X.dtype),
+            1e-6,
+            "no-comm",
+            out_dtype=torch.float8_e4m3fn,
+            scale=meta(torch.ones(1)),
+        ),
+        "scale",
+    ),
 }
 
 
@@ -69,8 +82,9 @@ def test_without_the_check_the_tests_above_fail(monkeypatch, what):
 
 def test_all_meta_arguments_still_trace():
     """Every argument on meta is shape inference (what torch.compile's fake tensors do): allowed."""
-    out, residual_out, _ = ops.all_reduce_add_rmsnorm(meta(X), meta(X), meta(torch.ones(64, dtype=X.dtype)), 1e-6,
-                                                      "no-comm")
+    out, residual_out, _ = ops.all_reduce_add_rmsnorm(
+        meta(X), meta(X), meta(torch.ones(64, dtype=X.dtype)), 1e-6, "no-comm"
+    )
     assert out.shape == X.shape and out.is_meta
 
 

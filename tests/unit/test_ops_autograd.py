@@ -6,9 +6,9 @@ worker's case exchange_grad, at 2, 3 and 4 ranks.)"""
 import pytest
 import torch
 
+from tests.unit.test_misuse import _bare_communicator
 from ubnext import ops
 from ubnext.reference._checks import rmsnorm
-from tests.unit.test_misuse import _bare_communicator
 
 
 def test_rmsnorm_backward_matches_autograd():
@@ -39,16 +39,26 @@ def _recorders(monkeypatch):
         def call(*args):
             seen.append(name)
             return result(*args)
+
         return call
 
     pair = lambda *args: (args[0], args[0])  # noqa: E731 - (out, residual_out)
     triple = lambda *args: (args[0], args[0], args[0])  # noqa: E731 - (out, residual_out, scale_inv)
-    for name, result in (("_ALL_REDUCE", lambda *a: a[0]), ("_LINEAR_ALL_REDUCE", lambda *a: a[0]),
-                         ("_FUSED", pair), ("_ALL_GATHER", lambda *a: a[0]), ("_REDUCE_SCATTER", lambda *a: a[0])):
+    for name, result in (
+        ("_ALL_REDUCE", lambda *a: a[0]),
+        ("_LINEAR_ALL_REDUCE", lambda *a: a[0]),
+        ("_FUSED", pair),
+        ("_ALL_GATHER", lambda *a: a[0]),
+        ("_REDUCE_SCATTER", lambda *a: a[0]),
+    ):
         monkeypatch.setattr(ops, name, (recorder(name + " packet", result), recorder(name + " direct", result)))
-    for name, result in (("_AllReduceGrad", lambda *a: a[0]), ("_LinearAllReduceGrad", lambda *a: a[0]),
-                         ("_FusedGrad", triple), ("_AllGatherGrad", lambda *a: a[0]),
-                         ("_ReduceScatterGrad", lambda *a: a[0])):
+    for name, result in (
+        ("_AllReduceGrad", lambda *a: a[0]),
+        ("_LinearAllReduceGrad", lambda *a: a[0]),
+        ("_FusedGrad", triple),
+        ("_AllGatherGrad", lambda *a: a[0]),
+        ("_ReduceScatterGrad", lambda *a: a[0]),
+    ):
         monkeypatch.setattr(getattr(ops, name), "apply", recorder(name, result))
     return seen
 
@@ -67,8 +77,13 @@ def test_entry_points_take_autograd_only_when_a_gradient_is_wanted(monkeypatch):
         ops.all_gather(a, "k")
         ops.reduce_scatter(a, 0.5, "k")
 
-    direct = ["_ALL_REDUCE direct", "_LINEAR_ALL_REDUCE direct", "_FUSED direct", "_ALL_GATHER direct",
-              "_REDUCE_SCATTER direct"]
+    direct = [
+        "_ALL_REDUCE direct",
+        "_LINEAR_ALL_REDUCE direct",
+        "_FUSED direct",
+        "_ALL_GATHER direct",
+        "_REDUCE_SCATTER direct",
+    ]
     calls(x, w)
     assert seen == direct
     seen.clear()
@@ -95,18 +110,30 @@ def test_entry_points_call_the_packet_while_compiling(monkeypatch):
     ops.all_reduce_add_rmsnorm(x, x, torch.ones(8), 1e-6, "k")
     ops.all_gather(x, "k")
     ops.reduce_scatter(x, 1.0, "k")
-    assert seen == ["_ALL_REDUCE packet", "_LINEAR_ALL_REDUCE packet", "_FUSED packet", "_ALL_GATHER packet",
-                    "_REDUCE_SCATTER packet"]
+    assert seen == [
+        "_ALL_REDUCE packet",
+        "_LINEAR_ALL_REDUCE packet",
+        "_FUSED packet",
+        "_ALL_GATHER packet",
+        "_REDUCE_SCATTER packet",
+    ]
 
 
 def test_the_direct_callable_is_the_packets_own():
     """What the entry points call in eager mode is what torch.ops.ubnext.<op>(...) forwards to."""
-    for name, attribute in (("all_reduce", "_ALL_REDUCE"), ("all_reduce_out", "_ALL_REDUCE_OUT"),
-                            ("linear_all_reduce", "_LINEAR_ALL_REDUCE"), ("all_reduce_add_rmsnorm", "_FUSED"),
-                            ("all_reduce_add_rmsnorm_fp8", "_FUSED_FP8"), ("all_gather", "_ALL_GATHER"),
-                            ("all_gather_out", "_ALL_GATHER_OUT"), ("reduce_scatter", "_REDUCE_SCATTER"),
-                            ("reduce_scatter_out", "_REDUCE_SCATTER_OUT"), ("quantize_fp8", "_QUANTIZE_FP8"),
-                            ("quantize", "_QUANTIZE")):
+    for name, attribute in (
+        ("all_reduce", "_ALL_REDUCE"),
+        ("all_reduce_out", "_ALL_REDUCE_OUT"),
+        ("linear_all_reduce", "_LINEAR_ALL_REDUCE"),
+        ("all_reduce_add_rmsnorm", "_FUSED"),
+        ("all_reduce_add_rmsnorm_fp8", "_FUSED_FP8"),
+        ("all_gather", "_ALL_GATHER"),
+        ("all_gather_out", "_ALL_GATHER_OUT"),
+        ("reduce_scatter", "_REDUCE_SCATTER"),
+        ("reduce_scatter_out", "_REDUCE_SCATTER_OUT"),
+        ("quantize_fp8", "_QUANTIZE_FP8"),
+        ("quantize", "_QUANTIZE"),
+    ):
         packet, direct = getattr(ops, attribute)
         assert packet is getattr(torch.ops.ubnext, name) and direct is packet._op
 
@@ -114,12 +141,21 @@ def test_the_direct_callable_is_the_packets_own():
 # communicator methods whose output has no gradient: the quantisers (issue 40 W2, C14) and the out= forms
 NOT_DIFFERENTIABLE = {
     "quantize_fp8": (lambda c, x: c.quantize_fp8(x), "comm.quantize_fp8's e4m3 output", "on x.detach()"),
-    "quantize nvfp4": (lambda c, x: c.quantize(x, "nvfp4", swizzled=True), "comm.quantize's nvfp4 output",
-                       "on x.detach()"),
-    "all_gather out": (lambda c, x: c.all_gather(x, out=torch.empty(8, 64, device="meta")), "all_gather(..., out=...)",
-                       "without out= to get a gradient"),
-    "reduce_scatter out": (lambda c, x: c.reduce_scatter(x, out=torch.empty(2, 64, device="meta")),
-                           "reduce_scatter(..., out=...)", "without out= to get a gradient"),
+    "quantize nvfp4": (
+        lambda c, x: c.quantize(x, "nvfp4", swizzled=True),
+        "comm.quantize's nvfp4 output",
+        "on x.detach()",
+    ),
+    "all_gather out": (
+        lambda c, x: c.all_gather(x, out=torch.empty(8, 64, device="meta")),
+        "all_gather(..., out=...)",
+        "without out= to get a gradient",
+    ),
+    "reduce_scatter out": (
+        lambda c, x: c.reduce_scatter(x, out=torch.empty(2, 64, device="meta")),
+        "reduce_scatter(..., out=...)",
+        "without out= to get a gradient",
+    ),
 }
 
 
@@ -148,5 +184,6 @@ def test_the_fused_quant_form_refuses_with_the_same_error():
     x = torch.empty(4, 64, device="meta", requires_grad=True)
     with pytest.raises(RuntimeError) as refused:
         ops.all_reduce_add_rmsnorm(x, x.detach(), torch.ones(64, device="meta"), 1e-6, "k", quant="nvfp4")
-    assert str(refused.value) == str(ops.not_differentiable("the quantised (nvfp4) output of ubnext's fused norm",
-                                                            "without quant="))
+    assert str(refused.value) == str(
+        ops.not_differentiable("the quantised (nvfp4) output of ubnext's fused norm", "without quant=")
+    )

@@ -36,15 +36,21 @@ CALLS = {  # op -> its call with out=
 }
 # (x, out) as element ranges of one buffer of 2N: out over x's second half, x over out's second half,
 # out a few bytes past x (the issue's buf[8:1032]), and the two sharing only their last / first 4 bytes
-OVERLAPS = {"later half": ((0, N), (N // 2, N + N // 2)), "earlier half": ((N // 2, N + N // 2), (0, N)),
-            "a few bytes on": ((0, N), (8, N + 8)), "one element": ((0, N), (N - 1, 2 * N - 1))}
+OVERLAPS = {
+    "later half": ((0, N), (N // 2, N + N // 2)),
+    "earlier half": ((N // 2, N + N // 2), (0, N)),
+    "a few bytes on": ((0, N), (8, N + 8)),
+    "one element": ((0, N), (N - 1, 2 * N - 1)),
+}
 
 
 def _message(op: str, x: tuple[int, int], out: tuple[int, int]) -> str:
     """The start of the refusal: the op and both byte ranges in their storage."""
     partly = "" if op == "reduce_scatter" else "partly "
-    return (f"{op}: out {partly}overlaps x: x is bytes [{x[0] * ELEM}, {x[1] * ELEM}) and out bytes "
-            f"[{out[0] * ELEM}, {out[1] * ELEM}) of one storage; ")
+    return (
+        f"{op}: out {partly}overlaps x: x is bytes [{x[0] * ELEM}, {x[1] * ELEM}) and out bytes "
+        f"[{out[0] * ELEM}, {out[1] * ELEM}) of one storage; "
+    )
 
 
 @pytest.mark.parametrize("op", sorted(CALLS))
@@ -64,9 +70,11 @@ def test_a_traced_call_is_refused_as_an_eager_one(comm, how):
     since a meta tensor's address is its offset from 0 whatever its storage."""
     (x0, x1), (o0, o1) = OVERLAPS[how]
     buf = torch.empty(2 * N, device="meta")
-    for op, call in (("all_reduce", lambda x, out: ops.all_reduce_out(x, out, comm.key)),
-                     ("all_gather", lambda x, out: torch.ops.ubnext.all_gather_out(x, out, comm.key)),
-                     ("reduce_scatter", lambda x, out: torch.ops.ubnext.reduce_scatter_out(x, out, 1.0, comm.key))):
+    for op, call in (
+        ("all_reduce", lambda x, out: ops.all_reduce_out(x, out, comm.key)),
+        ("all_gather", lambda x, out: torch.ops.ubnext.all_gather_out(x, out, comm.key)),
+        ("reduce_scatter", lambda x, out: torch.ops.ubnext.reduce_scatter_out(x, out, 1.0, comm.key)),
+    ):
         with pytest.raises(ValueError, match=f"^{re.escape(_message(op, (x0, x1), (o0, o1)))}"):
             call(buf[x0:x1], buf[o0:o1])
 
@@ -75,7 +83,7 @@ def test_under_torch_compile_the_overlap_fails_at_trace_time(comm):
     """Dynamo runs the operator on fake tensors, views of one fake storage: the fake implementation
     refuses there, before any graph runs (Dynamo wraps the ValueError in its own error)."""
     torch._dynamo.reset()
-    compiled = torch.compile(lambda b: comm.all_reduce(b[:N], out=b[8:N + 8]), backend="eager", fullgraph=True)
+    compiled = torch.compile(lambda b: comm.all_reduce(b[:N], out=b[8 : N + 8]), backend="eager", fullgraph=True)
     with pytest.raises(Exception, match=re.escape(_message("all_reduce", (0, N), (8, N + 8)))):
         compiled(torch.arange(2 * N, dtype=torch.float32))
     ok = torch.compile(lambda b: comm.all_reduce(b[:N], out=b[N:]), backend="eager", fullgraph=True)
@@ -119,7 +127,7 @@ def test_a_strided_out_is_named_by_the_contiguity_check(comm):
 def test_separate_meta_tensors_do_not_overlap():
     """Every meta storage starts at address 0, so the fake implementations compare storages: by
     address, x and a view of another storage 32 bytes in would seem to overlap."""
-    x, other = torch.empty(N, device="meta"), torch.empty(2 * N, device="meta")[8:N + 8]
+    x, other = torch.empty(N, device="meta"), torch.empty(2 * N, device="meta")[8 : N + 8]
     check_out_overlap("all_reduce", x, other, by_storage=True)
     with pytest.raises(ValueError, match="^all_reduce: out partly overlaps x"):
         check_out_overlap("all_reduce", x, other)

@@ -43,8 +43,10 @@ def test_same_signature_same_plan(nbytes, fused):
     """Two ranks with the same layout and world size plan the same path: the first of the model's
     order (ubnext/plan/_thresholds.py) that this pool can run, torch.distributed past them all."""
     layout = plan_layout(8, 8192)
-    views = [plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True, world_size=8)
-             for _ in range(2)]
+    views = [
+        plan.PoolView(None, True, layout.lamport_slot_bytes, layout.staging_bytes, "gpu", True, world_size=8)
+        for _ in range(2)
+    ]
     plans = [plan.choose(nbytes, 2, fused, 8192, v) for v in views]
     assert plans[0] == plans[1]
     caps = plan.capabilities(nbytes, 2, fused, 8192, views[0])
@@ -82,8 +84,12 @@ def test_the_batch_invariant_mode_never_plans_a_switch_reduction(nbytes, fused):
     mode = plan.choose(nbytes, 2, fused, 8192, view, allow_nondeterministic=True, batch_invariant=True)
     kept = ("nvls_twoshot", "nvls_lamport")
     assert mode.path in ("lamport", "twoshot", "torch") + kept, mode
-    push_fits = not fused and plan.lamport_bytes_needed("nvls_lamport", nbytes, False, view.world_size, True) \
-        <= view.lamport_capacity < nbytes
+    push_fits = (
+        not fused
+        and plan.lamport_bytes_needed("nvls_lamport", nbytes, False, view.world_size, True)
+        <= view.lamport_capacity
+        < nbytes
+    )
     order = plan.auto_order(nbytes, fused, True, True, view.world_size)
     if push_fits and default.path in order and order.index("nvls_lamport") < order.index(default.path):
         assert mode.path == "nvls_lamport", mode
@@ -116,14 +122,16 @@ def test_grid_bound_and_timeout_are_agreed_at_pool_creation(monkeypatch):
     comm.device, comm._sm_count, comm._nvls_ctas, comm._pool_error = None, 128, 32, None
     comm._algo, comm._env_algo = None, "auto"  # what the set-up report's settings read (_setup_settings)
     comm._prepare_kernels = lambda: None
-    reports = [{"error": None, "sm_count": 128, "nvls_ctas": 32, "timeout_s": 30.0, "host": "node1/b",
-                "selftest": True},
-               {"error": None, "sm_count": 114, "nvls_ctas": 16, "timeout_s": 600.0, "host": "node1/b",
-                "selftest": True}]
+    reports = [
+        {"error": None, "sm_count": 128, "nvls_ctas": 32, "timeout_s": 30.0, "host": "node1/b", "selftest": True},
+        {"error": None, "sm_count": 114, "nvls_ctas": 16, "timeout_s": 600.0, "host": "node1/b", "selftest": True},
+    ]
     gathered = iter([reports, [None, None]])  # this rank, then its peer
     comm._setup_allgather = lambda obj, step=None: _with_own(obj, next(gathered))
     created = {}
-    monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: created.update(kw) or SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(
+        comm_mod, "SymmetricPool", lambda **kw: created.update(kw) or SimpleNamespace(close=lambda: None)
+    )
     assert comm._create_pool() is not None
     assert created["timeout_s"] == 600.0
     assert comm._sm_count == 114 and comm._nvls_ctas == 16
@@ -142,8 +150,10 @@ def test_the_batch_invariant_mode_is_agreed_at_pool_creation(monkeypatch):
 
     comm = _bare_communicator()
     comm.batch_invariant = True
-    reports = [{"error": None, "sm_count": 0, "timeout_s": 30.0, "host": "node1/b", "selftest": True,
-                "batch_invariant": mode} for mode in (True, False)]
+    reports = [
+        {"error": None, "sm_count": 0, "timeout_s": 30.0, "host": "node1/b", "selftest": True, "batch_invariant": mode}
+        for mode in (True, False)
+    ]
     comm._setup_allgather = lambda obj, step=None: _with_own(obj, reports)
     monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: pytest.fail("allocated a pool across modes"))
     with pytest.raises(ValueError, match=r"batch-invariant mode differs across ranks \(on at rank\(s\) 0 only\)"):
@@ -174,8 +184,9 @@ def test_a_group_across_hosts_takes_the_torch_path(monkeypatch):
     import ubnext.comm._prepare as comm_mod
 
     comm = _bare_communicator()
-    reports = [{"error": None, "sm_count": 0, "timeout_s": 30.0, "host": h, "selftest": True}
-               for h in ("node1/b1", "node1/b2")]  # one hostname, two machines (boot ids)
+    reports = [
+        {"error": None, "sm_count": 0, "timeout_s": 30.0, "host": h, "selftest": True} for h in ("node1/b1", "node1/b2")
+    ]  # one hostname, two machines (boot ids)
     comm._setup_allgather = lambda obj, step=None: _with_own(obj, reports)
     monkeypatch.setattr(comm_mod, "SymmetricPool", lambda **kw: pytest.fail("allocated a pool across hosts"))
     assert comm._create_pool() is None
@@ -216,13 +227,20 @@ def test_a_second_stream_waits_for_the_last_launch_not_the_stream(monkeypatch):
     monkeypatch.setattr(ubnext.runtime._cuda, "current_stream_handle", lambda index: current[0])
     monkeypatch.setattr(ubnext.runtime._cuda, "capturing", lambda device: capture[0])
     monkeypatch.setattr(ubnext.runtime._cuda, "create_event", lambda index: calls.append(("create", index)) or "E")
-    monkeypatch.setattr(ubnext.runtime._cuda, "wait_event",
-                        lambda stream, event, index: calls.append(("wait", stream, event, index)))
-    monkeypatch.setattr(ubnext.runtime._cuda, "record_event",
-                        lambda event, stream, index: calls.append(("record", stream, event, index)))
+    monkeypatch.setattr(
+        ubnext.runtime._cuda, "wait_event", lambda stream, event, index: calls.append(("wait", stream, event, index))
+    )
+    monkeypatch.setattr(
+        ubnext.runtime._cuda,
+        "record_event",
+        lambda event, stream, index: calls.append(("record", stream, event, index)),
+    )
     monkeypatch.setattr(ubnext.runtime._cuda, "launch_config", lambda grid, block, stream, pdl: stream)
-    monkeypatch.setattr(ubnext.runtime._cuda, "launch",
-                        lambda kernel, stream, params, index, done=None: calls.append(("launch", stream, done)))
+    monkeypatch.setattr(
+        ubnext.runtime._cuda,
+        "launch",
+        lambda kernel, stream, params, index, done=None: calls.append(("launch", stream, done)),
+    )
     how = SimpleNamespace(kernel=0, grid=1, block=32, pdl=True, params=SimpleNamespace(address=lambda pointers: 0))
 
     def op(stream):
@@ -232,9 +250,16 @@ def test_a_second_stream_waits_for_the_last_launch_not_the_stream(monkeypatch):
 
     for stream in (0x10, 0x10, 0x20, 0x20, 0x10):
         op(stream)
-    assert calls == [("create", 3), ("launch", 0x10, "E"), ("launch", 0x10, "E"),
-                     ("wait", 0x20, "E", 3), ("launch", 0x20, "E"), ("launch", 0x20, "E"),
-                     ("wait", 0x10, "E", 3), ("launch", 0x10, "E")]
+    assert calls == [
+        ("create", 3),
+        ("launch", 0x10, "E"),
+        ("launch", 0x10, "E"),
+        ("wait", 0x20, "E", 3),
+        ("launch", 0x20, "E"),
+        ("launch", 0x20, "E"),
+        ("wait", 0x10, "E", 3),
+        ("launch", 0x10, "E"),
+    ]
     # an op that reads the staging region after its kernel (the copy out of an in-place two-shot)
     # moves the event past that read, so the next stream waits for it too
     calls.clear()
@@ -265,12 +290,15 @@ def test_torch_symm_never_allocates_inside_capture(monkeypatch):
     assert used == ["torch"]
 
 
-@pytest.mark.parametrize("dtype,numel,backend,refused", [
-    (torch.float16, 8, "torch_symm", "float32 and bfloat16 only"),
-    (torch.bfloat16, 7, "torch_symm", "whole 4-byte words"),
-    (torch.float32, 8, "vmm", "not torch's symmetric memory (vmm)"),
-    (torch.bfloat16, 8, "torch_symm", None),
-])
+@pytest.mark.parametrize(
+    "dtype,numel,backend,refused",
+    [
+        (torch.float16, 8, "torch_symm", "float32 and bfloat16 only"),
+        (torch.bfloat16, 7, "torch_symm", "whole 4-byte words"),
+        (torch.float32, 8, "vmm", "not torch's symmetric memory (vmm)"),
+        (torch.bfloat16, 8, "torch_symm", None),
+    ],
+)
 def test_torch_symm_takes_only_what_torchs_op_takes(monkeypatch, caplog, dtype, numel, backend, refused):
     """Issue 23 item 1: what torch's symmetric-memory op refuses inside the user's call (fp16, odd
     2-byte sizes, a pool that is not torch's) goes to torch.distributed instead, said once; the
@@ -385,7 +413,9 @@ def test_isolated_gpus_make_the_fallback_say_why(monkeypatch, caplog):
     comm = _bare_communicator("gpu")
     comm.device = torch.device("cuda", 0)
     comm._allgather = lambda obj: [obj, obj] if not isinstance(obj, dict) else [obj, dict(obj)]
-    comm._setup_allgather = lambda obj, step=None: comm._allgather(obj)  # the store's check-in: tests/unit/test_misuse.py
+    comm._setup_allgather = lambda obj, step=None: comm._allgather(
+        obj
+    )  # the store's check-in: tests/unit/test_misuse.py
 
     def refuse(**kwargs):
         raise PoolSetupError("mapping the peers' memory failed on rank 1: cuMemImportFromShareableHandle failed")
@@ -424,11 +454,12 @@ def test_a_call_that_does_not_fit_says_what_sized_the_pool_and_the_fix(monkeypat
     layout = plan_layout(2, 1024)
     # the call header has a place of its own: a call of UBNEXT_MAX_BATCH tokens, fp32, still fits
     assert layout.lamport_capacity >= 32 * 1024 * 4
-    view = plan.PoolView(None, True, layout.lamport_capacity, layout.staging_bytes, "gpu", False, (),
-                         layout.sized_by)
+    view = plan.PoolView(None, True, layout.lamport_capacity, layout.staging_bytes, "gpu", False, (), layout.sized_by)
     why = plan.capabilities(1 << 20, 2, False, 0, view)
-    assert why["lamport"].startswith(f"1048576 bytes exceed the Lamport slot ({layout.lamport_capacity} bytes, "
-                                     "from UBNEXT_MAX_BATCH=32 tokens x hidden 1024 x 4 bytes)")
+    assert why["lamport"].startswith(
+        f"1048576 bytes exceed the Lamport slot ({layout.lamport_capacity} bytes, "
+        "from UBNEXT_MAX_BATCH=32 tokens x hidden 1024 x 4 bytes)"
+    )
     for path in ("lamport", "nvls_twoshot"):
         assert "UBNEXT_MAX_BATCH" in why[path] and "comm.register_hidden" in why[path], why[path]
     monkeypatch.setenv("UBNEXT_SYMM_POOL_SIZE", "8")
@@ -439,8 +470,11 @@ def test_attention_heads_must_be_whole_on_every_rank():
     from ubnext.parallel import check_attention_heads
 
     check_attention_heads(32, 8, 8)
-    with pytest.raises(ValueError, match=r"tensor parallelism 4 must divide the attention heads \(32\) and the "
-                                         r"key/value heads \(2\); it does not divide key/value heads 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor parallelism 4 must divide the attention heads \(32\) and the "
+        r"key/value heads \(2\); it does not divide key/value heads 2",
+    ):
         check_attention_heads(32, 2, 4)
     with pytest.raises(ValueError, match="does not divide heads 6 or key/value heads 3"):
         check_attention_heads(6, 3, 4)
@@ -475,8 +509,8 @@ def test_messages_of_2_gib_or_more_never_reach_a_kernel():
     """Issue 23, risk "silent int32 wraparound": the kernels count in 32 bits, and numpy 1.x wraps
     np.int32(n) silently for n >= 2**31. Such messages take torch.distributed, on every path,
     and packing such a count for a launch refuses."""
-    from ubnext.runtime import _cuda
     from ubnext import kernels
+    from ubnext.runtime import _cuda
 
     view = plan.PoolView(None, True, 1 << 40, 1 << 40, "gpu")
     for nbytes in (1 << 31, 3 << 30):
@@ -503,8 +537,10 @@ def test_the_push_form_fits_by_its_slot_not_the_staging_region():
     assert mode["nvls_lamport"] is None, mode["nvls_lamport"]
     assert "staging region" in plan.capabilities(fits, 2, False, 0, view)["nvls_twoshot"]
     too_big = plan.capabilities(fits + 8 * 16, 2, False, 0, view, batch_invariant=True)["nvls_lamport"]
-    assert too_big.startswith(f"{fits + 128} bytes ({plan.lamport_bytes_needed('nvls_lamport', fits + 128, False, 8, True)} "
-                              "in its push form's slot) exceed the Lamport slot"), too_big
+    assert too_big.startswith(
+        f"{fits + 128} bytes ({plan.lamport_bytes_needed('nvls_lamport', fits + 128, False, 8, True)} "
+        "in its push form's slot) exceed the Lamport slot"
+    ), too_big
     assert plan.choose(fits, 2, False, 0, view, batch_invariant=True).path == "nvls_lamport"
     assert plan.choose(fits, 2, False, 0, view).path == "torch"
     assert "Lamport slot" in plan.capabilities(fits, 2, True, 8192, view, batch_invariant=True)["nvls_lamport"]

@@ -11,8 +11,15 @@ from ubnext.pool import SymmetricPool, plan_layout
 
 
 def _pool():
-    return SymmetricPool(layout=plan_layout(1, 1024), rank=0, group=None, device=torch.device("cpu"),
-                         allgather=lambda obj: [obj], timeout_s=30.0, backend="emulator")
+    return SymmetricPool(
+        layout=plan_layout(1, 1024),
+        rank=0,
+        group=None,
+        device=torch.device("cpu"),
+        allgather=lambda obj: [obj],
+        timeout_s=30.0,
+        backend="emulator",
+    )
 
 
 def test_close_defers_release_until_the_last_view_goes():

@@ -20,15 +20,24 @@ from tests.conftest import ROOT
 README = (ROOT / "README.md").read_text()
 # the pages the README's long explanations moved to (issue 40 item 10): their command lines are held
 # to the same registry, so a command does not lose its runner by moving out of the README
-DOCS = ["docs/API.md", "docs/BATCH_INVARIANT.md", "docs/C_API.md", "docs/DEVELOPING.md", "docs/FSDP.md",
-        "docs/RUNTIME.md", "docs/TENSOR_PARALLEL.md"]
+DOCS = [
+    "docs/API.md",
+    "docs/BATCH_INVARIANT.md",
+    "docs/C_API.md",
+    "docs/DEVELOPING.md",
+    "docs/FSDP.md",
+    "docs/RUNTIME.md",
+    "docs/TENSOR_PARALLEL.md",
+]
 
 # what runs each fenced block: (language, the block's first line) -> (file, the text it must contain)
 BLOCKS = {
-    ("bash", "scripts/test.sh    # the whole test suite: kernels compile, unit, mpi (-np 2/4), C, GPU tiers"):
-        (".ci/run", "scripts/test.sh"),
+    ("bash", "scripts/test.sh    # the whole test suite: kernels compile, unit, mpi (-np 2/4), C, GPU tiers"): (
+        ".ci/run",
+        "scripts/test.sh",
+    ),
     ("text", "no GPU: torch is a CPU build"):  # the driver gate's verdict comes first (issue 36 R8)
-        ("tests/unit/test_info.py", "def test_readme_sample_is_what_info_prints"),
+    ("tests/unit/test_info.py", "def test_readme_sample_is_what_info_prints"),
 }
 # the python blocks, told apart by their third line, each with the function that extracts and runs it
 PYTHON_BLOCKS = {
@@ -43,38 +52,52 @@ RUN_HERE = {
     "python -m ubnext.info --no-build": [sys.executable, "-m", "ubnext.info", "--no-build"],
 }
 RUN_BY = {  # command -> (file that runs it, text there that shows it does)
-    "python -m ubnext.kernels export": ("tests/unit/test_build_cache.py", 'kernels_main(["export", "--arch", "sm_90", "--to"'),
+    "python -m ubnext.kernels export": (
+        "tests/unit/test_build_cache.py",
+        'kernels_main(["export", "--arch", "sm_90", "--to"',
+    ),
     "python -m ubnext.kernels export --arch sm_90 --to DIR": (
-        "tests/unit/test_build_cache.py", 'kernels_main(["export", "--arch", "sm_90", "--to"'),
+        "tests/unit/test_build_cache.py",
+        'kernels_main(["export", "--arch", "sm_90", "--to"',
+    ),
     # with --mode ubnext (emulator) and gloo, small: the GPU modes need NCCL
-    "python scripts/fsdp_step_bench.py --mode nccl|torch_symm|ubnext": ("tests/mpi/test_host_bench.py",
-                                                                        "def test_fsdp_step_bench_runs_as_gpu_check_runs_it"),
+    "python scripts/fsdp_step_bench.py --mode nccl|torch_symm|ubnext": (
+        "tests/mpi/test_host_bench.py",
+        "def test_fsdp_step_bench_runs_as_gpu_check_runs_it",
+    ),
     "python -m ubnext.bench --model": ("tests/mpi/test_costmodel.py", "def test_bench_model_command"),
     "scripts/test.sh": (".ci/run", "scripts/test.sh"),
     "scripts/bench.sh": ("tests/mpi/test_host_bench.py", 'run_script("scripts/bench.sh --sizes 8k")'),
     # with --calls 50: the same command, a shorter run
-    "UBNEXT_EMULATE=1 UBNEXT_BENCH_NP=2 scripts/bench.sh --host": ("tests/mpi/test_host_bench.py",
-                                                                   '"UBNEXT_BENCH_NP": "2"'),
+    "UBNEXT_EMULATE=1 UBNEXT_BENCH_NP=2 scripts/bench.sh --host": (
+        "tests/mpi/test_host_bench.py",
+        '"UBNEXT_BENCH_NP": "2"',
+    ),
     "scripts/host_bench.sh": ("tests/mpi/test_host_bench.py", 'run_script("scripts/host_bench.sh --calls 50")'),
     "scripts/build_c.sh": ("scripts/test.sh", "scripts/build_c.sh"),
     ".venv/bin/mpirun -np 2 .venv/bin/python block.py": ("tests/mpi/test_readme_snippet.py", "mpi(2, script"),
     # the Quick start's "Use it": block.py saved anywhere, under either launcher, with and without the emulator
     "mpirun -np 2 python block.py": ("tests/mpi/test_readme_snippet.py", "mpi(2, script"),
     "torchrun --nproc-per-node 2 block.py": ("tests/mpi/test_readme_snippet.py", "run_torchrun(2, script"),
-    "UBNEXT_EMULATE=1 mpirun -np 2 python block.py": ("tests/mpi/test_readme_snippet.py",
-                                                      'env={"UBNEXT_EMULATE": emulate}'),
+    "UBNEXT_EMULATE=1 mpirun -np 2 python block.py": (
+        "tests/mpi/test_readme_snippet.py",
+        'env={"UBNEXT_EMULATE": emulate}',
+    ),
     # the set-up (scripts/test.sh's first step) installs the checkout editable, with its extras
     "pip install -e .": ("scripts/_setup.sh", '-e ".[test,plot]"'),
-    "python -m ubnext.kernels build --arch sm_90 sm_100": ("scripts/test.sh",
-                                                           "python -m ubnext.kernels build --arch sm_90 sm_100"),
+    "python -m ubnext.kernels build --arch sm_90 sm_100": (
+        "scripts/test.sh",
+        "python -m ubnext.kernels build --arch sm_90 sm_100",
+    ),
     "cmake --install build/c --prefix <prefix>": ("cmake/check_package.cmake", "--install"),
     # the wheel test builds the sdist, then the wheel from it, and pip-installs that: what `pip install .`
     # does, in steps it can check (the wheel's contents, no write into the checkout)
     "pip install .": ("tests/mpi/test_wheel.py", '"pip", "install"'),
-    "UBNEXT_EMULATE=1 mpirun -np 4 python your_program.py": ("tests/mpi/test_examples.py",
-                                                             '"UBNEXT_EMULATE": "1"'),
+    "UBNEXT_EMULATE=1 mpirun -np 4 python your_program.py": ("tests/mpi/test_examples.py", '"UBNEXT_EMULATE": "1"'),
     "UBNEXT_EMULATE=1 mpirun -np 4 python examples/llama_tp.py --compile model": (
-        "tests/mpi/test_examples.py", '(4, "model", '),
+        "tests/mpi/test_examples.py",
+        '(4, "model", ',
+    ),
     "torchrun --nproc-per-node 2 examples/cuda_graph.py": ("tests/gpu/test_gpu.py", "cuda_graph.py"),
     "python scripts/readme_info_sample.py": ("tests/unit/test_info.py", "readme_info_sample.py"),
     "python -m ubnext.bench": ("tests/mpi/test_host_bench.py", "scripts/bench.sh"),
@@ -82,11 +105,13 @@ RUN_BY = {  # command -> (file that runs it, text there that shows it does)
 # needs what CI lacks, so CI cannot run it; the reason is the entry
 NOT_IN_CI = {
     "scripts/gpu_check.sh": "runs the one-GPU check, then the multi-GPU tier and the benchmark, on a GPU node; "
-                            "its rehearsal (--rehearse) runs in CI: tests/mpi/test_gpu_check_rehearsal.py",
+    "its rehearsal (--rehearse) runs in CI: tests/mpi/test_gpu_check_rehearsal.py",
     "scripts/floor_check.sh": "opt-in: installs the floor versions of cuda-core, cuda-bindings and numpy into "
-                              "build/floor-venv from the package index; docs/TESTING.md gives its last result",
+    "build/floor-venv from the package index; docs/TESTING.md gives its last result",
 }
-COMMAND = re.compile(r"`((?:[A-Z_]+=[^`\s]+ )*(?:\.venv/bin/)?(?:scripts/\w+\.sh|python -m [^`\s]+|python scripts/\w+\.py|mpirun|torchrun|cmake --|pip install)[^`]*)`")
+COMMAND = re.compile(
+    r"`((?:[A-Z_]+=[^`\s]+ )*(?:\.venv/bin/)?(?:scripts/\w+\.sh|python -m [^`\s]+|python scripts/\w+\.py|mpirun|torchrun|cmake --|pip install)[^`]*)`"
+)
 
 
 def fenced_blocks():

@@ -24,7 +24,7 @@ def test_the_record_is_where_and_what_csrc_says():
     assert count and int(count.group(1)) + layout.MAX_RANKS == stamps.STAMP_COUNT
     enum = re.search(r"enum StampPhase : int \{(.*?)\};", STAMPS_CUH, re.S).group(1)
     names = [re.sub(r"\s*=.*", "", n).strip() for n in enum.split(",")]
-    snake = [re.sub(r"(?<!^)([A-Z])", r"_\1", n[len("kStamp"):]).lower() for n in names]
+    snake = [re.sub(r"(?<!^)([A-Z])", r"_\1", n[len("kStamp") :]).lower() for n in names]
     assert tuple(snake) == stamps.PHASES + ("slot0",)
     # inside the sync region, clear of the words the protocols use (desc.cuh: the barrier kernels' eps words
     # end at 416, the barrier flags start at 1024)
@@ -47,21 +47,31 @@ def test_decode_and_order_of_a_good_record():
     assert record == {**GOOD, "row_exchange": None, "slots": [300, 310]}
     assert stamps.decode(_region(GOOD, [300, 310])) == record  # without nranks: up to the last slot stamped
     assert stamps.order_problems(record, row_split=False) == []
-    assert stamps.since_entry(record) == {"entry": 0, "wait": 10, "push": 100, "row_exchange": None, "exit": 800,
-                                          "slots": [200, 210]}
+    assert stamps.since_entry(record) == {
+        "entry": 0,
+        "wait": 10,
+        "push": 100,
+        "row_exchange": None,
+        "exit": 800,
+        "slots": [200, 210],
+    }
     split = stamps.decode(_region({**GOOD, "row_exchange": 500}, [300, 310]), 2)
     assert stamps.order_problems(split, row_split=True) == []
 
 
-@pytest.mark.parametrize("values,slots,row_split,problem", [
-    ({**GOOD, "push": 350}, [300, 310], False, "push (350 ns) after slot 0"),
-    ({**GOOD, "exit": 305}, [300, 310], False, "slot 1 (310 ns) after exit"),
-    ({**GOOD, "wait": 0}, [300, 310], False, "wait was not stamped"),
-    (GOOD, [300, 0], False, "slot stamps missing"),
-    (GOOD, [300, 310], True, "row_exchange was not stamped"),
-    ({**GOOD, "row_exchange": 500}, [300, 310], False, "row_exchange was stamped without the row split"),
-    ({**GOOD, "row_exchange": 250}, [300, 310], True, "slot 1 (310 ns) after row_exchange"),
-], ids=["push-late", "exit-early", "no-wait", "slot-missing", "no-exchange", "stray-exchange", "exchange-early"])
+@pytest.mark.parametrize(
+    "values,slots,row_split,problem",
+    [
+        ({**GOOD, "push": 350}, [300, 310], False, "push (350 ns) after slot 0"),
+        ({**GOOD, "exit": 305}, [300, 310], False, "slot 1 (310 ns) after exit"),
+        ({**GOOD, "wait": 0}, [300, 310], False, "wait was not stamped"),
+        (GOOD, [300, 0], False, "slot stamps missing"),
+        (GOOD, [300, 310], True, "row_exchange was not stamped"),
+        ({**GOOD, "row_exchange": 500}, [300, 310], False, "row_exchange was stamped without the row split"),
+        ({**GOOD, "row_exchange": 250}, [300, 310], True, "slot 1 (310 ns) after row_exchange"),
+    ],
+    ids=["push-late", "exit-early", "no-wait", "slot-missing", "no-exchange", "stray-exchange", "exchange-early"],
+)
 def test_order_problems_are_caught(values, slots, row_split, problem):
     problems = stamps.order_problems(stamps.decode(_region(values, slots), 2), row_split=row_split)
     assert any(problem in p for p in problems), problems

@@ -54,8 +54,13 @@ def imports(root: Path) -> tuple[dict[str, set[str]], list[tuple[int, str]], lis
         tree = ast.parse(source)
         if len(source.splitlines()) > MAX_MODULE:
             long_modules.append((len(source.splitlines()), str(path)))
-        exempt = {line for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
-                  for b in n.body for line in range(b.lineno, b.end_lineno + 1)}
+        exempt = {
+            line
+            for n in ast.walk(tree)
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+            for b in n.body
+            for line in range(b.lineno, b.end_lineno + 1)
+        }
         for n in ast.walk(tree):
             if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno not in exempt:
                 edges[name].update(_targets(mods, name, n))
@@ -81,7 +86,7 @@ LAYERS = {
     "errors": {"kernels"},
     "runtime": {"kernels"},
     "kernels": {"runtime", "pool.layout"},  # kernels.inspect: the descriptor's size, to check a cubin
-    "reference": {"kernels"},               # the kernels' flag constants
+    "reference": {"kernels"},  # the kernels' flag constants
     "pool": {"runtime"},
     "plan": set(),
     "ops": {"runtime", "kernels", "reference"},
@@ -102,8 +107,9 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def layer_violations(edges: dict[str, set[str]], layers: dict[str, set[str]] = LAYERS,
-                     leaves: set[str] = LEAVES, top: set[str] = TOP) -> list[str]:
+def layer_violations(
+    edges: dict[str, set[str]], layers: dict[str, set[str]] = LAYERS, leaves: set[str] = LEAVES, top: set[str] = TOP
+) -> list[str]:
     """Each import of one part by another that ``layers`` does not allow, and each part it does not name."""
     found = []
     for name, targets in sorted(edges.items()):
@@ -116,8 +122,7 @@ def layer_violations(edges: dict[str, set[str]], layers: dict[str, set[str]] = L
         allowed = layers[part] | leaves
         for t in sorted(targets):
             inner = t.split(".", 1)[1] if "." in t else ""
-            if _part(t) == part or _part(t) in allowed or any(inner == a or inner.startswith(a + ".")
-                                                              for a in allowed):
+            if _part(t) == part or _part(t) in allowed or any(inner == a or inner.startswith(a + ".") for a in allowed):
                 continue
             found.append(f"{name} imports {t}: {part} may import only {sorted(allowed)}")
     return found
@@ -181,8 +186,11 @@ def test_every_part_has_a_line_in_the_architecture_tree():
     """Each subpackage and public module is on a line of the tree at the top of docs/ARCHITECTURE.md,
     and is a part of LAYERS (or the top)."""
     tree = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text().split("\n## The package\n", 1)[1].split("\n## ")[0]
-    parts = {p.name if p.is_dir() else p.stem for p in PACKAGE.iterdir()
-             if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.name != "__init__.py")}
+    parts = {
+        p.name if p.is_dir() else p.stem
+        for p in PACKAGE.iterdir()
+        if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.name != "__init__.py")
+    }
     assert parts == set(LAYERS) | (TOP - {""}), "LAYERS and ubnext/'s parts differ"
     missing = sorted(p for p in parts if f"{p}/" not in tree and f"{p}.py" not in tree)
     assert not missing, f"docs/ARCHITECTURE.md's tree has no line for {missing}"
@@ -195,26 +203,53 @@ def _write(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-@pytest.mark.parametrize("files,want", [
-    # a cycle through an import inside a function, and through a subpackage
-    ({"__init__.py": "", "a.py": "from . import b\n", "b.py": "def f():\n    from .sub import c\n",
-      "sub/__init__.py": "", "sub/c.py": "from .. import a\n"}, [["pkg.a", "pkg.b", "pkg.sub.c"]]),
-    # the same under TYPE_CHECKING only: no cycle
-    ({"__init__.py": "", "a.py": "from . import b\n",
-      "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"}, []),
-])
+@pytest.mark.parametrize(
+    "files,want",
+    [
+        # a cycle through an import inside a function, and through a subpackage
+        (
+            {
+                "__init__.py": "",
+                "a.py": "from . import b\n",
+                "b.py": "def f():\n    from .sub import c\n",
+                "sub/__init__.py": "",
+                "sub/c.py": "from .. import a\n",
+            },
+            [["pkg.a", "pkg.b", "pkg.sub.c"]],
+        ),
+        # the same under TYPE_CHECKING only: no cycle
+        (
+            {
+                "__init__.py": "",
+                "a.py": "from . import b\n",
+                "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
+            },
+            [],
+        ),
+    ],
+)
 def test_the_cycle_rule_catches_a_cycle(tmp_path, files, want):
     cycles, _, _ = structure(_write(tmp_path / "pkg", files))
     assert cycles == want
 
 
 def test_the_import_rule_catches_an_import_its_line_does_not_allow(tmp_path):
-    root = _write(tmp_path / "pkg", {"__init__.py": "", "low/__init__.py": "", "low/a.py": "def f():\n    from ..high import b\n",
-                                     "high/__init__.py": "", "high/b.py": "from ..low import a\n", "envs.py": ""})
+    root = _write(
+        tmp_path / "pkg",
+        {
+            "__init__.py": "",
+            "low/__init__.py": "",
+            "low/a.py": "def f():\n    from ..high import b\n",
+            "high/__init__.py": "",
+            "high/b.py": "from ..low import a\n",
+            "envs.py": "",
+        },
+    )
     edges, _, _ = imports(root)
     layers = {"low": set(), "high": {"low"}, "envs": set()}
     assert layer_violations(edges, layers, leaves={"envs"}, top={""}) == [
-        "pkg.low.a imports pkg.high.b: low may import only ['envs']"]
+        "pkg.low.a imports pkg.high.b: low may import only ['envs']"
+    ]
     # one module of a part may be allowed on its own
     assert layer_violations(edges, {**layers, "low": {"high.b"}}, leaves={"envs"}, top={""}) == []
 

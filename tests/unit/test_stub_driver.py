@@ -29,7 +29,8 @@ ABI_SIZES_INTO_STUB = textwrap.dedent("""
         sizes[i] = {"desc": pool.DESC_STRUCT_BYTES, "ptr": 8}.get(kind, 4)
 """)
 
-SCRIPT = textwrap.dedent("""
+SCRIPT = (
+    textwrap.dedent("""
     import ctypes, struct, sys, threading
     import numpy as np
     from ubnext import kernels, pool
@@ -38,7 +39,9 @@ SCRIPT = textwrap.dedent("""
 
     stub = ctypes.CDLL("libcuda.so.1")
     assert hasattr(stub, "stub_launch_count"), "libcuda.so.1 is not the stub"
-""") + ABI_SIZES_INTO_STUB + textwrap.dedent("""
+""")
+    + ABI_SIZES_INTO_STUB
+    + textwrap.dedent("""
     recorded = lambda name, kind=ctypes.c_void_p: kind.in_dll(stub, name).value
     check = lambda result: result[0] == 0 or (_ for _ in ()).throw(RuntimeError(result))
     check(driver().cuInit(0))
@@ -85,6 +88,7 @@ SCRIPT = textwrap.dedent("""
     assert int(driver().cuCtxGetCurrent()[1]) == primary
     print("stub launch ok, pdl", pdl)
 """)
+)
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +97,16 @@ def stub_dir(tmp_path_factory):
     return stub_driver.build(tmp_path_factory.mktemp("stub_driver"))
 
 
-@pytest.mark.parametrize("env,pdl", [({}, True), ({"UBNEXT_PDL": "0"}, False),
-                                     ({"STUB_COMPUTE_CAPABILITY": "8.0"}, False),
-                                     ({"STUB_COMPUTE_CAPABILITY": "10.0"}, True)],
-                         ids=["sm_90", "sm_90-UBNEXT_PDL=0", "sm_80", "sm_100"])
+@pytest.mark.parametrize(
+    "env,pdl",
+    [
+        ({}, True),
+        ({"UBNEXT_PDL": "0"}, False),
+        ({"STUB_COMPUTE_CAPABILITY": "8.0"}, False),
+        ({"STUB_COMPUTE_CAPABILITY": "10.0"}, True),
+    ],
+    ids=["sm_90", "sm_90-UBNEXT_PDL=0", "sm_80", "sm_100"],
+)
 def test_launch_reaches_the_driver_with_every_argument(stub_dir, env, pdl):
     """cuLaunchKernelEx gets the kernel, geometry, stream, the descriptor's 256 bytes by value, the
     pointers and scalars, and the programmatic-stream-serialization attribute on sm_90 and later
@@ -149,17 +159,18 @@ def test_kernel_loading_leaves_the_callers_context(stub_dir):
     loaded with the device's primary context current, and the calling thread's own context (or
     none) is current again afterwards. cuda.core's Device.set_current, which the loader used, does
     not restore it: 0.3 pushes the primary context without a pop, 1.x replaces the current one."""
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{stub_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
-               PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", LOAD_SCRIPT], env=env, cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{stub_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}", PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and "stub load ok" in result.stdout, result.stdout + result.stderr
 
 
 # KERNEL_SIGNATURE's sizes, written out: the descriptor by value, 7 pointers, 4 scalars
 ABI_SIZES = [pool.DESC_STRUCT_BYTES] + [8] * 7 + [4] * 4
 
-REPORT_SCRIPT = textwrap.dedent("""
+REPORT_SCRIPT = (
+    textwrap.dedent("""
     import ctypes, json, os, sys
     from pathlib import Path
     from ubnext import kernels, pool
@@ -169,7 +180,9 @@ REPORT_SCRIPT = textwrap.dedent("""
     assert hasattr(stub, "stub_func_load_count"), "libcuda.so.1 is not the stub"
     sizes = (ctypes.c_uint * 16).in_dll(stub, "stub_param_sizes")
     if "STUB_PARAM_SIZES" not in os.environ:  # else cuInit sets them
-""") + textwrap.indent(ABI_SIZES_INTO_STUB, "    ") + textwrap.dedent("""
+""")
+    + textwrap.indent(ABI_SIZES_INTO_STUB, "    ")
+    + textwrap.dedent("""
     csrc, odd, compiling = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "compile"
     kernels.CSRC = csrc  # the test's copy: an edit of the checkout meanwhile cannot change the source hash
     stub_int = lambda name: ctypes.c_int.in_dll(stub, name)
@@ -201,6 +214,7 @@ REPORT_SCRIPT = textwrap.dedent("""
         "nvrtc": kernels.nvrtc_version(),
     }))
 """)
+)
 
 
 def _report(stub_dir, csrc: Path, odd: str = "none", compiling: bool = False, **env) -> dict:
@@ -233,7 +247,7 @@ def test_load_all_loads_every_kernel_at_once_and_the_report_is_clean(stub_dir, t
     assert report["function_ctx"] == report["primary"], "the kernels' functions are not the primary context's"
     assert report["occupancy_block"] == 512
     for row in rows:
-        assert row["file"] == kernels.ALGOS[row["name"][len("ubnext_"):].rsplit("_", 1)[0]]
+        assert row["file"] == kernels.ALGOS[row["name"][len("ubnext_") :].rsplit("_", 1)[0]]
         assert (row["arch"], row["origin"], row["nvrtc"]) == ("sm_90", "compiled", report["nvrtc"]), row
         assert row["loaded"] and row["param_sizes"] == ABI_SIZES and row["abi_param_sizes"] == ABI_SIZES, row
         assert (row["registers"], row["local_bytes"], row["block"], row["max_blocks_per_sm"]) == (40, 16, 512, 8), row
@@ -247,13 +261,21 @@ def test_the_report_names_the_carried_cubins_nvrtc(stub_dir, tmp_path, csrc_copy
     monkeypatch.setattr(kernels, "CSRC", csrc_copy)
     monkeypatch.setenv("UBNEXT_CACHE_DIR", str(tmp_path / "export-cache"))
     monkeypatch.setattr(kernels, "nvrtc_version", lambda: "12.8")
-    monkeypatch.setattr(kernels, "_nvrtc_images", lambda fname, arch, wants, defines=():
-                        ({want: b"\x7fELF not a cubin" for want in wants}, ""))
+    monkeypatch.setattr(
+        kernels,
+        "_nvrtc_images",
+        lambda fname, arch, wants, defines=(): ({want: b"\x7fELF not a cubin" for want in wants}, ""),
+    )
     kernels.export_cubins(tmp_path / "carried", ["sm_90"])
     # the sizes through the environment this time, as a whole program under the stub gets them
     abi = ",".join(str(size) for size in ABI_SIZES)
-    report = _report(stub_dir, csrc_copy, UBNEXT_CACHE_DIR=str(tmp_path / "empty-cache"),
-                     UBNEXT_CUBIN_DIR=str(tmp_path / "carried"), STUB_PARAM_SIZES=abi)
+    report = _report(
+        stub_dir,
+        csrc_copy,
+        UBNEXT_CACHE_DIR=str(tmp_path / "empty-cache"),
+        UBNEXT_CUBIN_DIR=str(tmp_path / "carried"),
+        STUB_PARAM_SIZES=abi,
+    )
     assert {(row["origin"], row["nvrtc"]) for row in report["rows"]} == {("carried", "12.8")}
     assert report["problems"] == []
 
@@ -272,10 +294,12 @@ def test_report_problems_names_the_kernel_the_driver_disagrees_on(stub_dir, tmp_
 
 
 def _run_with_stub(stub_dir, script: str, argv: tuple[str, ...] = (), **env) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, LD_LIBRARY_PATH=f"{stub_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
-                    PYTHONPATH=str(ROOT), **env)
-    return subprocess.run([sys.executable, "-c", script, *argv], env=full_env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    full_env = dict(
+        os.environ, LD_LIBRARY_PATH=f"{stub_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}", PYTHONPATH=str(ROOT), **env
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script, *argv], env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 PROBE_SCRIPT = textwrap.dedent("""
@@ -294,13 +318,20 @@ PROBE_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("env,expected", [
-    ({}, ["True 1 CUDA device(s)", "True", "sm_90"]),
-    ({"STUB_DEVICE_COUNT": "4", "STUB_COMPUTE_CAPABILITY": "10.0"}, ["True 4 CUDA device(s)", "True", "sm_100"]),
-    ({"STUB_COMPUTE_CAPABILITY": "12.1"}, ["True 1 CUDA device(s)", "True", "sm_121"]),
-    ({"STUB_DEVICE_COUNT": "0"}, ["False no CUDA device", "False"]),
-    ({"STUB_INIT_ERROR": "100"}, ["False CUDA driver unusable: cuInit failed: CUDA_ERROR_NO_DEVICE (100)", "False"]),
-], ids=["sm_90", "sm_100", "sm_121", "no-device", "cuInit-fails"])
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({}, ["True 1 CUDA device(s)", "True", "sm_90"]),
+        ({"STUB_DEVICE_COUNT": "4", "STUB_COMPUTE_CAPABILITY": "10.0"}, ["True 4 CUDA device(s)", "True", "sm_100"]),
+        ({"STUB_COMPUTE_CAPABILITY": "12.1"}, ["True 1 CUDA device(s)", "True", "sm_121"]),
+        ({"STUB_DEVICE_COUNT": "0"}, ["False no CUDA device", "False"]),
+        (
+            {"STUB_INIT_ERROR": "100"},
+            ["False CUDA driver unusable: cuInit failed: CUDA_ERROR_NO_DEVICE (100)", "False"],
+        ),
+    ],
+    ids=["sm_90", "sm_100", "sm_121", "no-device", "cuInit-fails"],
+)
 def test_the_gpu_probe_and_the_arch_through_the_driver(stub_dir, env, expected):
     """The GPU probe (cuInit, cuDeviceGetCount) and device_arch (cuda.core's Device.compute_capability)
     through the installed cuda.bindings and cuda.core: their return conventions ((status, value)

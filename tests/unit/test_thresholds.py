@@ -12,9 +12,9 @@ import itertools
 
 import pytest
 
-from ubnext.tuning import _costmodel, _crossovers
-from ubnext.plan import _thresholds
 from ubnext import plan
+from ubnext.plan import _thresholds
+from ubnext.tuning import _costmodel, _crossovers
 
 MODEL = _crossovers.model_of(_thresholds.COUNTS, _thresholds.SM_COUNT)
 
@@ -45,9 +45,17 @@ def _slower_than_5_percent(op, elem, multicast, worlds, step=3) -> list:
         for nbytes in _crossovers.samples(op, elem)[::step]:
             times = MODEL.times(op, min(world, largest), multicast, nbytes, elem)
             for unable in itertools.chain.from_iterable(itertools.combinations(kernel_paths, k) for k in range(3)):
-                view = plan.PoolView(None, multicast, 1 << 40, 1 << 40, "gpu", False,
-                                     tuple((p, "a test's") for p in unable), world_size=world)
-                for nondet in ((False, True) if not fused else (False,)):
+                view = plan.PoolView(
+                    None,
+                    multicast,
+                    1 << 40,
+                    1 << 40,
+                    "gpu",
+                    False,
+                    tuple((p, "a test's") for p in unable),
+                    world_size=world,
+                )
+                for nondet in (False, True) if not fused else (False,):
                     chosen = plan.choose(nbytes, elem or 2, fused, 8192, view, allow_nondeterministic=nondet).path
                     best = min(t for p, t in times.items() if p not in unable and (nondet or p != "nvls_oneshot"))
                     if times[chosen] > 1.05 * best:
@@ -102,7 +110,8 @@ def test_torch_distributed_is_weighed_by_its_published_figures():
     assert [_crossovers.torch_us("all_reduce", n, 8, True) for n in (2048, 524288, 2097152)] == [16.6, 20.8, 40.0]
     extra = (64 << 20) - (2 << 20)
     assert _crossovers.torch_us("all_reduce", 64 << 20, 8, True) == pytest.approx(
-        40.0 + extra * 2 * 7 / 8 / 480e3, abs=0.01)
+        40.0 + extra * 2 * 7 / 8 / 480e3, abs=0.01
+    )
     assert _crossovers.torch_us("all_reduce_add_rmsnorm", 2048, 8, True) > 16.6 + _costmodel.LAUNCH_US.value - 0.01
 
 
@@ -131,7 +140,9 @@ def test_forced_nvls_takes_the_model_order_of_the_two_multicast_kernels():
     view = plan.PoolView(None, True, 1 << 30, 1 << 30, "gpu", False, world_size=8)
     seen = set()
     for nbytes in (n for n in _crossovers.samples("all_reduce") if n <= 1 << 29):
-        order = [p for p in plan.model_order(nbytes, False, True, 8, 2) if p.startswith("nvls_") and p != "nvls_oneshot"]
+        order = [
+            p for p in plan.model_order(nbytes, False, True, 8, 2) if p.startswith("nvls_") and p != "nvls_oneshot"
+        ]
         assert plan.choose(nbytes, 2, False, 0, view, forced="nvls").path == order[0], nbytes
         disabled = plan.PoolView(None, True, 1 << 30, 1 << 30, "gpu", False, ((order[0], "a test's"),), world_size=8)
         assert plan.choose(nbytes, 2, False, 0, disabled, forced="nvls").path == order[1], nbytes

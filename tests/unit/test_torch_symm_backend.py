@@ -70,6 +70,7 @@ def test_pool_inside_a_block_is_refused(fake_symm, convention):
 
 def test_a_rank_whose_allocation_fails_stops_every_rank_before_the_rendezvous(monkeypatch):
     """rendezvous is collective: a rank whose symm_mem.empty failed must not leave its peers in it."""
+
     def empty(*args, **kwargs):
         raise RuntimeError("out of symmetric memory")
 
@@ -115,8 +116,9 @@ def test_the_pool_leaves_inductors_all_reduce_lowering_alone(monkeypatch):
         monkeypatch.setattr(symm_mem, "rendezvous", lambda t, name: handle)
         b = pool.TorchSymmBackend(3 << 20, group, torch.device("cpu"), lambda obj: [obj])
         assert b.peer_bases == [BLOCK]
-        assert not symm_mem.is_symm_mem_enabled_for_group(group.group_name), \
+        assert not symm_mem.is_symm_mem_enabled_for_group(group.group_name), (
             "the pool marked the group: Inductor would lower its compiled all_reduces to torch's one-shot op"
+        )
     finally:
         symm_mem._group_name_to_store.pop(dist.group.WORLD.group_name, None)
         dist.destroy_process_group()

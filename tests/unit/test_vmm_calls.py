@@ -154,6 +154,7 @@ def fake(monkeypatch):
         monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
         monkeypatch.setattr(pool._Slot, "tensor", lambda self, device: None)
         return drv
+
     return make
 
 
@@ -194,7 +195,6 @@ def test_vmm_sizes_and_teardown(fake, multicast):
     assert last_unmap < first_free < first_release
     assert names.count("cuMemUnmap") == names.count("cuMemAddressFree") == (2 if multicast else 1)
     assert names.count("cuMemRelease") == (2 if multicast else 1)
-
 
 
 def test_the_set_up_leaves_the_callers_device_and_context(fake, monkeypatch):
@@ -250,7 +250,9 @@ def test_a_failing_release_call_is_logged_and_the_rest_still_run(monkeypatch, ca
     assert len(logged) == 1 and failing in logged[0] and "CUDA_ERROR_OUT_OF_MEMORY" in logged[0], logged
     names = _names(drv)
     # everything else was still released: both mappings of a two-range pool, both handles
-    assert names.count("cuMemAddressFree") == 2 and names.count("cuMemRelease") == 2 - (failing == "cuMemRelease"), names
+    assert names.count("cuMemAddressFree") == 2 and names.count("cuMemRelease") == 2 - (failing == "cuMemRelease"), (
+        names
+    )
     assert names.count("cuMemUnmap") == 2 - (failing == "cuMemUnmap"), names
 
 
@@ -261,8 +263,13 @@ def test_ranks_sharing_a_gpu_get_no_multicast(fake, monkeypatch, same_gpu):
     from ubnext.pool import _fdshare
 
     drv = fake(True)
-    monkeypatch.setattr(_fdshare, "exchange_fds", lambda fd, rank, nranks, allgather, only_from=None:
-                        [os.dup(fd) if fd >= 0 else os.open(os.devnull, os.O_RDONLY) for _ in range(nranks)])
+    monkeypatch.setattr(
+        _fdshare,
+        "exchange_fds",
+        lambda fd, rank, nranks, allgather, only_from=None: [
+            os.dup(fd) if fd >= 0 else os.open(os.devnull, os.O_RDONLY) for _ in range(nranks)
+        ],
+    )
 
     def allgather(obj):
         if isinstance(obj, tuple) and isinstance(obj[0], tuple):  # (GPU info, error): the peer's own UUID
@@ -278,6 +285,7 @@ def test_ranks_sharing_a_gpu_get_no_multicast(fake, monkeypatch, same_gpu):
 
 
 # ------------------------------------------------------------------ failures during a multi-rank set-up
+
 
 class FailingDriver(FakeDriver):
     """FakeDriver whose `fail_at` = (call name, n) makes the n-th call of that name fail."""
@@ -301,6 +309,7 @@ class FailingDriver(FakeDriver):
             if fail_at == (name, k):
                 return (driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
             return attr(*args)
+
         return call
 
     def multicast_part(self, nranks):
@@ -312,12 +321,20 @@ class FailingDriver(FakeDriver):
         """What was made and not released, from the recorded calls."""
         live = {"handles": 0, "reserved": 0, "mapped": 0, "bound": 0, "contexts pushed": 0}
         for name, _ in self.calls:
-            delta = {"cuMemCreate": ("handles", 1), "cuMemImportFromShareableHandle": ("handles", 1),
-                     "cuMulticastCreate": ("handles", 1), "cuMemRelease": ("handles", -1),
-                     "cuMemAddressReserve": ("reserved", 1), "cuMemAddressFree": ("reserved", -1),
-                     "cuMemMap": ("mapped", 1), "cuMemUnmap": ("mapped", -1),
-                     "cuMulticastBindMem": ("bound", 1), "cuMulticastUnbind": ("bound", -1),
-                     "cuCtxPushCurrent": ("contexts pushed", 1), "cuCtxPopCurrent": ("contexts pushed", -1)}.get(name)
+            delta = {
+                "cuMemCreate": ("handles", 1),
+                "cuMemImportFromShareableHandle": ("handles", 1),
+                "cuMulticastCreate": ("handles", 1),
+                "cuMemRelease": ("handles", -1),
+                "cuMemAddressReserve": ("reserved", 1),
+                "cuMemAddressFree": ("reserved", -1),
+                "cuMemMap": ("mapped", 1),
+                "cuMemUnmap": ("mapped", -1),
+                "cuMulticastBindMem": ("bound", 1),
+                "cuMulticastUnbind": ("bound", -1),
+                "cuCtxPushCurrent": ("contexts pushed", 1),
+                "cuCtxPopCurrent": ("contexts pushed", -1),
+            }.get(name)
             if delta:
                 live[delta[0]] += delta[1]
         return {k: v for k, v in live.items() if v}
@@ -339,6 +356,7 @@ class ThreadRanks:
             out = list(self.slots)
             self.barrier.wait()
             return out
+
         return gather
 
 
@@ -389,10 +407,12 @@ def _set_up_two_ranks(monkeypatch, drivers, exchange_fails=None):
     def run(rank):
         _RANK.drv = drivers[rank]
         try:
-            results[rank] = pool.VmmBackend(5 << 20, rank, len(drivers), torch.device("cuda", rank),
-                                            ranks.allgather(rank))
+            results[rank] = pool.VmmBackend(
+                5 << 20, rank, len(drivers), torch.device("cuda", rank), ranks.allgather(rank)
+            )
         except Exception as exc:  # noqa: BLE001 - compared below
             results[rank] = exc
+
     threads = [threading.Thread(target=run, args=(r,)) for r in range(len(drivers))]
     for t in threads:
         t.start()
@@ -462,9 +482,15 @@ def test_a_failed_fd_exchange_on_one_rank_fails_every_rank_alike(monkeypatch, ra
     assert _fd_count() == fds
 
 
-@pytest.mark.parametrize("call,victim", [("cuMulticastCreate", 0)] + [  # only rank 0 creates it
-    (call, victim) for call in ("cuMulticastAddDevice", "cuMulticastBindMem", "cuMemAddressReserve", "cuMemMap",
-                                "cuMemSetAccess") for victim in (0, 1)])
+@pytest.mark.parametrize(
+    "call,victim",
+    [("cuMulticastCreate", 0)]
+    + [  # only rank 0 creates it
+        (call, victim)
+        for call in ("cuMulticastAddDevice", "cuMulticastBindMem", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess")
+        for victim in (0, 1)
+    ],
+)
 def test_a_multicast_failure_costs_the_multicast_only(monkeypatch, caplog, call, victim):
     """A multicast call that fails on one rank (NCCL's NVLS holding the multicast resources, say)
     gives every rank a unicast pool, not a PoolSetupError that would send every call to

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ubnext.comm import Communicator
 from ubnext.reference._blockscale import quantize_reference
 from ubnext.reference._checks import FP8, quantize_fp8_reference, reference_add_rmsnorm
-from ubnext.comm import Communicator
 
 K = 1024
 
@@ -31,15 +31,19 @@ def comm():
 
 
 def _shapes(outputs) -> list:
-    return [None if t is None else (tuple(t.shape), t.dtype) for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
+    return [
+        None if t is None else (tuple(t.shape), t.dtype)
+        for t in (outputs if isinstance(outputs, tuple) else (outputs,))
+    ]
 
 
 def _empty(dtype=torch.bfloat16) -> torch.Tensor:
     return torch.zeros(0, K, dtype=dtype)
 
 
-@pytest.mark.parametrize("fmt,swizzled", [("nvfp4", False), ("nvfp4", True), ("mxfp8", False), ("mxfp8", True),
-                                          ("fp8_group128", False)])
+@pytest.mark.parametrize(
+    "fmt,swizzled", [("nvfp4", False), ("nvfp4", True), ("mxfp8", False), ("mxfp8", True), ("fp8_group128", False)]
+)
 def test_quantize_takes_zero_tokens(comm, fmt, swizzled):
     x = _empty()
     assert _shapes(comm.quantize(x, fmt, swizzled=swizzled)) == _shapes(quantize_reference(x, fmt, None, swizzled))

@@ -33,20 +33,20 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ..runtime import _lifecycle
 from .. import envs, plan
-from ._allreduce import AllReduceOps
+from ..errors import UbnextError, UbnextTimeoutError
+from ..plan import PATHS, Plan
+from ..pool import SymmetricPool
 from ..reference._checks import reference_add_rmsnorm, rmsnorm
+from ..runtime import _lifecycle
 from ..runtime._cuda import gpu_available, no_gpu_reason
+from ._allreduce import AllReduceOps
 from ._exchange import ExchangeOps
 from ._executor import GRID_CAP, Call, Executor
 from ._fused import FusedNormOps
 from ._planning import Planner
 from ._prepare import Preparation, announce_departure_in_store, check_in, refuse_setup, setup_serial
 from ._quantize import QuantizeOps
-from ..errors import UbnextError, UbnextTimeoutError
-from ..plan import PATHS, Plan
-from ..pool import SymmetricPool
 
 log = logging.getLogger("ubnext")
 
@@ -75,8 +75,15 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
     an ``algo`` that reduces through the switch is then refused.
     """
 
-    def __init__(self, group=None, *, emulate: bool | None = None, max_hidden: int | None = None,
-                 algo: str | None = None, batch_invariant: bool | None = None):
+    def __init__(
+        self,
+        group=None,
+        *,
+        emulate: bool | None = None,
+        max_hidden: int | None = None,
+        algo: str | None = None,
+        batch_invariant: bool | None = None,
+    ):
         # every variable, on every rank, before anything collective (issue 40 C3); a rank with a bad
         # value still tells its peers, which would otherwise wait for it in the rendezvous or the set-up
         environment_problem = envs.first_problem()
@@ -149,7 +156,7 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
@@ -213,22 +220,34 @@ class Communicator(Preparation, Planner, Executor, AllReduceOps, FusedNormOps, E
         for, and a raise is what tells the program that its ranks closed differently). A failed
         communicator checks in without waiting: a peer that left on an error never checks in."""
         if not dist.is_initialized():  # the process group, and its store, destroyed before close()
-            log.warning("ubnext: closing %r after its process group was destroyed: no agreement with the "
-                        "peers before its pool goes", self)
+            log.warning(
+                "ubnext: closing %r after its process group was destroyed: no agreement with the "
+                "peers before its pool goes",
+                self,
+            )
             return None
         failed = bool(self._broken or pool.err_view[0])
         try:
-            why = check_in(f"ubnext/close/{self.group.group_name}/{self._setup_serial}", self.rank,
-                           self.world_size, pool.timeout_s, wait=not failed, departed=pool.departed_peers)
+            why = check_in(
+                f"ubnext/close/{self.group.group_name}/{self._setup_serial}",
+                self.rank,
+                self.world_size,
+                pool.timeout_s,
+                wait=not failed,
+                departed=pool.departed_peers,
+            )
         except RuntimeError as exc:  # the store is unreachable: its server's rank has exited, say
-            return UbnextError(f"ubnext: while closing the communicator, rank {self.rank} could not reach the "
-                               f"process group's store ({type(exc).__name__}: {exc}); its pool was released all the same")
+            return UbnextError(
+                f"ubnext: while closing the communicator, rank {self.rank} could not reach the "
+                f"process group's store ({type(exc).__name__}: {exc}); its pool was released all the same"
+            )
         if why is None:
             return None
         return UbnextTimeoutError(
             f"ubnext: while closing the communicator, rank {self.rank} {why} (UBNEXT_TIMEOUT, else the process "
             "group's timeout); its pool was released all the same: every rank must close() it, or leave "
-            "(an exception out of its with-block, interpreter exit) without waiting for the others")
+            "(an exception out of its with-block, interpreter exit) without waiting for the others"
+        )
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, mode={self.mode})"

@@ -15,12 +15,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..runtime import _cuda
 from .. import kernels, ops, plan
-from ..reference._checks import check_all_reduce_args, check_linear_args
-from ._executor import Call, Launch, flight_recorded, reads_own_input_only
 from ..pool import TORCH_SYMM_SEGMENT, NoRoom
 from ..pool.layout import _align
+from ..reference._checks import check_all_reduce_args, check_linear_args
+from ..runtime import _cuda
+from ._executor import Call, Launch, flight_recorded, reads_own_input_only
 
 # torch symmetric buffers a captured call used: kept until the process exits (a graph may be
 # replayed at any time)
@@ -31,7 +31,6 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of equal shape are the same memory (the dispatcher may hand an
     operator a different Python object for the tensor the caller passed)."""
     return a is b or (a.data_ptr() == b.data_ptr() and a.device == b.device and a.stride() == b.stride())
-
 
 
 class AllReduceOps:
@@ -150,8 +149,12 @@ class AllReduceOps:
         if out is x and self._in_pool_aligned(x):
             self._launch(launch, x, x)
             return
-        if launch.algo == "nvls_twoshot" and self._in_pool_aligned(x) and self._in_pool_aligned(out) and (
-                out.data_ptr() >= x.data_ptr() + x.nbytes or x.data_ptr() >= out.data_ptr() + out.nbytes):
+        if (
+            launch.algo == "nvls_twoshot"
+            and self._in_pool_aligned(x)
+            and self._in_pool_aligned(out)
+            and (out.data_ptr() >= x.data_ptr() + x.nbytes or x.data_ptr() >= out.data_ptr() + out.nbytes)
+        ):
             # both in the pool: the broadcast goes straight into out (csrc/kernels/nvls.cu), no staging
             # copy in and no copy out; x is left as it was
             self._launch(self._straight_into_out(launch, x.dtype), x, out)
@@ -227,8 +230,7 @@ class AllReduceOps:
             return f"the pool is not torch's symmetric memory ({backend or self._pool_error})"
         return None
 
-    def _torch_symm_all_reduce(self, x: torch.Tensor, out: torch.Tensor,
-                               op_name: str = "one_shot_all_reduce") -> None:
+    def _torch_symm_all_reduce(self, x: torch.Tensor, out: torch.Tensor, op_name: str = "one_shot_all_reduce") -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         refusal = self._torch_symm_refusal(x, op_name)
@@ -242,8 +244,11 @@ class AllReduceOps:
         if (buf is None or buf.numel() < x.numel()) and capturing:
             # a larger buffer means an allocation and a rendezvous, which a capture cannot contain;
             # the buffers' sizes follow from the call sequence, the same on every rank: agreed
-            self._log_once("capture", f"torch_symm: no {x.dtype} buffer of {x.numel()} elements was made "
-                           "before capture; this captured call uses torch.distributed (run it once eagerly first)")
+            self._log_once(
+                "capture",
+                f"torch_symm: no {x.dtype} buffer of {x.numel()} elements was made "
+                "before capture; this captured call uses torch.distributed (run it once eagerly first)",
+            )
             self._torch_all_reduce(x, out)
             return
         if buf is None or buf.numel() < x.numel():
@@ -282,11 +287,9 @@ class AllReduceOps:
         usable = self.mode == "gpu" and hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, op_name)
         if not usable or self.world_size == 1 or self.batch_invariant:
             why = "promises no summation order (batch-invariant mode)" if self.batch_invariant else "unavailable here"
-            self._log_once("torch_symm", f"torch symmetric-memory op {op_name} {why}; "
-                           "using the ubnext path choice")
+            self._log_once("torch_symm", f"torch symmetric-memory op {op_name} {why}; using the ubnext path choice")
             return self._all_reduce(x, torch.empty_like(x))
         out = torch.empty_like(x)
         self.last_path = "torch_symm"  # unless it falls back (_torch_symm_all_reduce says so)
         self._torch_symm_all_reduce(x, out, op_name)
         return out
-

@@ -44,8 +44,9 @@ class ExchangeOps:
             return ops.reduce_scatter(x, factor, self.key)
         return ops.reduce_scatter_out(x, out, factor, self.key)
 
-    def _exchange_call(self, signature: tuple, algo: str, dtype: torch.dtype, n: int, nbytes: int, in_pool: bool,
-                       factor: float = 0.0) -> Call:
+    def _exchange_call(
+        self, signature: tuple, algo: str, dtype: torch.dtype, n: int, nbytes: int, in_pool: bool, factor: float = 0.0
+    ) -> Call:
         """The path and launch of an all-gather or reduce-scatter signature (plan.exchange_path),
         made once and remembered like the allreduce's."""
         path, why = plan.exchange_path(algo, nbytes, in_pool, self._pool_view())
@@ -75,8 +76,7 @@ class ExchangeOps:
         signature = ("all_gather", nbytes, in_pool)
         call = self._calls.get(signature)
         if call is None:
-            call = self._exchange_call(signature, "allgather", torch.uint8, nbytes, self.world_size * nbytes,
-                                       in_pool)
+            call = self._exchange_call(signature, "allgather", torch.uint8, nbytes, self.world_size * nbytes, in_pool)
         self.last_path = call.path
         if call.launch is None:
             self._torch_all_gather(x, out)
@@ -112,8 +112,7 @@ class ExchangeOps:
         signature = ("reduce_scatter", n, x.dtype, factor, in_pool)
         call = self._calls.get(signature)
         if call is None:
-            call = self._exchange_call(signature, "reduce_scatter", x.dtype, n, x.numel() * elem, in_pool,
-                                       factor)
+            call = self._exchange_call(signature, "reduce_scatter", x.dtype, n, x.numel() * elem, in_pool, factor)
         self.last_path = call.path
         if call.launch is None:
             self._torch_reduce_scatter(x, out, factor)
@@ -141,7 +140,6 @@ class ExchangeOps:
             out.mul_(factor)
 
 
-
 def _on_grid_of(x: torch.Tensor, dst: int) -> torch.Tensor:
     """``x``'s bytes at an address that lies like ``dst`` on the 16-byte grid: the all-gather kernel
     pushes whole vectors only where its input and its slice of the output do (allgather.cu), else
@@ -151,4 +149,4 @@ def _on_grid_of(x: torch.Tensor, dst: int) -> torch.Tensor:
     nbytes = x.numel() * x.element_size()
     buf = torch.empty(nbytes + 16, dtype=torch.uint8, device=x.device)
     start = (dst - buf.data_ptr()) % 16
-    return buf[start:start + nbytes].copy_(x.reshape(-1).view(torch.uint8))
+    return buf[start : start + nbytes].copy_(x.reshape(-1).view(torch.uint8))

@@ -17,11 +17,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..runtime import _cuda, _watchdog
 from .. import envs, kernels
-from ..reference._checks import DTYPE_CODES, FP8
 from ..errors import CLOSED, UbnextError, kernel_error
 from ..pool.layout import DESC_STRUCT_BYTES
+from ..reference._checks import DTYPE_CODES, FP8
+from ..runtime import _cuda, _watchdog
 
 log = logging.getLogger("ubnext")
 
@@ -40,8 +40,9 @@ LOCAL_KERNELS = frozenset({"add_rmsnorm", "quantize_fp8", "quantize"})
 LOCAL_DESC = bytes(DESC_STRUCT_BYTES)
 
 
-def gpu_max_blocks(algo: str, sm_count: int, world_size: int, fused: bool, nvls_ctas: int = 16,
-                   rank_order: bool = False) -> int:
+def gpu_max_blocks(
+    algo: str, sm_count: int, world_size: int, fused: bool, nvls_ctas: int = 16, rank_order: bool = False
+) -> int:
     """The most blocks a GPU launch of ``algo`` takes, from ``sm_count`` = min(GRID_CAP, SMs), agreed
     by the ranks (csrc/host/launch_rules.h has the same rules and their arguments):
     - a kernel that waits on its peers' blocks gets at most half of them, so that two such kernels of
@@ -82,8 +83,18 @@ def row_split(tokens: int, row_vectors: int, max_blocks: int) -> int:
     return split
 
 
-def launch_geometry(algo: str, n: int, elem: int, tokens: int, fused: bool, world_size: int,
-                    block: int, max_blocks: int, *, split_rows: bool = True) -> tuple[int, int]:
+def launch_geometry(
+    algo: str,
+    n: int,
+    elem: int,
+    tokens: int,
+    fused: bool,
+    world_size: int,
+    block: int,
+    max_blocks: int,
+    *,
+    split_rows: bool = True,
+) -> tuple[int, int]:
     """(grid, block) of one kernel call: a block per token row for the fused norm (on the Lamport
     path, at few tokens, ``row_split`` blocks per row unless ``split_rows`` is False: per-token FP8),
     else enough blocks for one vector per thread (of this rank's 1/N share on the two-shot paths), at
@@ -99,7 +110,7 @@ def launch_geometry(algo: str, n: int, elem: int, tokens: int, fused: bool, worl
     return max(1, min(-(-vectors // block), max_blocks)), block
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel_name(algo: str, dtype: torch.dtype) -> str:
     return kernels.kernel_name(algo, "u8" if dtype == torch.uint8 else DTYPE_CODES[dtype])
 
@@ -108,9 +119,12 @@ def reads_own_input_only(algo: str, flags: int) -> bool:
     """Whether a launch reads only this rank's ``in``, each vector before the thread that reads it
     writes ``out``: ``in`` may then lie anywhere, unaligned ones staged locally, and be ``out`` (the
     Lamport one-shot; nvls_lamport's plain push form, the batch-invariant mode's, csrc/kernels/nvls.cu)."""
-    return algo == "lamport" or (algo == "nvls_lamport" and bool(flags & kernels.F_RANK_ORDER)
-                                 and not flags & (kernels.F_FUSED_NORM | kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN
-                                                  | kernels.F_BLOCK_FMT_MASK))
+    return algo == "lamport" or (
+        algo == "nvls_lamport"
+        and bool(flags & kernels.F_RANK_ORDER)
+        and not flags
+        & (kernels.F_FUSED_NORM | kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN | kernels.F_BLOCK_FMT_MASK)
+    )
 
 
 class Launch(NamedTuple):
@@ -142,6 +156,7 @@ class TorchCall(NamedTuple):
 def flight_recorded(op: str):
     """The flight record of a torch.distributed fallback (``op``: its name): the watchdog names it while
     it waits, and a Ctrl-C on the main thread reaches the watchdog during it (``_watchdog.interruptible``)."""
+
     def wrap(method):
         @functools.wraps(method)
         def recorded(self, x, *args):
@@ -152,7 +167,9 @@ def flight_recorded(op: str):
                     return method(self, x, *args)
             finally:
                 self._flight_done = seq
+
         return recorded
+
     return wrap
 
 
@@ -243,8 +260,9 @@ class Executor:
             detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
             raise ValueError(f"ubnext: ranks called with different arguments ({detail})")
 
-    def _geometry(self, algo: str, n: int, elem: int, tokens: int, fused: bool, rank_order: bool = False,
-                  split_rows: bool = True) -> tuple[int, int]:
+    def _geometry(
+        self, algo: str, n: int, elem: int, tokens: int, fused: bool, rank_order: bool = False, split_rows: bool = True
+    ) -> tuple[int, int]:
         if self.mode == "emulator" and not self._count_geometry:
             # emulated threads are fibers on 2 cores: keep it small (tests vary it: the bits must not change)
             block, max_blocks = envs.get("UBNEXT_EMU_BLOCK"), envs.get("UBNEXT_EMU_GRID")
@@ -253,31 +271,64 @@ class Executor:
             max_blocks = gpu_max_blocks(algo, self._sm_count, self.world_size, fused, self._nvls_ctas, rank_order)
         return launch_geometry(algo, n, elem, tokens, fused, self.world_size, block, max_blocks, split_rows=split_rows)
 
-    def _launch_for(self, algo: str, dtype: torch.dtype, n: int, hidden: int, eps: float, flags: int,
-                    geometry: tuple[int, int] | None = None) -> Launch:
+    def _launch_for(
+        self,
+        algo: str,
+        dtype: torch.dtype,
+        n: int,
+        hidden: int,
+        eps: float,
+        flags: int,
+        geometry: tuple[int, int] | None = None,
+    ) -> Launch:
         """``geometry``: (grid, block) of a local kernel that sizes its own (ubnext/comm/_quantize.py); it gets
         LOCAL_DESC, and needs no pool."""
         if geometry is None:
-            grid, block = self._geometry(algo, n, dtype.itemsize, n // hidden if hidden else 0, bool(hidden),
-                                         bool(flags & kernels.F_RANK_ORDER), not flags & kernels.F_FP8_PER_TOKEN)
+            grid, block = self._geometry(
+                algo,
+                n,
+                dtype.itemsize,
+                n // hidden if hidden else 0,
+                bool(hidden),
+                bool(flags & kernels.F_RANK_ORDER),
+                not flags & kernels.F_FP8_PER_TOKEN,
+            )
             desc = self._pool.desc
             if algo in ("lamport", "allgather") and self._pool.has_multicast:
                 flags |= kernels.F_MULTICAST
         else:
             (grid, block), desc = geometry, LOCAL_DESC
         scalars = (n, hidden, float(eps), flags)
-        packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(scalars):], scalars)
+        packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(scalars) :], scalars)
         fp8_out = flags & (kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN)
         name = _kernel_name(algo, dtype)
         if self.mode == "gpu":
-            return Launch(algo, name, grid, block, 8 if fp8_out else 16, scalars, desc,
-                          _cuda.pdl_enabled(self._device_index), _cuda.KernelParams(desc, packed),
-                          _cuda.kernel_handle(kernels.load_kernel(name, self._device_index)))
+            return Launch(
+                algo,
+                name,
+                grid,
+                block,
+                8 if fp8_out else 16,
+                scalars,
+                desc,
+                _cuda.pdl_enabled(self._device_index),
+                _cuda.KernelParams(desc, packed),
+                _cuda.kernel_handle(kernels.load_kernel(name, self._device_index)),
+            )
         # the emulator stands for sm_90 and later: it checks what the attribute asks of a kernel
         return Launch(algo, name, grid, block, 8 if fp8_out else 16, scalars, desc, envs.get("UBNEXT_PDL"))
 
-    def _launch(self, how: Launch, inp: torch.Tensor, out: torch.Tensor, residual=None, residual_out=None,
-                weight=None, scale=None, scale_inv=None) -> None:
+    def _launch(
+        self,
+        how: Launch,
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        residual=None,
+        residual_out=None,
+        weight=None,
+        scale=None,
+        scale_inv=None,
+    ) -> None:
         p_in, p_out = inp.data_ptr(), out.data_ptr()
         if residual is None:  # the plain allreduce; the fused norm passes all three
             p_res = p_res_out = p_w = 0
@@ -294,9 +345,21 @@ class Executor:
             if not reads_own_input_only(how.algo, how.scalars[3]) and _misaligned(inp):
                 raise AssertionError(f"{how.algo}: pool input at {p_in:#x} is not 16-byte aligned")
             staged = self._aligned_copies(inp, out, residual, residual_out, weight, copy_back)
-            p_in, p_out, p_res, p_res_out, p_w = (_ptr(t) for t in staged)  # `staged` is held: the kernel reads the copies
-        self._run(how, (p_in, p_out, p_res, p_res_out, p_w,
-                        0 if scale is None else scale.data_ptr(), 0 if scale_inv is None else scale_inv.data_ptr()))
+            p_in, p_out, p_res, p_res_out, p_w = (
+                _ptr(t) for t in staged
+            )  # `staged` is held: the kernel reads the copies
+        self._run(
+            how,
+            (
+                p_in,
+                p_out,
+                p_res,
+                p_res_out,
+                p_w,
+                0 if scale is None else scale.data_ptr(),
+                0 if scale_inv is None else scale_inv.data_ptr(),
+            ),
+        )
         if copy_back:
             for target, staged_out in copy_back:
                 target.copy_(staged_out)  # stream-ordered after the kernel
@@ -312,9 +375,14 @@ class Executor:
         if self.mode == "emulator":
             try:
                 with _watchdog.interruptible():
-                    self._emu.launch(how.name, how.grid, how.block,
-                                     list(zip(_SIGNATURE_KINDS, (how.desc, *pointers, *how.scalars))),
-                                     timeout_s=pool.timeout_s if pool is not None else None, pdl=how.pdl)
+                    self._emu.launch(
+                        how.name,
+                        how.grid,
+                        how.block,
+                        list(zip(_SIGNATURE_KINDS, (how.desc, *pointers, *how.scalars))),
+                        timeout_s=pool.timeout_s if pool is not None else None,
+                        pdl=how.pdl,
+                    )
             except KeyboardInterrupt:
                 self._broken = f"interrupted (Ctrl-C) in {_watchdog.describe(self)}"
                 raise
@@ -332,8 +400,13 @@ class Executor:
             done = self._launch_done
             if done is None:
                 done = self._new_done_event()
-        _cuda.launch(how.kernel, _cuda.launch_config(how.grid, how.block, self._stream, how.pdl),
-                     how.params.address(pointers), self._device_index, done)
+        _cuda.launch(
+            how.kernel,
+            _cuda.launch_config(how.grid, how.block, self._stream, how.pdl),
+            how.params.address(pointers),
+            self._device_index,
+            done,
+        )
         if self._debug and not self._capturing:  # a synchronisation would break the capture
             torch.cuda.synchronize(self.device)
             if pool is not None and pool.err_view[0]:
@@ -368,6 +441,7 @@ class Executor:
     def _aligned_copies(inp, out, residual, residual_out, weight, copy_back):
         """Aligned stand-ins for the misaligned ones: inputs cloned, outputs written to a fresh
         tensor and copied back after the kernel (stream-ordered)."""
+
         def aligned_output(t, align=16):
             if t is None or not _misaligned(t, align):
                 return t
@@ -376,8 +450,7 @@ class Executor:
             return staged
 
         inp, residual, weight = (t.clone() if _misaligned(t) else t for t in (inp, residual, weight))
-        return (inp, aligned_output(out, 8 if out.dtype == FP8 else 16), residual, aligned_output(residual_out),
-                weight)
+        return (inp, aligned_output(out, 8 if out.dtype == FP8 else 16), residual, aligned_output(residual_out), weight)
 
     def _order_after_other_stream(self, stream: int) -> None:
         """A communicator's kernels share one sync region, so two of them must never run at the same
@@ -405,4 +478,3 @@ class Executor:
         kernels reduce it, where it lies."""
         pool = self._pool
         return pool is not None and pool.contains(x) and not _misaligned(x)
-

@@ -13,15 +13,16 @@ from .. import kernels, ops
 from ..reference._blockscale import block_flags, check_fused_quant_args, output_specs
 from ..reference._checks import FP8, check_fused_args, reference_add_rmsnorm
 
-
 # Why each value the debug check compares must be the same on every rank (_check_fused_call_across_ranks).
 _SAME_EVERYWHERE = {
     "eps": "every rank must pass the same eps",
     "static FP8 scale": "every rank must quantise with the same scale, or each returns its own FP8 values",
     "NVFP4 global scale": "every rank must quantise with the same global scale, or each returns its own values",
-    "residual": ("in tensor parallelism the residual stream is replicated, so every rank must pass the same "
-                 "residual: the one-shot paths add each rank's own (the ranks' outputs then differ), the two-shot "
-                 "paths each element's owner's (the outputs then match no rank's residual)"),
+    "residual": (
+        "in tensor parallelism the residual stream is replicated, so every rank must pass the same "
+        "residual: the one-shot paths add each rank's own (the ranks' outputs then differ), the two-shot "
+        "paths each element's owner's (the outputs then match no rank's residual)"
+    ),
     "weight": "the RMSNorm weight is replicated: every rank must pass the same one",
 }
 _CHECKSUMMED = {"residual": "checksums of its bits: ", "weight": "checksums of its bits: "}
@@ -44,11 +45,20 @@ def _value_text(scale: torch.Tensor | None) -> str | None:
 class FusedNormOps:
     """The Communicator's fused norm."""
 
-    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                               eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
-                               scale: torch.Tensor | None = None, quant: str | None = None,
-                               global_scale: torch.Tensor | None = None, swizzled: bool = False,
-                               ue8m0: bool = False):
+    def all_reduce_add_rmsnorm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float = 1e-6,
+        *,
+        out_dtype: torch.dtype | None = None,
+        scale: torch.Tensor | None = None,
+        quant: str | None = None,
+        global_scale: torch.Tensor | None = None,
+        swizzled: bool = False,
+        ue8m0: bool = False,
+    ):
         """``residual_out = allreduce(x) + residual``; ``out = rmsnorm(residual_out) * weight``.
 
         Returns ``(out, residual_out, scale_inv)``. ``out_dtype`` defaults to ``x.dtype``; with
@@ -62,11 +72,13 @@ class FusedNormOps:
         ``quantize(out, quant, ...)`` of this call's unquantised ``out``, and the same ``residual_out``
         (docs/QUANTIZE.md). It excludes ``out_dtype`` and ``scale``; K must be a multiple of the block.
         """
-        return ops.all_reduce_add_rmsnorm(x, residual, weight, eps, self.key, out_dtype, scale, quant, global_scale,
-                                          swizzled, ue8m0)
+        return ops.all_reduce_add_rmsnorm(
+            x, residual, weight, eps, self.key, out_dtype, scale, quant, global_scale, swizzled, ue8m0
+        )
 
-    def _all_reduce_add_rmsnorm_quant(self, x, residual, weight, eps: float, fmt: str, global_scale,
-                                      swizzled: bool, ue8m0: bool):
+    def _all_reduce_add_rmsnorm_quant(
+        self, x, residual, weight, eps: float, fmt: str, global_scale, swizzled: bool, ue8m0: bool
+    ):
         """torch.ops.ubnext.all_reduce_add_rmsnorm_quant's implementation, returning ``(q, residual_out,
         scales)``: one kernel, whose row output quantises each normed vector where it computes it, with
         the standalone quantizer's own device code (csrc/device/norm.cuh store_row_out, blockscale.cuh
@@ -77,23 +89,45 @@ class FusedNormOps:
         check_fused_quant_args(x, residual, weight, eps, fmt, global_scale, swizzled, ue8m0)
         return self._all_reduce_add_rmsnorm(x, residual, weight, eps, block=(fmt, global_scale, swizzled, ue8m0))
 
-    def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float, scale: torch.Tensor | None = None, fp8: bool = False,
-                                block: tuple | None = None):
+    def _all_reduce_add_rmsnorm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        scale: torch.Tensor | None = None,
+        fp8: bool = False,
+        block: tuple | None = None,
+    ):
         """The fused op itself: torch.ops.ubnext.all_reduce_add_rmsnorm's implementation, returning
         ``(out, residual_out)``; with ``fp8`` all_reduce_add_rmsnorm_fp8's, returning
         ``(out, residual_out, scale_inv)``; with ``block`` = (fmt, global_scale, swizzled, ue8m0)
         (checked by the caller) the block-scaled form's, returning ``(q, residual_out, scales)``."""
         block_bits = block_flags(block[0], block[2], block[3]) if block else 0
         try:
-            signature = ("all_reduce_add_rmsnorm", x.shape, x.dtype, residual.shape, residual.dtype, weight.shape,
-                         weight.dtype, eps, fp8, scale is None, block_bits, self._algo)
+            signature = (
+                "all_reduce_add_rmsnorm",
+                x.shape,
+                x.dtype,
+                residual.shape,
+                residual.dtype,
+                weight.shape,
+                weight.dtype,
+                eps,
+                fp8,
+                scale is None,
+                block_bits,
+                self._algo,
+            )
         except AttributeError:  # not a tensor (an operator passes None through): say which
             check_fused_args(x, residual, weight, eps, fp8, scale)
             raise
         call = self._calls.get(signature)
-        if call is None or scale is not None or not (
-                x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
+        if (
+            call is None
+            or scale is not None
+            or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous())
+        ):
             check_fused_args(x, residual, weight, eps, fp8, scale)  # what a remembered signature does not vouch for
         device = self.device
         if x.device != device or residual.device != device or weight.device != device:
@@ -153,8 +187,9 @@ class FusedNormOps:
         self._launch(launch, inp, out, residual, residual_out, weight, scale, scale_inv)
         return out, residual_out, scale_inv
 
-    def _check_fused_call_across_ranks(self, x, residual, weight, eps, fp8: bool, block_bits: int, scale,
-                                       block) -> None:
+    def _check_fused_call_across_ranks(
+        self, x, residual, weight, eps, fp8: bool, block_bits: int, scale, block
+    ) -> None:
         """UBNEXT_DEBUG: before the call runs, its signature and the values each rank passes that must be
         the same on every rank, in one all-gather: eps (the kernels compare it too, csrc/device/barrier.cuh,
         but not the torch paths), the static FP8 scale's and the NVFP4 global scale's values, and exact
@@ -162,12 +197,14 @@ class FusedNormOps:
         answer, silently. Inside a CUDA graph capture the values are left out: reading them would
         synchronise the device."""
         values = not self._capturing
-        fields = (("arguments", ("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), fp8, block_bits)),
-                  ("eps", float(eps)),
-                  ("static FP8 scale", _value_text(scale) if values else None),
-                  ("NVFP4 global scale", _value_text(block[1] if block else None) if values else None),
-                  ("residual", bits_checksum(residual) if values else None),
-                  ("weight", bits_checksum(weight) if values else None))
+        fields = (
+            ("arguments", ("all_reduce_add_rmsnorm", tuple(x.shape), str(x.dtype), fp8, block_bits)),
+            ("eps", float(eps)),
+            ("static FP8 scale", _value_text(scale) if values else None),
+            ("NVFP4 global scale", _value_text(block[1] if block else None) if values else None),
+            ("residual", bits_checksum(residual) if values else None),
+            ("weight", bits_checksum(weight) if values else None),
+        )
         seen = self._allgather(tuple(value for _, value in fields))
         for i, (name, _) in enumerate(fields):
             per_rank = [s[i] for s in seen]
@@ -176,8 +213,10 @@ class FusedNormOps:
             detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(per_rank))
             if i == 0:
                 raise ValueError(f"ubnext: ranks called with different arguments ({detail})")
-            raise ValueError(f"ubnext: ranks called all_reduce_add_rmsnorm with different arguments: {name} differs "
-                             f"({_CHECKSUMMED.get(name, '')}{detail}); {_SAME_EVERYWHERE[name]}")
+            raise ValueError(
+                f"ubnext: ranks called all_reduce_add_rmsnorm with different arguments: {name} differs "
+                f"({_CHECKSUMMED.get(name, '')}{detail}); {_SAME_EVERYWHERE[name]}"
+            )
 
     def _fused_in_torch(self, reduced, residual, weight, eps, scale, fp8, block=None):
         """add + RMSNorm (+FP8) of an already reduced x, in torch, as the fused op returns it; a

@@ -18,8 +18,8 @@ import torch
 
 from .. import kernels, plan
 from ..errors import CLOSED, UbnextError
-from ._executor import Call
 from ..plan import KERNEL_PATHS
+from ._executor import Call
 
 
 class Planner:
@@ -31,17 +31,27 @@ class Planner:
             return plan.PoolView(self._pool_error or "no symmetric pool", mode=self.mode, world_size=self.world_size)
         symm_op = hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
         # sizes of the layout only, never what this rank has allocated: ranks plan identically
-        return plan.PoolView(None, pool.has_multicast, pool.lamport_capacity, pool.layout.staging_bytes,
-                             self.mode, symm_op, tuple(sorted(self._disabled.items())), pool.layout.sized_by,
-                             self.world_size)
+        return plan.PoolView(
+            None,
+            pool.has_multicast,
+            pool.lamport_capacity,
+            pool.layout.staging_bytes,
+            self.mode,
+            symm_op,
+            tuple(sorted(self._disabled.items())),
+            pool.layout.sized_by,
+            self.world_size,
+        )
 
     def _capabilities(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0) -> dict[str, str | None]:
         """For each path: None if it can run this call, else why not."""
-        return plan.capabilities(nbytes, dtype.itemsize, fused, hidden, self._pool_view(),
-                                 batch_invariant=self.batch_invariant)
+        return plan.capabilities(
+            nbytes, dtype.itemsize, fused, hidden, self._pool_view(), batch_invariant=self.batch_invariant
+        )
 
-    def _plan(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0,
-              in_place_pool: bool = False) -> plan.Plan:
+    def _plan(
+        self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int = 0, in_place_pool: bool = False
+    ) -> plan.Plan:
         """The plan of a call, cached: its inputs are the call's signature, the forced algorithm
         and what the pool offers, all identical on every rank and fixed once the pool exists
         (the self-test's verdict included), so a cached plan is the one every rank would
@@ -60,10 +70,17 @@ class Planner:
 
     def _choose(self, nbytes: int, dtype: torch.dtype, fused: bool, hidden: int, in_place_pool: bool) -> plan.Plan:
         """plan.choose for a call of this communicator, neither cached nor logged."""
-        return plan.choose(nbytes, dtype.itemsize, fused, hidden, self._pool_view(),
-                           forced=self._algo or self._env_algo,
-                           allow_nondeterministic=self._allow_nondeterministic, in_place_pool=in_place_pool,
-                           batch_invariant=self.batch_invariant)
+        return plan.choose(
+            nbytes,
+            dtype.itemsize,
+            fused,
+            hidden,
+            self._pool_view(),
+            forced=self._algo or self._env_algo,
+            allow_nondeterministic=self._allow_nondeterministic,
+            in_place_pool=in_place_pool,
+            batch_invariant=self.batch_invariant,
+        )
 
     def explain(self, x: torch.Tensor, *, fused: bool = False, in_place: bool = False) -> str:
         """Which path an allreduce (``fused``: the fused norm over x's last dimension; ``in_place``:
@@ -72,14 +89,28 @@ class Planner:
         if self._closed:
             raise UbnextError(CLOSED)
         nbytes = x.numel() * x.element_size()
-        chosen = self._choose(nbytes, x.dtype, fused, x.shape[-1] if fused and x.dim() else 0,
-                              in_place and not fused and self._in_pool_aligned(x))
+        chosen = self._choose(
+            nbytes,
+            x.dtype,
+            fused,
+            x.shape[-1] if fused and x.dim() else 0,
+            in_place and not fused and self._in_pool_aligned(x),
+        )
         lines = [f"{chosen.path}: {chosen.reason} ({nbytes} bytes, {self.world_size} ranks, mode {self.mode})"]
         lines += [f"  not {p}: {why}" for p, why in chosen.skipped]
         return "\n".join(lines)
 
-    def _call_for(self, signature: tuple, shape: torch.Size, dtype: torch.dtype, *, hidden: int = 0,
-                  eps: float = 0.0, flags: int = 0, in_place_pool: bool = False) -> Call:
+    def _call_for(
+        self,
+        signature: tuple,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        *,
+        hidden: int = 0,
+        eps: float = 0.0,
+        flags: int = 0,
+        in_place_pool: bool = False,
+    ) -> Call:
         """The path and the launch of a call whose arguments passed their checks (``hidden``: the
         fused norm's row, 0 for a plain allreduce). Remembered under ``signature``, everything
         the checks and the plan read of the arguments (shapes, dtypes, eps, the forced path), so
@@ -96,12 +127,15 @@ class Planner:
                 # fused rows always do
                 flags |= kernels.F_RANK_ORDER
             launch = self._launch_for(chosen.path, dtype, n, hidden, eps, flags)
-        elif hidden and not self._pool_view().unavailable and (hidden * dtype.itemsize) % 16 == 0 \
-                and nbytes <= plan.KERNEL_MAX_BYTES:
+        elif (
+            hidden
+            and not self._pool_view().unavailable
+            and (hidden * dtype.itemsize) % 16 == 0
+            and nbytes <= plan.KERNEL_MAX_BYTES
+        ):
             # the message is past the pool: torch.distributed reduces it, and the fusion stays
             norm = self._launch_for("add_rmsnorm", dtype, n, hidden, eps, flags)
         call = Call(chosen.path, launch, norm)
         if len(self._calls) < 4096:
             self._calls[signature] = call
         return call
-

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..runtime import _cuda, _lifecycle, _watchdog
 from .. import envs, kernels, plan
-from ..reference._checks import POOL_DTYPES
 from ..errors import CLOSED, UbnextError
 from ..pool import NoRoom, SymmetricPool, plan_layout
+from ..reference._checks import POOL_DTYPES
+from ..runtime import _cuda, _lifecycle, _watchdog
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import Communicator
@@ -44,8 +44,9 @@ def p2p_report(device: torch.device) -> dict | None:
         return None
     me = device.index if device.index is not None else torch.cuda.current_device()
     uuid = lambda i: str(torch.cuda.get_device_properties(i).uuid)  # noqa: E731
-    reach = {uuid(i): bool(torch.cuda.can_device_access_peer(me, i))
-             for i in range(torch.cuda.device_count()) if i != me}
+    reach = {
+        uuid(i): bool(torch.cuda.can_device_access_peer(me, i)) for i in range(torch.cuda.device_count()) if i != me
+    }
     return {"uuid": uuid(me), "reach": reach}
 
 
@@ -59,14 +60,21 @@ def p2p_problem(reports: list) -> str | None:
             if ra is None or rb is None:
                 continue
             if rb["uuid"] != ra["uuid"] and ra["reach"].get(rb["uuid"]) is False:
-                return (f"rank {a}'s GPU cannot access rank {b}'s GPU directly (no peer-to-peer path: "
-                        "a PCIe topology without NVLink between them, or ACS enabled)")
+                return (
+                    f"rank {a}'s GPU cannot access rank {b}'s GPU directly (no peer-to-peer path: "
+                    "a PCIe topology without NVLink between them, or ACS enabled)"
+                )
     return None
 
 
 # the emulator's variables that change its launches' geometry or its pools (agreed at pool creation)
-EMULATOR_GEOMETRY = ["UBNEXT_EMU_BLOCK", "UBNEXT_EMU_GRID", "UBNEXT_EMU_COUNT", "UBNEXT_EMU_SM_COUNT",
-                     "UBNEXT_EMU_MULTICAST"]
+EMULATOR_GEOMETRY = [
+    "UBNEXT_EMU_BLOCK",
+    "UBNEXT_EMU_GRID",
+    "UBNEXT_EMU_COUNT",
+    "UBNEXT_EMU_SM_COUNT",
+    "UBNEXT_EMU_MULTICAST",
+]
 
 
 def settings_mismatch(reports: list[dict[str, tuple[Any, str]]]) -> str | None:
@@ -77,8 +85,9 @@ def settings_mismatch(reports: list[dict[str, tuple[Any, str]]]) -> str | None:
     for name in reports[0]:
         values = [report.get(name, (None, f"{name} unset")) for report in reports]
         if len({value for value, _ in values}) > 1:
-            parts.append(f"{name} differs: " + ", ".join(f"rank {rank} has {shown}"
-                                                         for rank, (_, shown) in enumerate(values)))
+            parts.append(
+                f"{name} differs: " + ", ".join(f"rank {rank} has {shown}" for rank, (_, shown) in enumerate(values))
+            )
     return "; ".join(parts) or None
 
 
@@ -114,8 +123,9 @@ def announce_departure_in_store(group_name: str, serial: int, rank: int) -> None
         pass
 
 
-def _wait_for_keys(store, keys: list[str], timeout_s: float, departed, departure_keys: list[str] | None = None
-                   ) -> str | None:
+def _wait_for_keys(
+    store, keys: list[str], timeout_s: float, departed, departure_keys: list[str] | None = None
+) -> str | None:
     """Wait for every key, for ``timeout_s`` at most: None when all are set, else why not. The wait is
     sliced (``DEPARTED_POLL_S``), so that a Ctrl-C is seen between slices and a departed peer ends it:
     ``departed`` (a callable giving the peers that announced their departure in the pool, or None): a
@@ -141,8 +151,7 @@ def _wait_for_keys(store, keys: list[str], timeout_s: float, departed, departure
         if departure_keys is not None:
             gone = [peer for peer in missing if store.check([departure_keys[peer]])]
             if gone:
-                return (f"rank(s) {gone} left without reaching it (closed the communicator, or the script "
-                        "ended there)")
+                return f"rank(s) {gone} left without reaching it (closed the communicator, or the script ended there)"
         if departed is not None:
             now = time.monotonic()
             for peer in departed():
@@ -170,8 +179,15 @@ def refuse_setup(group, rank: int, serial: int, reason: str) -> None:
     store.set(f"{prefix}/{rank}", "1")
 
 
-def check_in(prefix: str, rank: int, world_size: int, timeout_s: float, wait: bool = True,
-             departed=None, departure: tuple[str, int] | None = None) -> str | None:
+def check_in(
+    prefix: str,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    wait: bool = True,
+    departed=None,
+    departure: tuple[str, int] | None = None,
+) -> str | None:
     """Check in under ``<prefix>/<rank>`` in the default store and wait, for ``timeout_s`` at most, for
     every rank of ``world_size`` to check in too: None when they all did, else why not (``waited ... for
     rank(s) [...] of the group, which never reached it``). One verdict per prefix, the first proposal to
@@ -240,17 +256,24 @@ class Preparation:
             raise self._setup_failed
         self._setup_steps += 1
         prefix = setup_step_prefix(self.group, self._setup_serial, self._setup_steps)
-        why = check_in(prefix, self.rank, self.world_size, _lifecycle.kernel_timeout_s(self.group, self.device),
-                       departure=(self.group.group_name, self._setup_serial))
+        why = check_in(
+            prefix,
+            self.rank,
+            self.world_size,
+            _lifecycle.kernel_timeout_s(self.group, self.device),
+            departure=(self.group.group_name, self._setup_serial),
+        )
         if why is None:
             return self._allgather(obj)
         if why.startswith(REFUSED):
-            self._setup_failed = UbnextError(f"ubnext: while {step}, rank {self.rank} learnt that "
-                                             f"{why[len(REFUSED):]}")
+            self._setup_failed = UbnextError(
+                f"ubnext: while {step}, rank {self.rank} learnt that {why[len(REFUSED) :]}"
+            )
         else:
             self._setup_failed = UbnextError(
                 f"ubnext: while {step}, rank {self.rank} {why} (UBNEXT_TIMEOUT, else the process group's timeout): "
-                "every rank must create the communicator and make the same first call (or comm.prepare())")
+                "every rank must create the communicator and make the same first call (or comm.prepare())"
+            )
         self._broken = str(self._setup_failed)
         raise self._setup_failed
 
@@ -264,7 +287,8 @@ class Preparation:
                 raise UbnextError(
                     "ubnext: this communicator's first use is inside CUDA graph capture, but creating its "
                     "pool and loading its kernels synchronise the device and talk to the other ranks, which "
-                    "a capture cannot contain: call comm.prepare() on every rank before capturing")
+                    "a capture cannot contain: call comm.prepare() on every rank before capturing"
+                )
             self._pool = self._create_pool()
             if self._pool is not None:
                 if self.world_size > 1:
@@ -272,7 +296,7 @@ class Preparation:
                 self._self_test()
         return self._pool
 
-    def prepare(self) -> "Communicator":
+    def prepare(self) -> Communicator:
         """Create the pool and load every kernel now (collective: every rank calls it). The first
         op does this otherwise; call it before CUDA graph capture, and to keep first-call latency
         (NVRTC compiles, the ranks' rendezvous) out of timed or captured regions."""
@@ -303,8 +327,10 @@ class Preparation:
                 if not torch.equal(got, want):
                     bad = (got != want).nonzero().flatten()
                     k = int(bad[0])
-                    failures[path] = (f"rank {self.rank}: {bad.numel()} of {numel} sums wrong, first at {k}: "
-                                      f"got {got[k].item():g}, want {want[k].item():g}")
+                    failures[path] = (
+                        f"rank {self.rank}: {bad.numel()} of {numel} sums wrong, first at {k}: "
+                        f"got {got[k].item():g}, want {want[k].item():g}"
+                    )
         finally:
             self._algo, self.last_path = algo, None
             self._plans.clear()  # the plans made here did not know the verdict yet
@@ -313,28 +339,39 @@ class Preparation:
             for path, why in report.items():
                 if path not in self._disabled:
                     self._disabled[path] = why
-                    log.warning("ubnext self-test: %s gave wrong sums (%s); %s is disabled on every rank",
-                                path, why, path)
+                    log.warning(
+                        "ubnext self-test: %s gave wrong sums (%s); %s is disabled on every rank", path, why, path
+                    )
 
     def _create_pool(self) -> SymmetricPool | None:
         # Agreed before anything is allocated: a rank that cannot build or load the kernels sends
         # every rank to the torch path; a group that spans hosts too (the pool's memory is shared
         # within one node only); the grid bound (blocks wait on the same blocks of their peers)
         # and the kernels' timeout.
-        reports = self._setup_allgather({
-            "error": self._prepare_kernels(), "sm_count": self._sm_count, "nvls_ctas": self._nvls_ctas, "host": _lifecycle.host_identity(),
-            "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device),
-            "selftest": envs.get("UBNEXT_SELFTEST"), "p2p": p2p_report(self.device),
-            "batch_invariant": getattr(self, "batch_invariant", False),
-            "settings": self._setup_settings(), "max_hidden": self._max_hidden},
-            "agreeing on the kernels before creating the pool")
+        reports = self._setup_allgather(
+            {
+                "error": self._prepare_kernels(),
+                "sm_count": self._sm_count,
+                "nvls_ctas": self._nvls_ctas,
+                "host": _lifecycle.host_identity(),
+                "timeout_s": _lifecycle.kernel_timeout_s(self.group, self.device),
+                "selftest": envs.get("UBNEXT_SELFTEST"),
+                "p2p": p2p_report(self.device),
+                "batch_invariant": getattr(self, "batch_invariant", False),
+                "settings": self._setup_settings(),
+                "max_hidden": self._max_hidden,
+            },
+            "agreeing on the kernels before creating the pool",
+        )
         modes = [bool(r.get("batch_invariant")) for r in reports]
         if len(set(modes)) > 1:
             # ranks planning in different modes would pair a Lamport launch with a barrier kernel, or
             # the ordered fallback with NCCL's allreduce: refused alike on every rank, before any launch
             on = ", ".join(str(i) for i, m in enumerate(modes) if m)
-            raise ValueError(f"ubnext: the batch-invariant mode differs across ranks (on at rank(s) {on} only); "
-                             "set UBNEXT_BATCH_INVARIANT or Communicator(batch_invariant=...) alike on every rank")
+            raise ValueError(
+                f"ubnext: the batch-invariant mode differs across ranks (on at rank(s) {on} only); "
+                "set UBNEXT_BATCH_INVARIANT or Communicator(batch_invariant=...) alike on every rank"
+            )
         differing = settings_mismatch([r["settings"] for r in reports])
         if differing:
             # ranks with another path or pool layout would pair different kernels, or map a peer's pool at
@@ -351,8 +388,11 @@ class Preparation:
         timeout_s = max(r["timeout_s"] for r in reports)
         if timeout_s > LONG_TIMEOUT_S and self.rank == 0:
             # a peer that is alive but never calls (a rank stuck elsewhere) is waited for this long
-            log.info("ubnext: kernels wait up to %g s for a peer (the process group's timeout); "
-                     "set UBNEXT_TIMEOUT=<seconds> for a shorter bound", timeout_s)
+            log.info(
+                "ubnext: kernels wait up to %g s for a peer (the process group's timeout); "
+                "set UBNEXT_TIMEOUT=<seconds> for a shorter bound",
+                timeout_s,
+            )
         errors = [f"rank {i}: {r['error']}" for i, r in enumerate(reports) if r["error"]]
         if errors:
             self._pool_error = f"ubnext kernels unavailable ({'; '.join(errors)})"
@@ -361,8 +401,9 @@ class Preparation:
         hosts = {r["host"] for r in reports}
         if len(hosts) > 1:
             names = ", ".join(sorted({h.split("/")[0] for h in hosts}))
-            self._pool_error = (f"the group spans {len(hosts)} hosts ({names}); ubnext's symmetric "
-                                "pool works within one node")
+            self._pool_error = (
+                f"the group spans {len(hosts)} hosts ({names}); ubnext's symmetric pool works within one node"
+            )
             log.warning("%s; using torch.distributed", self._pool_error)
             return None
         unreachable = p2p_problem([r.get("p2p") for r in reports])
@@ -373,8 +414,14 @@ class Preparation:
         layout = plan_layout(self.world_size, self._max_hidden or DEFAULT_HIDDEN)
         pool, error = None, None
         try:
-            pool = SymmetricPool(layout=layout, rank=self.rank, group=self.group, device=self.device,
-                                 allgather=self._setup_allgather, timeout_s=timeout_s)
+            pool = SymmetricPool(
+                layout=layout,
+                rank=self.rank,
+                group=self.group,
+                device=self.device,
+                allgather=self._setup_allgather,
+                timeout_s=timeout_s,
+            )
         except (RuntimeError, OSError, ImportError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         # every rank must agree, or one rank launches kernels its peers never join
@@ -407,9 +454,11 @@ class Preparation:
         to the driver in this process, as NCCL's own P2P/IPC transports do."""
         if self.mode != "gpu" or self.world_size < 2 or torch.cuda.device_count() != 1:
             return ""
-        return (f" (every rank sees one GPU, CUDA_VISIBLE_DEVICES={envs.cuda_visible_devices()!r}: the driver "
-                "may refuse to map a peer's memory on a GPU this process cannot see. Give each rank all of the "
-                "node's GPUs and pick one with torch.cuda.set_device(local_rank))")
+        return (
+            f" (every rank sees one GPU, CUDA_VISIBLE_DEVICES={envs.cuda_visible_devices()!r}: the driver "
+            "may refuse to map a peer's memory on a GPU this process cannot see. Give each rank all of the "
+            "node's GPUs and pick one with torch.cuda.set_device(local_rank))"
+        )
 
     def _prepare_kernels(self) -> str | None:
         """Build or load every kernel this communicator may launch, once: for the pool's agreement, or
@@ -452,22 +501,29 @@ class Preparation:
         if math.prod(shape) == 0:
             raise ValueError(f"pool tensors must hold at least one element, got shape {shape}")
         if dtype not in POOL_DTYPES:
-            raise TypeError(f"ubnext pool tensors support bf16, fp16, fp32, e4m3 and uint8 (bytes, as FSDP2 "
-                            f"all-gathers mixed dtypes), got {dtype}")
+            raise TypeError(
+                f"ubnext pool tensors support bf16, fp16, fp32, e4m3 and uint8 (bytes, as FSDP2 "
+                f"all-gathers mixed dtypes), got {dtype}"
+            )
         pool = self.pool
         if pool is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
         try:
             return pool.empty(shape, dtype)
         except NoRoom as exc:
-            self._log_once("pool", f"comm.empty{shape} {dtype} is not in the pool: {exc}; "
-                           "returning an ordinary tensor")
+            self._log_once("pool", f"comm.empty{shape} {dtype} is not in the pool: {exc}; returning an ordinary tensor")
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def pool_stats(self) -> dict[str, Any]:
         pool = self.pool
         if pool is None:
-            return {"backend": None, "size": 0, "used": 0, "peak": 0, "largest_free": 0,
-                    "fallbacks": 0, "reason": self._pool_error}
+            return {
+                "backend": None,
+                "size": 0,
+                "used": 0,
+                "peak": 0,
+                "largest_free": 0,
+                "fallbacks": 0,
+                "reason": self._pool_error,
+            }
         return pool.stats()
-

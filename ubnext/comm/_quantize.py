@@ -16,10 +16,10 @@ import math
 import torch
 
 from .. import kernels, ops, plan
+from ..errors import UbnextError
 from ..reference._blockscale import block_flags, check_quantize_block_args, output_specs, quantize_reference
 from ..reference._checks import FP8, check_quantize_args, fp8_scale_inv, quantize_fp8_reference
 from ._executor import GPU_BLOCK, Call
-from ..errors import UbnextError
 
 # Above this many bytes, one scale over the whole tensor is not left to one CTA (the kernel's row is
 # one block's work): the amax comes first, from torch's own reduction over every SM, and the kernel
@@ -92,8 +92,17 @@ class QuantizeOps:
             hidden = x.shape[-1]
         return ops.quantize_fp8(x, hidden, scale, self.key)
 
-    def _local_call(self, signature: tuple, algo: str, label: str, x: torch.Tensor, hidden: int, flags: int,
-                    static: bool, problem: str | None = None) -> Call:
+    def _local_call(
+        self,
+        signature: tuple,
+        algo: str,
+        label: str,
+        x: torch.Tensor,
+        hidden: int,
+        flags: int,
+        static: bool,
+        problem: str | None = None,
+    ) -> Call:
         """The path and launch of a quantisation signature, made once and remembered: the kernel
         where this rank's kernels load, else the torch reference (the same bits; ``problem``: the
         call's own reason for it). Made without the pool or a peer (a zeroed descriptor, the kernels
@@ -103,14 +112,23 @@ class QuantizeOps:
             raise UbnextError(
                 "ubnext: this communicator's first quantisation is inside CUDA graph capture, but loading its "
                 "kernels synchronises the device, which a capture cannot contain: call comm.prepare(), or the "
-                "quantisation once, before capturing")
+                "quantisation once, before capturing"
+            )
         n = x.numel()
-        problem = problem or (self._pool_error if self.mode == "torch" else self._prepare_kernels()) or (
-            plan.TOO_LARGE if n * x.element_size() > plan.KERNEL_MAX_BYTES else None)
+        problem = (
+            problem
+            or (self._pool_error if self.mode == "torch" else self._prepare_kernels())
+            or (plan.TOO_LARGE if n * x.element_size() > plan.KERNEL_MAX_BYTES else None)
+        )
         if problem:
             self._log_once(algo, f"{label} runs in torch: {problem}")
-        launch = None if problem else self._launch_for(algo, x.dtype, n, hidden, 0.0, flags,
-                                                       self._local_geometry(n, x.element_size(), hidden, static))
+        launch = (
+            None
+            if problem
+            else self._launch_for(
+                algo, x.dtype, n, hidden, 0.0, flags, self._local_geometry(n, x.element_size(), hidden, static)
+            )
+        )
         call = Call("torch" if problem else algo, launch)
         if len(self._calls) < 4096:
             self._calls[signature] = call
@@ -145,21 +163,37 @@ class QuantizeOps:
         signature = ("quantize_fp8", n, x.dtype, hidden, flags)
         call = self._calls.get(signature)
         if call is None:
-            call = self._local_call(signature, "quantize_fp8", "quantize_fp8", x, hidden, flags, scale is not None,
-                                    None if whole_vectors else
-                                    f"rows of {hidden} {x.dtype} elements are not whole 16-byte vectors")
+            call = self._local_call(
+                signature,
+                "quantize_fp8",
+                "quantize_fp8",
+                x,
+                hidden,
+                flags,
+                scale is not None,
+                None if whole_vectors else f"rows of {hidden} {x.dtype} elements are not whole 16-byte vectors",
+            )
         if call.launch is None:
             q, scale_inv = quantize_fp8_reference(x, hidden, scale)
             return q, scale_inv
         src = x if x.data_ptr() % 16 == 0 else x.clone()
         q = torch.empty(x.shape, dtype=FP8, device=x.device)
         scale_inv = torch.empty(1 if scale is not None else n // hidden, dtype=torch.float32, device=x.device)
-        self._run(call.launch, (src.data_ptr(), q.data_ptr(), 0, 0, 0,
-                                0 if scale is None else scale.data_ptr(), scale_inv.data_ptr()))
+        self._run(
+            call.launch,
+            (src.data_ptr(), q.data_ptr(), 0, 0, 0, 0 if scale is None else scale.data_ptr(), scale_inv.data_ptr()),
+        )
         return q, scale_inv
 
-    def quantize(self, x: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None,
-                 swizzled: bool = False, ue8m0: bool = False):
+    def quantize(
+        self,
+        x: torch.Tensor,
+        fmt: str,
+        *,
+        global_scale: torch.Tensor | None = None,
+        swizzled: bool = False,
+        ue8m0: bool = False,
+    ):
         """``(q, scales)``: ``x`` (bf16, fp16 or fp32, rows of its last dimension K) in a block-scaled
         format for the next GEMM, written by one kernel; local, no peer; no gradient (an ``x`` that
         requires grad is refused in grad mode). ``fmt``:
@@ -196,7 +230,16 @@ class QuantizeOps:
         src = x if x.data_ptr() % 16 == 0 else x.clone()  # contiguous (checked); the kernel loads 16 bytes
         q = torch.empty(q_shape, dtype=q_dtype, device=x.device)
         scales = torch.empty(s_shape, dtype=s_dtype, device=x.device)
-        self._run(call.launch, (src.data_ptr(), q.data_ptr(), 0, 0, 0,
-                                0 if global_scale is None else global_scale.data_ptr(), scales.data_ptr()))
+        self._run(
+            call.launch,
+            (
+                src.data_ptr(),
+                q.data_ptr(),
+                0,
+                0,
+                0,
+                0 if global_scale is None else global_scale.data_ptr(),
+                scales.data_ptr(),
+            ),
+        )
         return q, scales
-

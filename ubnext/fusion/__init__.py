@@ -62,17 +62,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import operator
+import os
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 
-from . import _match as _fusion_match
 from .. import ops
 from ._match import Norm, Quant, left_alone_reason, match_fp8, match_norm, val
 
@@ -104,7 +103,7 @@ def _source_hash() -> str:
 class FusionPass(CustomGraphPass):
     """The post-grad pass ``enable()`` installs (see the module docstring)."""
 
-    _uuid: Optional[str] = None
+    _uuid: str | None = None
 
     def __call__(self, graph: fx.Graph) -> None:
         rewrite(graph)
@@ -165,9 +164,15 @@ def stats(reset: bool = False) -> dict:
     all-reduces rewritten without a norm and why the norm was not taken; ``left_alone`` the
     all-reduces not rewritten and why; ``fp8_not_fused`` the FP8 quantisations after a fused norm
     left in torch (the norm fused in its plain form) and why; ``graphs`` the graphs with a rewrite."""
-    out = {FUSED: _counts[FUSED], FUSED_FP8: _counts[FUSED_FP8], PLAIN: _counts[PLAIN],
-           "not_fused": dict(_not_fused), "left_alone": dict(_left_alone), "fp8_not_fused": dict(_fp8_not_fused),
-           "graphs": dict(_graphs)}
+    out = {
+        FUSED: _counts[FUSED],
+        FUSED_FP8: _counts[FUSED_FP8],
+        PLAIN: _counts[PLAIN],
+        "not_fused": dict(_not_fused),
+        "left_alone": dict(_left_alone),
+        "fp8_not_fused": dict(_fp8_not_fused),
+        "graphs": dict(_graphs),
+    }
     if reset:
         for counter in (_counts, _not_fused, _left_alone, _fp8_not_fused, _graphs):
             counter.clear()
@@ -191,7 +196,7 @@ def _graph_kind(graph: fx.Graph) -> str:
 # -- the rewrite -----------------------------------------------------------------------------------
 
 
-def _call(graph: fx.Graph, target, args: tuple, kwargs: Optional[dict] = None, *, like) -> fx.Node:
+def _call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, *, like) -> fx.Node:
     """A new node with its fake value, as the nodes around it carry one (``like``: a fake tensor of
     the graph, whose mode makes the value)."""
     node = graph.call_function(target, args, kwargs or {})
@@ -212,8 +217,9 @@ def _erase_unused(graph: fx.Graph, nodes, position: dict) -> None:
             graph.erase_node(node)
 
 
-def _rewrite_fused(graph: fx.Graph, ar: fx.Node, wait: fx.Node, norm: Norm, quant: Optional[Quant],
-                   position: dict) -> None:
+def _rewrite_fused(
+    graph: fx.Graph, ar: fx.Node, wait: fx.Node, norm: Norm, quant: Quant | None, position: dict
+) -> None:
     """The fused op in place of the all-reduce, the residual add and the norm, and with ``quant``
     its FP8 form in place of the quantisation too."""
     x, _, group = ar.args[:3]
@@ -221,14 +227,16 @@ def _rewrite_fused(graph: fx.Graph, ar: fx.Node, wait: fx.Node, norm: Norm, quan
     with graph.inserting_before(norm.add):
         weight = norm.weight
         if weight is None:  # a norm without weight: the fused op's weight of ones gives the same bits
-            weight = _call(graph, aten.full.default, ([xv.shape[-1]], 1.0),
-                           {"dtype": xv.dtype, "device": xv.device}, like=xv)
+            weight = _call(
+                graph, aten.full.default, ([xv.shape[-1]], 1.0), {"dtype": xv.dtype, "device": xv.device}, like=xv
+            )
         if quant is None:
             fused = _call(graph, _FUSED, (x, norm.residual, weight, norm.eps, group), like=xv)
         else:
             fused = _call(graph, _FUSED_FP8, (x, norm.residual, weight, norm.eps, quant.scale, group), like=xv)
-        out, residual_out, *scale_inv = (_call(graph, operator.getitem, (fused, i), like=xv)
-                                         for i in range(3 if quant else 2))
+        out, residual_out, *scale_inv = (
+            _call(graph, operator.getitem, (fused, i), like=xv) for i in range(3 if quant else 2)
+        )
         if quant is not None and quant.scale_out is not None:  # per token: the graph's [..., 1] scales
             quant.scale_out.replace_all_uses_with(_call(graph, aten.unsqueeze.default, (scale_inv[0], -1), like=xv))
     replaced = norm.out if quant is None else quant.q

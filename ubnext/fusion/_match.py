@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -39,11 +38,25 @@ from ..reference._checks import DTYPE_CODES, FP8, FP8_MAX, FP8_TINY_SCALE_INV
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _CAST = torch.ops.prims.convert_element_type.default
-_FP8_DTYPES = tuple(d for d in (getattr(torch, name, None) for name in (
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")) if d is not None)
+_FP8_DTYPES = tuple(
+    d
+    for d in (
+        getattr(torch, name, None) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    )
+    if d is not None
+)
 # what lies between a normed tensor and an FP8 cast of it, in the forms above and their near misses
-_QUANT_STEPS = (_CAST, aten.div.Tensor, aten.mul.Tensor, aten.reciprocal.default, aten.abs.default,
-                aten.amax.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
+_QUANT_STEPS = (
+    _CAST,
+    aten.div.Tensor,
+    aten.mul.Tensor,
+    aten.reciprocal.default,
+    aten.abs.default,
+    aten.amax.default,
+    aten.clamp.default,
+    aten.clamp_min.default,
+    aten.clamp_max.default,
+)
 
 
 @dataclass
@@ -52,7 +65,7 @@ class Norm:
 
     add: fx.Node  # the residual sum
     residual: fx.Node
-    weight: Optional[fx.Node]  # None: a norm without weight
+    weight: fx.Node | None  # None: a norm without weight
     eps: float
     out: fx.Node  # the normed tensor in the activations' dtype
 
@@ -75,13 +88,13 @@ def _user(node: fx.Node, match):
     return next((u for u in node.users if match(u)), None)
 
 
-def _cast_to(node: fx.Node, dtype) -> Optional[fx.Node]:
+def _cast_to(node: fx.Node, dtype) -> fx.Node | None:
     """``node``'s only user when it is a cast to ``dtype``."""
     user = next(iter(node.users)) if len(node.users) == 1 else None
     return user if _is(user, _CAST) and user.args[1] == dtype else None
 
 
-def left_alone_reason(ar: fx.Node) -> Optional[str]:
+def left_alone_reason(ar: fx.Node) -> str | None:
     x, reduce_op, group = ar.args[:3]
     if reduce_op != "sum":
         return f"reduce op {reduce_op!r} (ubnext sums)"
@@ -104,8 +117,11 @@ def match_norm(ar: fx.Node, wait: fx.Node):
     xv = val(ar.args[0])
     add = next(iter(wait.users)) if len(wait.users) == 1 else None
     if not (_is(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs):
-        return ("no residual add after the all-reduce" if len(wait.users) <= 1
-                else "the reduced tensor is used by more than the residual add")
+        return (
+            "no residual add after the all-reduce"
+            if len(wait.users) <= 1
+            else "the reduced tensor is used by more than the residual add"
+        )
     residual = _other(add, wait)
     rv = val(residual)
     if residual is wait or not isinstance(rv, torch.Tensor) or rv.shape != xv.shape or rv.dtype != xv.dtype:
@@ -132,8 +148,10 @@ def match_norm(ar: fx.Node, wait: fx.Node):
 def _match_rmsnorm(src: fx.Node, square: fx.Node, xv, hidden: int):
     """The RMSNorm of ``src`` that starts at ``square``; None when ``square`` starts no norm, a
     reason (str) when it starts one the fused op cannot take."""
-    if not ((_is(square, aten.pow.Tensor_Scalar) and square.args[0] is src and square.args[1] == 2)
-            or (_is(square, aten.mul.Tensor) and square.args[0] is src and square.args[1] is src)):
+    if not (
+        (_is(square, aten.pow.Tensor_Scalar) and square.args[0] is src and square.args[1] == 2)
+        or (_is(square, aten.mul.Tensor) and square.args[0] is src and square.args[1] is src)
+    ):
         return None
     mean = _user(square, lambda u: _is(u, aten.mean.dim))
     if mean is None:
@@ -177,8 +195,8 @@ class Quant:
     """A matched FP8 quantisation of the normed tensor."""
 
     q: fx.Node  # the FP8 values
-    scale: Optional[fx.Node]  # static: the one-element fp32 scale tensor; None: per token
-    scale_out: Optional[fx.Node]  # per token: the [..., 1] scale tensor the graph computed
+    scale: fx.Node | None  # static: the one-element fp32 scale tensor; None: per token
+    scale_out: fx.Node | None  # per token: the [..., 1] scale tensor the graph computed
 
 
 def _is_number(value, want: float) -> bool:
@@ -196,7 +214,7 @@ def _quantised(y: fx.Node) -> bool:
     return False
 
 
-def _only_user(node: fx.Node) -> Optional[fx.Node]:
+def _only_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
@@ -240,14 +258,19 @@ def _per_token_scale(absolute: fx.Node, last_dim: int):
     dims = amax.args[1] if len(amax.args) > 1 else amax.kwargs.get("dim")
     keepdim = amax.args[2] if len(amax.args) > 2 else amax.kwargs.get("keepdim", False)
     if not dims:
-        return ("a per-tensor scale computed from the normed tensor (dynamic scaling; the fused op's is "
-                "static or per token)")
+        return (
+            "a per-tensor scale computed from the normed tensor (dynamic scaling; the fused op's is "
+            "static or per token)"
+        )
     if list(dims) not in ([-1], [last_dim]) or not keepdim:
         return "a per-token amax over another dimension than the last, or without keepdim"
     div = _only_user(amax)
     clamp = _only_user(div) if _is(div, aten.div.Tensor) and div.args[0] is amax else None
-    if not (_is_number(div.args[1] if clamp else None, FP8_MAX) and _is(clamp, aten.clamp_min.default)
-            and _is_number(clamp.args[1], FP8_TINY_SCALE_INV)):
+    if not (
+        _is_number(div.args[1] if clamp else None, FP8_MAX)
+        and _is(clamp, aten.clamp_min.default)
+        and _is_number(clamp.args[1], FP8_TINY_SCALE_INV)
+    ):
         return "a per-token scale other than (amax / 448).clamp(min=1e-12), or its steps used elsewhere"
     return clamp
 
@@ -255,8 +278,7 @@ def _per_token_scale(absolute: fx.Node, last_dim: int):
 def _static_scale(scale, xv, add: fx.Node, position: dict):
     """``scale`` when the fused op can take it as its static scale, else why not (a str)."""
     sv = val(scale)
-    if not (isinstance(sv, torch.Tensor) and sv.numel() == 1 and sv.dtype == torch.float32
-            and sv.device == xv.device):
+    if not (isinstance(sv, torch.Tensor) and sv.numel() == 1 and sv.dtype == torch.float32 and sv.device == xv.device):
         return "a static scale that is not a one-element fp32 tensor on the activations' device"
     # the fused op computes the residual sum: a scale computed from it could not be its input
     frontier, seen = [scale], set()

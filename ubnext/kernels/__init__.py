@@ -27,10 +27,11 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .. import envs
 from ..runtime._build_progress import announce
@@ -52,6 +53,7 @@ __all__ = [
     "cubin_for",
     "build_many",
     "export_cubins",
+    "MANIFEST",
     "load_all",
     "load_kernel",
     "loaded_kernels",
@@ -106,6 +108,7 @@ _ALGO_DTYPES = {"allgather": ("u8",)}
 
 def algo_dtypes(algo: str) -> tuple[str, ...]:
     return _ALGO_DTYPES.get(algo, DTYPES)
+
 
 # Flags (csrc/device/desc.cuh)
 F_FUSED_NORM = 1
@@ -181,8 +184,11 @@ def cuda_include_dir() -> Path:
 
 def _kernel_sources() -> list[Path]:
     """What NVRTC reads from csrc: every .cu/.cuh/.h outside emu/ (the CPU emulator's own)."""
-    return [path for path in sorted(CSRC.rglob("*"))
-            if path.suffix in (".cu", ".cuh", ".h") and "emu" not in path.relative_to(CSRC).parts]
+    return [
+        path
+        for path in sorted(CSRC.rglob("*"))
+        if path.suffix in (".cu", ".cuh", ".h") and "emu" not in path.relative_to(CSRC).parts
+    ]
 
 
 def source_hash() -> str:
@@ -217,8 +223,10 @@ def cuda_headers_hash() -> str:
         text = path.read_bytes()
         for kind, name in _INCLUDE_LINE.findall(text):
             bases = ([path.parent] if kind == b'"' else []) + [directory for _, directory in roles]
-            found = next((Path(os.path.normpath(base / name.decode())) for base in bases
-                          if (base / name.decode()).is_file()), None)
+            found = next(
+                (Path(os.path.normpath(base / name.decode())) for base in bases if (base / name.decode()).is_file()),
+                None,
+            )
             if found is None or found in seen:
                 continue
             seen.add(found)
@@ -234,7 +242,7 @@ def cuda_headers_hash() -> str:
     return h.hexdigest()[:24]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nvrtc_version() -> str:
     from cuda.bindings import nvrtc
 
@@ -269,8 +277,9 @@ def _nvrtc_compile(fname: str, arch: str, want: str, defines: tuple[str, ...] = 
     return images[want], log
 
 
-def _nvrtc_images(fname: str, arch: str, wants: tuple[str, ...],
-                  defines: tuple[str, ...] = ()) -> tuple[dict[str, bytes], str]:
+def _nvrtc_images(
+    fname: str, arch: str, wants: tuple[str, ...], defines: tuple[str, ...] = ()
+) -> tuple[dict[str, bytes], str]:
     """One NVRTC compile of csrc/kernels/<fname>, and each image of ``wants`` ("cubin", "ptx": a
     compile for a real architecture keeps its PTX too) with the program log."""
     from cuda.bindings import nvrtc
@@ -391,8 +400,11 @@ def _cached_or_compiled(fname: str, arch: str) -> Cubin:
         resources = tuple(parse_ptxas_log(ptxas_log, arch))
         # The JSON last: a reader that sees it sees whole files (the PTX: compile_ptx).
         info = json.dumps([r.__dict__ for r in resources]).encode()
-        for path, data in ((cubin_path, images["cubin"]), (cubin_path.with_suffix(".ptx"), images["ptx"]),
-                           (cubin_path.with_suffix(".json"), info)):
+        for path, data in (
+            (cubin_path, images["cubin"]),
+            (cubin_path.with_suffix(".ptx"), images["ptx"]),
+            (cubin_path.with_suffix(".json"), info),
+        ):
             _write_atomically(path, data)
     return Cubin(fname, arch, images["cubin"], resources, nvrtc_version(), "compiled")
 
@@ -409,8 +421,9 @@ def compile_kernels(fname: str, arch: str) -> tuple[bytes, list[KernelResources]
     return cubin.image, list(cubin.resources)
 
 
-def build_many(jobs: list[tuple[str, str]],
-               resolve: Callable[[str, str], Cubin] = cubin_for) -> dict[tuple[str, str], Cubin]:
+def build_many(
+    jobs: list[tuple[str, str]], resolve: Callable[[str, str], Cubin] = cubin_for
+) -> dict[tuple[str, str], Cubin]:
     """(kernel file, arch) -> its cubin (``resolve``), as many at once as there are cores: NVRTC
     releases the GIL while it compiles, and the cache publishes each cubin atomically."""
     if not jobs:
@@ -472,31 +485,35 @@ def load_all(device_index: int) -> None:
         if cubin is not None:
             problem = driver_problem(driver_cuda, _nvrtc_major(cubin.nvrtc))
             if problem:
-                _log.warning("UBNEXT_CUBIN_DIR: not using the carried cubin of %s (NVRTC %s): %s", fname,
-                             cubin.nvrtc, problem)
+                _log.warning(
+                    "UBNEXT_CUBIN_DIR: not using the carried cubin of %s (NVRTC %s): %s", fname, cubin.nvrtc, problem
+                )
                 cubin = None
         carried[fname] = cubin
     if not all(carried.values()):
         problem = driver_problem(driver_cuda, _nvrtc_major(nvrtc_version()))
         if problem:
             raise CudaError(problem)
-    missing = [(fname, arch) for fname, names in files.items()
-               if any((name, device_index) not in _loaded for name in names)]
+    missing = [
+        (fname, arch) for fname, names in files.items() if any((name, device_index) not in _loaded for name in names)
+    ]
     cubins = build_many(missing, lambda fname, arch: carried[fname] or _cached_or_compiled(fname, arch))
     for cubin in cubins.values():
         _load_file(cubin, device_index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _driver_loads_eagerly(driver_cuda: int) -> bool:
     """Whether the driver has cuFuncLoad (CUDA 12.4); says once when it has not."""
     from ..runtime._cuda import format_cuda_version
 
     if driver_cuda >= EAGER_LOADING_DRIVER:
         return True
-    _log.warning("the driver supports CUDA %s, which has no cuFuncLoad (12.4): the kernels load at their first "
-                 "launch, which may need a context synchronisation (CUDA_MODULE_LOADING=EAGER avoids it)",
-                 format_cuda_version(driver_cuda))
+    _log.warning(
+        "the driver supports CUDA %s, which has no cuFuncLoad (12.4): the kernels load at their first "
+        "launch, which may need a context synchronisation (CUDA_MODULE_LOADING=EAGER avoids it)",
+        format_cuda_version(driver_cuda),
+    )
     return False
 
 
@@ -517,18 +534,21 @@ def _load_file(cubin: Cubin, device_index: int) -> None:
         obj = object_code(cubin.image)
         for name in sources()[cubin.fname]:
             kernel = obj.get_kernel(name)
-            function = check(drv.cuKernelGetFunction(drv.CUkernel(kernel_address(kernel))), f"cuKernelGetFunction({name})")
+            function = check(
+                drv.cuKernelGetFunction(drv.CUkernel(kernel_address(kernel))), f"cuKernelGetFunction({name})"
+            )
             if eager:
                 check(drv.cuFuncLoad(function), f"cuFuncLoad({name})")
-            records.append(LoadedKernel(name, cubin.fname, cubin.arch, cubin.nvrtc, cubin.origin, kernel, function,
-                                        eager, obj))
+            records.append(
+                LoadedKernel(name, cubin.fname, cubin.arch, cubin.nvrtc, cubin.origin, kernel, function, eager, obj)
+            )
     for record in records:
         _records[record.name, device_index] = record
         _loaded[record.name, device_index] = record.kernel
 
 
 def _file_of(name: str) -> str:
-    return ALGOS[name[len("ubnext_"):].rsplit("_", 1)[0]]
+    return ALGOS[name[len("ubnext_") :].rsplit("_", 1)[0]]
 
 
 def load_kernel(name: str, device_index: int):
@@ -546,8 +566,12 @@ def load_kernel(name: str, device_index: int):
 def loaded_kernels(device_index: int) -> list[LoadedKernel]:
     """What is loaded on this device, in ``sources()`` order: each kernel, the NVRTC that built its
     cubin and where the cubin came from."""
-    return [_records[name, device_index] for names in sources().values() for name in names
-            if (name, device_index) in _records]
+    return [
+        _records[name, device_index]
+        for names in sources().values()
+        for name in names
+        if (name, device_index) in _records
+    ]
 
 
 # they use what is above

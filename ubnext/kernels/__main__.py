@@ -19,8 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     build = sub.add_parser("build", help="compile every kernel ahead of time (no GPU needed)")
     build.add_argument("--arch", nargs="+", default=["sm_90", "sm_100"])
     build.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills")
-    export = sub.add_parser("export", help="write every kernel file's cubin and a manifest to a folder "
-                                           "(UBNEXT_CUBIN_DIR of a machine that cannot compile them)")
+    export = sub.add_parser(
+        "export",
+        help="write every kernel file's cubin and a manifest to a folder "
+        "(UBNEXT_CUBIN_DIR of a machine that cannot compile them)",
+    )
     export.add_argument("--arch", nargs="+", required=True)
     export.add_argument("--to", type=Path, required=True, help="the folder (created when missing)")
     args = parser.parse_args(argv)
@@ -53,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                 if r.name not in names:
                     continue
                 spills += r.spill_stores + r.spill_loads
-                print(f"{r.name:32} {r.arch:7} {r.registers:5d} {r.spill_stores:9d} {r.spill_loads:9d} {r.stack_bytes:6d} {r.shared_bytes:6d}")
+                print(
+                    f"{r.name:32} {r.arch:7} {r.registers:5d} {r.spill_stores:9d} {r.spill_loads:9d} {r.stack_bytes:6d} {r.shared_bytes:6d}"
+                )
     if args.fail_on_spill and spills:
         print(f"error: {spills} bytes of register spills")
         return 1

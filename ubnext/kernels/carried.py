@@ -46,8 +46,15 @@ def carried_cubin(fname: str, arch: str) -> Cubin | None:
         return None
     here = source_hash()
     if entry["source_hash"] != here:
-        _log.warning("UBNEXT_CUBIN_DIR: ignoring the carried cubin of %s for %s (%s): it was built from sources "
-                     "%s, this checkout's are %s", fname, arch, folder / entry["cubin"], entry["source_hash"], here)
+        _log.warning(
+            "UBNEXT_CUBIN_DIR: ignoring the carried cubin of %s for %s (%s): it was built from sources "
+            "%s, this checkout's are %s",
+            fname,
+            arch,
+            folder / entry["cubin"],
+            entry["source_hash"],
+            here,
+        )
         return None
     try:
         image = (folder / entry["cubin"]).read_bytes()
@@ -55,13 +62,16 @@ def carried_cubin(fname: str, arch: str) -> Cubin | None:
         _log.warning("UBNEXT_CUBIN_DIR: ignoring the carried cubin of %s for %s: %s", fname, arch, exc)
         return None
     if hashlib.sha256(image).hexdigest() != entry["sha256"]:
-        _log.warning("UBNEXT_CUBIN_DIR: ignoring the carried cubin of %s for %s: %s is not the file the manifest "
-                     "names (its sha256 differs: truncated or replaced)", fname, arch, folder / entry["cubin"])
+        _log.warning(
+            "UBNEXT_CUBIN_DIR: ignoring the carried cubin of %s for %s: %s is not the file the manifest "
+            "names (its sha256 differs: truncated or replaced)",
+            fname,
+            arch,
+            folder / entry["cubin"],
+        )
         return None
     resources = tuple(KernelResources(**r) for r in entry["resources"])
     return Cubin(fname, arch, image, resources, entry["nvrtc"], "carried")
-
-
 
 
 def export_cubins(folder: Path, archs: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -81,7 +91,9 @@ def export_cubins(folder: Path, archs: list[str]) -> dict[str, dict[str, dict[st
         name = f"{Path(fname).stem}-{arch}.cubin"
         _write_atomically(folder / name, cubin.image)
         files.setdefault(fname, {})[arch] = {
-            "source_hash": before, "nvrtc": cubin.nvrtc, "cubin": name,
+            "source_hash": before,
+            "nvrtc": cubin.nvrtc,
+            "cubin": name,
             "sha256": hashlib.sha256(cubin.image).hexdigest(),
             "resources": [r.__dict__ for r in cubin.resources],
         }

@@ -60,23 +60,31 @@ def kernel_report(device_index: int, block: int = 256) -> list[dict[str, Any]]:
     with primary_context(device_index):
         for loaded in loaded_kernels(device_index):
             state = check(drv.cuFuncIsLoaded(loaded.function), f"cuFuncIsLoaded({loaded.name})")
-            rows.append({
-                "name": loaded.name,
-                "file": loaded.fname,
-                "arch": loaded.arch,
-                "nvrtc": loaded.nvrtc,
-                "origin": loaded.origin,
-                "loaded": state == drv.CUfunctionLoadingState.CU_FUNCTION_LOADING_STATE_LOADED,
-                "param_sizes": _driver_param_sizes(drv, loaded.kernel),
-                "abi_param_sizes": abi,
-                "registers": check(drv.cuFuncGetAttribute(attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, loaded.function),
-                                   f"cuFuncGetAttribute({loaded.name})"),
-                "local_bytes": check(drv.cuFuncGetAttribute(attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
-                                                            loaded.function), f"cuFuncGetAttribute({loaded.name})"),
-                "block": block,
-                "max_blocks_per_sm": check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(loaded.function, block, 0),
-                                           f"cuOccupancyMaxActiveBlocksPerMultiprocessor({loaded.name})"),
-            })
+            rows.append(
+                {
+                    "name": loaded.name,
+                    "file": loaded.fname,
+                    "arch": loaded.arch,
+                    "nvrtc": loaded.nvrtc,
+                    "origin": loaded.origin,
+                    "loaded": state == drv.CUfunctionLoadingState.CU_FUNCTION_LOADING_STATE_LOADED,
+                    "param_sizes": _driver_param_sizes(drv, loaded.kernel),
+                    "abi_param_sizes": abi,
+                    "registers": check(
+                        drv.cuFuncGetAttribute(attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, loaded.function),
+                        f"cuFuncGetAttribute({loaded.name})",
+                    ),
+                    "local_bytes": check(
+                        drv.cuFuncGetAttribute(attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, loaded.function),
+                        f"cuFuncGetAttribute({loaded.name})",
+                    ),
+                    "block": block,
+                    "max_blocks_per_sm": check(
+                        drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(loaded.function, block, 0),
+                        f"cuOccupancyMaxActiveBlocksPerMultiprocessor({loaded.name})",
+                    ),
+                }
+            )
     return rows
 
 
@@ -90,16 +98,25 @@ def report_problems(rows: list[dict[str, Any]]) -> list[str]:
             problems.append("not loaded into the context (cuFuncIsLoaded): it would load at its first launch")
         driver_sizes, abi = row["param_sizes"], row["abi_param_sizes"]
         if driver_sizes != abi:
-            differ = [i for i in range(max(len(driver_sizes), len(abi)))
-                      if i >= len(driver_sizes) or i >= len(abi) or driver_sizes[i] != abi[i]]
+            differ = [
+                i
+                for i in range(max(len(driver_sizes), len(abi)))
+                if i >= len(driver_sizes) or i >= len(abi) or driver_sizes[i] != abi[i]
+            ]
             first = differ[0]
             what = KERNEL_SIGNATURE[first][0] if first < len(KERNEL_SIGNATURE) else f"#{first}"
-            problems.append(f"the driver's parameter sizes {driver_sizes} differ from KERNEL_SIGNATURE's {abi} "
-                            f"(first at parameter {first}, {what})")
+            problems.append(
+                f"the driver's parameter sizes {driver_sizes} differ from KERNEL_SIGNATURE's {abi} "
+                f"(first at parameter {first}, {what})"
+            )
         if row["max_blocks_per_sm"] == 0:
-            problems.append(f"no block of {row['block']} threads fits on an SM (occupancy 0; {row['registers']} "
-                            f"registers, {row['local_bytes']} bytes of local memory per thread)")
+            problems.append(
+                f"no block of {row['block']} threads fits on an SM (occupancy 0; {row['registers']} "
+                f"registers, {row['local_bytes']} bytes of local memory per thread)"
+            )
         if problems:
-            messages.append(f"{row['name']} ({row['file']}, {row['arch']}, {row['origin']} cubin of NVRTC "
-                            f"{row['nvrtc']}): " + "; ".join(problems))
+            messages.append(
+                f"{row['name']} ({row['file']}, {row['arch']}, {row['origin']} cubin of NVRTC "
+                f"{row['nvrtc']}): " + "; ".join(problems)
+            )
     return messages

@@ -20,19 +20,38 @@ the out= forms refuse an input that requires grad (``not_differentiable``).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from ..runtime import _lifecycle
 from ..reference._blockscale import check_fused_quant_args, check_quantize_block_args, output_specs
-from ..reference._checks import (FP8, check_all_gather_args, check_all_reduce_args, check_fused_args, check_out_overlap,
-                                 check_same_device, check_linear_args, check_quantize_args, check_reduce_scatter_args,
-                                 fp8_output)
+from ..reference._checks import (
+    FP8,
+    check_all_gather_args,
+    check_all_reduce_args,
+    check_fused_args,
+    check_linear_args,
+    check_out_overlap,
+    check_quantize_args,
+    check_reduce_scatter_args,
+    check_same_device,
+    fp8_output,
+)
+from ..runtime import _lifecycle
 
-__all__ = ["all_reduce", "all_reduce_out", "all_reduce_add_rmsnorm", "linear_all_reduce", "all_gather",
-           "all_gather_out", "reduce_scatter", "reduce_scatter_out", "quantize_fp8", "quantize", "communicator_for",
-           "rmsnorm_backward", "not_differentiable"]
+__all__ = [
+    "all_reduce",
+    "all_reduce_out",
+    "all_reduce_add_rmsnorm",
+    "linear_all_reduce",
+    "all_gather",
+    "all_gather_out",
+    "reduce_scatter",
+    "reduce_scatter_out",
+    "quantize_fp8",
+    "quantize",
+    "communicator_for",
+    "rmsnorm_backward",
+    "not_differentiable",
+]
 
 _lib = torch.library.Library("ubnext", "DEF")  # noqa: TOR901 - the operators are defined here once
 _lib.define("all_reduce(Tensor x, str comm, str torch_symm_op='') -> Tensor")
@@ -40,13 +59,16 @@ _lib.define("all_reduce_out(Tensor x, Tensor(a!) out, str comm) -> ()")
 _lib.define("linear_all_reduce(Tensor x, Tensor weight, str comm) -> Tensor")
 # the FP8 variant is a separate operator, so that the common one neither takes the FP8 arguments
 # nor returns an empty scale_inv: both cost host time on every call (docs/PERF.md)
-_lib.define("all_reduce_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, str comm) "
-            "-> (Tensor, Tensor)")
-_lib.define("all_reduce_add_rmsnorm_fp8(Tensor x, Tensor residual, Tensor weight, float eps, Tensor? scale, "
-            "str comm) -> (Tensor, Tensor, Tensor)")
+_lib.define("all_reduce_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, str comm) -> (Tensor, Tensor)")
+_lib.define(
+    "all_reduce_add_rmsnorm_fp8(Tensor x, Tensor residual, Tensor weight, float eps, Tensor? scale, "
+    "str comm) -> (Tensor, Tensor, Tensor)"
+)
 # the block-scaled outputs (quant=fmt: ubnext/reference/_blockscale.py's formats): (q, residual_out, scales)
-_lib.define("all_reduce_add_rmsnorm_quant(Tensor x, Tensor residual, Tensor weight, float eps, str fmt, "
-            "Tensor? global_scale, bool swizzled, bool ue8m0, str comm) -> (Tensor, Tensor, Tensor)")
+_lib.define(
+    "all_reduce_add_rmsnorm_quant(Tensor x, Tensor residual, Tensor weight, float eps, str fmt, "
+    "Tensor? global_scale, bool swizzled, bool ue8m0, str comm) -> (Tensor, Tensor, Tensor)"
+)
 # FSDP2's collectives (ubnext.fsdp) and the FP8 quantisation of its weights
 _lib.define("all_gather(Tensor x, str comm) -> Tensor")
 _lib.define("all_gather_out(Tensor x, Tensor(a!) out, str comm) -> ()")
@@ -54,8 +76,9 @@ _lib.define("reduce_scatter(Tensor x, float factor, str comm) -> Tensor")
 _lib.define("reduce_scatter_out(Tensor x, Tensor(a!) out, float factor, str comm) -> ()")
 _lib.define("quantize_fp8(Tensor x, int hidden, Tensor? scale, str comm) -> (Tensor, Tensor)")
 # block-scaled formats for the next GEMM (ubnext/reference/_blockscale.py): nvfp4, mxfp8, fp8_group128
-_lib.define("quantize(Tensor x, str fmt, Tensor? global_scale, bool swizzled, bool ue8m0, str comm) "
-            "-> (Tensor, Tensor)")
+_lib.define(
+    "quantize(Tensor x, str fmt, Tensor? global_scale, bool swizzled, bool ue8m0, str comm) -> (Tensor, Tensor)"
+)
 
 
 # the communicator an operator's ``comm`` argument names (see the module docstring); the
@@ -92,8 +115,9 @@ def _fused_fp8_impl(x, residual, weight, eps, scale, comm):
 
 
 def _fused_quant_impl(x, residual, weight, eps, fmt, global_scale, swizzled, ue8m0, comm):
-    return communicator_for(comm)._all_reduce_add_rmsnorm_quant(x, residual, weight, eps, fmt, global_scale,
-                                                                swizzled, ue8m0)
+    return communicator_for(comm)._all_reduce_add_rmsnorm_quant(
+        x, residual, weight, eps, fmt, global_scale, swizzled, ue8m0
+    )
 
 
 def _world_size(comm: str) -> int:
@@ -139,13 +163,20 @@ def _quantize_impl(x, fmt, global_scale, swizzled, ue8m0, comm):
     return communicator_for(comm)._quantize_blocks(x, fmt, global_scale, swizzled, ue8m0)
 
 
-for _name, _fn in (("all_reduce", _all_reduce_impl), ("all_reduce_out", _all_reduce_out_impl),
-                   ("linear_all_reduce", _linear_all_reduce_impl), ("all_reduce_add_rmsnorm", _fused_impl),
-                   ("all_reduce_add_rmsnorm_fp8", _fused_fp8_impl),
-                   ("all_reduce_add_rmsnorm_quant", _fused_quant_impl), ("all_gather", _all_gather_impl),
-                   ("all_gather_out", _all_gather_out_impl), ("reduce_scatter", _reduce_scatter_impl),
-                   ("reduce_scatter_out", _reduce_scatter_out_impl), ("quantize_fp8", _quantize_fp8_impl),
-                   ("quantize", _quantize_impl)):
+for _name, _fn in (
+    ("all_reduce", _all_reduce_impl),
+    ("all_reduce_out", _all_reduce_out_impl),
+    ("linear_all_reduce", _linear_all_reduce_impl),
+    ("all_reduce_add_rmsnorm", _fused_impl),
+    ("all_reduce_add_rmsnorm_fp8", _fused_fp8_impl),
+    ("all_reduce_add_rmsnorm_quant", _fused_quant_impl),
+    ("all_gather", _all_gather_impl),
+    ("all_gather_out", _all_gather_out_impl),
+    ("reduce_scatter", _reduce_scatter_impl),
+    ("reduce_scatter_out", _reduce_scatter_out_impl),
+    ("quantize_fp8", _quantize_fp8_impl),
+    ("quantize", _quantize_impl),
+):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 
@@ -231,8 +262,9 @@ def _(x, out, factor, comm):
 def _(x, hidden, scale, comm):
     check_quantize_args(x, hidden, scale)
     check_same_device("x scale", x, scale)
-    return torch.empty_like(x, dtype=FP8), x.new_empty(1 if scale is not None else x.numel() // hidden,
-                                                        dtype=torch.float32)
+    return torch.empty_like(x, dtype=FP8), x.new_empty(
+        1 if scale is not None else x.numel() // hidden, dtype=torch.float32
+    )
 
 
 @torch.library.register_fake("ubnext::quantize", lib=_lib)
@@ -427,12 +459,23 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch
     return (packet if _is_compiling() else direct)(x, weight, comm)
 
 
-def all_reduce_add_rmsnorm(x, residual, weight, eps: float, comm: str, out_dtype=None,
-                           scale: Optional[torch.Tensor] = None, quant: Optional[str] = None,
-                           global_scale: Optional[torch.Tensor] = None, swizzled: bool = False, ue8m0: bool = False):
+def all_reduce_add_rmsnorm(
+    x,
+    residual,
+    weight,
+    eps: float,
+    comm: str,
+    out_dtype=None,
+    scale: torch.Tensor | None = None,
+    quant: str | None = None,
+    global_scale: torch.Tensor | None = None,
+    swizzled: bool = False,
+    ue8m0: bool = False,
+):
     if quant is not None or global_scale is not None or swizzled or ue8m0:
-        return _fused_quant(x, residual, weight, float(eps), comm, out_dtype, scale, quant, global_scale,
-                            bool(swizzled), bool(ue8m0))
+        return _fused_quant(
+            x, residual, weight, float(eps), comm, out_dtype, scale, quant, global_scale, bool(swizzled), bool(ue8m0)
+        )
     fp8 = (out_dtype is not None or scale is not None) and fp8_output(x, out_dtype, scale)
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(residual) or _requires_grad(weight)):
         out, residual_out, scale_inv = _FusedGrad.apply(x, residual, weight, float(eps), fp8, scale, comm)
@@ -450,20 +493,24 @@ def _fused(x, residual, weight, eps: float, fp8: bool, scale, comm: str):
     return out, residual_out, None
 
 
-def _fused_quant(x, residual, weight, eps: float, comm: str, out_dtype, scale, quant, global_scale, swizzled: bool,
-                 ue8m0: bool):
+def _fused_quant(
+    x, residual, weight, eps: float, comm: str, out_dtype, scale, quant, global_scale, swizzled: bool, ue8m0: bool
+):
     """(q, residual_out, scales) of the block-scaled form; no gradient (a quantised output has none)."""
     if quant is None:
-        raise ValueError("global_scale, swizzled and ue8m0 describe a block-scaled output: pass quant= "
-                         "('nvfp4', 'mxfp8' or 'fp8_group128') with them")
+        raise ValueError(
+            "global_scale, swizzled and ue8m0 describe a block-scaled output: pass quant= "
+            "('nvfp4', 'mxfp8' or 'fp8_group128') with them"
+        )
     if out_dtype is not None or scale is not None:
-        raise ValueError(f"quant={quant!r} writes its own output format and scales: it excludes out_dtype and "
-                         "scale (the per-token / static FP8 form); pass one or the other")
+        raise ValueError(
+            f"quant={quant!r} writes its own output format and scales: it excludes out_dtype and "
+            "scale (the per-token / static FP8 form); pass one or the other"
+        )
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(residual) or _requires_grad(weight)):
         raise not_differentiable(f"the quantised ({quant}) output of ubnext's fused norm", "without quant=")
     packet, direct = _FUSED_QUANT
-    return (packet if _is_compiling() else direct)(x, residual, weight, eps, quant, global_scale, swizzled, ue8m0,
-                                                   comm)
+    return (packet if _is_compiling() else direct)(x, residual, weight, eps, quant, global_scale, swizzled, ue8m0, comm)
 
 
 def all_gather(x: torch.Tensor, comm: str) -> torch.Tensor:
@@ -502,7 +549,7 @@ def reduce_scatter_out(x: torch.Tensor, out: torch.Tensor, factor: float, comm: 
     return out
 
 
-def quantize_fp8(x: torch.Tensor, hidden: int, scale: Optional[torch.Tensor], comm: str):
+def quantize_fp8(x: torch.Tensor, hidden: int, scale: torch.Tensor | None, comm: str):
     """(q, scale_inv) in e4m3; no gradient (a quantised output has none)."""
     if torch.is_grad_enabled() and _requires_grad(x):
         raise not_differentiable("comm.quantize_fp8's e4m3 output", "on x.detach()")
@@ -510,8 +557,7 @@ def quantize_fp8(x: torch.Tensor, hidden: int, scale: Optional[torch.Tensor], co
     return (packet if _is_compiling() else direct)(x, hidden, scale, comm)
 
 
-def quantize(x: torch.Tensor, fmt: str, global_scale: Optional[torch.Tensor], swizzled: bool, ue8m0: bool,
-             comm: str):
+def quantize(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, swizzled: bool, ue8m0: bool, comm: str):
     """(q, scales) in a block-scaled format; no gradient (a quantised output has none)."""
     if torch.is_grad_enabled() and _requires_grad(x):
         raise not_differentiable(f"comm.quantize's {fmt} output", "on x.detach()")

@@ -33,8 +33,9 @@ LD_REDUCE_PATHS = ("nvls_oneshot", "nvls_twoshot", "nvls_lamport")
 # the fused op's rows, and for a plain allreduce under the kernel flag UBNEXT_F_RANK_ORDER, which the
 # mode sets (ubnext/comm/_allreduce.py). The mode keeps them. nvls_oneshot has no such form.
 RANK_ORDER_NVLS = ("nvls_twoshot", "nvls_lamport")
-NOT_RANK_ORDER = ("multimem.ld_reduce sums in the switch's order, not in rank order, which the "
-                  "batch-invariant mode needs")
+NOT_RANK_ORDER = (
+    "multimem.ld_reduce sums in the switch's order, not in rank order, which the batch-invariant mode needs"
+)
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,15 @@ class Plan:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView,
-                 in_place_pool: bool = False, batch_invariant: bool = False) -> dict[str, str | None]:
+def capabilities(
+    nbytes: int,
+    elem_bytes: int,
+    fused: bool,
+    hidden: int,
+    pool: PoolView,
+    in_place_pool: bool = False,
+    batch_invariant: bool = False,
+) -> dict[str, str | None]:
     """For each path: None if it can run this call, else why not. ``in_place_pool``: the call
     reduces a pool tensor in place. That is an argument of the call, like its shape: every rank
     must pass the same kind of tensor (UBNEXT_DEBUG compares it). Ranks that differ get a clear
@@ -87,12 +95,19 @@ def capabilities(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: P
             why[path] = NOT_RANK_ORDER
         elif path.startswith("nvls") and not pool.has_multicast:
             why[path] = "the pool has no multicast address"
-        elif path in ("lamport", "nvls_lamport") and (needed := lamport_bytes_needed(
-                path, nbytes, fused, pool.world_size, batch_invariant)) > pool.lamport_capacity:
+        elif (
+            path in ("lamport", "nvls_lamport")
+            and (needed := lamport_bytes_needed(path, nbytes, fused, pool.world_size, batch_invariant))
+            > pool.lamport_capacity
+        ):
             what = f"{nbytes} bytes" if needed == nbytes else f"{nbytes} bytes ({needed} in its push form's slot)"
             why[path] = f"{what} exceed the Lamport slot ({pool.lamport_capacity} bytes{_sizing(pool)}"
-        elif path != "lamport" and nbytes > pool.staging_bytes and not (
-                in_place_pool and path in IN_PLACE_PATHS) and not pushes(path, fused, batch_invariant):
+        elif (
+            path != "lamport"
+            and nbytes > pool.staging_bytes
+            and not (in_place_pool and path in IN_PLACE_PATHS)
+            and not pushes(path, fused, batch_invariant)
+        ):
             # a pool tensor reduced in place by a two-shot kernel already sits where the kernel
             # reduces it; the push form reads only this rank's x, wherever it is; every other call
             # is staged
@@ -119,7 +134,8 @@ def lamport_bytes_needed(path: str, nbytes: int, fused: bool, world_size: int, b
     ``nvls_lamport`` (its push form, csrc/kernels/nvls.cu) holds each rank's portion twice, received
     and broadcast: 2 x 16 x ceil(vectors / N), a quarter of the message at 8 ranks."""
     if pushes(path, fused, batch_invariant):
-        return 2 * 16 * -(-(-(-nbytes // 16)) // world_size)
+        vectors = -(-nbytes // 16)  # 16-byte vectors, rounded up
+        return 2 * 16 * -(-vectors // world_size)
     return nbytes
 
 
@@ -133,13 +149,21 @@ def pushes(path: str, fused: bool, batch_invariant: bool) -> bool:
 def _sizing(pool: PoolView) -> str:
     """The end of a "does not fit" reason: what sized the pool, and how to get a larger one."""
     sized = f", from {pool.sized_by}" if pool.sized_by else ""
-    return (f"{sized}): the pool is sized when the communicator is first used; set UBNEXT_MAX_BATCH "
-            "(or UBNEXT_SYMM_POOL_SIZE) larger, or register the larger hidden size (comm.register_hidden, "
-            "which ubnext.nn.Linear does when built) before the first op")
+    return (
+        f"{sized}): the pool is sized when the communicator is first used; set UBNEXT_MAX_BATCH "
+        "(or UBNEXT_SYMM_POOL_SIZE) larger, or register the larger hidden size (comm.register_hidden, "
+        "which ubnext.nn.Linear does when built) before the first op"
+    )
 
 
-def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondeterministic: bool,
-               world_size: int = DEFAULT_WORLD, elem_bytes: int = 2) -> list[str]:
+def auto_order(
+    nbytes: int,
+    fused: bool,
+    has_multicast: bool,
+    allow_nondeterministic: bool,
+    world_size: int = DEFAULT_WORLD,
+    elem_bytes: int = 2,
+) -> list[str]:
     """Paths to try, best first, for a message of ``nbytes``: the order the critical-path model gives
     at this world size (the largest tabled world's above it), among ubnext's kernels and, by its
     published figures, torch.distributed (NCCL), which then ends the chain (ubnext/tuning/_crossovers.py).
@@ -149,9 +173,12 @@ def auto_order(nbytes: int, fused: bool, has_multicast: bool, allow_nondetermini
     that op refuses fp16 and 2-byte tensors of odd length and needs torch's own symmetric pool; it
     runs only when asked for (UBNEXT_ALGO=torch_symm, or a layer's symmetric_ar_type naming a torch
     op)."""
-    order = [p for p in model_order(nbytes, fused, has_multicast, world_size, elem_bytes)
-             if p != "nvls_oneshot" or (not fused and allow_nondeterministic)]
-    return order[:order.index("torch") + 1]
+    order = [
+        p
+        for p in model_order(nbytes, fused, has_multicast, world_size, elem_bytes)
+        if p != "nvls_oneshot" or (not fused and allow_nondeterministic)
+    ]
+    return order[: order.index("torch") + 1]
 
 
 def model_order(nbytes: int, fused: bool, has_multicast: bool, world_size: int, elem_bytes: int) -> tuple[str, ...]:
@@ -168,12 +195,24 @@ def refuse_in_batch_invariant_mode(forced: str) -> None:
     fallback: the caller asked for two things that contradict each other."""
     if forced in LD_REDUCE_PATHS + ("torch_symm",) and forced not in RANK_ORDER_NVLS:
         why = "torch's symmetric-memory op promises no summation order" if forced == "torch_symm" else NOT_RANK_ORDER
-        raise ValueError(f"algo {forced!r} cannot run in the batch-invariant mode: {why}; force lamport or "
-                         "twoshot, or leave the choice to auto")
+        raise ValueError(
+            f"algo {forced!r} cannot run in the batch-invariant mode: {why}; force lamport or "
+            "twoshot, or leave the choice to auto"
+        )
 
 
-def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolView, *, forced: str = "auto",
-           allow_nondeterministic: bool = False, in_place_pool: bool = False, batch_invariant: bool = False) -> Plan:
+def choose(
+    nbytes: int,
+    elem_bytes: int,
+    fused: bool,
+    hidden: int,
+    pool: PoolView,
+    *,
+    forced: str = "auto",
+    allow_nondeterministic: bool = False,
+    in_place_pool: bool = False,
+    batch_invariant: bool = False,
+) -> Plan:
     """The path for one call. ``forced`` is UBNEXT_ALGO (or the communicator's ``algo``): a
     forced path that cannot run falls back down the automatic order. ``batch_invariant``: only the
     paths that sum in rank order (never multimem.ld_reduce), and a forced one that does not is
@@ -181,13 +220,17 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
     if batch_invariant:
         refuse_in_batch_invariant_mode(forced)
     caps = capabilities(nbytes, elem_bytes, fused, hidden, pool, in_place_pool, batch_invariant)
-    order = auto_order(nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic,
-                       pool.world_size, elem_bytes)
+    order = auto_order(
+        nbytes, fused, pool.has_multicast and not pool.unavailable, allow_nondeterministic, pool.world_size, elem_bytes
+    )
     skipped: list[tuple[str, str]] = []
     if forced != "auto":
         if forced == "nvls":  # the two deterministic multicast kernels, in the model's order for this size
-            wanted = [p for p in model_order(nbytes, fused, True, pool.world_size, elem_bytes)
-                      if p in ("nvls_lamport", "nvls_twoshot")]
+            wanted = [
+                p
+                for p in model_order(nbytes, fused, True, pool.world_size, elem_bytes)
+                if p in ("nvls_lamport", "nvls_twoshot")
+            ]
         else:
             wanted = [forced]
         for path in wanted:
@@ -197,8 +240,10 @@ def choose(nbytes: int, elem_bytes: int, fused: bool, hidden: int, pool: PoolVie
         order = [p for p in order if p not in wanted]
     for path in order:
         if caps[path] is None:
-            reason = (f"auto: the fastest path that can run, by the cost model at {pool.world_size} ranks "
-                      "(ubnext/plan/_thresholds.py)")
+            reason = (
+                f"auto: the fastest path that can run, by the cost model at {pool.world_size} ranks "
+                "(ubnext/plan/_thresholds.py)"
+            )
             return Plan(path, reason, skipped)
         skipped.append((path, caps[path]))
     raise AssertionError("torch.distributed is always available")  # pragma: no cover
@@ -230,8 +275,10 @@ def exchange_path(op: str, nbytes: int, in_pool: bool, pool: PoolView) -> tuple[
     elif "twoshot" in disabled:  # the same peer loads, stores and barriers
         why = f"disabled by the self-test at preparation ({disabled['twoshot']})"
     elif not in_pool and nbytes > pool.staging_bytes:
-        why = (f"{nbytes} bytes exceed the pool's staging region ({pool.staging_bytes} bytes{_sizing(pool)}; "
-               "or pass a buffer from the pool (comm.empty, or ubnext.fsdp's allocate)")
+        why = (
+            f"{nbytes} bytes exceed the pool's staging region ({pool.staging_bytes} bytes{_sizing(pool)}; "
+            "or pass a buffer from the pool (comm.empty, or ubnext.fsdp's allocate)"
+        )
     else:
         return op, "fits"
     return "torch", why

@@ -20,17 +20,59 @@ rank) and are freed when the returned tensor is released.
 
 from __future__ import annotations
 
-from .allocator import NoRoom
 from ._backend import PoolSetupError, _Backend, _Slot, release_deferred
+from .allocator import NoRoom
 from .emulator import EmulatorBackend
-from .layout import (DESC_BYTES, DESC_FIELDS, DESC_STRUCT_BYTES, DESC_MAGIC, ERR_WORDS, LAMPORT_HEADER_BYTES, MAX_RANKS, PAGE, SENTINEL_WORD, SYNC_BYTES,
-                     SYNC_ABORT, SYNC_ABORT_CLAIM, SYNC_ABORT_RECORD, SYNC_DEPARTED,
-                     PoolLayout, pack_desc, plan_layout)
+from .layout import (
+    DESC_BYTES,
+    DESC_FIELDS,
+    DESC_MAGIC,
+    DESC_STRUCT_BYTES,
+    ERR_WORDS,
+    LAMPORT_HEADER_BYTES,
+    MAX_RANKS,
+    PAGE,
+    SENTINEL_WORD,
+    SYNC_ABORT,
+    SYNC_ABORT_CLAIM,
+    SYNC_ABORT_RECORD,
+    SYNC_BYTES,
+    SYNC_DEPARTED,
+    PoolLayout,
+    pack_desc,
+    plan_layout,
+)
 from .symmetric import SymmetricPool
 from .torch_symm import TORCH_SYMM_SEGMENT, TorchSymmBackend
 from .vmm import VmmBackend
 
 # the pool's names, where every caller (and the tests) import them from
-__all__ = ["PoolLayout", "SymmetricPool", "NoRoom", "PoolSetupError", "DESC_FIELDS", "DESC_BYTES", "DESC_STRUCT_BYTES", "DESC_MAGIC",
-           "ERR_WORDS", "LAMPORT_HEADER_BYTES", "MAX_RANKS", "PAGE", "SENTINEL_WORD", "SYNC_BYTES", "TORCH_SYMM_SEGMENT", "EmulatorBackend",
-           "TorchSymmBackend", "VmmBackend", "pack_desc", "plan_layout", "release_deferred", "_Backend", "_Slot"]
+__all__ = [
+    "PoolLayout",
+    "SymmetricPool",
+    "NoRoom",
+    "PoolSetupError",
+    "DESC_FIELDS",
+    "DESC_BYTES",
+    "DESC_STRUCT_BYTES",
+    "DESC_MAGIC",
+    "ERR_WORDS",
+    "LAMPORT_HEADER_BYTES",
+    "MAX_RANKS",
+    "PAGE",
+    "SENTINEL_WORD",
+    "SYNC_ABORT",
+    "SYNC_ABORT_CLAIM",
+    "SYNC_ABORT_RECORD",
+    "SYNC_BYTES",
+    "SYNC_DEPARTED",
+    "TORCH_SYMM_SEGMENT",
+    "EmulatorBackend",
+    "TorchSymmBackend",
+    "VmmBackend",
+    "pack_desc",
+    "plan_layout",
+    "release_deferred",
+    "_Backend",
+    "_Slot",
+]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -63,7 +63,7 @@ class _Backend:
         """This rank's whole pool as a uint8 tensor (same lifetime as the backend)."""
         raise NotImplementedError
 
-    def track(self, slot: "_Slot") -> None:
+    def track(self, slot: _Slot) -> None:
         with _VIEWS_LOCK:
             self._views += 1
         weakref.finalize(slot, self._view_gone)
@@ -129,8 +129,9 @@ class PoolSetupError(RuntimeError):
     """A step of a multi-rank pool set-up failed on some rank; raised on every rank alike."""
 
 
-def _agree(allgather: Callable[[object], list], error: str | None, step: str,
-           fails: type[PoolSetupError] = PoolSetupError) -> None:
+def _agree(
+    allgather: Callable[[object], list], error: str | None, step: str, fails: type[PoolSetupError] = PoolSetupError
+) -> None:
     """End one phase of a multi-rank set-up: every rank says whether its part of `step` worked,
     and if any rank's failed, every rank raises the same `fails` (a PoolSetupError) here. No rank
     then goes on to a collective step (an fd exchange, a multicast bind that waits for every
@@ -138,9 +139,17 @@ def _agree(allgather: Callable[[object], list], error: str | None, step: str,
     _raise_if_any(allgather(error), step, fails)
 
 
-def _share_fd(fd: int, error: str | None, rank: int, nranks: int, allgather: Callable[[object], list],
-              making: str, sharing: str, only_from: int | None = None,
-              making_fails: type[PoolSetupError] = PoolSetupError) -> list[int]:
+def _share_fd(
+    fd: int,
+    error: str | None,
+    rank: int,
+    nranks: int,
+    allgather: Callable[[object], list],
+    making: str,
+    sharing: str,
+    only_from: int | None = None,
+    making_fails: type[PoolSetupError] = PoolSetupError,
+) -> list[int]:
     """One fd-sharing phase of a set-up: agree that every rank made its fd (`error`: why this one
     did not; a failure raises `making_fails` on every rank), exchange the fds
     (_fdshare.exchange_fds), then agree that the exchange worked, since it can fail on one rank

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 from .. import envs
 
@@ -37,8 +37,9 @@ _MSG = struct.Struct("<i")
 FD_EXCHANGE_TIMEOUT_S = 300.0  # when UBNEXT_TIMEOUT is unset
 
 
-def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], list],
-                 only_from: int | None = None) -> list[int]:
+def exchange_fds(
+    fd: int, rank: int, nranks: int, allgather: Callable[[object], list], only_from: int | None = None
+) -> list[int]:
     """Every rank's ``fd``, as descriptors owned by the caller (the caller closes all of them;
     its own entry is a dup of ``fd``, which the caller still owns too).
 
@@ -86,10 +87,12 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
         for _ in expected:
             try:
                 conn, _addr = listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 missing = [r for r in expected if result[r] == -1]
-                raise TimeoutError(f"ubnext fd exchange: rank {rank} timed out after {timeout:g} s "
-                                   f"(UBNEXT_TIMEOUT) waiting for peer(s) {missing}") from None
+                raise TimeoutError(
+                    f"ubnext fd exchange: rank {rank} timed out after {timeout:g} s "
+                    f"(UBNEXT_TIMEOUT) waiting for peer(s) {missing}"
+                ) from None
             with conn:
                 conn.settimeout(timeout)
                 pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
@@ -99,11 +102,17 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
                     for f in fds:
                         os.close(f)
                     published = peers[sender][1] if sender in expected else None
-                    hint = "" if published in (None, pid) else (
-                        f": rank {sender} published pid {published}; the ranks may run in different PID "
-                        f"namespaces, and {_PID_WHY}. {_PID_FIX}")
-                    raise OSError(f"rank {rank}: unexpected fd message (sender {sender}, pid {pid}, "
-                                  f"{len(fds)} fds){hint}")
+                    hint = (
+                        ""
+                        if published in (None, pid)
+                        else (
+                            f": rank {sender} published pid {published}; the ranks may run in different PID "
+                            f"namespaces, and {_PID_WHY}. {_PID_FIX}"
+                        )
+                    )
+                    raise OSError(
+                        f"rank {rank}: unexpected fd message (sender {sender}, pid {pid}, {len(fds)} fds){hint}"
+                    )
                 result[sender] = fds[0]
     except BaseException:
         for f in result:
@@ -117,10 +126,14 @@ def exchange_fds(fd: int, rank: int, nranks: int, allgather: Callable[[object], 
 
 
 # what to change, when the ranks' namespaces differ (containers that share the GPUs and no more)
-_PID_FIX = ("Run the ranks in one PID namespace (docker --pid=host or --pid=container:<first rank's>, "
-            "one Kubernetes pod with shareProcessNamespace); until then ubnext uses torch.distributed")
-_NET_FIX = ("Run the ranks in one network namespace (docker --network=host or "
-            "--network=container:<first rank's>, one Kubernetes pod); until then ubnext uses torch.distributed")
+_PID_FIX = (
+    "Run the ranks in one PID namespace (docker --pid=host or --pid=container:<first rank's>, "
+    "one Kubernetes pod with shareProcessNamespace); until then ubnext uses torch.distributed"
+)
+_NET_FIX = (
+    "Run the ranks in one network namespace (docker --network=host or "
+    "--network=container:<first rank's>, one Kubernetes pod); until then ubnext uses torch.distributed"
+)
 _PID_WHY = "SO_PEERCRED reports a peer's pid as seen from the receiver's PID namespace"
 _NET_WHY = "an abstract Unix socket is reachable only from its own network namespace"
 
@@ -146,8 +159,9 @@ def _check_namespaces(namespaces: list[tuple[str | None, str | None]]) -> None:
                 seen.setdefault(ns[i], []).append(r)
         if len(seen) > 1:
             groups = "; ".join(f"rank(s) {ranks} in {name}" for name, ranks in seen.items())
-            raise OSError(f"ubnext fd exchange: the ranks run in different {kind} namespaces ({groups}), "
-                          f"and {why}. {fix}")
+            raise OSError(
+                f"ubnext fd exchange: the ranks run in different {kind} namespaces ({groups}), and {why}. {fix}"
+            )
 
 
 def _send(address: str, rank: int, peer: int, fd: int, timeout: float) -> None:
@@ -157,6 +171,8 @@ def _send(address: str, rank: int, peer: int, fd: int, timeout: float) -> None:
             s.connect(address)
         except (ConnectionRefusedError, FileNotFoundError) as exc:
             # the peer listens (it published its address), so it is out of reach, not gone
-            raise OSError(f"rank {rank} cannot reach rank {peer}'s socket ({exc}): the ranks may run in different "
-                          f"network namespaces, and {_NET_WHY}. {_NET_FIX}") from exc
+            raise OSError(
+                f"rank {rank} cannot reach rank {peer}'s socket ({exc}): the ranks may run in different "
+                f"network namespaces, and {_NET_WHY}. {_NET_FIX}"
+            ) from exc
         socket.send_fds(s, [_MSG.pack(rank)], [fd])

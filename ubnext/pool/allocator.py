@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 __all__ = ["Allocator", "RingAllocator", "NoRoom"]
 
@@ -201,7 +201,8 @@ class RingAllocator:
                 self.stats.failed += 1
                 raise NoRoom(
                     f"no room for {nbytes} bytes (align {align}) in the pool arena's ring "
-                    f"({self.stats.used} of {self.size} bytes held, largest free {self.largest_free()})")
+                    f"({self.stats.used} of {self.size} bytes held, largest free {self.largest_free()})"
+                )
             bisect.insort(self._starts, offset)
             self._live[offset] = offset + nbytes
             self._next = offset + nbytes

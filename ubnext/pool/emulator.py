@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -44,8 +44,15 @@ class EmulatorBackend(_Backend):
             os.ftruncate(fd, mapped)
         except OSError as exc:
             error = str(exc)
-        fds = _share_fd(fd, error, rank, nranks, allgather, "creating the pool's shared memory",
-                        "exchanging the pool's file descriptors")
+        fds = _share_fd(
+            fd,
+            error,
+            rank,
+            nranks,
+            allgather,
+            "creating the pool's shared memory",
+            "exchanging the pool's file descriptors",
+        )
         error = None
         try:
             for peer_fd in fds:
@@ -88,4 +95,3 @@ class EmulatorBackend(_Backend):
                 # a pool tensor is still referenced by the caller; the mapping goes with it
                 log.warning("ubnext pool closed while pool tensors are alive; unmapping deferred")
         self._maps = []
-

@@ -19,8 +19,19 @@ PAGE = 4096
 # sizeof(ubnext_comm_desc): what pack_desc returns, and what every kernel takes by value
 DESC_STRUCT_BYTES = 8 * (16 + MAX_RANKS)
 DESC_FIELDS = (
-    "magic", "rank", "nranks", "timeout_ns", "err_ptr", "mc_base", "sync_off", "lamport_off",
-    "lamport_slot_bytes", "data_off", "pool_bytes", "reserved[5]", f"peer_base[{MAX_RANKS}]",
+    "magic",
+    "rank",
+    "nranks",
+    "timeout_ns",
+    "err_ptr",
+    "mc_base",
+    "sync_off",
+    "lamport_off",
+    "lamport_slot_bytes",
+    "data_off",
+    "pool_bytes",
+    "reserved[5]",
+    f"peer_base[{MAX_RANKS}]",
 )
 LAMPORT_HEADER_BYTES = 16  # UBNEXT_LAMPORT_HEADER_BYTES: a Lamport slot holds the call header, then data
 SYNC_DEPARTED = 16  # UBNEXT_SYNC_DEPARTED: sync word [r] set once rank r has left (barrier.cuh)
@@ -98,8 +109,12 @@ def plan_layout(nranks: int, max_hidden: int, *, elem_bytes: int = 4) -> PoolLay
     if pool_mb is None:
         # data arena: the in-place buffer plus room for a GEMM output, residual and norm output,
         # in each of the eager and graph halves
-        return PoolLayout(nranks, slot_bytes, 8 * message,
-                          f"UBNEXT_MAX_BATCH={envs.get('UBNEXT_MAX_BATCH')} tokens x hidden {max_hidden} x {elem_bytes} bytes")
+        return PoolLayout(
+            nranks,
+            slot_bytes,
+            8 * message,
+            f"UBNEXT_MAX_BATCH={envs.get('UBNEXT_MAX_BATCH')} tokens x hidden {max_hidden} x {elem_bytes} bytes",
+        )
     total = pool_mb << 20
     reserved = DESC_BYTES + SYNC_BYTES
     minimum = reserved + 3 * nranks * PAGE + 2 * PAGE
@@ -115,15 +130,31 @@ def plan_layout(nranks: int, max_hidden: int, *, elem_bytes: int = 4) -> PoolLay
     return PoolLayout(nranks, slot, data, f"UBNEXT_SYMM_POOL_SIZE={pool_mb} MB")
 
 
-def pack_desc(*, rank: int, nranks: int, timeout_ns: int, err_ptr: int, mc_base: int,
-              layout: PoolLayout, peer_bases: list[int]) -> bytes:
+def pack_desc(
+    *, rank: int, nranks: int, timeout_ns: int, err_ptr: int, mc_base: int, layout: PoolLayout, peer_bases: list[int]
+) -> bytes:
     if len(peer_bases) != nranks:
         raise ValueError("one peer base per rank")
-    values = [
-        DESC_MAGIC, rank, nranks, timeout_ns, err_ptr, mc_base, layout.sync_off,
-        layout.lamport_off, layout.lamport_slot_bytes, layout.data_off, layout.pool_bytes,
-        0, 0, 0, 0, 0,
-    ] + list(peer_bases) + [0] * (MAX_RANKS - nranks)
+    values = (
+        [
+            DESC_MAGIC,
+            rank,
+            nranks,
+            timeout_ns,
+            err_ptr,
+            mc_base,
+            layout.sync_off,
+            layout.lamport_off,
+            layout.lamport_slot_bytes,
+            layout.data_off,
+            layout.pool_bytes,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ]
+        + list(peer_bases)
+        + [0] * (MAX_RANKS - nranks)
+    )
     return struct.pack(f"<{len(values)}Q", *values)
-
-

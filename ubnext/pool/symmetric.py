@@ -7,21 +7,30 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import math
 import threading
 import time
-import math
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from ..runtime import _cuda
 from .. import envs
-from .allocator import Allocator, NoRoom, RingAllocator
+from ..runtime import _cuda
 from ._backend import PoolSetupError, _agree, _Backend, _Slot, release_deferred
+from .allocator import Allocator, NoRoom, RingAllocator
 from .emulator import EmulatorBackend
-from .layout import (ERR_WORDS, SENTINEL_WORD, SYNC_ABORT, SYNC_ABORT_CLAIM, SYNC_ABORT_RECORD, SYNC_BYTES,
-                     SYNC_DEPARTED, PoolLayout, pack_desc)
+from .layout import (
+    ERR_WORDS,
+    SENTINEL_WORD,
+    SYNC_ABORT,
+    SYNC_ABORT_CLAIM,
+    SYNC_ABORT_RECORD,
+    SYNC_BYTES,
+    SYNC_DEPARTED,
+    PoolLayout,
+    pack_desc,
+)
 from .torch_symm import TorchSymmBackend
 from .vmm import VmmBackend
 
@@ -62,15 +71,23 @@ def collect_garbage(patience_s: float = 5.0) -> None:
 
 
 # Pools closed after a CUDA graph captured work on them: kept until the process exits.
-_KEPT_FOR_GRAPHS: list["SymmetricPool"] = []
-
+_KEPT_FOR_GRAPHS: list[SymmetricPool] = []
 
 
 class SymmetricPool:
     """One communicator's pool: backend memory, descriptor, Lamport buffers, data arenas."""
 
-    def __init__(self, *, layout: PoolLayout, rank: int, group, device: torch.device,
-                 allgather: Callable[[object], list], timeout_s: float, backend: str | None = None):
+    def __init__(
+        self,
+        *,
+        layout: PoolLayout,
+        rank: int,
+        group,
+        device: torch.device,
+        allgather: Callable[[object], list],
+        timeout_s: float,
+        backend: str | None = None,
+    ):
         release_deferred()
         self.layout = layout
         self.timeout_s = timeout_s  # the kernels' bound on every wait for a peer
@@ -84,8 +101,12 @@ class SymmetricPool:
         self.base = self.backend.peer_bases[rank]
         # multicast decides which kernels run: use it only if every rank has it
         self.mc_base = self.backend.mc_base if all(allgather(bool(self.backend.mc_base))) else 0
-        log.info("ubnext pool: backend %s, %d bytes, multicast %s", self.backend.name,
-                 layout.pool_bytes, "yes" if self.mc_base else "no")
+        log.info(
+            "ubnext pool: backend %s, %d bytes, multicast %s",
+            self.backend.name,
+            layout.pool_bytes,
+            "yes" if self.mc_base else "no",
+        )
         error = None
         try:
             # host-visible error word (ERR_WORDS): pinned memory is mapped into the GPU's
@@ -115,8 +136,9 @@ class SymmetricPool:
             "eager": RingAllocator(arena_off, half, min_align=16, collect=collect_garbage),
             "graph": Allocator(arena_off + half, rest - half, min_align=16),
         }
-        self._staging_bytes = _Slot(self.base + layout.data_off, layout.staging_bytes, self.device,
-                                    self.backend).tensor(self.device)
+        self._staging_bytes = _Slot(
+            self.base + layout.data_off, layout.staging_bytes, self.device, self.backend
+        ).tensor(self.device)
         self._staging_views: dict[tuple, torch.Tensor] = {}
         self.fallbacks = 0
         self.captured = False  # set when captured work used this pool (kernels, staging, graph arena)
@@ -143,23 +165,28 @@ class SymmetricPool:
                 return backend
             if backend is not None:
                 backend.close()
-            log.warning("ubnext pool: torch symmetric memory unavailable on some rank (%s); "
-                        "using ubnext's own VMM", error or "refused on a peer")
+            log.warning(
+                "ubnext pool: torch symmetric memory unavailable on some rank (%s); using ubnext's own VMM",
+                error or "refused on a peer",
+            )
         return VmmBackend(size, rank, layout.nranks, device, allgather)
 
     def _initialise(self) -> None:
         lay = self.layout
         desc = pack_desc(
-            rank=self.rank, nranks=lay.nranks,
+            rank=self.rank,
+            nranks=lay.nranks,
             timeout_ns=min(int(self.timeout_s * 1e9), 2**63),  # a "forever" group timeout still fits
-            err_ptr=self._err_ptr, mc_base=self.mc_base, layout=lay,
+            err_ptr=self._err_ptr,
+            mc_base=self.mc_base,
+            layout=lay,
             peer_bases=self.backend.peer_bases,
         )
         self.desc = desc  # every kernel takes it by value (csrc/device/entry.cuh); the pool's header holds it too
         local = self.backend.local_tensor()
         local[: len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
-        local[lay.sync_off: lay.sync_off + SYNC_BYTES].zero_()
-        local[lay.lamport_off: lay.lamport_off + lay.lamport_bytes].view(torch.int32).fill_(SENTINEL_WORD)
+        local[lay.sync_off : lay.sync_off + SYNC_BYTES].zero_()
+        local[lay.lamport_off : lay.lamport_off + lay.lamport_bytes].view(torch.int32).fill_(SENTINEL_WORD)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -176,13 +203,17 @@ class SymmetricPool:
 
     def contains(self, t: torch.Tensor) -> bool:
         start = t.data_ptr()
-        return (t.device == self.device and self.base + self.layout.data_off <= start
-                and start + t.numel() * t.element_size() <= self.base + self.layout.pool_bytes)
+        return (
+            t.device == self.device
+            and self.base + self.layout.data_off <= start
+            and start + t.numel() * t.element_size() <= self.base + self.layout.pool_bytes
+        )
 
     # -- allocation --------------------------------------------------------------------------
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, *, align: int = 256,
-              arena: str | None = None) -> torch.Tensor:
+    def empty(
+        self, shape: tuple[int, ...], dtype: torch.dtype, *, align: int = 256, arena: str | None = None
+    ) -> torch.Tensor:
         """A tensor in the data arena; raises NoRoom when it does not fit."""
         if self._closed:
             raise RuntimeError("ubnext pool is closed")
@@ -298,7 +329,7 @@ class SymmetricPool:
         if self._closed:
             return []
         start = self.layout.sync_off + 4 * SYNC_DEPARTED
-        words = self.backend.local_tensor()[start:start + 4 * self.layout.nranks].view(torch.int32).tolist()
+        words = self.backend.local_tensor()[start : start + 4 * self.layout.nranks].view(torch.int32).tolist()
         return [r for r, word in enumerate(words) if word and r != self.rank]
 
     def close(self) -> None:
@@ -311,8 +342,10 @@ class SymmetricPool:
         self._staging_bytes = None
         self._staging_views.clear()
         if self.captured:
-            log.warning("ubnext: a pool used in CUDA graph capture stays mapped until the process exits "
-                        "(a captured graph may still be replayed)")
+            log.warning(
+                "ubnext: a pool used in CUDA graph capture stays mapped until the process exits "
+                "(a captured graph may still be replayed)"
+            )
             _KEPT_FOR_GRAPHS.append(self)  # the error word too: a replay may still write it
             return
         self._graph_tensors.clear()

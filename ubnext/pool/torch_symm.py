@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -30,8 +30,10 @@ class TorchSymmBackend(_Backend):
         if backend not in (None, "CUDA"):
             # TORCH_SYMMMEM=NVSHMEM or NCCL: buffer_ptrs may be null and offsets follow other rules
             # than the CUDA backend's, which the checks below assume; ubnext's own VMM serves instead
-            raise RuntimeError(f"torch symmetric memory uses its {backend} backend; ubnext's pool needs its "
-                               "CUDA backend (TORCH_SYMMMEM=CUDA, torch's default)")
+            raise RuntimeError(
+                f"torch symmetric memory uses its {backend} backend; ubnext's pool needs its "
+                "CUDA backend (TORCH_SYMMMEM=CUDA, torch's default)"
+            )
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None and not hasattr(enable, "__deprecated__"):
             # torch < 2.8 needs it. Newer torch deprecates it ("There is no need to call this function
@@ -60,8 +62,10 @@ class TorchSymmBackend(_Backend):
         offset = self._tensor.data_ptr() - bases[group.rank()]
         if offset != 0:
             self._tensor = self._handle = None
-            raise RuntimeError(f"torch symmetric memory placed the pool {offset} bytes into its block, where "
-                               "torch versions disagree on the multicast address")
+            raise RuntimeError(
+                f"torch symmetric memory placed the pool {offset} bytes into its block, where "
+                "torch versions disagree on the multicast address"
+            )
         self.peer_bases = bases
         self.mc_base = int(getattr(self._handle, "multicast_ptr", 0) or 0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -25,8 +25,7 @@ class VmmBackend(_Backend):
 
     name = "vmm"
 
-    def __init__(self, size: int, rank: int, nranks: int, device: torch.device,
-                 allgather: Callable[[object], list]):
+    def __init__(self, size: int, rank: int, nranks: int, device: torch.device, allgather: Callable[[object], list]):
         from ..runtime._cuda import check, driver
 
         self.device = device
@@ -71,8 +70,10 @@ class VmmBackend(_Backend):
         infos = [i for i, _ in agreed]
         shared_gpu = len({i[3] for i in infos}) < len(infos)
         if shared_gpu:
-            log.warning("ubnext vmm pool: several ranks share a GPU; multicast needs one GPU per rank, "
-                        "so only the unicast paths run")
+            log.warning(
+                "ubnext vmm pool: several ranks share a GPU; multicast needs one GPU per rank, "
+                "so only the unicast paths run"
+            )
         self._mc_everywhere = not shared_gpu and all(i[1] for i in infos)
         self._mc_gran = _lcm(*(i[2] for i in infos if i[2])) if self._mc_everywhere else 0
         gran = _lcm(*(i[0] for i in infos), self._mc_gran or 1)
@@ -83,20 +84,35 @@ class VmmBackend(_Backend):
         try:
             own = check(drv.cuMemCreate(size, self._alloc_prop(device), 0), "cuMemCreate")
             self._handles.append(own)
-            fd = int(check(drv.cuMemExportToShareableHandle(
-                own, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "cuMemExportToShareableHandle"))
+            fd = int(
+                check(
+                    drv.cuMemExportToShareableHandle(
+                        own, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+                    ),
+                    "cuMemExportToShareableHandle",
+                )
+            )
         except CudaError as exc:
             error = str(exc)
-        fds = _share_fd(fd, error, rank, nranks, allgather, "allocating the pool",
-                        "exchanging the pool's file descriptors")
+        fds = _share_fd(
+            fd, error, rank, nranks, allgather, "allocating the pool", "exchanging the pool's file descriptors"
+        )
 
         # -- phase 3: every rank's memory mapped here
         error = None
         self.peer_bases = []
         try:
             for peer, peer_fd in enumerate(fds):
-                handle = self._handles[0] if peer == rank else check(drv.cuMemImportFromShareableHandle(
-                    peer_fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+                handle = (
+                    self._handles[0]
+                    if peer == rank
+                    else check(
+                        drv.cuMemImportFromShareableHandle(
+                            peer_fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                        ),
+                        "cuMemImportFromShareableHandle",
+                    )
+                )
                 if peer != rank:
                     self._handles.append(handle)
                 self.peer_bases.append(self._map(handle, 0))
@@ -115,21 +131,36 @@ class VmmBackend(_Backend):
 
         drv, check = self._drv, self._check
         self._dev = dev = check(drv.cuDeviceGet(device.index), "cuDeviceGet")
-        gran = int(check(drv.cuMemGetAllocationGranularity(
-            self._alloc_prop(device), drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-            "cuMemGetAllocationGranularity"))
+        gran = int(
+            check(
+                drv.cuMemGetAllocationGranularity(
+                    self._alloc_prop(device), drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+        )
         # A multicast object's size and every bind's size/offsets must be multiples of
         # cuMulticastGetGranularity(CU_MULTICAST_GRANULARITY_MINIMUM) (cuMulticastCreate and
         # cuMulticastBindMem docs), so the allocation is sized for it before cuMemCreate. Every
         # rank must map the same size: the granularities are agreed across ranks.
-        mc_supported = bool(check(drv.cuDeviceGetAttribute(
-            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev), "cuDeviceGetAttribute(MULTICAST_SUPPORTED)"))
+        mc_supported = bool(
+            check(
+                drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev),
+                "cuDeviceGetAttribute(MULTICAST_SUPPORTED)",
+            )
+        )
         mc_gran = 0
         if mc_supported:
             try:
-                mc_gran = int(check(drv.cuMulticastGetGranularity(
-                    self._mc_prop(nranks, _align(size, gran)),
-                    drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM), "cuMulticastGetGranularity"))
+                mc_gran = int(
+                    check(
+                        drv.cuMulticastGetGranularity(
+                            self._mc_prop(nranks, _align(size, gran)),
+                            drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM,
+                        ),
+                        "cuMulticastGetGranularity",
+                    )
+                )
             except CudaError as exc:  # agreed like the rest: no multicast anywhere
                 log.info("ubnext vmm pool: %s; unicast paths only", exc)
                 mc_supported = False
@@ -184,18 +215,37 @@ class VmmBackend(_Backend):
         if rank == 0:
             try:
                 self._mc = check(drv.cuMulticastCreate(self._mc_prop(nranks, self.size)), "cuMulticastCreate")
-                fd = int(check(drv.cuMemExportToShareableHandle(
-                    self._mc, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "cuMemExportToShareableHandle (multicast)"))
+                fd = int(
+                    check(
+                        drv.cuMemExportToShareableHandle(
+                            self._mc, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+                        ),
+                        "cuMemExportToShareableHandle (multicast)",
+                    )
+                )
             except CudaError as exc:
                 error = str(exc)
-        fds = _share_fd(fd, error, rank, nranks, allgather, "creating the multicast object",
-                        "sharing the multicast object", only_from=0, making_fails=_MulticastFailed)
+        fds = _share_fd(
+            fd,
+            error,
+            rank,
+            nranks,
+            allgather,
+            "creating the multicast object",
+            "sharing the multicast object",
+            only_from=0,
+            making_fails=_MulticastFailed,
+        )
         # -- phase 5: every device added (cuMulticastBindMem waits for all of them)
         error = None
         try:
             if rank != 0:
-                self._mc = check(drv.cuMemImportFromShareableHandle(
-                    fds[0], drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle (multicast)")
+                self._mc = check(
+                    drv.cuMemImportFromShareableHandle(
+                        fds[0], drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                    ),
+                    "cuMemImportFromShareableHandle (multicast)",
+                )
             check(drv.cuMulticastAddDevice(self._mc, self._dev), "cuMulticastAddDevice")
         except CudaError as exc:
             error = str(exc)
@@ -288,7 +338,9 @@ def _log_failure(result, what: str) -> None:
     try:
         check(result, what)
     except CudaError as exc:
-        log.warning("ubnext vmm pool: %s; that part of the pool's memory may stay allocated until the process exits", exc)
+        log.warning(
+            "ubnext vmm pool: %s; that part of the pool's memory may stay allocated until the process exits", exc
+        )
 
 
 class _MulticastFailed(PoolSetupError):

@@ -34,7 +34,11 @@ from ._checks import FP8, FP8_MAX, check_fused_args, check_tensor, fp8_scale_inv
 BLOCKS = {"nvfp4": 16, "mxfp8": 32, "fp8_group128": 128}
 E8M0 = torch.float8_e8m0fnu
 # the kernels' format field (csrc/device/desc.cuh UBNEXT_F_BLOCK_*): the fused kernels read it
-FORMAT_FLAGS = {"nvfp4": kernels.F_BLOCK_NVFP4, "mxfp8": kernels.F_BLOCK_MXFP8, "fp8_group128": kernels.F_BLOCK_GROUP128}
+FORMAT_FLAGS = {
+    "nvfp4": kernels.F_BLOCK_NVFP4,
+    "mxfp8": kernels.F_BLOCK_MXFP8,
+    "fp8_group128": kernels.F_BLOCK_GROUP128,
+}
 
 _E2M1_MAX = 6.0
 _E4M3_SCALE_FLOOR = 2.0**-6
@@ -57,10 +61,16 @@ def check_quantize_block_args(x: torch.Tensor, fmt: str, global_scale, swizzled:
     if global_scale is not None:
         if fmt != "nvfp4":
             raise ValueError(f"global_scale is NVFP4's per-tensor scale; fmt={fmt!r} takes none")
-        if (not isinstance(global_scale, torch.Tensor) or global_scale.numel() != 1
-                or global_scale.dtype != torch.float32 or global_scale.device != x.device):
-            raise ValueError("global_scale must be a one-element float32 tensor on x's device "
-                             "(torchao's per_tensor_amax_to_scale: amax / (448 * 6))")
+        if (
+            not isinstance(global_scale, torch.Tensor)
+            or global_scale.numel() != 1
+            or global_scale.dtype != torch.float32
+            or global_scale.device != x.device
+        ):
+            raise ValueError(
+                "global_scale must be a one-element float32 tensor on x's device "
+                "(torchao's per_tensor_amax_to_scale: amax / (448 * 6))"
+            )
     if swizzled and fmt == "fp8_group128":
         raise ValueError("swizzled scales (to_blocked's layout) are for nvfp4 and mxfp8, not fp8_group128")
     if ue8m0 and fmt != "fp8_group128":
@@ -77,8 +87,11 @@ def check_fused_quant_args(x, residual, weight, eps, fmt: str, global_scale, swi
 def block_flags(fmt: str | None, swizzled: bool, ue8m0: bool) -> int:
     """The kernel flags of a block-scaled output: the format field (None: the standalone kernels,
     whose name says the format), the layout and the scales' rounding."""
-    return ((FORMAT_FLAGS[fmt] if fmt else 0) | (kernels.F_BLOCK_SWIZZLED if swizzled else 0)
-            | (kernels.F_BLOCK_UE8M0 if ue8m0 else 0))
+    return (
+        (FORMAT_FLAGS[fmt] if fmt else 0)
+        | (kernels.F_BLOCK_SWIZZLED if swizzled else 0)
+        | (kernels.F_BLOCK_UE8M0 if ue8m0 else 0)
+    )
 
 
 def swizzled_count(rows: int, cols: int) -> int:
@@ -127,7 +140,7 @@ def _e2m1(v: torch.Tensor) -> torch.Tensor:
     sign = (bits >> 28) & 0x8
     abits = bits & 0x7FFFFFFF
     a = abits.view(torch.float32)
-    sub = ((a + 4194304.0).view(torch.int32) - (149 << 23))
+    sub = (a + 4194304.0).view(torch.int32) - (149 << 23)
     normal = (abits - (126 << 23) + ((1 << 21) - 1) + ((abits >> 22) & 1)) >> 22
     code = torch.where(a >= _E2M1_MAX, 7, torch.where(a < 1.0, sub, normal)) & 0x7
     return (sign | code).to(torch.uint8)
@@ -151,8 +164,9 @@ def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(s) | ((bits & 0x7FFFFF) == 0), s, up.view(torch.float32))
 
 
-def quantize_reference(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None, swizzled: bool = False,
-                       ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_reference(
+    x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None, swizzled: bool = False, ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scales)`` of ``comm.quantize`` in torch (the module docstring's arithmetic)."""
     check_quantize_block_args(x, fmt, global_scale, swizzled, ue8m0)
     (q_shape, _), (s_shape, _) = output_specs(x, fmt, swizzled)
@@ -176,8 +190,11 @@ def quantize_reference(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | N
         scales = code.view(FP8)
     elif fmt == "mxfp8":
         code = _ue8m0_ceil(_div(amax, FP8_MAX))
-        mul = torch.where(code == 0xFE, 2.0**-127, torch.where(
-            code == 0, 1.0, ((254 - code.clamp(max=253)) << 23).view(torch.float32)))
+        mul = torch.where(
+            code == 0xFE,
+            2.0**-127,
+            torch.where(code == 0, 1.0, ((254 - code.clamp(max=253)) << 23).view(torch.float32)),
+        )
         nan = code == 0xFF
         data = (xb * mul.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
         data = torch.where(nan.unsqueeze(-1), _E4M3_NAN_CODE, data)

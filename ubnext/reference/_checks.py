@@ -40,8 +40,10 @@ def check_same_device(names: str, *tensors) -> None:
     x = tensors[0]
     for name, t in zip(names.split()[1:], tensors[1:]):
         if isinstance(t, torch.Tensor) and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}: every tensor of a ubnext call "
-                             "must be on the communicator's device")
+            raise ValueError(
+                f"{name} is on {t.device} but x is on {x.device}: every tensor of a ubnext call "
+                "must be on the communicator's device"
+            )
 
 
 def check_all_reduce_args(x: torch.Tensor, out: torch.Tensor | None = None) -> None:
@@ -51,8 +53,7 @@ def check_all_reduce_args(x: torch.Tensor, out: torch.Tensor | None = None) -> N
     if out is not None:
         check_tensor("out", out)
         if out.shape != x.shape or out.dtype != x.dtype:
-            raise ValueError(f"out must match x ({tuple(x.shape)}, {x.dtype}), got "
-                             f"({tuple(out.shape)}, {out.dtype})")
+            raise ValueError(f"out must match x ({tuple(x.shape)}, {x.dtype}), got ({tuple(out.shape)}, {out.dtype})")
 
 
 def check_linear_args(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -61,8 +62,10 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_tensor("x", x)
     check_tensor("weight", weight)
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be [out_features, {x.shape[-1] if x.dim() else '?'}] of x's dtype {x.dtype}, "
-                         f"got {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(
+            f"weight must be [out_features, {x.shape[-1] if x.dim() else '?'}] of x's dtype {x.dtype}, "
+            f"got {tuple(weight.shape)} {weight.dtype}"
+        )
 
 
 def check_fused_args(x, residual, weight, eps, fp8: bool, scale) -> None:
@@ -73,8 +76,9 @@ def check_fused_args(x, residual, weight, eps, fp8: bool, scale) -> None:
         raise ValueError(f"x must have a non-empty last (hidden) dimension, got {tuple(x.shape)}")
     hidden = x.shape[-1]
     if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual must match x ({tuple(x.shape)}, {x.dtype}), got "
-                         f"({tuple(residual.shape)}, {residual.dtype})")
+        raise ValueError(
+            f"residual must match x ({tuple(x.shape)}, {x.dtype}), got ({tuple(residual.shape)}, {residual.dtype})"
+        )
     if weight.shape != (hidden,):
         raise ValueError(f"weight must have shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
@@ -102,25 +106,29 @@ def check_all_gather_args(x: torch.Tensor, out: torch.Tensor | None, world_size:
         if not isinstance(out, torch.Tensor) or not out.is_contiguous():
             raise ValueError("out must be a contiguous tensor")
         if out.dtype != x.dtype or out.numel() != world_size * x.numel():
-            raise ValueError(f"out must hold world_size x x's elements ({want}, {x.dtype}), got "
-                             f"({tuple(out.shape)}, {out.dtype})")
+            raise ValueError(
+                f"out must hold world_size x x's elements ({want}, {x.dtype}), got ({tuple(out.shape)}, {out.dtype})"
+            )
 
 
 def check_reduce_scatter_args(x: torch.Tensor, out: torch.Tensor | None, world_size: int) -> None:
     """Argument checks of the reduce-scatter operators (real and fake implementations)."""
     check_tensor("x", x)
     if x.dim() == 0 or x.shape[0] % world_size:
-        raise ValueError(f"x's first dimension must be a multiple of the world size {world_size}, got "
-                         f"shape {tuple(x.shape)}")
+        raise ValueError(
+            f"x's first dimension must be a multiple of the world size {world_size}, got shape {tuple(x.shape)}"
+        )
     if out is not None:
         check_tensor("out", out)
         if out.dtype != x.dtype or out.numel() * world_size != x.numel():
-            raise ValueError(f"out must hold 1/{world_size} of x's elements in {x.dtype}, got "
-                             f"({tuple(out.shape)}, {out.dtype})")
+            raise ValueError(
+                f"out must hold 1/{world_size} of x's elements in {x.dtype}, got ({tuple(out.shape)}, {out.dtype})"
+            )
 
 
-def check_out_overlap(op: str, x: torch.Tensor, out: torch.Tensor, x_slot: int | None = 0, *,
-                      by_storage: bool = False) -> None:
+def check_out_overlap(
+    op: str, x: torch.Tensor, out: torch.Tensor, x_slot: int | None = 0, *, by_storage: bool = False
+) -> None:
     """Refuses an ``out`` that shares memory with ``x`` anywhere but where ``op`` lets x lie in it:
     as out's slice number ``x_slot`` of x's size (0: all_reduce's in-place form, out being x; the rank:
     all_gather's in-place form, x as this rank's slice of out, which FSDP2 passes), or nowhere (None:
@@ -142,8 +150,11 @@ def check_out_overlap(op: str, x: torch.Tensor, out: torch.Tensor, x_slot: int |
             x_start, out_start = x.storage_offset() * x.element_size(), out.storage_offset() * out.element_size()
         else:
             x_start, out_start = x.data_ptr(), out.data_ptr()
-        if not (x_start < out_start + out.nbytes and out_start < x_start + x.nbytes
-                and (x_slot is None or x_start - out_start != x_slot * x.nbytes)):
+        if not (
+            x_start < out_start + out.nbytes
+            and out_start < x_start + x.nbytes
+            and (x_slot is None or x_start - out_start != x_slot * x.nbytes)
+        ):
             return
     except AttributeError:
         return
@@ -161,11 +172,15 @@ def check_out_overlap(op: str, x: torch.Tensor, out: torch.Tensor, x_slot: int |
     elif x_at == 0 and x.nbytes == out.nbytes:
         rule = "out must be x itself (the in-place form) or memory disjoint from x"
     else:
-        rule = (f"x may lie in out only as bytes [{x_at}, {x_at + x.nbytes}) of out (the in-place form), "
-                "else out must be memory disjoint from x")
-    raise ValueError(f"{op}: out {'partly ' if x_at is not None else ''}overlaps x: x is bytes "
-                     f"[{x_from}, {x_from + x.nbytes}) and out bytes [{out_from}, {out_from + out.nbytes}) {where}; "
-                     f"{rule}")
+        rule = (
+            f"x may lie in out only as bytes [{x_at}, {x_at + x.nbytes}) of out (the in-place form), "
+            "else out must be memory disjoint from x"
+        )
+    raise ValueError(
+        f"{op}: out {'partly ' if x_at is not None else ''}overlaps x: x is bytes "
+        f"[{x_from}, {x_from + x.nbytes}) and out bytes [{out_from}, {out_from + out.nbytes}) {where}; "
+        f"{rule}"
+    )
 
 
 def _premul_factor(op) -> object:
@@ -193,8 +208,9 @@ def reduce_factor(op, world_size: int) -> float:
             return 1.0 / world_size
         if kind == dist.ReduceOp.PREMUL_SUM and isinstance(factor, (int, float)):
             return float(factor)
-    raise ValueError(f"reduce-scatter op must be 'sum', 'avg', a number, or ReduceOp SUM / AVG / PREMUL_SUM(x), "
-                     f"got {op!r}")
+    raise ValueError(
+        f"reduce-scatter op must be 'sum', 'avg', a number, or ReduceOp SUM / AVG / PREMUL_SUM(x), got {op!r}"
+    )
 
 
 def check_quantize_args(x: torch.Tensor, hidden: int, scale) -> None:
@@ -202,8 +218,12 @@ def check_quantize_args(x: torch.Tensor, hidden: int, scale) -> None:
     check_tensor("x", x)
     if hidden <= 0 or x.numel() % hidden:  # zero rows are fine: every op takes zero tokens (issue 40 C7)
         raise ValueError(f"hidden ({hidden}) must divide x's {x.numel()} elements")
-    if scale is not None and (not isinstance(scale, torch.Tensor) or scale.numel() != 1
-                              or scale.dtype != torch.float32 or scale.device != x.device):
+    if scale is not None and (
+        not isinstance(scale, torch.Tensor)
+        or scale.numel() != 1
+        or scale.dtype != torch.float32
+        or scale.device != x.device
+    ):
         raise ValueError("scale must be a one-element float32 tensor on x's device (the dequantisation scale)")
 
 
@@ -236,7 +256,6 @@ def fp8_output(x: torch.Tensor, out_dtype: torch.dtype | None, scale) -> bool:
     if scale is not None and out_dtype != FP8:
         raise ValueError("scale is only meaningful with out_dtype=torch.float8_e4m3fn")
     return out_dtype == FP8
-
 
 
 def rmsnorm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -277,8 +296,14 @@ def row_sum_of_squares(r: torch.Tensor, vec: int) -> torch.Tensor:
     return ssq.view(*lead, 1)
 
 
-def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                          eps: float, out_dtype: torch.dtype, scale: torch.Tensor | None):
+def reference_add_rmsnorm(
+    reduced: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+):
     """add + RMSNorm (+FP8) in torch with the kernels' arithmetic (csrc/device/norm.cuh), for the
     paths no kernel runs: ``reduced`` is the sum s (fp32, or exact in the input dtype), residual_out =
     T(s + residual) rounded once to the input dtype T; the sum of squares of that rounded value in
@@ -301,4 +326,3 @@ def reference_add_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, weight:
     # FP8 quantises y rounded to the input dtype; amax comes from those same rounded values
     q, scale_inv = quantize_fp8_reference(y, y.shape[-1], scale)
     return q, residual_out, (scale_inv if scale is not None else scale_inv.reshape(y.shape[:-1]))
-

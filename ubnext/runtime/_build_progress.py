@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from .. import envs
-
 
 
 def level_for(asked: str) -> int:

@@ -14,7 +14,8 @@ import contextlib
 import functools
 import struct
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ class CudaError(RuntimeError):
     """A CUDA driver/NVRTC call failed."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def core():
     """The cuda.core namespace, whichever layout is installed (top level since 0.4,
     ``cuda.core.experimental`` before)."""
@@ -138,10 +139,12 @@ def driver_problem(driver_cuda: int, nvrtc_major: int) -> str | None:
     if driver_cuda // 1000 >= nvrtc_major:
         return None
     branch = DRIVER_BRANCH_FOR_CUDA_MAJOR.get(nvrtc_major, f"a CUDA {nvrtc_major} driver")
-    return (f"the NVIDIA driver supports CUDA {format_cuda_version(driver_cuda)}, but ubnext's kernels "
-            f"are compiled by NVRTC {nvrtc_major}, whose cubins need a driver for CUDA {nvrtc_major}.0 "
-            f"({branch} or newer). Fix: upgrade the driver to {branch} or newer. Until then ubnext "
-            "uses torch.distributed (NCCL)")
+    return (
+        f"the NVIDIA driver supports CUDA {format_cuda_version(driver_cuda)}, but ubnext's kernels "
+        f"are compiled by NVRTC {nvrtc_major}, whose cubins need a driver for CUDA {nvrtc_major}.0 "
+        f"({branch} or newer). Fix: upgrade the driver to {branch} or newer. Until then ubnext "
+        "uses torch.distributed (NCCL)"
+    )
 
 
 def driver_verdict(nvrtc_version: Callable[[], str]) -> str:
@@ -237,8 +240,12 @@ class KernelParams:
         self._pointers_at = len(desc)
         scalars_at = self._pointers_at + 7 * 8
         self._template = bytes(desc) + bytes(7 * 8) + b"".join(v.tobytes() for v in packed_scalars)
-        self._offsets = np.array([0] + [self._pointers_at + 8 * i for i in range(7)] +
-                                 [scalars_at + 4 * i for i in range(len(packed_scalars))], dtype=np.uint64)
+        self._offsets = np.array(
+            [0]
+            + [self._pointers_at + 8 * i for i in range(7)]
+            + [scalars_at + 4 * i for i in range(len(packed_scalars))],
+            dtype=np.uint64,
+        )
         self._local = threading.local()
 
     def address(self, pointers: Sequence[int]) -> int:
@@ -260,7 +267,7 @@ def pdl_enabled(device_index: int) -> bool:
     return envs.get("UBNEXT_PDL") and _compute_major(device_index) >= 9
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compute_major(device_index: int) -> int:
     return core().Device(device_index).compute_capability[0]
 
@@ -280,7 +287,7 @@ def kernel_address(kernel) -> int:
     return int(handle if handle is not None else kernel._handle)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _primary_context(device_index: int):
     """The device's primary context (torch's), retained once for the process's lifetime, and its
     address."""

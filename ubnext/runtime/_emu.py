@@ -38,10 +38,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 from .. import envs
 from ._build_progress import announce
@@ -81,8 +82,17 @@ BREAKS = {
 # what a test-only build adds to the flags: an object's key leaves it out (_object_key)
 _BUILD_FLAGS = frozenset(f"-D{macro}" for macro in BREAKS.values() if macro)
 # -g1: line tables for backtraces, at a quarter less compile time than -g (the suite builds ~120 objects)
-CXXFLAGS = ("-std=c++20", "-O2", "-g1", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
-            "-Wno-unused-function", "-DUBNEXT_EMULATOR")
+CXXFLAGS = (
+    "-std=c++20",
+    "-O2",
+    "-g1",
+    "-fPIC",
+    "-pthread",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-Wno-unused-function",
+    "-DUBNEXT_EMULATOR",
+)
 MAX_RANKS = 16
 MAX_GRID = 256  # UBNEXT_EMU_MAX_GRID: count mode launches the GPU's grids (up to 128 blocks, and some room)
 TRAFFIC_WORDS = 4 * MAX_RANKS + 7
@@ -99,8 +109,12 @@ class EmulatorError(RuntimeError):
 def _sources() -> list[Path]:
     """Translation units of the library: the runtime, its self-test kernels, every kernel, and the
     one-GPU check's probes (csrc/probes: test-only kernels, run here to check what they compute)."""
-    return (sorted((CSRC / "emu").glob("*.cpp")) + sorted((CSRC / "emu").glob("*.cu"))
-            + sorted((CSRC / "kernels").glob("*.cu")) + sorted((CSRC / "probes").glob("*.cu")))
+    return (
+        sorted((CSRC / "emu").glob("*.cpp"))
+        + sorted((CSRC / "emu").glob("*.cu"))
+        + sorted((CSRC / "kernels").glob("*.cu"))
+        + sorted((CSRC / "probes").glob("*.cu"))
+    )
 
 
 def _include_dirs() -> list[Path]:
@@ -118,7 +132,7 @@ def _compiler() -> str:
     return cxx
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
 
@@ -158,8 +172,7 @@ def _object_key(cxx: str, flags: Sequence[str], src: Path, lang: Sequence[str]) 
     return h.hexdigest()[:20]
 
 
-def _compile(cxx: str, flags: Sequence[str], sources: Iterable[Path], workdir: Path, out: Path,
-             objects: Path) -> None:
+def _compile(cxx: str, flags: Sequence[str], sources: Iterable[Path], workdir: Path, out: Path, objects: Path) -> None:
     """Link ``out`` from the objects of ``sources``, each compiled into ``objects`` unless an
     object with its key is there already."""
     sources = list(sources)
@@ -171,8 +184,7 @@ def _compile(cxx: str, flags: Sequence[str], sources: Iterable[Path], workdir: P
         if obj.exists():
             return obj
         tmp = workdir / obj.name
-        proc = subprocess.run([cxx, *flags, *lang, "-c", str(src), "-o", str(tmp)],
-                              capture_output=True, text=True)
+        proc = subprocess.run([cxx, *flags, *lang, "-c", str(src), "-o", str(tmp)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise EmulatorError(f"g++ failed on {src.relative_to(CSRC.parent)}:\n{proc.stderr[-8000:]}")
         os.replace(tmp, obj)  # atomic: a build beside this one finds the whole object or none
@@ -180,8 +192,9 @@ def _compile(cxx: str, flags: Sequence[str], sources: Iterable[Path], workdir: P
 
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         objs = list(pool.map(one, sources))
-    proc = subprocess.run([cxx, "-shared", "-pthread", *map(str, objs), "-ldl", "-o", str(out)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [cxx, "-shared", "-pthread", *map(str, objs), "-ldl", "-o", str(out)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise EmulatorError(f"linking the emulator failed:\n{proc.stderr[-8000:]}")
 
@@ -207,8 +220,7 @@ def build(break_name: str = "", *, force: bool = False) -> Path:
     with exclusive(cache / f".lock-{key}", f"build the emulator library {lib.name}"):
         if lib.exists() and not force:
             return lib
-        with announce("the CPU emulator library", lib), \
-                tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:
+        with announce("the CPU emulator library", lib), tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:
             out = Path(tmp) / lib.name
             _compile(cxx, flags, _sources(), Path(tmp), out, objects=Path(tmp) / "obj" if force else cache / "obj")
             os.replace(out, lib)
@@ -282,8 +294,15 @@ class Emulator:
         self.path = Path(path)
         lib = ctypes.CDLL(str(path))
         u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
-        lib.ubnext_emu_launch.argtypes = [ctypes.c_char_p, i32, i32, ctypes.POINTER(ctypes.c_void_p), i32,
-                                          ctypes.c_char_p, i32]
+        lib.ubnext_emu_launch.argtypes = [
+            ctypes.c_char_p,
+            i32,
+            i32,
+            ctypes.POINTER(ctypes.c_void_p),
+            i32,
+            ctypes.c_char_p,
+            i32,
+        ]
         lib.ubnext_emu_launch.restype = i32
         lib.ubnext_emu_register.argtypes = [i32, i32, ctypes.POINTER(u64), u64, u64]
         lib.ubnext_emu_register.restype = i64
@@ -314,8 +333,16 @@ class Emulator:
         self._counting = False
         self._recorded: list[LaunchCount] | None = None
 
-    def launch(self, kernel: str, grid: int, block: int, args: Sequence[tuple[str, object]],
-               *, timeout_s: float | None = None, pdl: bool = False) -> None:
+    def launch(
+        self,
+        kernel: str,
+        grid: int,
+        block: int,
+        args: Sequence[tuple[str, object]],
+        *,
+        timeout_s: float | None = None,
+        pdl: bool = False,
+    ) -> None:
         """Run ``kernel`` (extern "C" in the library) on ``grid`` x ``block`` emulated threads,
         synchronously. ``args`` is the kernel's parameter list as (type, value) pairs, type in
         "ptr" (int address or 0/None), "i32", "f32". Raises EmulatorError on failure. A launch
@@ -337,20 +364,31 @@ class Emulator:
         watchdog = self._watchdog_s or 3.0 * (timeout_s or envs.get("UBNEXT_TIMEOUT") or 1800.0)
         self._lib.ubnext_emu_set_watchdog_ns(int(watchdog * 1e9))
         err = ctypes.create_string_buffer(_ERRLEN)
-        rc = self._lib.ubnext_emu_launch(kernel.encode(), int(grid), int(block), ptrs, LAUNCH_PDL if pdl else 0,
-                                         err, _ERRLEN)
+        rc = self._lib.ubnext_emu_launch(
+            kernel.encode(), int(grid), int(block), ptrs, LAUNCH_PDL if pdl else 0, err, _ERRLEN
+        )
         if rc != 0:
-            raise EmulatorError(f"emulator launch of {kernel} (grid {grid}, block {block}) failed: "
-                                f"{err.value.decode(errors='replace')}")
+            raise EmulatorError(
+                f"emulator launch of {kernel} (grid {grid}, block {block}) failed: {err.value.decode(errors='replace')}"
+            )
         if self._counting and self._recorded is not None:
             words = (ctypes.c_uint64 * COUNT_WORDS)()
             self._lib.ubnext_emu_counts(words, COUNT_WORDS)
             ctas, hops, fences, most, total = words
             t = self.traffic()
-            self._recorded.append(LaunchCount(
-                kernel, ctas, int(block), hops, fences, most, total,
-                sum(t.peer_store_bytes) + sum(t.peer_load_bytes),
-                t.mc_store_bytes + t.mc_ld_reduce_bytes + t.mc_red_bytes))
+            self._recorded.append(
+                LaunchCount(
+                    kernel,
+                    ctas,
+                    int(block),
+                    hops,
+                    fences,
+                    most,
+                    total,
+                    sum(t.peer_store_bytes) + sum(t.peer_load_bytes),
+                    t.mc_store_bytes + t.mc_ld_reduce_bytes + t.mc_red_bytes,
+                )
+            )
 
     def griddep(self) -> GridDep:
         """griddepcontrol of the last launch that succeeded (GridDep)."""
@@ -371,8 +409,9 @@ class Emulator:
         bases = (ctypes.c_uint64 * max(1, nranks))(*peer_bases)
         handle = self._lib.ubnext_emu_register(rank, nranks, bases, nbytes, mc_base or 0)
         if handle < 0:
-            raise EmulatorError(f"cannot register a region (rank {rank} of {nranks}, {nbytes} bytes): "
-                                "bad arguments or too many regions")
+            raise EmulatorError(
+                f"cannot register a region (rank {rank} of {nranks}, {nbytes} bytes): bad arguments or too many regions"
+            )
         return int(handle)
 
     def unregister(self, handle: int) -> None:
@@ -396,8 +435,9 @@ class Emulator:
         self._lib.ubnext_emu_traffic(words, TRAFFIC_WORDS)
         w = list(words)
         r = MAX_RANKS
-        return Traffic(tuple(w[0:r]), tuple(w[r:2 * r]), tuple(w[2 * r:3 * r]), tuple(w[3 * r:4 * r]),
-                       *w[4 * r:4 * r + 7])
+        return Traffic(
+            tuple(w[0:r]), tuple(w[r : 2 * r]), tuple(w[2 * r : 3 * r]), tuple(w[3 * r : 4 * r]), *w[4 * r : 4 * r + 7]
+        )
 
     def register_stamps(self, handle: int, stamp_bases: Sequence[int]) -> None:
         """Count mode: rank r's copy of region ``handle`` has its stamps at ``stamp_bases[r]``,
@@ -452,10 +492,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ubnext.runtime._emu", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build the emulator library and print its path")
-    b.add_argument("--break", dest="break_name", default="", choices=sorted(BREAKS),
-                   help="TEST ONLY: a deliberately broken protocol build")
-    b.add_argument("--all", action="store_true",
-                   help="also every test-only broken build (the test suite's, ahead of its tiers)")
+    b.add_argument(
+        "--break",
+        dest="break_name",
+        default="",
+        choices=sorted(BREAKS),
+        help="TEST ONLY: a deliberately broken protocol build",
+    )
+    b.add_argument(
+        "--all", action="store_true", help="also every test-only broken build (the test suite's, ahead of its tiers)"
+    )
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
     ns = parser.parse_args(argv)
     try:

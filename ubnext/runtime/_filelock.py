@@ -34,8 +34,10 @@ def exclusive(path: Path, what: str, timeout: float = BUILD_LOCK_TIMEOUT_S):
                 if time.monotonic() >= deadline:
                     fh.seek(0)
                     holder = fh.read().strip() or "unknown"
-                    raise LockTimeout(f"waited {timeout:.0f} s for the lock {path} to {what}; it is held "
-                                      f"by {holder}. If that process is gone, delete the lock file.") from None
+                    raise LockTimeout(
+                        f"waited {timeout:.0f} s for the lock {path} to {what}; it is held "
+                        f"by {holder}. If that process is gone, delete the lock file."
+                    ) from None
                 time.sleep(_POLL_S)
         try:
             fh.seek(0)

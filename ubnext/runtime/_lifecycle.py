@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import _watchdog
 from .. import envs
 from ..errors import UbnextError
+from . import _watchdog
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..comm import Communicator
@@ -58,23 +58,24 @@ def kernel_timeout_s(group, device: torch.device) -> float:
         log.debug("ubnext: no timeout on the group's backend (%s); using %g s", exc, _DEFAULT_GROUP_TIMEOUT_S)
         return _DEFAULT_GROUP_TIMEOUT_S
 
+
 _lock = threading.Lock()
 # key -> weak reference to a live communicator (a plain dict: every op looks up its communicator
 # here, and WeakValueDictionary.get costs a Python call more); an entry goes with its communicator
-_registry: "dict[str, weakref.ref[Communicator]]" = {}
+_registry: dict[str, weakref.ref[Communicator]] = {}
 # communicators cached per process group (ubnext.get_communicator): group_name -> Communicator
-cached: dict[str, "Communicator"] = {}
+cached: dict[str, Communicator] = {}
 _serial = itertools.count()
 # the default process group ubnext created (a weak reference: the user may destroy it and make
 # their own, which ubnext must then leave alone)
-_our_group: "weakref.ref | None" = None
+_our_group: weakref.ref | None = None
 _atexit_registered = False
 # the class communicator_of builds: ubnext.comm.Communicator, set when that module is imported (this
 # registry sits below the Communicator, which registers itself here)
-communicator_class: "type[Communicator] | None" = None
+communicator_class: type[Communicator] | None = None
 
 
-def register(comm: "Communicator") -> str:
+def register(comm: Communicator) -> str:
     """A process-local key under which the ops (``torch.ops.ubnext.*``) find ``comm``."""
     _ensure_atexit()
     key = f"{comm.group.group_name}#{next(_serial)}"
@@ -83,7 +84,7 @@ def register(comm: "Communicator") -> str:
     return key
 
 
-def lookup(key: str) -> "Communicator":
+def lookup(key: str) -> Communicator:
     """The communicator registered under ``key``; a bare group name means that group's cached
     communicator (created on first use, collectively)."""
     ref = _registry.get(key)
@@ -99,7 +100,7 @@ def lookup(key: str) -> "Communicator":
     return communicator_of(group)
 
 
-def communicator_of(group=None) -> "Communicator":
+def communicator_of(group=None) -> Communicator:
     """The cached communicator of ``group`` (the default group when None); created on first
     use, which is collective."""
     if not dist.is_initialized():
@@ -132,21 +133,28 @@ def process_group(group, signature: str):
         raise ValueError(
             f"{signature}: rank {dist.get_rank()} is not a member of this group (torch.distributed.new_group "
             "returns GroupMember.NON_GROUP_MEMBER on the ranks outside it); make the communicator and call "
-            "its ops only on the group's ranks, e.g. `if dist.get_rank() in ranks:`")
+            "its ops only on the group's ranks, e.g. `if dist.get_rank() in ranks:`"
+        )
     if isinstance(group, str):
         try:
             return dist.distributed_c10d._resolve_process_group(group)
         except RuntimeError:
             known = sorted(dist.distributed_c10d._world.pg_names.values())
-            raise ValueError(f"{signature}: no process group named {group!r} in this process (its groups' "
-                             f"group_name: {', '.join(map(repr, known))}); pass the ProcessGroup or its "
-                             "group_name") from None
+            raise ValueError(
+                f"{signature}: no process group named {group!r} in this process (its groups' "
+                f"group_name: {', '.join(map(repr, known))}); pass the ProcessGroup or its "
+                "group_name"
+            ) from None
     if isinstance(group, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
-        raise TypeError(f"{signature}: got the reduce op {group} where the group goes; ubnext always sums (it "
-                        "takes no op), and returns the sum without writing into x: write x = ubnext.all_reduce(x), "
-                        "or ubnext.all_reduce(x, out=x) to sum into x in place")
-    raise TypeError(f"{signature}: group must be a torch.distributed ProcessGroup, its group_name (str) or None, "
-                    f"not {type(group).__name__}")
+        raise TypeError(
+            f"{signature}: got the reduce op {group} where the group goes; ubnext always sums (it "
+            "takes no op), and returns the sum without writing into x: write x = ubnext.all_reduce(x), "
+            "or ubnext.all_reduce(x, out=x) to sum into x in place"
+        )
+    raise TypeError(
+        f"{signature}: group must be a torch.distributed ProcessGroup, its group_name (str) or None, "
+        f"not {type(group).__name__}"
+    )
 
 
 def _refuse_set_up_while_compiling(missing: str) -> None:
@@ -158,7 +166,8 @@ def _refuse_set_up_while_compiling(missing: str) -> None:
         raise UbnextError(
             f"torch.compile is tracing a ubnext call, but {missing}: create the communicator before "
             "compiling, i.e. before the first call of the compiled function: call ubnext.get_communicator() "
-            "(ubnext.get_communicator(group) for another group) in eager code first")
+            "(ubnext.get_communicator(group) for another group) in eager code first"
+        )
 
 
 def bootstrap() -> None:
@@ -191,14 +200,21 @@ def bootstrap() -> None:
             # once with a device_id, else at the first collective; gloo takes CUDA tensors too
             backend = "gloo"
             if info["rank"] == 0:
-                log.warning("ubnext: several ranks share a GPU, which NCCL refuses; torch.distributed "
-                            "is initialised with gloo (the ubnext kernels still run on the GPU)")
+                log.warning(
+                    "ubnext: several ranks share a GPU, which NCCL refuses; torch.distributed "
+                    "is initialised with gloo (the ubnext kernels still run on the GPU)"
+                )
         else:
             device_id = torch.device("cuda", device)
     timeout = _group_timeout(backend)
     store.set_timeout(timeout)
-    kwargs: dict[str, Any] = {"backend": backend, "rank": info["rank"], "world_size": info["world_size"],
-                              "timeout": timeout, "store": store}
+    kwargs: dict[str, Any] = {
+        "backend": backend,
+        "rank": info["rank"],
+        "world_size": info["world_size"],
+        "timeout": timeout,
+        "store": store,
+    }
     if device_id is not None:
         kwargs["device_id"] = device_id
     _ensure_atexit()
@@ -300,8 +316,7 @@ def _mpi_store(rank: int, world_size: int, timeout: datetime.timedelta):
         except OSError:
             host = "127.0.0.1"
         try:
-            store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
+            store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
             address = (host, store.port)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             address = exc

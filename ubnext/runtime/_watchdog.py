@@ -44,7 +44,7 @@ TICK_S = 0.25  # how often the thread looks: a warning is late by at most this, 
 PEER_ANSWER_S = 1.5  # how long a warning waits for the peers' records (each answers within a tick)
 
 _lock = threading.Lock()
-_watched: "weakref.WeakSet" = weakref.WeakSet()
+_watched: weakref.WeakSet = weakref.WeakSet()
 _thread: threading.Thread | None = None
 _stop = threading.Event()
 _wakeup_read = _wakeup_write = -1
@@ -63,7 +63,7 @@ class _State:
         self.answered = 0  # the store's request counter last answered
 
 
-_states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def watch(comm) -> None:
@@ -142,8 +142,13 @@ def _signals(received: bytes) -> None:
             state = _states.get(comm)
             waited = time.monotonic() - state.since if state is not None and state.since is not None else 0.0
             if comm._pool.abort_from_host(ERR_INTERRUPTED):
-                log.error("ubnext rank %d: Ctrl-C while waiting in %s (%.1f s or more): the communicator is "
-                          "aborted on every rank", comm.rank, describe(comm), waited)
+                log.error(
+                    "ubnext rank %d: Ctrl-C while waiting in %s (%.1f s or more): the communicator is "
+                    "aborted on every rank",
+                    comm.rank,
+                    describe(comm),
+                    waited,
+                )
 
 
 def describe(comm) -> str:
@@ -152,8 +157,10 @@ def describe(comm) -> str:
     if how is None:
         return "no call yet"
     n, hidden = how.scalars[0], how.scalars[1]
-    return (f"call #{comm._flight_seq} (path {how.algo}, kernel {how.name}, {n} elements"
-            f"{f', rows of {hidden}' if hidden else ''})")
+    return (
+        f"call #{comm._flight_seq} (path {how.algo}, kernel {how.name}, {n} elements"
+        f"{f', rows of {hidden}' if hidden else ''})"
+    )
 
 
 def _keys(comm) -> tuple[str, str]:
@@ -200,8 +207,15 @@ def _look(comm, now: float) -> None:
                 if int(got) >= generation:
                     peers[r] = what
         time.sleep(0.05)
-    said = "; ".join(f"rank {r}: {peers.get(r, 'no answer (not in a ubnext call of this communicator, or gone)')}"
-                     for r in others)
-    log.warning("ubnext watchdog: rank %d has waited %.1f s in %s; its peers' last calls: %s "
-                "(UBNEXT_WARN_AFTER=%g; the ranks must make the same calls in the same order)",
-                comm.rank, now - state.since, describe(comm), said, warn_after)
+    said = "; ".join(
+        f"rank {r}: {peers.get(r, 'no answer (not in a ubnext call of this communicator, or gone)')}" for r in others
+    )
+    log.warning(
+        "ubnext watchdog: rank %d has waited %.1f s in %s; its peers' last calls: %s "
+        "(UBNEXT_WARN_AFTER=%g; the ranks must make the same calls in the same order)",
+        comm.rank,
+        now - state.since,
+        describe(comm),
+        said,
+        warn_after,
+    )

@@ -14,19 +14,42 @@ class Constant:
     source: str
 
 
-HOP_US = Constant(0.6, "us", "NCCL's tuning model: latency per NVLink hop of its LL protocol "
-                             "(src/graph/tuning.cc, hwLatencies[NVLINK][Ring/Tree][LL] = 0.6; NCCL 5067397, 2026-06)")
-LAUNCH_US = Constant(1.7, "us", "NCCL's symmetric allreduce of 8 B takes ~2.3 us on 8xH200 (nccl#1940), "
-                                "a kernel with one hop: 2.3 us less HOP_US")
-SM_GBPS = Constant(65 * 2**30 / 1e9, "GB/s", "NCCL's symmetric-kernel model, bandwidth of one SM on Hopper for "
-                                              "allreduce (src/sym_kernels.cc smBw = 65 GiB/s)")
-NVLINK_GBPS = Constant(320 * 2**30 / 1e9, "GB/s", "NCCL's symmetric-kernel model, peak unicast NVLink bandwidth "
-                                                   "on Hopper (src/sym_kernels.cc peakBw = 320 GiB/s)")
-NVLS_GBPS = Constant(480 * 2**30 / 1e9, "GB/s", "NCCL's symmetric-kernel model, peak with multicast on Hopper "
-                                                 "(src/sym_kernels.cc peakBw = 480 GiB/s; nccl-tests#212)")
+HOP_US = Constant(
+    0.6,
+    "us",
+    "NCCL's tuning model: latency per NVLink hop of its LL protocol "
+    "(src/graph/tuning.cc, hwLatencies[NVLINK][Ring/Tree][LL] = 0.6; NCCL 5067397, 2026-06)",
+)
+LAUNCH_US = Constant(
+    1.7,
+    "us",
+    "NCCL's symmetric allreduce of 8 B takes ~2.3 us on 8xH200 (nccl#1940), a kernel with one hop: 2.3 us less HOP_US",
+)
+SM_GBPS = Constant(
+    65 * 2**30 / 1e9,
+    "GB/s",
+    "NCCL's symmetric-kernel model, bandwidth of one SM on Hopper for allreduce (src/sym_kernels.cc smBw = 65 GiB/s)",
+)
+NVLINK_GBPS = Constant(
+    320 * 2**30 / 1e9,
+    "GB/s",
+    "NCCL's symmetric-kernel model, peak unicast NVLink bandwidth on Hopper (src/sym_kernels.cc peakBw = 320 GiB/s)",
+)
+NVLS_GBPS = Constant(
+    480 * 2**30 / 1e9,
+    "GB/s",
+    "NCCL's symmetric-kernel model, peak with multicast on Hopper "
+    "(src/sym_kernels.cc peakBw = 480 GiB/s; nccl-tests#212)",
+)
 HBM_GBPS = Constant(3350.0, "GB/s", "H100 SXM HBM3 bandwidth (NVIDIA H100 datasheet)")
-CONSTANTS = {"launch_us": LAUNCH_US, "hop_us": HOP_US, "sm_GBps": SM_GBPS, "nvlink_GBps": NVLINK_GBPS,
-             "nvls_GBps": NVLS_GBPS, "hbm_GBps": HBM_GBPS}
+CONSTANTS = {
+    "launch_us": LAUNCH_US,
+    "hop_us": HOP_US,
+    "sm_GBps": SM_GBPS,
+    "nvlink_GBps": NVLINK_GBPS,
+    "nvls_GBps": NVLS_GBPS,
+    "hbm_GBps": HBM_GBPS,
+}
 
 # Published figures (shared/DESIGN.md section 9), by (op, bytes or tokens): what users compare with.
 PEERS = {

@@ -64,8 +64,21 @@ FUSED_PATHS = ("lamport", "nvls_lamport", "nvls_twoshot", "twoshot")
 FUSED_NVFP4 = "all_reduce_add_rmsnorm_nvfp4"
 FUSED_OPS = ("all_reduce_add_rmsnorm", FUSED_NVFP4)
 QUANTIZE_MODES = ("row", "tensor", "static")
-KEYS = ("op", "path", "dtype", "tokens", "hidden", "bytes", "world", "ctas", "hops", "fences", "max_cta_bytes",
-        "model_us", "chosen")
+KEYS = (
+    "op",
+    "path",
+    "dtype",
+    "tokens",
+    "hidden",
+    "bytes",
+    "world",
+    "ctas",
+    "hops",
+    "fences",
+    "max_cta_bytes",
+    "model_us",
+    "chosen",
+)
 
 
 def model_us(launches: list[dict]) -> float:
@@ -73,8 +86,12 @@ def model_us(launches: list[dict]) -> float:
     term (one CTA's bytes at one SM's bandwidth, all bytes at HBM's, peer bytes at NVLink's)."""
     total = 0.0
     for c in launches:
-        data_us = max(c["max_cta_bytes"] / (SM_GBPS.value * 1e3), c["total_bytes"] / (HBM_GBPS.value * 1e3),
-                      c["nvlink_bytes"] / (NVLINK_GBPS.value * 1e3), c["multicast_bytes"] / (NVLS_GBPS.value * 1e3))
+        data_us = max(
+            c["max_cta_bytes"] / (SM_GBPS.value * 1e3),
+            c["total_bytes"] / (HBM_GBPS.value * 1e3),
+            c["nvlink_bytes"] / (NVLINK_GBPS.value * 1e3),
+            c["multicast_bytes"] / (NVLS_GBPS.value * 1e3),
+        )
         total += LAUNCH_US.value + c["hops"] * HOP_US.value + data_us
     return round(total, 2)
 
@@ -107,13 +124,13 @@ def cases(world: int, quick: bool = False, only: frozenset | None = None) -> lis
     for nbytes in ar:
         out += [Case("all_reduce", p, nbytes, nbytes // (2 * HIDDEN)) for p in ALLREDUCE_PATHS]
         out += [Case("all_reduce", p, nbytes, nbytes // (2 * HIDDEN), True) for p in INVARIANT_ALLREDUCE_PATHS]
-    for tokens in (FUSED_TOKENS[:2] if quick else FUSED_TOKENS):
+    for tokens in FUSED_TOKENS[:2] if quick else FUSED_TOKENS:
         out += [Case("all_reduce_add_rmsnorm", p, tokens * HIDDEN * 2, tokens) for p in FUSED_PATHS]
         if not quick or only is not None:  # the published table, or a caller naming them (tests)
             out += [Case(FUSED_NVFP4, p, tokens * HIDDEN * 2, tokens) for p in FUSED_PATHS]
-    for nbytes in (EXCHANGE_BYTES[:1] if quick else EXCHANGE_BYTES):
+    for nbytes in EXCHANGE_BYTES[:1] if quick else EXCHANGE_BYTES:
         out += [Case("all_gather", "allgather", nbytes), Case("reduce_scatter", "reduce_scatter", nbytes)]
-    for nbytes in (QUANTIZE_BYTES[:1] if quick else QUANTIZE_BYTES):
+    for nbytes in QUANTIZE_BYTES[:1] if quick else QUANTIZE_BYTES:
         out += [Case("quantize", m, nbytes, nbytes // (2 * HIDDEN)) for m in QUANTIZE_MODES]
     return [c for c in out if only is None or c.row_key() in only]
 
@@ -178,8 +195,9 @@ def _run_once(comm, emu, case: Case, world: int):
                 comm.all_reduce_add_rmsnorm(x, torch.randn_like(x), torch.ones(HIDDEN, dtype=dtype))
             elif case.op == FUSED_NVFP4:
                 x = torch.randn(case.tokens, HIDDEN, generator=g).to(dtype)
-                comm.all_reduce_add_rmsnorm(x, torch.randn_like(x), torch.ones(HIDDEN, dtype=dtype), quant="nvfp4",
-                                            swizzled=True)
+                comm.all_reduce_add_rmsnorm(
+                    x, torch.randn_like(x), torch.ones(HIDDEN, dtype=dtype), quant="nvfp4", swizzled=True
+                )
             elif case.op == "all_gather":
                 out = comm.empty(n, dtype=dtype)
                 comm.all_gather(torch.randn(n // world, generator=g).to(dtype), out=out)
@@ -200,18 +218,37 @@ def _run_once(comm, emu, case: Case, world: int):
     if case.op == "quantize" and case.path == "tensor" and case.nbytes > ONE_CTA_BYTES:
         # the amax is torch's reduction (torch.aminmax), which the emulator does not count: modeled
         # as one launch reading the tensor at HBM bandwidth
-        counted.insert(0, {"kernel": "torch.aminmax (modeled)", "ctas": 0, "block": 0, "hops": 0, "fences": 0,
-                           "max_cta_bytes": 0, "total_bytes": case.nbytes, "nvlink_bytes": 0, "multicast_bytes": 0})
+        counted.insert(
+            0,
+            {
+                "kernel": "torch.aminmax (modeled)",
+                "ctas": 0,
+                "block": 0,
+                "hops": 0,
+                "fences": 0,
+                "max_cta_bytes": 0,
+                "total_bytes": case.nbytes,
+                "nvlink_bytes": 0,
+                "multicast_bytes": 0,
+            },
+        )
     return counted, None
 
 
-def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: frozenset | None,
-            progress_path: str | None = None) -> int:
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    out_path: str,
+    quick: bool,
+    only: frozenset | None,
+    progress_path: str | None = None,
+) -> int:
     import torch.distributed as dist
 
-    from ..runtime import _emu
     from .. import envs
     from ..comm import Communicator
+    from ..runtime import _emu
 
     if progress_path:
         # the ranks' shared progress page: a wait times out only after UBNEXT_TIMEOUT without progress on
@@ -222,8 +259,10 @@ def _worker(rank: int, world: int, port: int, out_path: str, quick: bool, only: 
     sm_count = envs.get("UBNEXT_EMU_SM_COUNT")
     todo = [case for case in cases(world, quick, only) if measurable(case, world, sm_count)]
     # the batch-invariant mode's cases on a communicator of their own (the mode is fixed at construction)
-    comms = {mode: Communicator(emulate=True, max_hidden=HIDDEN, batch_invariant=mode)
-             for mode in sorted({case.invariant for case in todo})}
+    comms = {
+        mode: Communicator(emulate=True, max_hidden=HIDDEN, batch_invariant=mode)
+        for mode in sorted({case.invariant for case in todo})
+    }
     for comm in comms.values():
         comm.prepare()
     rows = []
@@ -253,8 +292,9 @@ def derive(measured: dict, case: Case, world: int, sm_count: int) -> list[dict] 
     if not same:
         return None
     below = [item for item in same if item[0].nbytes <= case.nbytes]
-    base, launches = (max(below, key=lambda item: item[0].nbytes) if below
-                      else min(same, key=lambda item: item[0].nbytes))
+    base, launches = (
+        max(below, key=lambda item: item[0].nbytes) if below else min(same, key=lambda item: item[0].nbytes)
+    )
     ratio = case.nbytes / base.nbytes
     grid0, grid1 = grid_of(base, world, sm_count), grid_of(case, world, sm_count)
     out = []
@@ -278,8 +318,7 @@ def chosen_path(case: Case, world: int, batch_invariant: bool = False) -> str:
     view = info.pool_view(world, HIDDEN, "gpu", True, None)
     if case.op in ("all_reduce", *FUSED_OPS):
         fused = case.op != "all_reduce"
-        return plan.choose(case.nbytes, 2, fused, HIDDEN if fused else 0, view,
-                           batch_invariant=batch_invariant).path
+        return plan.choose(case.nbytes, 2, fused, HIDDEN if fused else 0, view, batch_invariant=batch_invariant).path
     if case.op == "quantize":
         return case.path
     kernel = "allgather" if case.op == "all_gather" else "reduce_scatter"
@@ -295,22 +334,49 @@ def table(measured: dict, world: int, sm_count: int, quick: bool, only: frozense
             # the planner leaves ubnext's kernels for torch.distributed (NCCL on a GPU), which the
             # model cannot count: the published figure stands for it
             torch_rows.add((case.op, case.nbytes))
-            rows.append({"op": case.op, "path": "torch", "dtype": "bf16", "tokens": case.tokens,
-                         "hidden": HIDDEN if case.tokens else 0, "bytes": case.nbytes, "world": world, "ctas": None,
-                         "hops": None, "fences": None, "max_cta_bytes": None, "model_us": None, "chosen": True,
-                         "derived": False, "launches": 0, "peer": _peer(case)})
+            rows.append(
+                {
+                    "op": case.op,
+                    "path": "torch",
+                    "dtype": "bf16",
+                    "tokens": case.tokens,
+                    "hidden": HIDDEN if case.tokens else 0,
+                    "bytes": case.nbytes,
+                    "world": world,
+                    "ctas": None,
+                    "hops": None,
+                    "fences": None,
+                    "max_cta_bytes": None,
+                    "model_us": None,
+                    "chosen": True,
+                    "derived": False,
+                    "launches": 0,
+                    "peer": _peer(case),
+                }
+            )
         launches = measured.get(case)
         derived = launches is None
         if derived:
             launches = derive(measured, case, world, sm_count)
-        row = {"op": case.op, "path": case.label, "dtype": "bf16", "tokens": case.tokens,
-               "hidden": HIDDEN if case.tokens else 0, "bytes": case.nbytes, "world": world}
+        row = {
+            "op": case.op,
+            "path": case.label,
+            "dtype": "bf16",
+            "tokens": case.tokens,
+            "hidden": HIDDEN if case.tokens else 0,
+            "bytes": case.nbytes,
+            "world": world,
+        }
         if not launches:
             row.update(ctas=None, hops=None, fences=None, max_cta_bytes=None, model_us=None)
         else:
-            row.update(ctas=max(c["ctas"] for c in launches), hops=sum(c["hops"] for c in launches),
-                       fences=sum(c["fences"] for c in launches),
-                       max_cta_bytes=max(c["max_cta_bytes"] for c in launches), model_us=model_us(launches))
+            row.update(
+                ctas=max(c["ctas"] for c in launches),
+                hops=sum(c["hops"] for c in launches),
+                fences=sum(c["fences"] for c in launches),
+                max_cta_bytes=max(c["max_cta_bytes"] for c in launches),
+                model_us=model_us(launches),
+            )
         row["chosen"] = chosen == case.path and not case.invariant  # the default's choice
         row["derived"] = derived
         row["launches"] = len(launches or [])
@@ -339,10 +405,20 @@ def invariant_rows(rows: list[dict]) -> list[dict]:
         mode = chosen_path(case, r["world"], batch_invariant=True)
         timed_as = mode + RANK_ORDER_SUFFIX if r["op"] == "all_reduce" and mode in INVARIANT_ALLREDUCE_PATHS else mode
         default_us, mode_us = r["model_us"], timed.get((r["op"], r["bytes"], timed_as))
-        out.append({"op": r["op"], "bytes": r["bytes"], "tokens": r["tokens"], "world": r["world"],
-                    "default_path": r["path"], "default_us": default_us, "mode_path": mode, "mode_us": mode_us,
-                    "ratio": round(mode_us / default_us, 2) if default_us and mode_us else None,
-                    "fallback_bytes_vs_ring": (1.5 if r["op"] != "all_reduce" else 1.0) if mode == "torch" else None})
+        out.append(
+            {
+                "op": r["op"],
+                "bytes": r["bytes"],
+                "tokens": r["tokens"],
+                "world": r["world"],
+                "default_path": r["path"],
+                "default_us": default_us,
+                "mode_path": mode,
+                "mode_us": mode_us,
+                "ratio": round(mode_us / default_us, 2) if default_us and mode_us else None,
+                "fallback_bytes_vs_ring": (1.5 if r["op"] != "all_reduce" else 1.0) if mode == "torch" else None,
+            }
+        )
     return out
 
 
@@ -355,29 +431,41 @@ def print_invariant(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
 
     world = rows[0]["world"] if rows else 0
     layout = plan_layout(world, HIDDEN) if world else None
-    print(f"# batch-invariant mode (Communicator(batch_invariant=True)) beside the default, {world} ranks, bf16, "
-          f"hidden {HIDDEN}: each mode's planner choice and its modeled time above; the pool of both is the "
-          f"default one ({layout.sized_by if layout else '-'}: a {layout.lamport_capacity if layout else 0} byte "
-          f"Lamport slot, a {layout.staging_bytes if layout else 0} byte staging region); past it, the mode's "
-          "rank-ordered fallback (all-to-all + all-gather on torch.distributed) moves the bytes of a ring "
-          "allreduce times the last column", file=out)
-    print(f"{'op':24} {'bytes':>10} {'tok':>5} {'default':>14} {'us':>8} {'mode':>14} {'us':>8} {'ratio':>6} "
-          f"{'fallback_x':>10}", file=out)
+    print(
+        f"# batch-invariant mode (Communicator(batch_invariant=True)) beside the default, {world} ranks, bf16, "
+        f"hidden {HIDDEN}: each mode's planner choice and its modeled time above; the pool of both is the "
+        f"default one ({layout.sized_by if layout else '-'}: a {layout.lamport_capacity if layout else 0} byte "
+        f"Lamport slot, a {layout.staging_bytes if layout else 0} byte staging region); past it, the mode's "
+        "rank-ordered fallback (all-to-all + all-gather on torch.distributed) moves the bytes of a ring "
+        "allreduce times the last column",
+        file=out,
+    )
+    print(
+        f"{'op':24} {'bytes':>10} {'tok':>5} {'default':>14} {'us':>8} {'mode':>14} {'us':>8} {'ratio':>6} "
+        f"{'fallback_x':>10}",
+        file=out,
+    )
     for r in rows:
+
         def us(v):
             return f"{v:8.2f}" if v is not None else f"{'-':>8}"
+
         ratio = f"{r['ratio']:6.2f}" if r["ratio"] is not None else f"{'-':>6}"
         fb = f"{r['fallback_bytes_vs_ring']:10.1f}" if r["fallback_bytes_vs_ring"] else f"{'-':>10}"
-        print(f"{r['op']:24} {r['bytes']:10d} {r['tokens']:5d} {r['default_path']:>14} {us(r['default_us'])} "
-              f"{r['mode_path']:>14} {us(r['mode_us'])} {ratio} {fb}", file=out)
+        print(
+            f"{r['op']:24} {r['bytes']:10d} {r['tokens']:5d} {r['default_path']:>14} {us(r['default_us'])} "
+            f"{r['mode_path']:>14} {us(r['mode_us'])} {ratio} {fb}",
+            file=out,
+        )
 
 
 def _peer(case: Case) -> str:
     return PEERS.get((case.op, case.tokens if case.op == "all_reduce_add_rmsnorm" else case.nbytes), "")
 
 
-def run(world: int, *, quick: bool = False, only: frozenset | None = None, timeout_s: float = 840.0,
-        env: dict | None = None) -> list[dict]:
+def run(
+    world: int, *, quick: bool = False, only: frozenset | None = None, timeout_s: float = 840.0, env: dict | None = None
+) -> list[dict]:
     """Start ``world`` emulated ranks, measure, derive; the table's rows. ``env``: more variables
     for the ranks (a test's UBNEXT_EMU_BREAK)."""
     from .. import envs
@@ -386,8 +474,9 @@ def run(world: int, *, quick: bool = False, only: frozenset | None = None, timeo
     return table(measured, world, envs.get("UBNEXT_EMU_SM_COUNT"), quick, only)
 
 
-def measure(world: int, *, quick: bool = False, only: frozenset | None = None, timeout_s: float = 840.0,
-            env: dict | None = None) -> dict:
+def measure(
+    world: int, *, quick: bool = False, only: frozenset | None = None, timeout_s: float = 840.0, env: dict | None = None
+) -> dict:
     """Start ``world`` emulated ranks and count every measurable case: {Case: its launches}."""
     import torch.distributed as dist
 
@@ -398,15 +487,34 @@ def measure(world: int, *, quick: bool = False, only: frozenset | None = None, t
         out_path = os.path.join(tmp, "rows.json")
         progress_path = os.path.join(tmp, "progress")  # the ranks' progress page (_worker)
         # pool sized for the measured cases (16 tokens of hidden 8192), no self-test launches
-        child_env = envs.environment_with(UBNEXT_EMULATE="1", UBNEXT_EMU_COUNT="1",
-                                          UBNEXT_MAX_BATCH=str(MEASURE_MAX_TOKENS),
-                                          UBNEXT_SELFTEST="0", UBNEXT_TIMEOUT=str(envs.get("UBNEXT_TIMEOUT") or 120),
-                                          **(env or {}))
+        child_env = envs.environment_with(
+            UBNEXT_EMULATE="1",
+            UBNEXT_EMU_COUNT="1",
+            UBNEXT_MAX_BATCH=str(MEASURE_MAX_TOKENS),
+            UBNEXT_SELFTEST="0",
+            UBNEXT_TIMEOUT=str(envs.get("UBNEXT_TIMEOUT") or 120),
+            **(env or {}),
+        )
         only_arg = json.dumps(sorted(only) if only is not None else None)
-        procs = [subprocess.Popen([sys.executable, "-m", "ubnext.tuning._costmodel", str(r), str(world), str(store.port),
-                                   out_path, "1" if quick else "0", only_arg, progress_path], env=child_env,
-                                  start_new_session=True)
-                 for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ubnext.tuning._costmodel",
+                    str(r),
+                    str(world),
+                    str(store.port),
+                    out_path,
+                    "1" if quick else "0",
+                    only_arg,
+                    progress_path,
+                ],
+                env=child_env,
+                start_new_session=True,
+            )
+            for r in range(world)
+        ]
         deadline = time.monotonic() + timeout_s
         try:
             for p in procs:
@@ -438,25 +546,45 @@ def print_table(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
             print(json.dumps({k: r[k] for k in KEYS} | {"derived": r["derived"]}), file=out)
         return
     world = rows[0]["world"] if rows else 0
-    print(f"# ubnext critical-path model, {world} ranks, bf16, hidden {HIDDEN}; * = the planner's choice; "
-          f"~ = derived from a smaller measured size; {RANK_ORDER_SUFFIX} = the batch-invariant mode's form of the "
-          "path (UBNEXT_F_RANK_ORDER: unicast rank-order sums)", file=out)
+    print(
+        f"# ubnext critical-path model, {world} ranks, bf16, hidden {HIDDEN}; * = the planner's choice; "
+        f"~ = derived from a smaller measured size; {RANK_ORDER_SUFFIX} = the batch-invariant mode's form of the "
+        "path (UBNEXT_F_RANK_ORDER: unicast rank-order sums)",
+        file=out,
+    )
     for name, c in CONSTANTS.items():
         print(f"#   {name} = {c.value:g} {c.unit}: {c.source}", file=out)
-    print(f"{'op':28} {'path':15} {'bytes':>10} {'tok':>5} {'ctas':>5} {'hops':>5} {'fences':>6} "
-          f"{'max_cta_bytes':>13} {'model_us':>9}  peer", file=out)
+    print(
+        f"{'op':28} {'path':15} {'bytes':>10} {'tok':>5} {'ctas':>5} {'hops':>5} {'fences':>6} "
+        f"{'max_cta_bytes':>13} {'model_us':>9}  peer",
+        file=out,
+    )
     for r in rows:
         mark = ("*" if r["chosen"] else " ") + ("~" if r["derived"] else " ")
         if r["ctas"] is None:
-            print(f"{r['op']:28} {r['path']:15} {r['bytes']:10d} {r['tokens']:5d} {'-':>5} {'-':>5} {'-':>6} "
-                  f"{'-':>13} {'-':>9}{mark} {r['peer']}", file=out)
+            print(
+                f"{r['op']:28} {r['path']:15} {r['bytes']:10d} {r['tokens']:5d} {'-':>5} {'-':>5} {'-':>6} "
+                f"{'-':>13} {'-':>9}{mark} {r['peer']}",
+                file=out,
+            )
             continue
-        print(f"{r['op']:28} {r['path']:15} {r['bytes']:10d} {r['tokens']:5d} {r['ctas']:5d} {r['hops']:5d} "
-              f"{r['fences']:6d} {r['max_cta_bytes']:13d} {r['model_us']:9.2f}{mark} {r['peer']}", file=out)
+        print(
+            f"{r['op']:28} {r['path']:15} {r['bytes']:10d} {r['tokens']:5d} {r['ctas']:5d} {r['hops']:5d} "
+            f"{r['fences']:6d} {r['max_cta_bytes']:13d} {r['model_us']:9.2f}{mark} {r['peer']}",
+            file=out,
+        )
 
 
 if __name__ == "__main__":
     _only = json.loads(sys.argv[6])
-    sys.exit(_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1",
-                     None if _only is None else frozenset(tuple(pair) for pair in _only),
-                     sys.argv[7] if len(sys.argv) > 7 else None))
+    sys.exit(
+        _worker(
+            int(sys.argv[1]),
+            int(sys.argv[2]),
+            int(sys.argv[3]),
+            sys.argv[4],
+            sys.argv[5] == "1",
+            None if _only is None else frozenset(tuple(pair) for pair in _only),
+            sys.argv[7] if len(sys.argv) > 7 else None,
+        )
+    )

@@ -77,8 +77,9 @@ def torch_us(op: str, nbytes: int, world: int, multicast: bool) -> float:
         (s0, t0), (s1, t1) = next((a, b) for a, b in zip(points, points[1:]) if nbytes <= b[0])
         us = t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
     if op == "all_reduce_add_rmsnorm":
-        us += M.model_us([{"hops": 0, "max_cta_bytes": 0, "total_bytes": 4 * nbytes, "nvlink_bytes": 0,
-                           "multicast_bytes": 0}])
+        us += M.model_us(
+            [{"hops": 0, "max_cta_bytes": 0, "total_bytes": 4 * nbytes, "nvlink_bytes": 0, "multicast_bytes": 0}]
+        )
     return round(us, 2)
 
 
@@ -101,15 +102,18 @@ def case_of(op: str, path: str, nbytes: int, elem: int | None = None) -> M.Case:
 ONE_SHOT_PATHS = ("lamport", "nvls_oneshot")
 
 
-def interpolate_world(low: list[dict], high: list[dict], w0: int, w1: int, world: int, case: M.Case,
-                      sm_count: int) -> list[dict]:
+def interpolate_world(
+    low: list[dict], high: list[dict], w0: int, w1: int, world: int, case: M.Case, sm_count: int
+) -> list[dict]:
     """Counts at ``world`` from those at the measured worlds ``w0 < world < w1``: hops and fences
     as measured (the same at both, else the chain changes with the world and nothing is derived),
     bytes as a + b N (one-shot paths) or a + b / N (the others) through the two measured values, a
     CTA's bytes as its share of the launch's bytes."""
     if len(low) != len(high) or any(a["hops"] != b["hops"] or a["fences"] != b["fences"] for a, b in zip(low, high)):
-        raise ValueError(f"{case.op} {case.path} at {case.nbytes} bytes: the launches, hops or fences differ "
-                         f"between {w0} and {w1} ranks; measure world {world} (--worlds)")
+        raise ValueError(
+            f"{case.op} {case.path} at {case.nbytes} bytes: the launches, hops or fences differ "
+            f"between {w0} and {w1} ranks; measure world {world} (--worlds)"
+        )
     if case.path in ONE_SHOT_PATHS:
         f = (world - w0) / (w1 - w0)
     else:
@@ -137,8 +141,9 @@ class Model:
     def measured_worlds(self, op: str, multicast: bool) -> list[int]:
         return sorted({w for (o, w, mc, _) in self.counts if (o, mc) == (op, multicast)})
 
-    def launches(self, op: str, world: int, multicast: bool, path: str, nbytes: int,
-                 elem: int | None = None) -> list[dict]:
+    def launches(
+        self, op: str, world: int, multicast: bool, path: str, nbytes: int, elem: int | None = None
+    ) -> list[dict]:
         case = case_of(op, path, nbytes, elem)
         measured = self.counts.get((op, world, multicast, path))
         if measured is not None:
@@ -146,9 +151,15 @@ class Model:
         worlds = self.measured_worlds(op, multicast)
         w0 = max(w for w in worlds if w < world)
         w1 = min(w for w in worlds if w > world)
-        return interpolate_world(self.launches(op, w0, multicast, path, nbytes, elem),
-                                 self.launches(op, w1, multicast, path, nbytes, elem), w0, w1, world, case,
-                                 self.sm_count)
+        return interpolate_world(
+            self.launches(op, w0, multicast, path, nbytes, elem),
+            self.launches(op, w1, multicast, path, nbytes, elem),
+            w0,
+            w1,
+            world,
+            case,
+            self.sm_count,
+        )
 
     def times(self, op: str, world: int, multicast: bool, nbytes: int, elem: int | None = None) -> dict[str, float]:
         """Modeled microseconds of every path for this call, torch.distributed's from its figures."""
@@ -226,8 +237,10 @@ def measure(worlds=MEASURED_WORLDS, log=print) -> dict:
             only = frozenset((op, p) for op in OPS for p in paths_of(op, multicast))
             t = time.monotonic()
             measured = M.measure(world, only=only, env=None if multicast else {"UBNEXT_EMU_MULTICAST": "0"})
-            log(f"# measured {world} ranks, multicast {'on' if multicast else 'off'}: {len(measured)} cases, "
-                f"{time.monotonic() - t:.0f} s")
+            log(
+                f"# measured {world} ranks, multicast {'on' if multicast else 'off'}: {len(measured)} cases, "
+                f"{time.monotonic() - t:.0f} s"
+            )
             for case, launches in measured.items():
                 counts.setdefault((case.op, world, multicast, case.path), {})[case] = launches
     return counts
@@ -240,16 +253,24 @@ def _launch_tuple(launch: dict) -> tuple:
 def model_of(table_counts: dict, sm_count: int = 132) -> Model:
     """The Model of a table module's COUNTS: (op, world, multicast, path) -> ((bytes, tokens,
     (launch tuple, ...)), ...)."""
-    counts = {key: {M.Case(key[0], key[3], nbytes, tokens): [dict(zip(LAUNCH_FIELDS, launch)) for launch in launches]
-                    for nbytes, tokens, launches in cases}
-              for key, cases in table_counts.items()}
+    counts = {
+        key: {
+            M.Case(key[0], key[3], nbytes, tokens): [dict(zip(LAUNCH_FIELDS, launch)) for launch in launches]
+            for nbytes, tokens, launches in cases
+        }
+        for key, cases in table_counts.items()
+    }
     return Model(counts, sm_count)
 
 
 def table_counts(counts: dict) -> dict:
-    return {key: tuple((c.nbytes, c.tokens, tuple(_launch_tuple(x) for x in launches))
-                       for c, launches in sorted(measured.items(), key=lambda item: item[0].nbytes))
-            for key, measured in sorted(counts.items())}
+    return {
+        key: tuple(
+            (c.nbytes, c.tokens, tuple(_launch_tuple(x) for x in launches))
+            for c, launches in sorted(measured.items(), key=lambda item: item[0].nbytes)
+        )
+        for key, measured in sorted(counts.items())
+    }
 
 
 def render(tcounts: dict, torders: dict, worlds: tuple[int, ...], sm_count: int) -> str:
@@ -274,10 +295,13 @@ def render(tcounts: dict, torders: dict, worlds: tuple[int, ...], sm_count: int)
         lines.append(f"    {key!r}: (")
         lines += [f"        {case!r}," for case in cases]
         lines.append("    ),")
-    lines += ["}", "",
-              "# (op, element bytes of the fused op's rows or None, world, multicast) -> ((largest message in bytes,",
-              "# or None for every larger one, paths to try, fastest first by the model), ...)",
-              "ORDERS = {"]
+    lines += [
+        "}",
+        "",
+        "# (op, element bytes of the fused op's rows or None, world, multicast) -> ((largest message in bytes,",
+        "# or None for every larger one, paths to try, fastest first by the model), ...)",
+        "ORDERS = {",
+    ]
     for key, segments in torders.items():
         lines.append(f"    {key!r}: (")
         lines += [f"        {segment!r}," for segment in segments]
@@ -294,8 +318,10 @@ def write(worlds=MEASURED_WORLDS, path: str = TABLE_PATH, log=print) -> dict:
     torders = orders(model_of(tcounts, sm_count))
     with open(path, "w") as f:
         f.write(render(tcounts, torders, tuple(worlds), sm_count))
-    log(f"# wrote {path}; README's ubnext.info sample and docs/PERF.md's model table show these choices: "
-        "python scripts/readme_info_sample.py, python -m ubnext.bench --model --world 8")
+    log(
+        f"# wrote {path}; README's ubnext.info sample and docs/PERF.md's model table show these choices: "
+        "python scripts/readme_info_sample.py, python -m ubnext.bench --model --world 8"
+    )
     return torders
 
 
@@ -307,11 +333,15 @@ def stale(table) -> str | None:
     fresh = orders(model_of(table.COUNTS, table.SM_COUNT))
     if fresh == table.ORDERS:
         return None
-    diff = [f"{key}: table {table.ORDERS.get(key)!r}, model {fresh[key]!r}"
-            for key in fresh if fresh[key] != table.ORDERS.get(key)][:3]
-    return ("ubnext/plan/_thresholds.py is stale: the model now orders the paths differently (the constants, the "
-            f"geometry or the derivation changed); regenerate it with `{COMMAND}`. First differences: "
-            + "; ".join(diff))
+    diff = [
+        f"{key}: table {table.ORDERS.get(key)!r}, model {fresh[key]!r}"
+        for key in fresh
+        if fresh[key] != table.ORDERS.get(key)
+    ][:3]
+    return (
+        "ubnext/plan/_thresholds.py is stale: the model now orders the paths differently (the constants, the "
+        f"geometry or the derivation changed); regenerate it with `{COMMAND}`. First differences: " + "; ".join(diff)
+    )
 
 
 def format_orders(torders: dict) -> list[str]:
