@@ -204,7 +204,7 @@ def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]
     (tests/unit/test_launch_args.py)."""
     if len(signature) != len(values):
         raise TypeError(f"kernel takes {len(signature)} arguments, got {len(values)}")
-    packed = []
+    packed: list[int | np.int32 | np.float32] = []
     for (name, kind), value in zip(signature, values):
         if kind == "ptr":
             packed.append(int(value))

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .. import envs
 from ._build_progress import announce
@@ -245,7 +245,11 @@ class Traffic:
     peer_atomic_ops: int  # atomics on a peer's memory: none allowed (PCIe peers may lack them)
 
 
-_ARG_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+_ARG_TYPES: dict[str, type[ctypes._SimpleCData]] = {
+    "ptr": ctypes.c_void_p,
+    "i32": ctypes.c_int32,
+    "f32": ctypes.c_float,
+}
 DESC_BYTES = 8 * (16 + 16)  # sizeof(ubnext_comm_desc): 16 u64 fields, then 16 peer bases (desc.cuh)
 LAUNCH_PDL = 1  # UBNEXT_EMU_LAUNCH_PDL (emu_api.h)
 GRIDDEP_WORDS = 3
@@ -338,7 +342,7 @@ class Emulator:
         kernel: str,
         grid: int,
         block: int,
-        args: Sequence[tuple[str, object]],
+        args: Sequence[tuple[str, Any]],  # each value's type follows its kind: bytes, an int, a float, None
         *,
         timeout_s: float | None = None,
         pdl: bool = False,
@@ -351,7 +355,7 @@ class Emulator:
         hang must not outlive the test that caused it."""
         if len(args) != 12:
             raise EmulatorError(f"{kernel}: the kernel ABI has 12 parameters, got {len(args)}")
-        values = []
+        values: list[ctypes._CData] = []
         for i, (kind, value) in enumerate(args):
             if kind == "desc":
                 values.append(_desc_arg(kernel, value))

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ from ..errors import UbnextError
 from . import _watchdog
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.distributed_c10d import GroupName
+
     from ..comm import Communicator
 
 log = logging.getLogger("ubnext")
@@ -80,7 +82,7 @@ def register(comm: Communicator) -> str:
     _ensure_atexit()
     key = f"{comm.group.group_name}#{next(_serial)}"
     with _lock:
-        _registry[key] = weakref.ref(comm, lambda _, key=key: _registry.pop(key, None))
+        _registry[key] = weakref.ref(comm, lambda _: _registry.pop(key, None))
     return key
 
 
@@ -96,7 +98,8 @@ def lookup(key: str) -> Communicator:
     comm = cached.get(key)
     if comm is not None and not comm.closed:
         return comm  # without resolving the group from its name: the hot path of ubnext.nn.Linear
-    group = dist.distributed_c10d._resolve_process_group(key)
+    # a key without "#" is a group's name (torch types those as the NewType GroupName over str)
+    group = dist.distributed_c10d._resolve_process_group(cast("GroupName", key))
     return communicator_of(group)
 
 
@@ -115,7 +118,8 @@ def communicator_of(group=None) -> Communicator:
     comm = cached.get(name)
     if comm is None or comm.closed:
         _refuse_set_up_while_compiling(f"process group {name!r} has no ubnext communicator yet")
-        comm = cached[name] = communicator_class(group)
+        # set when ubnext.comm is imported, which importing ubnext does before any communicator is asked for
+        comm = cached[name] = cast("type[Communicator]", communicator_class)(group)
     return comm
 
 
@@ -137,7 +141,7 @@ def process_group(group, signature: str):
         )
     if isinstance(group, str):
         try:
-            return dist.distributed_c10d._resolve_process_group(group)
+            return dist.distributed_c10d._resolve_process_group(cast("GroupName", group))
         except RuntimeError:
             known = sorted(dist.distributed_c10d._world.pg_names.values())
             raise ValueError(
@@ -231,7 +235,8 @@ def _group_timeout(backend: str) -> datetime.timedelta:
         bound = None  # refused on every rank by _agree_on_environment, once the rendezvous is made
     if bound:
         return datetime.timedelta(seconds=max(60.0, 4 * bound))
-    return dist.distributed_c10d._get_default_timeout(backend)
+    # torch annotates a Backend, a str subclass, and only compares it with the backends' names
+    return dist.distributed_c10d._get_default_timeout(backend)  # type: ignore[arg-type]
 
 
 # how long a rank with a bad environment keeps the rendezvous store up for its peers to read the verdict
@@ -307,7 +312,7 @@ def _mpi_store(rank: int, world_size: int, timeout: datetime.timedelta):
     from mpi4py import MPI
 
     mpi = MPI.COMM_WORLD
-    address = None
+    address: tuple[str, int] | Exception | None = None
     store = None
     if rank == 0:
         host = socket.gethostname() if world_size > 1 else "127.0.0.1"

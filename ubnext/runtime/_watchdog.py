@@ -56,7 +56,7 @@ class _State:
 
     __slots__ = ("seq", "since", "warned", "answered")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seq = 0  # the call last looked at
         self.since: float | None = None  # when the thread first saw it running
         self.warned = 0  # the call last warned about
@@ -169,8 +169,8 @@ def _keys(comm) -> tuple[str, str]:
 
 
 def _publish(comm, store, prefix: str, generation: int, state: _State, now: float) -> None:
-    running = state.since is not None
-    what = describe(comm) + (f", running for {now - state.since:.1f} s" if running else ", finished")
+    since = state.since
+    what = describe(comm) + (f", running for {now - since:.1f} s" if since is not None else ", finished")
     store.set(f"{prefix}/{comm.rank}", f"{generation}|{what}")
 
 
@@ -197,7 +197,7 @@ def _look(comm, now: float) -> None:
     generation = int(store.add(request, 1))
     _publish(comm, store, prefix, generation, state, now)
     state.answered = generation
-    peers = {}
+    peers: dict[int, str] = {}
     deadline = time.monotonic() + PEER_ANSWER_S
     others = [r for r in range(comm.world_size) if r != comm.rank]
     while len(peers) < len(others) and time.monotonic() < deadline:
