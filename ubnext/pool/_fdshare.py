@@ -28,6 +28,7 @@ import os
 import socket
 import struct
 from collections.abc import Callable
+from typing import cast
 
 from .. import envs
 
@@ -86,7 +87,8 @@ def exchange_fds(
         expected = [r for r in senders if r != rank]
         for _ in expected:
             try:
-                conn, _addr = listener.accept()
+                # listener is set: it is None only with a listen_error, raised above
+                conn, _addr = cast(socket.socket, listener).accept()
             except TimeoutError:
                 missing = [r for r in expected if result[r] == -1]
                 raise TimeoutError(
@@ -141,13 +143,14 @@ _NET_WHY = "an abstract Unix socket is reachable only from its own network names
 def _identity() -> tuple[int, tuple[str | None, str | None]]:
     """This process's pid and its (PID, network) namespaces, as /proc/self/ns names them
     ("pid:[4026531836]": equal names, one namespace); None for one that cannot be read."""
-    names = []
-    for kind in ("pid", "net"):
-        try:
-            names.append(os.readlink(f"/proc/self/ns/{kind}"))
-        except OSError:
-            names.append(None)
-    return os.getpid(), tuple(names)
+    return os.getpid(), (_namespace("pid"), _namespace("net"))
+
+
+def _namespace(kind: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/ns/{kind}")
+    except OSError:
+        return None
 
 
 def _check_namespaces(namespaces: list[tuple[str | None, str | None]]) -> None:
@@ -155,8 +158,9 @@ def _check_namespaces(namespaces: list[tuple[str | None, str | None]]) -> None:
     for i, (kind, why, fix) in enumerate((("PID", _PID_WHY, _PID_FIX), ("network", _NET_WHY, _NET_FIX))):
         seen: dict[str, list[int]] = {}
         for r, ns in enumerate(namespaces):
-            if ns[i] is not None:
-                seen.setdefault(ns[i], []).append(r)
+            name = ns[i]
+            if name is not None:
+                seen.setdefault(name, []).append(r)
         if len(seen) > 1:
             groups = "; ".join(f"rank(s) {ranks} in {name}" for name, ranks in seen.items())
             raise OSError(

@@ -6,6 +6,7 @@ import logging
 import mmap
 import os
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ class EmulatorBackend(_Backend):
         self._handle = None
         self._maps: list[mmap.mmap] = []
         self._arrays: list[np.ndarray] = []
-        self._local = None
+        self._local: torch.Tensor | None = None
         self.mc_base = 0
         counting = envs.get("UBNEXT_EMU_COUNT")
         mapped = size * (1 + _emu.STAMP_BYTES_PER_BYTE) if counting else size
@@ -77,7 +78,8 @@ class EmulatorBackend(_Backend):
         self._local = torch.from_numpy(self._arrays[rank])
 
     def local_tensor(self) -> torch.Tensor:
-        return self._local
+        # set at the end of __init__; cleared only when the backend closes, after its last use
+        return cast(torch.Tensor, self._local)
 
     def _release_all(self) -> None:
         if self._handle is not None:

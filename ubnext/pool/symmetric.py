@@ -12,6 +12,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -132,11 +133,11 @@ class SymmetricPool:
         rest = layout.data_bytes - layout.staging_bytes
         half = rest // 2 // 256 * 256
         arena_off = layout.data_off + layout.staging_bytes
-        self.arenas = {
+        self.arenas: dict[str, RingAllocator | Allocator] = {
             "eager": RingAllocator(arena_off, half, min_align=16, collect=collect_garbage),
             "graph": Allocator(arena_off + half, rest - half, min_align=16),
         }
-        self._staging_bytes = _Slot(
+        self._staging_bytes: torch.Tensor | None = _Slot(
             self.base + layout.data_off, layout.staging_bytes, self.device, self.backend
         ).tensor(self.device)
         self._staging_views: dict[tuple, torch.Tensor] = {}
@@ -162,7 +163,7 @@ class SymmetricPool:
                 error = exc
             # every rank must take the same backend, or the next rendezvous pairs up wrongly
             if all(allgather(backend is not None)):
-                return backend
+                return cast(TorchSymmBackend, backend)  # every rank's, this one's too, was made
             if backend is not None:
                 backend.close()
             log.warning(
@@ -261,7 +262,8 @@ class SymmetricPool:
             if nbytes > self.layout.staging_bytes:
                 raise NoRoom(f"{nbytes} bytes exceed the staging region ({self.layout.staging_bytes} bytes)")
             with torch.inference_mode(False):  # kept for every later call, in or out of inference mode
-                view = self._staging_bytes[:nbytes].view(dtype).view(shape)
+                # the region is dropped only by close(), after which staging() raises above
+                view = cast(torch.Tensor, self._staging_bytes)[:nbytes].view(dtype).view(shape)
             if len(self._staging_views) < 256:  # the views of a model's few shapes, made once
                 self._staging_views[key] = view
         return view
@@ -269,7 +271,7 @@ class SymmetricPool:
     def offset_of(self, t: torch.Tensor) -> int:
         return t.data_ptr() - self.base
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | str]:
         eager, graph = self.arenas["eager"], self.arenas["graph"]
         return {
             "backend": self.backend.name,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -51,7 +52,9 @@ class TorchSymmBackend(_Backend):
         except Exception as exc:  # noqa: BLE001 - any refusal: agreed below, the caller takes VMM
             error = f"{type(exc).__name__}: {exc}"
         _agree(allgather, error, "symm_mem.empty")  # the rendezvous is collective
-        self._handle = symm_mem.rendezvous(self._tensor, group_name)
+        # symm_mem.empty returned on every rank (_agree raised otherwise), so the tensor is set
+        tensor = cast(torch.Tensor, self._tensor)
+        self._handle = symm_mem.rendezvous(tensor, group_name)
         bases = [int(p) for p in self._handle.buffer_ptrs]
         # buffer_ptrs are the bases of the symmetric blocks, and torch's pool may place a tensor
         # inside a block. The multicast address is then ambiguous: older torch returns the
@@ -59,7 +62,7 @@ class TorchSymmBackend(_Backend):
         # tensor's offset, and one revision has get_offset() yet returns the bare base. Only at
         # offset 0 do both conventions agree, so anything else is refused (the caller falls back to
         # ubnext's own VMM, agreed across ranks).
-        offset = self._tensor.data_ptr() - bases[group.rank()]
+        offset = tensor.data_ptr() - bases[group.rank()]
         if offset != 0:
             self._tensor = self._handle = None
             raise RuntimeError(
@@ -70,7 +73,8 @@ class TorchSymmBackend(_Backend):
         self.mc_base = int(getattr(self._handle, "multicast_ptr", 0) or 0)
 
     def local_tensor(self) -> torch.Tensor:
-        return self._tensor
+        # set by __init__; cleared only when the backend closes, after its last use
+        return cast(torch.Tensor, self._tensor)
 
     def _release_all(self) -> None:
         # work queued through a view that has died may still run: the block goes back to torch's

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -36,7 +37,7 @@ class VmmBackend(_Backend):
         self._reserved: list[tuple[int, int]] = []
         self._mc = None
         self._mc_bound = False
-        self._local = None
+        self._local: torch.Tensor | None = None
         self._dev = None
         self.mc_base = 0
         self._peer_ranges = 0  # the address ranges mapped before the multicast part's
@@ -56,7 +57,8 @@ class VmmBackend(_Backend):
 
         drv, check = self._drv, self._check
         # -- phase 1: what this GPU offers, agreed (sizes, multicast, which GPU)
-        info, error = None, None
+        info: tuple[int, bool, int, bytes] | None = None
+        error: str | None = None
         try:
             context.enter_context(primary_context(device.index))
             info = self._query(size, nranks, device)
@@ -64,7 +66,8 @@ class VmmBackend(_Backend):
             error = str(exc)
         agreed = allgather((info, error))
         _raise_if_any([e for _, e in agreed], "querying the GPU")
-        gran, _, _, uuid = info
+        # every rank's query worked (_raise_if_any raised otherwise), so this one's is set
+        gran, _, _, uuid = cast("tuple[int, bool, int, bytes]", info)
         # A multicast object takes one device per rank, and cuMulticastBindMem waits until all of
         # them have been added: ranks sharing a GPU would wait forever, so they get no multicast.
         infos = [i for i, _ in agreed]
@@ -277,7 +280,8 @@ class VmmBackend(_Backend):
         return prop
 
     def local_tensor(self) -> torch.Tensor:
-        return self._local
+        # set at the end of the set-up; cleared only when the backend closes, after its last use
+        return cast(torch.Tensor, self._local)
 
     def _drop_own_views(self) -> None:
         self._local = None
