@@ -249,9 +249,14 @@ class FP8AllGatherWeight(torch.Tensor):
         self._scale = scale
         self._comm: Communicator | None = None  # use_ubnext_collectives's, else FSDP2's group's own
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's stubs type Tensor.__torch_function__ as a classmethod of another signature; the
+    # disabled impl is torch's own way to turn it off (torch.sparse's subclasses ignore it alike)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    def __repr__(self) -> str:
+    _gathered_at: int  # the storage address _set_gathered filed the gathered weight under, once set
+
+    # mypy rejects every override of Tensor.__repr__, its own signature included (so does DTensor's)
+    def __repr__(self) -> str:  # type: ignore[override]
         return f"FP8AllGatherWeight(scaling={self._scaling!r}, {self._tensor!r})"
 
     @classmethod
@@ -367,7 +372,9 @@ _GATHERED: dict[int, tuple] = {}
 
 
 def _set_gathered(owner: FP8AllGatherWeight, weight: torch.Tensor, q, scale_inv, scaling: str) -> None:
-    _GATHERED.pop(getattr(owner, "_gathered_at", None), None)
+    previous = getattr(owner, "_gathered_at", None)
+    if previous is not None:
+        _GATHERED.pop(previous, None)
     owner._gathered_at = weight.untyped_storage().data_ptr()
     _GATHERED[owner._gathered_at] = (q, scale_inv, scaling)
 
@@ -423,7 +430,8 @@ def convert_to_fp8_all_gather(
         if not getattr(module, "_ubnext_fp8_state_dict_hooks", False):
             module.register_state_dict_post_hook(_plain_state_dict)
             module.register_load_state_dict_pre_hook(_fp8_load_state_dict)
-            module._ubnext_fp8_state_dict_hooks = True
+            # torch's stubs admit only Tensors and Modules through Module.__setattr__; a flag is fine
+            module._ubnext_fp8_state_dict_hooks = True  # type: ignore[assignment]
         converted.append(name)
     return converted
 

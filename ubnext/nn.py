@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -193,7 +194,8 @@ class Linear(torch.nn.Module):
         with torch.no_grad():
             layer.weight.copy_(layer.shard_of(weight))
             if linear.bias is not None:
-                layer.bias.copy_(layer.shard_of(linear.bias))
+                # the layer was built with a bias because the dense one has one
+                cast(torch.nn.Parameter, layer.bias).copy_(layer.shard_of(linear.bias))
             if norm_weight is not None:
                 if layer.norm_weight is None:
                     raise ValueError("norm_weight is for symmetric_ar_type='ubnext_add_rms'")
@@ -270,6 +272,7 @@ class Linear(torch.nn.Module):
         x = x.contiguous()
         kind = self.symmetric_ar_type
         if kind == "ubnext_add_rms":
+            residual = cast(torch.Tensor, residual)  # not None: checked against symmetric_ar_type above
             partial = F.linear(x, self.weight)
             if self.bias is not None:
                 residual = residual + self.bias  # added once, before the fused norm

@@ -28,7 +28,9 @@ op's (correctly rounded) one in the last bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard, cast
 
 import torch
 import torch.fx as fx
@@ -74,7 +76,7 @@ def val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _is(node, *targets) -> bool:
+def _is(node: object, *targets: object) -> TypeGuard[fx.Node]:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
@@ -178,6 +180,8 @@ def _match_rmsnorm(src: fx.Node, square: fx.Node, xv, hidden: int):
             return f"a norm weight of dtype {wv.dtype} with {xv.dtype} activations"
         if not wv.is_contiguous():
             return "a non-contiguous norm weight"
+        # weight is a tensor only when scale is the product that read it (_is above): a Node
+        scale = cast(fx.Node, scale)
         out = _cast_to(scale, xv.dtype) or scale
     else:
         weight = None
@@ -255,7 +259,8 @@ def _per_token_scale(absolute: fx.Node, last_dim: int):
     amax = _only_user(absolute)
     if not _is(amax, aten.amax.default):
         return "|y| is not reduced by amax alone"
-    dims = amax.args[1] if len(amax.args) > 1 else amax.kwargs.get("dim")
+    # aten.amax.default's dim is an int[] in the schema: the graph holds a list of ints (or None)
+    dims = cast("Sequence[int] | None", amax.args[1] if len(amax.args) > 1 else amax.kwargs.get("dim"))
     keepdim = amax.args[2] if len(amax.args) > 2 else amax.kwargs.get("keepdim", False)
     if not dims:
         return (
@@ -267,7 +272,8 @@ def _per_token_scale(absolute: fx.Node, last_dim: int):
     div = _only_user(amax)
     clamp = _only_user(div) if _is(div, aten.div.Tensor) and div.args[0] is amax else None
     if not (
-        _is_number(div.args[1] if clamp else None, FP8_MAX)
+        # clamp is set only where div is the division node (the line above)
+        _is_number(cast(fx.Node, div).args[1] if clamp else None, FP8_MAX)
         and _is(clamp, aten.clamp_min.default)
         and _is_number(clamp.args[1], FP8_TINY_SCALE_INV)
     ):
