@@ -16,6 +16,7 @@ import argparse
 import functools
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -292,7 +293,7 @@ def host_overhead(
         )
     comm.register_hidden(hidden)
     comm.prepare()
-    launches = [0, None]  # how many, and the last one's arguments
+    launches: list[Any] = [0, None]  # how many, and the last one's arguments
 
     def record_launch(*args):
         # a count and the last call only: a list of every launch would make the garbage
@@ -494,9 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         from .tuning import _costmodel
 
-        rows = _costmodel.run(args.world, quick=args.quick)
-        _costmodel.print_table(rows, args.json)
-        _costmodel.print_invariant(_costmodel.invariant_rows(rows), args.json)
+        model_rows = _costmodel.run(args.world, quick=args.quick)
+        _costmodel.print_table(model_rows, args.json)
+        _costmodel.print_invariant(_costmodel.invariant_rows(model_rows), args.json)
         return 0
 
     gpu = gpu_available()

@@ -234,18 +234,20 @@ def choose(
         else:
             wanted = [forced]
         for path in wanted:
-            if caps[path] is None:
+            why_not = caps[path]
+            if why_not is None:
                 return Plan(path, f"UBNEXT_ALGO={forced}", skipped)
-            skipped.append((path, caps[path]))
+            skipped.append((path, why_not))
         order = [p for p in order if p not in wanted]
     for path in order:
-        if caps[path] is None:
+        why_not = caps[path]
+        if why_not is None:
             reason = (
                 f"auto: the fastest path that can run, by the cost model at {pool.world_size} ranks "
                 "(ubnext/plan/_thresholds.py)"
             )
             return Plan(path, reason, skipped)
-        skipped.append((path, caps[path]))
+        skipped.append((path, why_not))
     raise AssertionError("torch.distributed is always available")  # pragma: no cover
 
 

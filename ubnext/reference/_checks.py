@@ -201,7 +201,8 @@ def reduce_factor(op, world_size: int) -> float:
         return 1.0 if op == "sum" else 1.0 / world_size
     if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         # a RedOpType is itself the kind; a ReduceOp object (PREMUL_SUM(f)) carries kind and factor
-        kind, factor = (op, None) if isinstance(op, dist.ReduceOp.RedOpType) else (op.op, _premul_factor(op))
+        # torch's stubs omit ReduceOp.op, the pybind property that holds a ReduceOp object's kind
+        kind, factor = (op, None) if isinstance(op, dist.ReduceOp.RedOpType) else (op.op, _premul_factor(op))  # type: ignore[attr-defined]
         if kind == dist.ReduceOp.SUM:
             return 1.0
         if kind == dist.ReduceOp.AVG:

@@ -36,6 +36,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from . import _costmodel as M
 
@@ -147,7 +148,10 @@ class Model:
         case = case_of(op, path, nbytes, elem)
         measured = self.counts.get((op, world, multicast, path))
         if measured is not None:
-            return measured.get(case) or M.derive(measured, case, world, self.sm_count)
+            launches = measured.get(case) or M.derive(measured, case, world, self.sm_count)
+            if launches is None:
+                raise LookupError(f"no measured counts of {op}'s {path!r} path at world {world} to derive {case} from")
+            return launches
         worlds = self.measured_worlds(op, multicast)
         w0 = max(w for w in worlds if w < world)
         w1 = min(w for w in worlds if w > world)
@@ -176,7 +180,8 @@ def samples(op: str, elem: int | None = None) -> list[int]:
     """The message sizes at which orders are compared: SAMPLES_PER_OCTAVE per octave in whole
     16-byte vectors (whole rows of hidden 8192 of ``elem`` bytes for the fused op), up to MAX_BYTES."""
     unit = elem * M.HIDDEN if elem else 16
-    out, k = [], 0
+    out: list[int] = []
+    k = 0
     while True:
         n = max(1, round(2 ** (k / SAMPLES_PER_OCTAVE))) * unit
         if n > MAX_BYTES:
@@ -209,7 +214,9 @@ def orders(model: Model) -> dict:
         sizes = samples(op, elem)
         for world in model.worlds():
             for multicast in (True, False):
-                segments, order, last = [], None, 0
+                segments: list[tuple[int | None, tuple[str, ...]]] = []
+                order: tuple[str, ...] | None = None
+                last = 0
                 for n in sizes:
                     times = model.times(op, world, multicast, n, elem)
                     if order is None or not acceptable(order, times):
@@ -217,7 +224,8 @@ def orders(model: Model) -> dict:
                             segments.append((last, order))
                         order = ranked(times)
                     last = n
-                segments.append((None, order))
+                # samples() is never empty (its first size is below MAX_BYTES): order is set
+                segments.append((None, cast("tuple[str, ...]", order)))
                 out[(op, elem, world, multicast)] = tuple(segments)
     return out
 
