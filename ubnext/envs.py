@@ -333,6 +333,15 @@ VARIABLES: dict[str, Var] = {
             "process, with the rank, whatever the number of communicators. The build lines (logger ubnext.build: "
             "the emulator, NVRTC) show at the default level; error silences them.",
         ),
+        Var(
+            "UBNEXT_VLLM",
+            _bool,
+            False,
+            "0|1",
+            "Turn on ubnext's vLLM plugin (the `vllm.general_plugins` entry point, docs/VLLM.md): vLLM's "
+            "tensor-parallel all-reduce, and its all-reduce + RMSNorm in compiled graphs, run on ubnext. Unset, "
+            "the plugin imports nothing but ubnext.envs and changes nothing in vLLM.",
+        ),
     )
 }
 
