@@ -8,6 +8,9 @@ step() { echo; echo "=== $* ($((SECONDS - start)) s)"; }
 step "format: the C/C++/CUDA sources of csrc/ and include/ follow .clang-format"
 scripts/check_format_c.sh
 
+step "python: ruff (lint, format) over ubnext/ tests/ scripts/ examples/, mypy over ubnext/"
+scripts/check_python.sh
+
 step "kernels: NVRTC compile of every kernel for sm_90 and sm_100 (no spills allowed)"
 python -m ubnext.kernels build --arch sm_90 sm_100 --fail-on-spill
 

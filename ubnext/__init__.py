@@ -60,7 +60,8 @@ def _group_key(group, signature: str = _ALL_REDUCE_SIGNATURE) -> str:
     if not dist.is_initialized():
         _lifecycle.communicator_of(None)
     try:
-        return (group if group is not None else dist.group.WORLD).group_name
+        # WORLD is set once torch.distributed is initialised (above); anything else is caught below
+        return (group if group is not None else dist.group.WORLD).group_name  # type: ignore[union-attr]
     except AttributeError:  # off the hot path: a group's name, or something that is no group
         if isinstance(group, str) and group in _lifecycle.cached:
             return group

@@ -11,6 +11,7 @@ keeps torch_symm's buffers in ``_symm_buffers`` (one per dtype).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,16 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.data_ptr() == b.data_ptr() and a.device == b.device and a.stride() == b.stride())
 
 
-class AllReduceOps:
+# the contract (ubnext/comm/_contracts.py): needs State, Prepared, Planned, Executing; provides AllReducing
+if TYPE_CHECKING:
+    from ._contracts import AllReducing, Executing, Planned, Prepared, State
+
+    class Part(State, Prepared, Planned, Executing, AllReducing): ...
+else:
+    Part = object
+
+
+class AllReduceOps(Part):
     """The Communicator's allreduce, with its torch fallbacks beside its kernel paths."""
 
     def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,20 +88,21 @@ class AllReduceOps:
         return out
 
     def _all_reduce_by(self, call: Call, x: torch.Tensor, out: torch.Tensor) -> None:
-        path = call.path
-        if path in ("lamport", "nvls_lamport") and reads_own_input_only(path, call.launch.scalars[3]):
-            self._launch(call.launch, x, out)  # x anywhere, in place too: no peer reads it
+        path, launch = call.path, call.launch
+        if launch is None:  # torch_symm and torch: no ubnext kernel (Call)
+            if path == "torch_symm":
+                self._torch_symm_all_reduce(x, out)
+            else:
+                self._torch_all_reduce(x, out)
+        elif path in ("lamport", "nvls_lamport") and reads_own_input_only(path, launch.scalars[3]):
+            self._launch(launch, x, out)  # x anywhere, in place too: no peer reads it
         elif path in plan.IN_PLACE_PATHS:
-            self._in_place(call.launch, x, out)
-        elif path in ("nvls_oneshot", "nvls_lamport"):
+            self._in_place(launch, x, out)
+        else:  # nvls_oneshot, nvls_lamport
             # peers read `in` through multicast while this rank writes `out`: never the same memory
             in_pool = out is not x and self._in_pool_aligned(x)
-            stage = x if in_pool else self._pool.staging(x.shape, x.dtype).copy_(x)
-            self._launch(call.launch, stage, out)
-        elif path == "torch_symm":
-            self._torch_symm_all_reduce(x, out)
-        else:
-            self._torch_all_reduce(x, out)
+            stage = x if in_pool else self._pool.staging(x.shape, x.dtype).copy_(x)  # type: ignore[union-attr]  # a kernel path's call exists only with a pool
+            self._launch(launch, stage, out)
 
     def _straight_into_out(self, launch: Launch, dtype: torch.dtype) -> Launch:
         """``launch`` (a flat nvls_twoshot) with UBNEXT_F_MULTICAST: its broadcast lands in a pool
@@ -124,11 +135,11 @@ class AllReduceOps:
             # in place: each Lamport thread reads its vectors of `in` before it writes them in `out`
             y = torch.nn.functional.linear(x, weight)
             return self._all_reduce(y, y, planned)
-        y = self._staging_or_none(shape, x.dtype)
-        if y is None:
+        staged = self._staging_or_none(shape, x.dtype)
+        if staged is None:
             y = torch.nn.functional.linear(x, weight)
         else:
-            torch.matmul(x, weight.t(), out=y)
+            y = torch.matmul(x, weight.t(), out=staged)
         return self._all_reduce(y, torch.empty_like(y))
 
     def _staging_or_none(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -159,7 +170,7 @@ class AllReduceOps:
             # copy in and no copy out; x is left as it was
             self._launch(self._straight_into_out(launch, x.dtype), x, out)
             return
-        stage = self._pool.staging(x.shape, x.dtype)
+        stage = self._pool.staging(x.shape, x.dtype)  # type: ignore[union-attr]  # a kernel path: there is a pool
         if stage.data_ptr() != x.data_ptr():  # x may already be the staging region
             stage.copy_(x)
         self._launch(launch, stage, stage)

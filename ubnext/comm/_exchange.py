@@ -7,6 +7,8 @@ pool or, where plan.exchange_path says they cannot run, on torch.distributed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -14,8 +16,16 @@ from .. import ops, plan
 from ..reference._checks import check_all_gather_args, check_reduce_scatter_args, reduce_factor
 from ._executor import Call, flight_recorded
 
+# the contract (ubnext/comm/_contracts.py): needs State, Planned, Executing, AllReducing
+if TYPE_CHECKING:
+    from ._contracts import AllReducing, Executing, Planned, State
 
-class ExchangeOps:
+    class Part(State, Planned, Executing, AllReducing): ...
+else:
+    Part = object
+
+
+class ExchangeOps(Part):
     """The Communicator's all-gather and reduce-scatter, each with its torch fallback."""
 
     def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,7 +91,7 @@ class ExchangeOps:
         if call.launch is None:
             self._torch_all_gather(x, out)
             return
-        target = out if in_pool else self._pool.staging((self.world_size * nbytes,), torch.uint8)
+        target = out if in_pool else self._pool.staging((self.world_size * nbytes,), torch.uint8)  # type: ignore[union-attr]  # a kernel path: there is a pool
         src = _on_grid_of(x, target.data_ptr() + self.rank * nbytes)
         self._run(call.launch, (src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
         if target is not out:
@@ -117,7 +127,7 @@ class ExchangeOps:
         if call.launch is None:
             self._torch_reduce_scatter(x, out, factor)
             return
-        src = x if in_pool else self._pool.staging((x.numel(),), x.dtype).copy_(x.view(-1))
+        src = x if in_pool else self._pool.staging((x.numel(),), x.dtype).copy_(x.view(-1))  # type: ignore[union-attr]  # a kernel path: there is a pool
         target = out if out.data_ptr() % elem == 0 else torch.empty_like(out)  # the kernel stores whole elements
         self._run(call.launch, (src.data_ptr(), target.data_ptr(), 0, 0, 0, 0, 0))
         if target is not out:

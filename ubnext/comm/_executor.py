@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -196,7 +196,16 @@ def _misaligned(t: torch.Tensor | None, align: int = 16) -> bool:
     return t is not None and t.data_ptr() % align != 0
 
 
-class Executor:
+# the contract (ubnext/comm/_contracts.py): needs State, Prepared; provides Executing
+if TYPE_CHECKING:
+    from ._contracts import Executing, Prepared, State
+
+    class Part(State, Prepared, Executing): ...
+else:
+    Part = object
+
+
+class Executor(Part):
     """The Communicator's launches and the checks every call makes before one."""
 
     # NCCL's NVLS grid base (gpu_max_blocks): 16 below sm_100; a GPU communicator from sm_100 sets 32,
@@ -205,7 +214,7 @@ class Executor:
     # the flight record (ubnext/runtime/_watchdog.py): launches made, the last one, the last one that returned
     _flight_seq = 0
     _flight_done = 0
-    _flight_how = None
+    _flight_how: Launch | TorchCall | None = None
     _flight_group = ""  # the process group's name (Communicator.__init__)
 
     def _log_once(self, key: str, message: str) -> None:
@@ -293,8 +302,10 @@ class Executor:
                 bool(flags & kernels.F_RANK_ORDER),
                 not flags & kernels.F_FP8_PER_TOKEN,
             )
-            desc = self._pool.desc
-            if algo in ("lamport", "allgather") and self._pool.has_multicast:
+            pool = self._pool
+            assert pool is not None, "a collective kernel's launch is made only once there is a pool"
+            desc = pool.desc
+            if algo in ("lamport", "allgather") and pool.has_multicast:
                 flags |= kernels.F_MULTICAST
         else:
             (grid, block), desc = geometry, LOCAL_DESC
@@ -375,7 +386,7 @@ class Executor:
         if self.mode == "emulator":
             try:
                 with _watchdog.interruptible():
-                    self._emu.launch(
+                    self._emu.launch(  # type: ignore[union-attr]  # emulator mode loads it with the pool
                         how.name,
                         how.grid,
                         how.block,
@@ -415,7 +426,9 @@ class Executor:
     def _flight_running(self) -> bool:
         """Whether the last launch may still run (the watchdog's question, from its thread): on the
         emulator, its launch has not returned; on a GPU, the event recorded after it has not completed."""
-        if self.mode == "emulator" or self._flight_how.algo == "torch":  # synchronous until they return
+        how = self._flight_how
+        assert how is not None, "asked only while a launch is recorded in flight"
+        if self.mode == "emulator" or how.algo == "torch":  # synchronous until they return
             return True
         done = self._launch_done
         return done is not None and not _cuda.event_done(done, self._device_index)

@@ -7,6 +7,8 @@ they cannot run it, as the chosen allreduce followed by the same arithmetic in t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .. import kernels, ops
@@ -42,7 +44,16 @@ def _value_text(scale: torch.Tensor | None) -> str | None:
     return None if scale is None else repr(float(scale.reshape(-1)[0]))
 
 
-class FusedNormOps:
+# the contract (ubnext/comm/_contracts.py): needs State, Prepared, Planned, Executing, AllReducing
+if TYPE_CHECKING:
+    from ._contracts import AllReducing, Executing, Planned, Prepared, State
+
+    class Part(State, Prepared, Planned, Executing, AllReducing): ...
+else:
+    Part = object
+
+
+class FusedNormOps(Part):
     """The Communicator's fused norm."""
 
     def all_reduce_add_rmsnorm(
@@ -77,8 +88,16 @@ class FusedNormOps:
         )
 
     def _all_reduce_add_rmsnorm_quant(
-        self, x, residual, weight, eps: float, fmt: str, global_scale, swizzled: bool, ue8m0: bool
-    ):
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        fmt: str,
+        global_scale: torch.Tensor | None,
+        swizzled: bool,
+        ue8m0: bool,
+    ) -> tuple[torch.Tensor, ...]:
         """torch.ops.ubnext.all_reduce_add_rmsnorm_quant's implementation, returning ``(q, residual_out,
         scales)``: one kernel, whose row output quantises each normed vector where it computes it, with
         the standalone quantizer's own device code (csrc/device/norm.cuh store_row_out, blockscale.cuh
@@ -98,7 +117,7 @@ class FusedNormOps:
         scale: torch.Tensor | None = None,
         fp8: bool = False,
         block: tuple | None = None,
-    ):
+    ) -> tuple[torch.Tensor, ...]:
         """The fused op itself: torch.ops.ubnext.all_reduce_add_rmsnorm's implementation, returning
         ``(out, residual_out)``; with ``fp8`` all_reduce_add_rmsnorm_fp8's, returning
         ``(out, residual_out, scale_inv)``; with ``block`` = (fmt, global_scale, swizzled, ue8m0)
@@ -167,7 +186,7 @@ class FusedNormOps:
         else:
             # lamport reads x anywhere; the NVLS/two-shot kernels reduce through the pool and
             # overwrite their input, so x is always staged (never the caller's x)
-            inp = x if path == "lamport" else self._pool.staging(x.shape, x.dtype).copy_(x)
+            inp = x if path == "lamport" else self._pool.staging(x.shape, x.dtype).copy_(x)  # type: ignore[union-attr]  # a kernel path: there is a pool
         residual_out = torch.empty_like(residual)
         if block:
             (q_shape, q_dtype), (s_shape, s_dtype) = output_specs(x, block[0], block[2])

@@ -13,6 +13,7 @@ and keeps ``_plans`` and ``_calls``.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,8 +22,16 @@ from ..errors import CLOSED, UbnextError
 from ..plan import KERNEL_PATHS
 from ._executor import Call
 
+# the contract (ubnext/comm/_contracts.py): needs State, Prepared, Executing; provides Planned
+if TYPE_CHECKING:
+    from ._contracts import Executing, Planned, Prepared, State
 
-class Planner:
+    class Part(State, Prepared, Planned, Executing): ...
+else:
+    Part = object
+
+
+class Planner(Part):
     """The Communicator's path choice, cached per call signature."""
 
     def _pool_view(self) -> plan.PoolView:
@@ -103,7 +112,7 @@ class Planner:
     def _call_for(
         self,
         signature: tuple,
-        shape: torch.Size,
+        shape: tuple[int, ...],
         dtype: torch.dtype,
         *,
         hidden: int = 0,

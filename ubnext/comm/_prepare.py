@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from ..reference._checks import POOL_DTYPES
 from ..runtime import _cuda, _lifecycle, _watchdog
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import Communicator
+    pass
 
 log = logging.getLogger("ubnext")
 # the kernels' wait bound above which start-up says so (a silent 30 minutes is gloo's default)
@@ -225,7 +225,16 @@ def check_in(
     return f"waited {timeout_s:g} s for rank(s) {missing} of the group, which never reached it"
 
 
-class Preparation:
+# the contract (ubnext/comm/_contracts.py): needs State, Planned, Executing, AllReducing; provides Prepared
+if TYPE_CHECKING:
+    from ._contracts import AllReducing, Executing, Planned, Prepared, State
+
+    class Part(State, Prepared, Planned, Executing, AllReducing): ...
+else:
+    Part = object
+
+
+class Preparation(Part):
     """The Communicator's pool and kernels, made once, collectively."""
 
     # this rank's kernels, built or loaded once (_prepare_kernels), and why they cannot be if so
@@ -296,7 +305,7 @@ class Preparation:
                 self._self_test()
         return self._pool
 
-    def prepare(self) -> Communicator:
+    def prepare(self) -> Self:
         """Create the pool and load every kernel now (collective: every rank calls it). The first
         op does this otherwise; call it before CUDA graph capture, and to keep first-call latency
         (NVRTC compiles, the ranks' rendezvous) out of timed or captured regions."""
@@ -314,7 +323,7 @@ class Preparation:
         numel = 2048 * self.world_size + 3  # whole vectors, and a tail that ends inside one
         i = torch.arange(numel, dtype=torch.int64)
         mine = (((i * 7 + self.rank * 3) % 13) - 6).to(torch.bfloat16).to(self.device)
-        want = sum((((i * 7 + r * 3) % 13) - 6) for r in range(self.world_size)).to(torch.bfloat16)
+        want = torch.stack([((i * 7 + r * 3) % 13) - 6 for r in range(self.world_size)]).sum(0).to(torch.bfloat16)
         algo, failures = self._algo, {}
         try:
             runnable = self._capabilities(numel * 2, torch.bfloat16, fused=False)

@@ -12,6 +12,7 @@ quantisation may be any rank's first call.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -68,7 +69,16 @@ def split_row(n: int, elem: int) -> int:
     return per_vector * math.gcd(n // per_vector, SPLIT_ROW_VECTORS)
 
 
-class QuantizeOps:
+# the contract (ubnext/comm/_contracts.py): needs State, Prepared, Executing
+if TYPE_CHECKING:
+    from ._contracts import Executing, Prepared, State
+
+    class Part(State, Prepared, Executing): ...
+else:
+    Part = object
+
+
+class QuantizeOps(Part):
     """The Communicator's quantisation."""
 
     def quantize_fp8(self, x: torch.Tensor, *, scaling: str = "row", scale: torch.Tensor | None = None):
@@ -141,7 +151,9 @@ class QuantizeOps:
             block, max_blocks = GPU_BLOCK, LOCAL_GRID_MAX
         return quantize_geometry(n, elem, hidden, static, block, max_blocks)
 
-    def _quantize_fp8(self, x: torch.Tensor, hidden: int, scale: torch.Tensor | None):
+    def _quantize_fp8(
+        self, x: torch.Tensor, hidden: int, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """torch.ops.ubnext.quantize_fp8's implementation: the kernel where ubnext kernels run,
         else quantize_fp8_reference, the same contract (bitwise: true division, saturation)."""
         check_quantize_args(x, hidden, scale)
@@ -209,7 +221,9 @@ class QuantizeOps:
         ``ubnext.reference._blockscale.quantize_reference`` is the same arithmetic in torch."""
         return ops.quantize(x, fmt, global_scale, bool(swizzled), bool(ue8m0), self.key)
 
-    def _quantize_blocks(self, x: torch.Tensor, fmt: str, global_scale, swizzled: bool, ue8m0: bool):
+    def _quantize_blocks(
+        self, x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, swizzled: bool, ue8m0: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """torch.ops.ubnext.quantize's implementation: the kernel (csrc/kernels/blockscale.cu) where
         ubnext kernels run, else quantize_reference, the same arithmetic."""
         check_quantize_block_args(x, fmt, global_scale, swizzled, ue8m0)

@@ -20,6 +20,8 @@ the out= forms refuse an input that requires grad (``not_differentiable``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..reference._blockscale import check_fused_quant_args, check_quantize_block_args, output_specs
@@ -36,6 +38,7 @@ from ..reference._checks import (
     fp8_output,
 )
 from ..runtime import _lifecycle
+from ._target import OpTarget
 
 __all__ = [
     "all_reduce",
@@ -81,9 +84,10 @@ _lib.define(
 )
 
 
-# the communicator an operator's ``comm`` argument names (see the module docstring); the
+# the communicator an operator's ``comm`` argument names (see the module docstring), as the contract
+# the operators may call (_target.OpTarget, which mypy checks the Communicator against); the
 # registry's own function, without a frame of ours around it, since every operator call asks
-communicator_for = _lifecycle.lookup
+communicator_for: Callable[[str], OpTarget] = _lifecycle.lookup
 
 
 # -- implementations (real tensors) --------------------------------------------------------------
