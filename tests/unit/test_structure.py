@@ -98,6 +98,8 @@ LAYERS = {
     "parallel": {"nn"},
     "fsdp": {"runtime", "kernels", "reference", "pool", "plan", "ops", "comm"},
     "fusion": {"ops", "reference"},
+    # the top: everything public in ubnext (the public modules of docs/ARCHITECTURE.md), and nothing imports it
+    "integrations": {"comm", "ops", "plan", "fusion", "nn", "parallel", "fsdp", "testing", "info"},
 }
 TOP = {"", "bench"}
 
@@ -180,6 +182,18 @@ def test_ubnext_keeps_the_layout_rules():
 def test_ubnext_keeps_the_import_rules():
     edges, _, _ = imports(PACKAGE)
     assert not layer_violations(edges)
+
+
+def test_nothing_in_ubnext_imports_the_integrations():
+    """ubnext.integrations sits above everything, the package and bench included: a framework's plugin is
+    loaded by the framework, never by ubnext."""
+    edges, _, _ = imports(PACKAGE)
+    importers = sorted(
+        m
+        for m, targets in edges.items()
+        if _part(m) != "integrations" and any(_part(t) == "integrations" for t in targets)
+    )
+    assert not importers, f"modules outside ubnext.integrations import it: {importers}"
 
 
 def test_every_part_has_a_line_in_the_architecture_tree():

@@ -162,6 +162,25 @@ def _call(graph: fx.Graph, target: Any, args: tuple, like: Any) -> fx.Node:
     return node
 
 
+def _zeros(graph: fx.Graph, x: fx.Node, like: Any) -> fx.Node:
+    """Zeros of ``x``'s shape and dtype, as ``aten.full`` (Inductor lowers it; ``zeros_like`` is decomposed
+    before the post-grad passes and has no lowering), symbolic sizes read with ``aten.sym_size``."""
+    shape: list[Any] = []
+    for i, size in enumerate(like.shape):
+        if isinstance(size, int):
+            shape.append(size)
+        else:
+            node = graph.call_function(torch.ops.aten.sym_size.int, (x, i))
+            node.meta["val"] = size
+            shape.append(node)
+    zeros = graph.call_function(
+        torch.ops.aten.full.default, (shape, 0.0), {"dtype": like.dtype, "device": like.device, "pin_memory": False}
+    )
+    with like.fake_mode:
+        zeros.meta["val"] = torch.full(like.shape, 0.0, dtype=like.dtype, device=like.device)
+    return zeros
+
+
 def _rewrite_site(graph: fx.Graph, ar: fx.Node, norm: _Norm, group: str) -> None:
     x_partial = ar.args[0]
     like = _val(x_partial)
@@ -176,7 +195,7 @@ def _rewrite_site(graph: fx.Graph, ar: fx.Node, norm: _Norm, group: str) -> None
         if norm.has_residual:
             residual = norm.args["x_residual"]
         else:
-            residual = _call(graph, torch.ops.aten.zeros_like.default, (x_partial,), like)
+            residual = _zeros(graph, x_partial, like)
         fused = _call(graph, _ops.FUSED_OP, (x_partial, residual, weight, float(norm.args["epsilon"]), group), like)
         out = _call(graph, operator.getitem, (fused, 0), like)
         residual_out = _call(graph, operator.getitem, (fused, 1), like)
