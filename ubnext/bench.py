@@ -480,6 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--write-thresholds: the worlds measured (default 2 4 8; those between are interpolated)",
     )
     parser.add_argument("--json", action="store_true", help="--model: one JSON object per line")
+    parser.add_argument(
+        "--calibration",
+        action="store_true",
+        help="--model: the calibrated model's table (ubnext/tuning/_calibration.py): per published peer figure, "
+        "the modeled time and the time with the fitted constants re-fitted without it; runs no emulator",
+    )
     parser.add_argument("--quick", action="store_true", help="--model: the smallest sizes only (tests)")
     parser.add_argument("--tokens", type=int, default=8, help="--host: rows of the message")
     parser.add_argument("--hidden", type=int, default=4096, help="--host: row length")
@@ -491,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
 
         torders = _crossovers.write(tuple(args.worlds or _crossovers.MEASURED_WORLDS))
         print("\n".join(_crossovers.format_orders(torders)))
+        return 0
+    if args.model and args.calibration:
+        from .tuning import _calibration
+
+        _calibration.print_calibration(_calibration.calibration_table(), args.json)
         return 0
     if args.model:
         from .tuning import _costmodel

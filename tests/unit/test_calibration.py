@@ -1,0 +1,100 @@
+"""The calibrated model (issue 38 item 1; ubnext/tuning/_calibration.py, records in _peers.py): the table
+``python -m ubnext.bench --model --calibration`` prints is pinned here from the pinned peer records, with
+no emulator run, and the constants, counting rules and records are frozen by their hash. A change to any
+of them fails here: re-run the calibration, update PERF.md's section "The calibrated model", then the pins."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from ubnext.tuning import _calibration as C
+from ubnext.tuning import _peers
+
+# sha256 of constants + counting rules + records (C.freeze_hash): the freeze of 2026-11-27
+FROZEN = "7b8685c9e1c70ef1b2deb7cda4377dc6233652779178d34e4803ae324ad2250b"
+
+# (case, model_us, left_out_us) as calibrated on 2026-11-27 (docs/PERF.md, "The calibrated model")
+PINNED = [
+    ("symmetric LL allreduce 8 B", 3.51, 4.15),
+    ("symmetric LL allreduce 8 B (as eager)", 4.41, 5.05),
+    ("multimem_all_reduce_ 2 KB", 14.78, 16.35),
+    ("multimem_all_reduce_ 2 MB", 21.1, 21.36),
+    ("allreduce 2 KB (torch.distributed)", 16.1, 16.07),
+    ("one-shot fused AR+RMSNorm 6x6144 bf16", 3.99, 3.34),
+    ("one-shot fused AR+RMSNorm 32x8192 bf16", 5.33, 4.87),
+    ("custom allreduce one-stage 0.5 MB", 7.51, 7.55),
+]
+
+
+@pytest.fixture(scope="module")
+def table() -> list[dict[str, object]]:
+    return C.calibration_table()
+
+
+def test_the_freeze_hash_is_pinned() -> None:
+    assert C.freeze_hash() == FROZEN, "constants, counting rules or peer records changed: re-calibrate"
+
+
+def test_the_calibration_table_is_pinned(table: list[dict[str, object]]) -> None:
+    assert [(r["case"], r["model_us"], r["left_out_us"]) for r in table] == PINNED
+
+
+def test_the_fitted_constants_are_at_most_three_and_are_the_fit_over_every_figure() -> None:
+    assert 1 <= len(C.FITTED) <= C.MAX_FITTED
+    refit = C.fit(C.fitting_records())
+    for name in C.FITTED:
+        assert refit[name] == pytest.approx(C.HOPPER[name].value, abs=1e-3), name
+
+
+def test_every_constant_is_sourced_measured_fitted_or_marked_uncalibrated() -> None:
+    for name, c in C.HOPPER.items():
+        assert c.kind in ("sourced", "measured", "fitted") and c.value > 0 and len(c.source) > 20, name
+    for name, c in C.BLACKWELL.items():
+        assert c.kind == "uncalibrated" and c.value > 0 and len(c.source) > 20, name
+
+
+def test_every_record_states_its_launch_mode_and_where_its_counts_were_read() -> None:
+    recs = _peers.records()
+    assert len({(r.source, r.published_us) for r in recs}) == 7  # the issue's six figures (2 MB and 2 KB torch)
+    for r in recs:
+        assert r.mode in ("graph", "graph+pdl", "eager") and r.mode_note
+        for k in r.kernels:
+            assert ":" in k.read and len(k.read) > 20, (r.case, k.name)
+
+
+def test_the_json_rows_have_exactly_the_issue_keys(table: list[dict[str, object]]) -> None:
+    out = io.StringIO()
+    C.print_calibration(table, True, out)
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(rows) == len(PINNED) and all(tuple(r) == C.KEYS for r in rows)
+
+
+def test_launch_modes_differ_by_the_measured_gaps() -> None:
+    v = {k: c.value for k, c in C.HOPPER.items()}
+    assert C.launch_us("eager", v) - C.launch_us("graph", v) == pytest.approx(0.90)
+    assert C.launch_us("graph", v) - C.launch_us("graph+pdl", v) == pytest.approx(0.46)
+
+
+def test_a_changed_count_changes_the_modeled_time() -> None:
+    r = _peers.records()[0]
+    k = r.kernels[0]
+    more = type(r)(**{**r.__dict__, "kernels": (type(k)(**{**k.__dict__, "hops": k.hops + 1}),)})
+    assert C.record_us(more) - C.record_us(r) == pytest.approx(C.HOPPER["hop_us"].value)
+
+
+def test_which_figures_miss_the_bar_is_what_perf_md_reports(table: list[dict[str, object]]) -> None:
+    misses = [
+        r["case"]
+        for r in table
+        if abs(float(str(r["model_err"]))) > C.BAR_MODEL or abs(float(str(r["left_out_err"]))) > C.BAR_LEFT_OUT
+    ]
+    assert misses == [
+        "symmetric LL allreduce 8 B",
+        "symmetric LL allreduce 8 B (as eager)",
+        "multimem_all_reduce_ 2 KB",
+        "one-shot fused AR+RMSNorm 6x6144 bf16",
+        "one-shot fused AR+RMSNorm 32x8192 bf16",
+    ]
