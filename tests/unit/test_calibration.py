@@ -98,3 +98,13 @@ def test_which_figures_miss_the_bar_is_what_perf_md_reports(table: list[dict[str
         "one-shot fused AR+RMSNorm 6x6144 bf16",
         "one-shot fused AR+RMSNorm 32x8192 bf16",
     ]
+
+
+def test_peer_rows_are_marked_and_never_chosen() -> None:
+    sizes = (2048, 16384, 65536, 262144, 1 << 20, 64 << 20)
+    rows = C.peer_rows(8, sizes)
+    assert rows and all(str(r["path"]).startswith("peer:") and r["chosen"] is False for r in rows)
+    ll = [r["bytes"] for r in rows if r["path"] == "peer:nccl_symmetric_ll"]
+    nvls = [r["bytes"] for r in rows if r["path"] == "peer:nccl_nvls"]
+    fused = [r["tokens"] for r in rows if r["path"] == "peer:flashinfer_oneshot"]
+    assert ll == [2048, 16384, 65536] and nvls == [262144, 1 << 20, 64 << 20] and fused == [1, 16, 128]

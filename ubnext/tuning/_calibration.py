@@ -269,3 +269,62 @@ def print_calibration(rows: list[dict[str, object]], as_json: bool, out: TextIO 
             f"{r['source']}{mark}",
             file=out,
         )
+
+
+# ------------------------------------------------------------------ peer rows beside --model's table
+
+PEER_FUSED_TOKENS = (1, 16, 128)
+PEER_LL_MAX_BYTES = 64 * 1024
+PEER_NVLS_BYTES = (256 * 1024, 64 * 1024 * 1024)
+
+
+def peer_rows(world: int, allreduce_bytes: tuple[int, ...], hidden: int = 8192) -> list[dict[str, object]]:
+    """The peers' structures at ``world`` ranks on H100, graph + PDL, under the calibrated constants: the
+    FlashInfer one-shot fused record (the TP2 record's structure) at 1, 16 and 128 tokens, NCCL's symmetric
+    LL at every table size up to 64 KB, NCCL's NVLS from 256 KB to 64 MB. Their ``path`` starts with
+    ``peer:``; they are printed only: never written to _thresholds.py, never chosen."""
+    v = _values(HOPPER)
+    out: list[dict[str, object]] = []
+
+    def row(op: str, path: str, nbytes: int, tokens: int, k: Kernel) -> None:
+        out.append(
+            {
+                "op": op,
+                "path": path,
+                "dtype": "bf16",
+                "tokens": tokens,
+                "hidden": hidden if tokens else 0,
+                "bytes": nbytes,
+                "world": world,
+                "l2": k.l2,
+                "hops": k.hops,
+                "atomics": k.atomics,
+                "waits": k.waits,
+                "model_us": round(kernel_us(k, "graph+pdl", "H100", v), 2),
+                "chosen": False,
+            }
+        )
+
+    for t in PEER_FUSED_TOKENS:
+        k = _peers.flashinfer_oneshot(t, hidden, world)
+        row("all_reduce_add_rmsnorm", "peer:flashinfer_oneshot", t * hidden * 2, t, k)
+    for b in allreduce_bytes:
+        if b <= PEER_LL_MAX_BYTES:
+            row("all_reduce", "peer:nccl_symmetric_ll", b, 0, _peers.nccl_symmetric_ll(b, world))
+        if PEER_NVLS_BYTES[0] <= b <= PEER_NVLS_BYTES[1]:
+            row("all_reduce", "peer:nccl_nvls", b, 0, _peers.nccl_nvls(b, world))
+    return out
+
+
+def print_peer_rows(rows: list[dict[str, object]], as_json: bool, out: TextIO = sys.stdout) -> None:
+    if as_json:
+        for r in rows:
+            print(json.dumps(r), file=out)
+        return
+    print("# peers' structures under the calibrated model (H100, graph + PDL); printed only, never chosen", file=out)
+    for r in rows:
+        print(
+            f"{r['op']:28} {r['path']:24} {r['bytes']:10d} {r['tokens']:5d} l2 {r['l2']} hops {r['hops']} "
+            f"atomics {r['atomics']} waits {r['waits']} {r['model_us']:9.2f}",
+            file=out,
+        )
