@@ -137,14 +137,14 @@ def numerics_check(worker: Any) -> dict[str, Any]:
     # differ by the all-reduce's rounding (half a spacing of the rounded sum a) and each side's own rounding
     # of r; the norm carries that difference times |w| s, its scale s moves by the residual's relative rms
     # difference, and the outputs round once (ubnext) or twice (vLLM: before and after the weight).
-    a, r = summed.float(), res_v.float()
+    a, r = summed.float(), torch.maximum(res_v.float().abs(), res_u.float().abs())  # each side rounds at its own
     dr = 0.5 * spacing(a) + spacing(r)
-    rms = r.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
+    rms = res_v.float().pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
     delta = (0.5 * spacing(a) + 0.5 * spacing(r)).pow(2).mean(-1, keepdim=True).sqrt() / rms + 2.0**-8
-    n = out_v.float()
+    n = torch.maximum(out_v.float().abs(), out_u.float().abs())
     bound_n = weight.float().abs() * dr / rms + n.abs() * delta + 2.5 * spacing(n)
-    diff_n = (out_u.float() - n).abs()
-    diff_r = (res_u.float() - r).abs()
+    diff_n = (out_u.float() - out_v.float()).abs()
+    diff_r = (res_u.float() - res_v.float()).abs()
     return {
         "rank": rank,
         "normed_max_abs": float(diff_n.max()),
