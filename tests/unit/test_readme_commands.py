@@ -76,6 +76,8 @@ RUN_BY = {  # command -> (file that runs it, text there that shows it does)
     ),
     "scripts/host_bench.sh": ("tests/mpi/test_host_bench.py", 'run_script("scripts/host_bench.sh --calls 50")'),
     "scripts/build_c.sh": ("scripts/test.sh", "scripts/build_c.sh"),
+    "scripts/check_format_c.sh": ("scripts/test.sh", "scripts/check_format_c.sh"),
+    "scripts/check_python.sh": ("scripts/test.sh", "scripts/check_python.sh"),
     ".venv/bin/mpirun -np 2 .venv/bin/python block.py": ("tests/mpi/test_readme_snippet.py", "mpi(2, script"),
     # the Quick start's "Use it": block.py saved anywhere, under either launcher, with and without the emulator
     "mpirun -np 2 python block.py": ("tests/mpi/test_readme_snippet.py", "mpi(2, script"),
