@@ -56,9 +56,22 @@ UBNEXT_EMU_API int ubnext_emu_register_stamps(int64_t handle, const uint64_t* st
 UBNEXT_EMU_API void ubnext_emu_set_counting(int on);
 /* Words of ubnext_emu_counts, for the last launch in count mode: [ctas, hops, fences,
  * max_cta_bytes, total_bytes]: the longest chain of NVLink crossings (hops) and the system-scope
- * fences on it, the most bytes one block moved, and all blocks' bytes. */
-#define UBNEXT_EMU_COUNT_WORDS 5
+ * fences on it, the most bytes one block moved, and all blocks' bytes; then the calibrated model's
+ * (issue 38 item 1; memory.cpp states the rules) [t_hops, l2, atomics, waits, cta_load_bytes,
+ * cta_inflight, cta_remote_load_bytes]: the NVLink crossings, dependent local L2 round trips, atomics
+ * and serialised waits of its critical chain (the chain its weights make longest), and, of the block
+ * that needs the most rounds of its bytes in flight, the bytes it loaded, the most it had in flight at
+ * one control point, and how many of its loaded bytes came from peers or the switch. A reader of the
+ * first 5 words sees what it saw before. */
+#define UBNEXT_EMU_COUNT_WORDS 12
 UBNEXT_EMU_API int ubnext_emu_counts(uint64_t* out, int nwords);
+/* Count mode: the count words of every launch since the previous call (oldest first; at most the newest
+ * 4096 are kept), up to max_launches records of UBNEXT_EMU_COUNT_WORDS words each; forgets them all.
+ * Returns the records written. */
+UBNEXT_EMU_API int ubnext_emu_count_log(uint64_t* out, int max_launches);
+/* Count mode: the weights (ns) that order the calibrated model's chains: per NVLink hop, dependent local
+ * L2 round trip, atomic, serialised wait (default 600, 143, 533, 143: the calibrated Hopper constants). */
+UBNEXT_EMU_API void ubnext_emu_set_count_weights(uint32_t hop, uint32_t l2, uint32_t atomic, uint32_t wait);
 
 /* chaos != 0: random delays and store reordering. seed 0: derived from time and pid. */
 UBNEXT_EMU_API void ubnext_emu_configure(int chaos, uint64_t seed);

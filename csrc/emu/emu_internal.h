@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -42,6 +43,55 @@ inline Clock later(Clock a, const Clock& b) {
   return a;
 }
 
+// The calibrated model's critical-path count (count mode, memory.cpp; issue 38 item 1), kept beside the
+// Clock above (which stays the planner's count, unchanged): the chain's NVLink crossings, dependent local
+// L2 round trips, GPU-scope atomics whose result the thread waits for, and serialised waits. The critical
+// chain is the one a GPU would take longest over: ordered by the weighted sum of its counts (weights:
+// count_weights(), the calibrated Hopper constants in ns), ties by the counts themselves, so that the
+// order never depends on timing.
+struct Timed {
+  uint32_t hops = 0, l2 = 0, atomics = 0, waits = 0;
+  uint64_t cost() const;
+  bool operator<(const Timed& o) const {
+    const uint64_t a = cost(), b = o.cost();
+    if (a != b) return a < b;
+    if (hops != o.hops) return hops < o.hops;
+    if (atomics != o.atomics) return atomics < o.atomics;
+    if (l2 != o.l2) return l2 < o.l2;
+    return waits < o.waits;
+  }
+  bool operator==(const Timed& o) const {
+    return hops == o.hops && l2 == o.l2 && atomics == o.atomics && waits == o.waits;
+  }
+  void join(const Timed& o) {
+    if (*this < o) *this = o;
+  }
+};
+inline Timed later(Timed a, const Timed& b) {
+  a.join(b);
+  return a;
+}
+// What a 4-byte word's shadow records of its writer: both chains.
+struct Stamp {
+  Clock c;
+  Timed t;
+  void join(const Stamp& o) {
+    c.join(o.c);
+    t.join(o.t);
+  }
+};
+
+// Count mode: an unmarked strong load of this rank's memory, kept until the thread's next control advance
+// so that a marked wait on the same bytes can tell whether the model's load had already seen the value
+// (memory.cpp, "waits"). `pending`: the value landed after the load was issued (the model's load read the
+// old value): a wait the model serialises at this load's place, applied at the next settle.
+struct BatchLoad {
+  uint64_t granule;  // address / 16
+  uint32_t seq;
+  bool pending;
+  Timed issue_ctrl, issue_ready, seen;
+};
+
 // A store that chaos mode holds back. `key_*` name the memory it lands in independently of the
 // alias used (unicast copy or multicast), so that overlap checks see through multicast.
 struct PendingStore {
@@ -52,7 +102,7 @@ struct PendingStore {
   int key_rank;    // copy the store lands in; -1 for multicast (every copy)
   uint64_t key_off;
   uint32_t data[4];
-  Clock stamp;  // count mode: what a reader of these bytes observes (the stamp at issue)
+  Stamp stamp;  // count mode: what a reader of these bytes observes (the stamp at issue)
 };
 
 // A multicast store as the issuing thread's unicast loads may still see it (chaos mode's proxy model,
@@ -99,6 +149,12 @@ struct Fiber {
   Clock clock;
   Clock data;
   Clock ready() const { return clock < data ? data : clock; }
+  // The calibrated model's chain (Timed), with the same two clocks; `batch`: its unmarked strong local
+  // loads since its last control advance (memory.cpp, "waits").
+  Timed tclock, tdata;
+  Timed tready() const { return later(tclock, tdata); }
+  std::vector<BatchLoad> batch;
+  uint32_t load_seq = 0;
   unsigned waiting = 0;              // count mode: inside a wait (count_wait_begin): loads are polls
   bool griddep_waited = false;       // it executed griddepcontrol.wait in this launch
   bool griddep_launched = false;     // it executed griddepcontrol.launch_dependents
@@ -137,6 +193,13 @@ struct Block {
   Traffic traffic{};
   uint64_t bytes_moved = 0;  // count mode: bytes its threads loaded (once per granule) and stored
   Clock end_clock;           // count mode: the longest chain of its threads that ended
+  Timed t_end;               // count mode: the calibrated model's longest chain of its threads that ended
+  uint64_t load_bytes = 0;   // count mode: bytes its threads loaded (once per granule per thread)
+  uint64_t remote_load_bytes = 0;  // of those, from a peer's copy or through multicast
+  uint32_t bar_gen = 0;      // completed __syncthreads: a barrier ends every thread's loads in flight
+  // count mode: bytes its threads loaded while at one control point (barrier generation, Timed control
+  // clock encoded): the bytes in flight together (memory.cpp, "bytes in flight")
+  std::unordered_map<uint64_t, uint64_t> inflight;
   bool pdl = false;          // launched with the PDL attribute: no memory access before griddepcontrol.wait
   uint32_t griddep_waited = 0, griddep_launched = 0;  // its ended threads that executed each
   std::string error;
@@ -165,6 +228,10 @@ void count_new_launch();
 constexpr unsigned STAMP_WORDS_PER_WORD = 3;
 // Count mode: a thread at a barrier or warp op with the others takes the longest of their chains.
 void join_clocks(Fiber* const* fibers, unsigned n);
+// Count mode: the serialised waits the thread still owes (memory.cpp), applied before its chain is read.
+void count_settle(Fiber& f);
+// Count mode, at a launch's end: its count words (UBNEXT_EMU_COUNT_WORDS) from its blocks.
+void count_launch_words(const Block* blocks, int nblocks, uint64_t* words);
 uint64_t chaos_seed();
 
 }  // namespace ubx_emu

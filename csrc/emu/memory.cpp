@@ -42,6 +42,19 @@
 //   - __syncthreads and warp ops give every participant the latest of all their clocks;
 //   - stamps carry the launch they were written in: ranks launch the same kernels in the same order
 //     (collectives), so a stamp of an earlier launch reads as zero (that data is already there).
+// Beside that chain (the planner's, unchanged), count mode keeps the calibrated model's (issue 38 item 1;
+// Timed in emu_internal.h), with the same two clocks and the same stamps, ordered by the weighted sum of
+// its counts (the calibrated constants, ubnext_emu_set_count_weights):
+//   - hops as above;
+//   - l2: a strong or .sys load of this rank's memory (every load twin) is there one L2 round trip after
+//     the later of its issue and the word's landing; loads that overlap count once, a dependent one adds;
+//   - atomics: an atomic whose result the thread waits for costs one after the later of its issue and
+//     the word's last update (plus the round trip to a peer); a red costs none;
+//   - waits: serialised waits of a poll loop, as stated at t_wait_end below; counts stay independent of
+//     timing (whether the kernel's first load already saw the value changes nothing);
+//   - bytes in flight per CTA: the bytes its threads load at one control point (the barrier generation and
+//     the issuing thread's control clock: a wait, an atomic, a fence or a barrier moves it on), as the
+//     twins and vector accesses see them; the launch reports the CTA with the most rounds of them.
 // A writer stamps before it stores the data and a reader loads the data before the stamp, so a
 // reader that sees the data sees its stamp. Bytes are the data a block moves: vector accesses
 // (8 or 16 bytes through the twins, any plain access of vec.cuh), a load once per 16-byte granule
@@ -106,18 +119,57 @@ static uint32_t g_epoch = 0;  // launches are serialised per process (sched.cpp)
 bool counting() { return g_counting.load(std::memory_order_relaxed) != 0; }
 void count_new_launch() { ++g_epoch; }
 
+// The weights that order the calibrated model's chains (Timed): ns per hop, L2 round trip, atomic, wait.
+// Defaults: the calibrated Hopper constants (ubnext/tuning/_calibration.py), which the model sets anyway.
+static std::atomic<uint32_t> g_weights[4] = {{600}, {143}, {533}, {143}};
+uint64_t Timed::cost() const {
+  return uint64_t(hops) * g_weights[0].load(std::memory_order_relaxed) +
+         uint64_t(l2) * g_weights[1].load(std::memory_order_relaxed) +
+         uint64_t(atomics) * g_weights[2].load(std::memory_order_relaxed) +
+         uint64_t(waits) * g_weights[3].load(std::memory_order_relaxed);
+}
+
 static constexpr uint32_t kHop = 1;
 static Clock plus_hops(Clock c, uint32_t hops) {
   c.hops += hops;
   return c;
 }
-static uint64_t encode(Clock c) {
-  const uint64_t h = c.hops < 0xffff ? c.hops : 0xffff, f = c.fences < 0xffff ? c.fences : 0xffff;
-  return (uint64_t(g_epoch) << 32) | (h << 16) | f;
+static Timed plus_hops(Timed t, uint32_t hops) {
+  t.hops += hops;
+  return t;
 }
-static Clock decode(uint64_t v) {
-  if (uint32_t(v >> 32) != g_epoch) return Clock{};
-  return Clock{uint32_t(v >> 16) & 0xffffu, uint32_t(v) & 0xffffu};
+static Stamp plus_hops(Stamp s, uint32_t hops) {
+  s.c.hops += hops;
+  s.t.hops += hops;
+  return s;
+}
+static Timed plus_l2(Timed t) {
+  t.l2 += 1;
+  return t;
+}
+static Timed plus_wait(Timed t) {
+  t.waits += 1;
+  return t;
+}
+// A stamp word: the launch (16 bits), the planner's chain (hops, fences: 8 bits each), the calibrated
+// model's chain (hops, l2, atomics, waits: 8 bits each), each saturating at 255.
+static uint64_t sat8(uint32_t v) { return v < 0xff ? v : 0xff; }
+static uint64_t encode(const Stamp& s) {
+  return (uint64_t(g_epoch & 0xffffu) << 48) | (sat8(s.c.hops) << 40) | (sat8(s.c.fences) << 32) |
+         (sat8(s.t.hops) << 24) | (sat8(s.t.l2) << 16) | (sat8(s.t.atomics) << 8) | sat8(s.t.waits);
+}
+static Stamp decode(uint64_t v) {
+  if (uint32_t(v >> 48) != (g_epoch & 0xffffu)) return Stamp{};
+  Stamp s;
+  s.c = Clock{uint32_t(v >> 40) & 0xffu, uint32_t(v >> 32) & 0xffu};
+  s.t.hops = uint32_t(v >> 24) & 0xffu;
+  s.t.l2 = uint32_t(v >> 16) & 0xffu;
+  s.t.atomics = uint32_t(v >> 8) & 0xffu;
+  s.t.waits = uint32_t(v) & 0xffu;
+  return s;
+}
+static uint32_t encode_timed(const Timed& t) {
+  return uint32_t(sat8(t.hops) << 24 | sat8(t.l2) << 16 | sat8(t.atomics) << 8 | sat8(t.waits));
 }
 // Shadow of one 4-byte word: the stamp of its last write, the stamp of the write before, and the
 // value before (a flag's previous epoch): a waiter for epoch e of a flag that its one writer has
@@ -132,15 +184,15 @@ static StampWord* stamp_words(const Region& r, int rank, uint64_t off) {
   return r.stamps[rank] ? reinterpret_cast<StampWord*>(r.stamps[rank]) + off / 4 : nullptr;
 }
 static uint64_t words_of(uint64_t off, unsigned bytes) { return (off % 4 + bytes + 3) / 4; }
-static Clock read_stamps(const Region& r, int rank, uint64_t off, unsigned bytes) {
-  Clock c;
+static Stamp read_stamps(const Region& r, int rank, uint64_t off, unsigned bytes) {
+  Stamp s;
   if (StampWord* p = stamp_words(r, rank, off))
     for (uint64_t i = 0, n = words_of(off, bytes); i < n; ++i)
-      c.join(decode(__atomic_load_n(&p[i].cur, __ATOMIC_SEQ_CST)));
-  return c;
+      s.join(decode(__atomic_load_n(&p[i].cur, __ATOMIC_SEQ_CST)));
+  return s;
 }
-// join: keep the later of the old stamp and `c` (reductions: a reader depends on every adder).
-static void write_stamps(const Region& r, int rank, uint64_t off, unsigned bytes, Clock c, bool join) {
+// join: keep the later of the old stamp and `c`, per chain (reductions: a reader depends on every adder).
+static void write_stamps(const Region& r, int rank, uint64_t off, unsigned bytes, const Stamp& c, bool join) {
   StampWord* p = stamp_words(r, rank, off);
   if (!p) return;
   const uint64_t v = encode(c);
@@ -154,13 +206,18 @@ static void write_stamps(const Region& r, int rank, uint64_t off, unsigned bytes
       continue;
     }
     uint64_t old = __atomic_load_n(&p[i].cur, __ATOMIC_SEQ_CST);
-    while (decode(old) < c &&
-           !__atomic_compare_exchange_n(&p[i].cur, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+    for (;;) {
+      Stamp merged = decode(old);
+      merged.join(c);
+      const uint64_t nv = encode(merged);
+      if (nv == old || __atomic_compare_exchange_n(&p[i].cur, &old, nv, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        break;
     }
   }
 }
-// The stamp a store issued now by thread clock `c` leaves in the copy it lands in (-1: every copy).
-static Clock stamp_for(const Region& r, int rank, Clock c) { return rank == r.rank ? c : plus_hops(c, kHop); }
+// The stamp a store issued now by a thread at `s` leaves in the copy it lands in (-1: every copy).
+static Stamp stamp_for(const Region& r, int rank, const Stamp& s) { return rank == r.rank ? s : plus_hops(s, kHop); }
+static Stamp ready_stamp(const Fiber& f) { return Stamp{f.ready(), f.tready()}; }
 static void stamp_store(const PendingStore& s, bool join) {
   if (s.key_region < 0) return;
   const Region& r = g_regions[s.key_region];
@@ -172,31 +229,122 @@ static void stamp_store(const PendingStore& s, bool join) {
 static Clock arrival(const Fiber& f, bool own, Clock seen) {
   return own ? later(f.clock, seen) : later(plus_hops(f.clock, 2 * kHop), plus_hops(seen, kHop));
 }
+// The calibrated model's (Timed) arrival: a load of this rank's memory is one L2 round trip after the later
+// of its issue and the word's landing; a peer's or the switch's, a round trip of two hops.
+static Timed t_arrival(const Fiber& f, bool own, const Timed& seen) {
+  return own ? plus_l2(later(f.tclock, seen)) : later(plus_hops(f.tclock, 2 * kHop), plus_hops(seen, kHop));
+}
+
+// ---- the calibrated model's waits (Timed), stated once (t_wait_end):
+// - a marked wait (count_wait_begin/end) of this rank's memory ends one L2 round trip (a `wait`) after
+//   the later of the thread's control clock and the awaited value's landing, whether or not the value
+//   was already there: so a wait that starts after another wait of the thread ended costs a round trip
+//   after that end (the poll's re-load), and the count does not depend on timing;
+// - an unmarked strong load of this rank's memory whose value landed after the load's issue (its stamp
+//   later than the thread's ready clock) read the old value in the model, so the kernel, which checks the
+//   value, waits for it: a wait at that load's place in program order (`pending`), applied when the thread
+//   next waits for bytes it loaded later, or at its next control advance, store or exit (count_settle);
+// - a marked wait on bytes the thread loaded unmarked before it (a Lamport batch then its checks) is a
+//   wait only if the model's load had not seen the value (its landing later than that load's issue);
+//   otherwise the model's load already had it (one L2 round trip, data clock only). Whether the kernel
+//   actually entered the wait (a timing question) thus changes nothing;
+// - waits are applied in the order of the loads they check, which is the kernels' order (a batch of
+//   loads, then a check of each in turn).
+static constexpr size_t kMaxBatch = 1024;
+static void apply_wait(Fiber& f, const Timed& seen) {
+  f.tclock = plus_wait(later(f.tclock, seen));
+  f.tdata.join(f.tclock);
+}
+static void settle_below(Fiber& f, uint32_t seq) {
+  for (BatchLoad& l : f.batch)
+    if (l.pending && l.seq < seq) {
+      apply_wait(f, l.seen);
+      l.pending = false;
+    }
+}
+// Every wait the thread owes, before its chain is read (a store, an atomic, a fence, a barrier, its exit).
+void count_settle(Fiber& f) { settle_below(f, UINT32_MAX); }
+// A control advance other than a marked wait ends the batch.
+static void end_batch(Fiber& f) {
+  count_settle(f);
+  f.batch.clear();
+}
 
 // A load by the running thread saw copy `rank` (-1: every copy, through ld_reduce) at `off`.
 // Inside a wait (count_wait_begin) loads are polls: only the awaited value counts, at its end.
-static void observe(Block& b, const Where& w, unsigned bytes) {
-  if (w.region < 0 || b.cur->waiting) return;
-  const Region& r = g_regions[w.region];
-  Clock seen;
-  for (int p = 0; p < r.nranks; ++p)
-    if (w.rank < 0 || w.rank == p) seen.join(read_stamps(r, p, w.off, bytes));
+static void observe(Block& b, const Where& w, unsigned bytes, const void* p) {
+  if (b.cur->waiting) return;
   Fiber& f = *b.cur;
-  f.data.join(arrival(f, w.rank == r.rank, seen));
+  if (w.region < 0) {  // memory outside the pool (this GPU's): one L2 round trip, no stamp
+    f.tdata.join(plus_l2(f.tclock));
+    return;
+  }
+  const Region& r = g_regions[w.region];
+  Stamp seen;
+  for (int q = 0; q < r.nranks; ++q)
+    if (w.rank < 0 || w.rank == q) seen.join(read_stamps(r, q, w.off, bytes));
+  const bool own = w.rank == r.rank;
+  f.data.join(arrival(f, own, seen.c));
+  if (!own) {
+    f.tdata.join(t_arrival(f, false, seen.t));
+    return;
+  }
+  if (f.batch.size() >= kMaxBatch) end_batch(f);
+  BatchLoad l{reinterpret_cast<uint64_t>(p) / 16, f.load_seq++, false, f.tclock, f.tready(), seen.t};
+  if (f.tready() < seen.t) {
+    l.pending = true;  // the model's load read the old value: a wait, applied in program order
+    f.tdata.join(plus_l2(f.tclock));
+  } else {
+    f.tdata.join(t_arrival(f, true, seen.t));
+  }
+  f.batch.push_back(l);
 }
 // A system-scope fence or release waits for the thread's stores to land.
 static void count_fence(Block& b) {
   Fiber& f = *b.cur;
   f.clock = plus_hops(f.ready(), kHop);
   f.clock.fences += 1;
+  end_batch(f);
+  f.tclock = plus_hops(f.tready(), kHop);
 }
-static void count_load_bytes(Block& b, const void* p, unsigned bytes) {
-  if (b.cur->waiting || bytes < 8) return;
-  if (b.cur->loaded.insert(reinterpret_cast<uint64_t>(p) / 16).second) b.bytes_moved += bytes;
+// Bytes in flight: a CTA's loads issued at one control point (its barrier generation and the issuing
+// thread's Timed control clock) are in flight together; a wait, an atomic, a fence or a barrier moves the
+// control point on. Loads of a peer or through the switch are remote (a round trip of two hops).
+static void count_load_bytes(Block& b, const void* p, unsigned bytes, bool remote, bool vector = false) {
+  if (b.cur->waiting || (bytes < 8 && !vector)) return;
+  if (!b.cur->loaded.insert(reinterpret_cast<uint64_t>(p) / 16).second) return;
+  b.bytes_moved += bytes;
+  b.load_bytes += bytes;
+  if (remote) b.remote_load_bytes += bytes;
+  b.inflight[uint64_t(b.bar_gen) << 32 | encode_timed(b.cur->tclock)] += bytes;
 }
 void count_wait_begin() {
   Block* b = tl_block;
   if (b && b->cur && counting()) ++b->cur->waiting;
+}
+
+// The calibrated model's end of a marked wait whose awaited value landed at `seen` (Timed), on bytes at p.
+static void t_wait_end(Fiber& f, const void* p, bool own, const Timed& seen) {
+  if (!own) {  // a poll of a peer's memory or the switch: each re-load a round trip
+    f.tclock = later(plus_hops(f.tclock, 2 * kHop), plus_hops(seen, kHop));
+    f.tdata.join(f.tclock);
+    return;
+  }
+  const uint64_t g = reinterpret_cast<uint64_t>(p) / 16;
+  for (size_t i = f.batch.size(); i-- > 0;) {
+    BatchLoad& l = f.batch[i];
+    if (l.granule != g) continue;
+    if (!(l.issue_ready < seen)) {  // the model's load had the value: no wait
+      f.tdata.join(plus_l2(later(l.issue_ctrl, seen)));
+      return;
+    }
+    settle_below(f, l.seq);
+    l.pending = false;
+    apply_wait(f, seen);
+    return;
+  }
+  count_settle(f);
+  apply_wait(f, seen);
 }
 
 void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, uint32_t target) {
@@ -205,10 +353,23 @@ void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, 
   --b->cur->waiting;
   if (!arrived) return;  // a timeout or an abort: no value was consumed
   const Where w = locate(reinterpret_cast<uint64_t>(p));
-  count_load_bytes(*b, p, bytes);
-  if (!has_target || w.region < 0 || w.rank < 0) {
-    observe(*b, w, bytes);
-    b->cur->clock.join(b->cur->data);  // what the wait polled for decides what the thread does next
+  Fiber& f = *b->cur;
+  if (w.region < 0) {  // memory outside the pool: this GPU's (a flag in device memory)
+    count_load_bytes(*b, p, bytes, false);
+    f.clock.join(f.data);
+    t_wait_end(f, p, true, Timed{});
+    return;
+  }
+  const bool own = w.rank == g_regions[w.region].rank;
+  count_load_bytes(*b, p, bytes, !own);
+  if (!has_target || w.rank < 0) {
+    Stamp seen;
+    const Region& r = g_regions[w.region];
+    for (int q = 0; q < r.nranks; ++q)
+      if (w.rank < 0 || w.rank == q) seen.join(read_stamps(r, q, w.off, bytes));
+    f.data.join(arrival(f, own, seen.c));
+    f.clock.join(f.data);  // what the wait polled for decides what the thread does next
+    t_wait_end(f, p, own, seen.t);
     return;
   }
   // the write that stored `target` (a flag's epoch), whether or not it has been overwritten since
@@ -218,7 +379,7 @@ void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, 
   // The one writer stores prev, then prev_value, then cur (write_stamps). prev_value == target: the
   // write of target is overwritten and prev is already its stamp. Otherwise cur is target's stamp,
   // unless the writer moved on while we read it: prev_value changed then, and we read again.
-  Clock seen;
+  Stamp seen;
   for (;;) {
     const uint64_t before = __atomic_load_n(&s->prev_value, __ATOMIC_SEQ_CST);
     if (uint32_t(before) == target) {
@@ -228,14 +389,50 @@ void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, 
     seen = decode(__atomic_load_n(&s->cur, __ATOMIC_SEQ_CST));
     if (__atomic_load_n(&s->prev_value, __ATOMIC_SEQ_CST) == before) break;
   }
-  Fiber& f = *b->cur;
-  f.clock = arrival(f, w.rank == r.rank, seen);
+  f.clock = arrival(f, own, seen.c);
+  t_wait_end(f, p, own, seen.t);
 }
 
 void join_clocks(Fiber* const* fibers, unsigned n) {
   Clock m;
-  for (unsigned i = 0; i < n; ++i) m.join(fibers[i]->ready());
-  for (unsigned i = 0; i < n; ++i) fibers[i]->clock = fibers[i]->data = m;
+  Timed t;
+  for (unsigned i = 0; i < n; ++i) {
+    end_batch(*fibers[i]);
+    m.join(fibers[i]->ready());
+    t.join(fibers[i]->tready());
+  }
+  for (unsigned i = 0; i < n; ++i) {
+    fibers[i]->clock = fibers[i]->data = m;
+    fibers[i]->tclock = fibers[i]->tdata = t;
+  }
+}
+
+// A launch's count words (emu_api.h): the planner's chain, the bytes, then the calibrated model's chain and
+// the loads of the CTA that needs the most rounds of its bytes in flight (ties: the most bytes).
+void count_launch_words(const Block* blocks, int nblocks, uint64_t* words) {
+  Clock longest;
+  Timed tlongest;
+  uint64_t most = 0, total = 0, rounds = 0, loads = 0, inflight = 0, remote = 0;
+  for (int i = 0; i < nblocks; ++i) {
+    const Block& b = blocks[i];
+    longest.join(b.end_clock);
+    tlongest.join(b.t_end);
+    most = b.bytes_moved > most ? b.bytes_moved : most;
+    total += b.bytes_moved;
+    uint64_t depth = 0;
+    for (const auto& kv : b.inflight) depth = kv.second > depth ? kv.second : depth;
+    const uint64_t r = depth ? (b.load_bytes + depth - 1) / depth : 0;
+    if (r > rounds || (r == rounds && b.load_bytes > loads)) {
+      rounds = r;
+      loads = b.load_bytes;
+      inflight = depth;
+      remote = b.remote_load_bytes;
+    }
+  }
+  const uint64_t w[UBNEXT_EMU_COUNT_WORDS] = {uint64_t(nblocks), longest.hops, longest.fences,   most,           total,
+                                              tlongest.hops,     tlongest.l2,  tlongest.atomics, tlongest.waits, loads,
+                                              inflight,          remote};
+  memcpy(words, w, sizeof w);
 }
 
 // ------------------------------------------------------------------------------ traffic
@@ -348,7 +545,7 @@ static void drain_for_release(Block& b) {
 static constexpr size_t kMaxBuffered = 64;
 
 // A store as the store buffer keeps it: where it lands, whatever alias it was issued through.
-static PendingStore pending(const Where& w, uint64_t addr, const void* src, unsigned bytes, bool mc, Clock clock) {
+static PendingStore pending(const Where& w, uint64_t addr, const void* src, unsigned bytes, bool mc, Stamp clock) {
   PendingStore s;
   s.addr = addr;
   s.bytes = bytes;
@@ -534,8 +731,8 @@ void mem_load(void* dst, const void* src, unsigned bytes, int order) {
   words_load(dst, src, bytes, memorder(order, true));
   if (b && !b->cur->mc_shadow.empty()) shadow_load(*b, w, dst, bytes);
   if (b && counting()) {
-    observe(*b, w, bytes);
-    count_load_bytes(*b, src, bytes);
+    count_load_bytes(*b, src, bytes, w.region >= 0 && w.rank != g_regions[w.region].rank);
+    observe(*b, w, bytes, src);
   }
 }
 
@@ -553,14 +750,15 @@ void mem_store(void* dst, const void* src, unsigned bytes, int order) {
     }
     if (counting()) {
       if (bytes >= 8) b->bytes_moved += bytes;
-      PendingStore s = pending(w, reinterpret_cast<uint64_t>(dst), src, bytes, false, b->cur->ready());
+      count_settle(*b->cur);  // the store's value may be what the thread waited for
+      PendingStore s = pending(w, reinterpret_cast<uint64_t>(dst), src, bytes, false, ready_stamp(*b->cur));
       if (b->chaos && order == kRelaxed) {
         buffer_store(*b, s);
         return;
       }
       stamp_store(s, false);
     } else if (b->chaos && order == kRelaxed) {
-      buffer_store(*b, pending(w, reinterpret_cast<uint64_t>(dst), src, bytes, false, Clock{}));
+      buffer_store(*b, pending(w, reinterpret_cast<uint64_t>(dst), src, bytes, false, Stamp{}));
       return;
     }
   }
@@ -577,18 +775,37 @@ static Where before_atomic(Block& b, const void* p, int order) {
   else drain_overlapping(b, w, 4);
   if (counting()) {
     if (order == kRelease) count_fence(b);
+    end_batch(*b.cur);
     if (w.region >= 0 && w.rank >= 0) {
       const Region& r = g_regions[w.region];
-      write_stamps(r, w.rank, w.off, 4, stamp_for(r, w.rank, b.cur->ready()), true);
+      write_stamps(r, w.rank, w.off, 4, stamp_for(r, w.rank, ready_stamp(*b.cur)), true);
     }
   }
   return w;
 }
 
 // The old value an atomic returns decides what the thread does next ("am I the last block?").
+// Calibrated model: an atomic (GPU or system scope) whose result the thread waits for costs one `atomic`
+// after the later of its issue and the word's last update, plus the round trip to a peer's memory.
 static void observe_result(Block& b, const Where& w) {
-  observe(b, w, 4);
-  b.cur->clock.join(b.cur->data);
+  Fiber& f = *b.cur;
+  if (f.waiting) return;  // a poll made of atomics: its wait counts, at its end
+  Timed seen;
+  bool own = true;
+  if (w.region >= 0) {
+    const Region& r = g_regions[w.region];
+    Stamp s;
+    for (int q = 0; q < r.nranks; ++q)
+      if (w.rank < 0 || w.rank == q) s.join(read_stamps(r, q, w.off, 4));
+    own = w.rank == r.rank;
+    f.data.join(arrival(f, own, s.c));
+    seen = s.t;
+  }
+  f.clock.join(f.data);
+  Timed t = own ? later(f.tready(), seen) : later(plus_hops(f.tready(), 2 * kHop), plus_hops(seen, kHop));
+  t.atomics += 1;
+  f.tclock = t;
+  f.tdata.join(t);
 }
 
 uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order) {
@@ -622,6 +839,7 @@ void fence(int scope) {
   if (Block* b = enter(true)) {
     drain_for_release(*b);
     if (counting() && scope == kScopeSys) count_fence(*b);
+    else if (counting()) end_batch(*b->cur);
   }
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
@@ -701,8 +919,8 @@ void mc_ld_reduce(void* dst16, const void* mc, int mc_type) {
     }
   }
   if (b && counting()) {
-    observe(*b, w, 16);
-    count_load_bytes(*b, mc, 16);
+    count_load_bytes(*b, mc, 16, true);
+    observe(*b, w, 16, mc);
   }
   uint32_t out[4];
   for (int k = 0; k < 4; ++k) {
@@ -732,8 +950,10 @@ void mc_store(void* mc, const void* src, unsigned bytes, int order) {
       if (counting() && order == kRelease) count_fence(*b);
     }
     if (counting() && bytes >= 8) b->bytes_moved += bytes;
+    if (counting()) count_settle(*b->cur);
   }
-  const PendingStore s = pending(w, reinterpret_cast<uint64_t>(mc), src, bytes, true, b ? b->cur->ready() : Clock{});
+  const PendingStore s =
+      pending(w, reinterpret_cast<uint64_t>(mc), src, bytes, true, b && counting() ? ready_stamp(*b->cur) : Stamp{});
   if (b && b->chaos && order == kRelaxed) {
     buffer_store(*b, s);
     return;
@@ -753,7 +973,8 @@ void mc_red_add_u32(uint32_t* mc, uint32_t v, int order) {
     else drain_overlapping(*b, w, 4);
     if (counting()) {
       if (order == kRelease) count_fence(*b);
-      for (int p = 0; p < r.nranks; ++p) write_stamps(r, p, w.off, 4, plus_hops(b->cur->ready(), kHop), true);
+      count_settle(*b->cur);
+      for (int p = 0; p < r.nranks; ++p) write_stamps(r, p, w.off, 4, plus_hops(ready_stamp(*b->cur), kHop), true);
     }
   }
   int ord[UBNEXT_EMU_MAX_RANKS];
@@ -770,8 +991,7 @@ void vector_access(const void* p, unsigned bytes, const char* access, bool is_lo
   if (b && b->cur) griddep_check(*b, p, access);
   if (!b || !b->cur || !counting()) return;
   if (!is_load) b->bytes_moved += bytes;
-  else if (!b->cur->waiting && b->cur->loaded.insert(reinterpret_cast<uint64_t>(p) / 16).second)
-    b->bytes_moved += bytes;
+  else count_load_bytes(*b, p, bytes, false, true);  // kernels touch a peer's memory only through the twins
 }
 
 }  // namespace ubx_emu
@@ -808,6 +1028,11 @@ extern "C" int ubnext_emu_register_stamps(int64_t handle, const uint64_t* stamp_
 }
 
 extern "C" void ubnext_emu_set_counting(int on) { g_counting.store(on ? 1 : 0); }
+
+extern "C" void ubnext_emu_set_count_weights(uint32_t hop, uint32_t l2, uint32_t atomic, uint32_t wait) {
+  const uint32_t w[4] = {hop, l2, atomic, wait};
+  for (int i = 0; i < 4; ++i) g_weights[i].store(w[i]);
+}
 
 extern "C" int ubnext_emu_unregister(int64_t handle) {
   if (handle < 0 || handle >= kMaxRegions) return -1;

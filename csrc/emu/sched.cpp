@@ -23,6 +23,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -186,6 +188,7 @@ static void complete_barrier(Block& b) {
   b.bar_acc_count = 0;
   b.bar_acc_and = 1;
   b.bar_acc_or = 0;
+  ++b.bar_gen;
   if (counting()) {
     std::vector<Fiber*> waiting;
     for (Fiber& f : b.fibers)
@@ -358,6 +361,10 @@ void check_aligned(const void* p, unsigned bytes, const char* access) {
 static void fiber_exit(Block& b, Fiber& f) {
   drain_all(b, f.sbuf);  // kernel end makes every store visible
   b.end_clock.join(f.ready());
+  if (counting()) {
+    count_settle(f);
+    b.t_end.join(f.tready());
+  }
   b.griddep_waited += f.griddep_waited;
   b.griddep_launched += f.griddep_launched;
   if (*reinterpret_cast<uint64_t*>(f.stack_lo) != kCanary)
@@ -410,6 +417,9 @@ static void run_block(Block& b, char* arena) {
     f.sbuf.clear();
     f.mc_shadow.clear();
     f.clock = f.data = Clock{};
+    f.tclock = f.tdata = Timed{};
+    f.batch.clear();
+    f.load_seq = 0;
     f.waiting = 0;
     f.loaded.clear();
     f.griddep_waited = f.griddep_launched = false;
@@ -508,6 +518,9 @@ static std::mutex g_launch_mutex;  // one launch at a time per process
 static std::mutex g_counts_mutex;
 static uint64_t g_counts[UBNEXT_EMU_COUNT_WORDS] = {};
 static uint64_t g_griddep[UBNEXT_EMU_GRIDDEP_WORDS] = {};  // of the last launch (ubnext_emu_griddep)
+// Count mode: every launch's count words since the last ubnext_emu_count_log (the newest kCountLogMax).
+static constexpr size_t kCountLogMax = 4096;
+static auto* g_count_log = new std::vector<std::array<uint64_t, UBNEXT_EMU_COUNT_WORDS>>();
 static std::vector<Worker*>* g_workers = new std::vector<Worker*>();
 
 static void ensure_workers(size_t n) {
@@ -625,16 +638,13 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
     memcpy(g_griddep, griddep, sizeof griddep);
   }
   if (counting()) {
-    Clock longest;
-    uint64_t most = 0, total = 0;
-    for (const Block& b : L.blocks) {
-      longest.join(b.end_clock);
-      most = b.bytes_moved > most ? b.bytes_moved : most;
-      total += b.bytes_moved;
-    }
+    uint64_t counts[UBNEXT_EMU_COUNT_WORDS];
+    count_launch_words(L.blocks.data(), grid, counts);
     std::lock_guard<std::mutex> lk(g_counts_mutex);
-    const uint64_t counts[UBNEXT_EMU_COUNT_WORDS] = {uint64_t(grid), longest.hops, longest.fences, most, total};
     memcpy(g_counts, counts, sizeof counts);
+    if (g_count_log->size() >= kCountLogMax) g_count_log->erase(g_count_log->begin());
+    g_count_log->emplace_back();
+    memcpy(g_count_log->back().data(), counts, sizeof counts);
   }
   return 0;
 }
@@ -654,6 +664,15 @@ extern "C" int ubnext_emu_griddep(uint64_t* out, int nwords) {
 
 extern "C" int ubnext_emu_counts(uint64_t* out, int nwords) {
   return copy_last_launch(out, nwords, g_counts, UBNEXT_EMU_COUNT_WORDS);
+}
+
+extern "C" int ubnext_emu_count_log(uint64_t* out, int max_launches) {
+  std::lock_guard<std::mutex> lk(g_counts_mutex);
+  const size_t n = !out || max_launches < 0 ? 0 : std::min(size_t(max_launches), g_count_log->size());
+  for (size_t i = 0; i < n; ++i)
+    memcpy(out + i * UBNEXT_EMU_COUNT_WORDS, (*g_count_log)[i].data(), sizeof(uint64_t) * UBNEXT_EMU_COUNT_WORDS);
+  g_count_log->clear();
+  return int(n);
 }
 
 extern "C" void ubnext_emu_set_watchdog_ns(uint64_t ns) { g_watchdog_ns.store(ns ? ns : 1); }

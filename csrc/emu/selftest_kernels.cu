@@ -343,3 +343,64 @@ extern "C" __global__ void ubnext_emu_selftest_progress_wait(EMU_ST_PARAMS) {
   o[0] = result;
   o[1] = static_cast<uint32_t>((ubx::globaltimer_ns() - t0) / 1000000ull);
 }
+
+// Count mode's calibrated counts (memory.cpp; tests/unit/test_emu_count.py). out (uint32*): a region
+// registered with stamps: flag k at word 4 k (k < n <= 64), data vectors from word 1024, an atomic
+// counter at word 512, scratch words at 516 and 520. Launch with grid 2, block 64 (mode 3: grid 1).
+// flags & 3 = mode:
+//   0: block 0, thread 0 loads a local word n times with a warp op between the loads (each load's value
+//      joins the control clock: n dependent L2 round trips), or, with flags & 4, n times back to back
+//      (independent: they overlap, one round trip); then stores the sum;
+//   1: block 1, thread 0 sets the n flags (an atomic first unless flags & 8, so that its stamps are
+//      later than the waiter's issue); block 0, thread 0 waits for each flag in turn (a marked wait), or,
+//      with flags & 4, loads all n first and waits for those not yet set (the Lamport batch);
+//   2: block 0, thread 0 makes n dependent GPU-scope atomics on the counter and one red (no result);
+//   3: every thread of block 0 loads n vectors of its own, then a barrier, then one more vector.
+extern "C" __global__ void ubnext_emu_selftest_count(EMU_ST_PARAMS) {
+  uint32_t* w = static_cast<uint32_t*>(out);
+  const int mode = flags & 3;
+  const uint32_t tid = threadIdx.x;
+  if (mode == 3) {
+    if (blockIdx.x != 0) return;
+    uint32_t acc = 0;
+    for (int i = 0; i < n; ++i) acc += ubx::ld_volatile_v4(w + 1024 + (tid * (n + 1) + i) * 4).x;
+    __syncthreads();
+    acc += ubx::ld_volatile_v4(w + 1024 + (tid * (n + 1) + n) * 4).x;
+    if (acc == 0xdeadbeefu) ubx::st_relaxed_sys_u32(w + 516, acc);
+    return;
+  }
+  if (tid != 0) {
+    if (mode == 0 && blockIdx.x == 0 && !(flags & 4))
+      for (int i = 0; i < n; ++i) __syncwarp();
+    return;
+  }
+  if (mode == 0) {
+    if (blockIdx.x != 0) return;
+    uint32_t acc = 0;
+    for (int i = 0; i < n; ++i) {
+      acc += ubx::ld_volatile_u32(w + 516);
+      if (!(flags & 4)) __syncwarp();
+    }
+    ubx::st_relaxed_sys_u32(w + 520, acc);
+  } else if (mode == 1) {
+    if (blockIdx.x == 1) {
+      if (!(flags & 8)) (void)ubx::atom_add_acq_rel_gpu_u32(w + 512, 1u);
+      for (int k = 0; k < n; ++k) ubx::st_relaxed_sys_u32(w + 4 * k, 1u);
+      return;
+    }
+    uint32_t seen[64];
+    if (flags & 4)
+      for (int k = 0; k < n; ++k) seen[k] = ubx::ld_volatile_u32(w + 4 * k);
+    for (int k = 0; k < n; ++k) {
+      if ((flags & 4) && seen[k] != 0u) continue;
+      UBX_COUNT_WAIT_BEGIN();
+      while (ubx::ld_volatile_u32(w + 4 * k) == 0u) ubx::spin_pause();
+      UBX_COUNT_WAIT_END(w + 4 * k, 4, 1);
+    }
+    ubx::st_relaxed_sys_u32(w + 520, 1u);
+  } else {
+    if (blockIdx.x != 0) return;
+    for (int i = 0; i < n; ++i) (void)ubx::atom_add_acq_rel_gpu_u32(w + 512, 1u);
+    ubx::red_release_sys_add_u32(w + 512, 1u);
+  }
+}

@@ -1,0 +1,54 @@
+"""The emulator's full count record per launch (issue 38 item 1): ``ubnext_emu_count_log`` returns every
+launch's count words since its last call, the planner's chain (what ``Emulator.recording`` gives) and the
+calibrated model's (rules at the top of the count-mode section of ``csrc/emu/memory.cpp``): dependent local
+L2 round trips, GPU-scope atomics, serialised waits and the bytes a CTA has in flight. The model's ranks
+(``_costmodel``) read it beside their recordings; ``_calibration`` prices it."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, NamedTuple
+
+# UBNEXT_EMU_COUNT_WORDS (csrc/emu/emu_api.h)
+COUNT_WORDS = 12
+LOG_MAX = 4096
+
+
+class Counts(NamedTuple):
+    """One launch's count words, in emu_api.h's order."""
+
+    ctas: int
+    hops: int
+    fences: int
+    max_cta_bytes: int
+    total_bytes: int
+    t_hops: int  # the calibrated model's critical chain: NVLink crossings,
+    l2: int  # dependent local L2 round trips,
+    atomics: int  # atomics whose result the thread waits for,
+    waits: int  # serialised waits;
+    cta_load_bytes: int  # of the CTA needing the most rounds: the bytes it loaded,
+    cta_inflight: int  # the most it had in flight at one control point,
+    cta_remote_load_bytes: int  # and its loaded bytes from peers or the switch
+
+
+class CountLog:
+    """The count log of one loaded emulator library (an ``_emu.Emulator``)."""
+
+    def __init__(self, emu: Any) -> None:
+        lib = emu._lib  # the library the Emulator loaded: the same process-wide state
+        lib.ubnext_emu_count_log.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
+        lib.ubnext_emu_count_log.restype = ctypes.c_int
+        lib.ubnext_emu_set_count_weights.argtypes = [ctypes.c_uint32] * 4
+        lib.ubnext_emu_set_count_weights.restype = None
+        self._lib = lib
+
+    def set_weights(self, hop_us: float, l2_us: float, atomic_us: float, wait_us: float) -> None:
+        """The weights (us, rounded to ns) that decide which chain is critical: the calibrated constants."""
+        ns = [max(1, round(v * 1000)) for v in (hop_us, l2_us, atomic_us, wait_us)]
+        self._lib.ubnext_emu_set_count_weights(*ns)
+
+    def take(self) -> list[Counts]:
+        """The launches since the last call, oldest first; forgets them."""
+        buf = (ctypes.c_uint64 * (COUNT_WORDS * LOG_MAX))()
+        n = self._lib.ubnext_emu_count_log(buf, LOG_MAX)
+        return [Counts(*buf[i * COUNT_WORDS : (i + 1) * COUNT_WORDS]) for i in range(n)]
