@@ -52,6 +52,13 @@ def _recorders(monkeypatch):
         ("_REDUCE_SCATTER", lambda *a: a[0]),
     ):
         monkeypatch.setattr(ops, name, (recorder(name + " packet", result), recorder(name + " direct", result)))
+    # what a plain eager call runs without the dispatcher (ops._plain): the operator's implementation
+    for name, result in (
+        ("_all_reduce_impl", lambda *a: a[0]),
+        ("_linear_all_reduce_impl", lambda *a: a[0]),
+        ("_fused_impl", pair),
+    ):
+        monkeypatch.setattr(ops, name, recorder(name, result))
     for name, result in (
         ("_AllReduceGrad", lambda *a: a[0]),
         ("_LinearAllReduceGrad", lambda *a: a[0]),
@@ -65,7 +72,8 @@ def _recorders(monkeypatch):
 
 def test_entry_points_take_autograd_only_when_a_gradient_is_wanted(monkeypatch):
     """The autograd Functions run only in grad mode with an input that requires grad; otherwise the
-    operator is called directly (no Python autograd kernel on the hot path)."""
+    operator is called directly (no Python autograd kernel on the hot path), and its implementation
+    without the dispatcher where the dispatcher would add nothing (tests/unit/test_eager_direct.py)."""
     seen = _recorders(monkeypatch)
     x, w = torch.ones(4, 8), torch.ones(8)
     xg = torch.ones(4, 8, requires_grad=True)
@@ -78,9 +86,9 @@ def test_entry_points_take_autograd_only_when_a_gradient_is_wanted(monkeypatch):
         ops.reduce_scatter(a, 0.5, "k")
 
     direct = [
-        "_ALL_REDUCE direct",
-        "_LINEAR_ALL_REDUCE direct",
-        "_FUSED direct",
+        "_all_reduce_impl",
+        "_linear_all_reduce_impl",
+        "_fused_impl",
         "_ALL_GATHER direct",
         "_REDUCE_SCATTER direct",
     ]

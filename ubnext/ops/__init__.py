@@ -294,6 +294,28 @@ def _requires_grad(t) -> bool:
 
 
 _is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_profiling = torch.autograd._profiler_enabled
+
+
+def _plain(*tensors: torch.Tensor | None) -> bool:
+    """Whether an eager call on ``tensors`` (None: an optional one not given) may run its operator's
+    implementation without the dispatcher:
+    only where the dispatcher would add nothing but its cost (issue 38's host time: its round trip back
+    into the Python implementation is about 2 us a call, more than the implementation's own checks).
+    Not while Dynamo traces (the graph must hold the operator); not under a Python dispatch or function
+    mode, nor for a tensor subclass (DTensor, FakeTensor, ...), nor under the profiler: each of these
+    sees the operator; not with any tensor on the meta device, where the fake implementation answers
+    (and names a meta tensor beside real ones). The caller passes every tensor argument, and calls this
+    only where no gradient is wanted and nothing is mutated (an out= form goes through the dispatcher,
+    which bumps ``out``'s version counter)."""
+    if _is_compiling() or _dispatch_modes() or _function_modes() or _profiling():
+        return False
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or t.is_meta):
+            return False
+    return True
 
 
 def _dispatcher_callable(name: str):
@@ -443,6 +465,8 @@ def all_reduce(x: torch.Tensor, comm: str, torch_symm_op: str = "") -> torch.Ten
     that op exists, else by the path choice."""
     if torch.is_grad_enabled() and _requires_grad(x):
         return _AllReduceGrad.apply(x, comm, torch_symm_op)
+    if _plain(x):
+        return _all_reduce_impl(x, comm, torch_symm_op)
     packet, direct = _ALL_REDUCE
     return (packet if _is_compiling() else direct)(x, comm, torch_symm_op)
 
@@ -459,6 +483,8 @@ def all_reduce_out(x: torch.Tensor, out: torch.Tensor, comm: str) -> torch.Tenso
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: str) -> torch.Tensor:
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(weight)):
         return _LinearAllReduceGrad.apply(x, weight, comm)
+    if _plain(x, weight):
+        return _linear_all_reduce_impl(x, weight, comm)
     packet, direct = _LINEAR_ALL_REDUCE
     return (packet if _is_compiling() else direct)(x, weight, comm)
 
@@ -490,10 +516,15 @@ def all_reduce_add_rmsnorm(
 def _fused(x, residual, weight, eps: float, fp8: bool, scale, comm: str):
     """(out, residual_out, scale_inv or None) through the operator for the output's kind."""
     if fp8:
+        if _plain(x, residual, weight, scale):
+            return _fused_fp8_impl(x, residual, weight, eps, scale, comm)
         packet, direct = _FUSED_FP8
         return (packet if _is_compiling() else direct)(x, residual, weight, eps, scale, comm)
-    packet, direct = _FUSED
-    out, residual_out = (packet if _is_compiling() else direct)(x, residual, weight, eps, comm)
+    if _plain(x, residual, weight):
+        out, residual_out = _fused_impl(x, residual, weight, eps, comm)
+    else:
+        packet, direct = _FUSED
+        out, residual_out = (packet if _is_compiling() else direct)(x, residual, weight, eps, comm)
     return out, residual_out, None
 
 
