@@ -1,9 +1,12 @@
 """The torch operators behind every public ubnext call (``torch.ops.ubnext.*``).
 
 ``ubnext.all_reduce``, ``Communicator.all_reduce`` and the rest validate their arguments and
-then call one of these operators, so an eager call and a call inside ``torch.compile`` take the
-same path: Dynamo sees an opaque operator with a fake (meta) implementation and never traces the
-host logic (pool state, the error word, path choice), which reads data.
+then call one of these operators, so an eager call and a call inside ``torch.compile`` run the
+same implementation: Dynamo sees an opaque operator with a fake (meta) implementation and never
+traces the host logic (pool state, the error word, path choice), which reads data. An eager call
+with nothing for the dispatcher to do (no mode, profiler, subclass, meta tensor or gradient:
+``_plain``) calls that implementation without the dispatcher's round trip; every other call, and
+every out= form, goes through the operator.
 
 The operators name their communicator by a string key: a process group's name (the cached
 communicator of that group, ``ubnext.get_communicator``) or ``Communicator.key`` (a
