@@ -269,7 +269,8 @@ def host_overhead(
     from contextlib import ExitStack
     from unittest import mock
 
-    from . import get_communicator, kernels
+    from . import all_reduce as ubnext_all_reduce
+    from . import get_communicator, kernels, ops
     from .nn import Linear
     from .runtime import _cuda
 
@@ -331,6 +332,10 @@ def host_overhead(
         ("comm.all_reduce", {"call": lambda: comm.all_reduce(x)}),
         ("comm.all_reduce_add_rmsnorm", {"call": lambda: comm.all_reduce_add_rmsnorm(x, residual, weight)}),
         ("torch.ops.ubnext.all_reduce", {"call": lambda: torch.ops.ubnext.all_reduce(x, comm.key, "")}),
+        # issue 38's bound names these two as well: the module-level entry point (the default group's
+        # communicator, found by the group's name) and the operators' Python entry point
+        ("ubnext.all_reduce", {"call": lambda: ubnext_all_reduce(x)}),
+        ("ubnext.ops.all_reduce", {"call": lambda: ops.all_reduce(x, comm.key)}),
         (
             "torch.ops.ubnext.all_reduce_add_rmsnorm",
             {"call": lambda: torch.ops.ubnext.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, comm.key)},

@@ -12,6 +12,8 @@ ROWS = (
     "comm.all_reduce ",
     "comm.all_reduce_add_rmsnorm ",
     "torch.ops.ubnext.all_reduce_add_rmsnorm ",
+    "ubnext.all_reduce ",
+    "ubnext.ops.all_reduce ",
     "nn.Linear forward",
 )
 ENV = {"UBNEXT_EMULATE": "1", "UBNEXT_SELFTEST": "0"}
