@@ -69,6 +69,8 @@ def test_mypy_catches_each_broken_contract(tmp_path):
     assert proc.returncode == 1, out
     missing = [said for *_, said in BREAKS if said not in out]
     assert not missing, f"mypy did not report {missing}:\n{out}"
-    # and nothing else: every error is one of the breaks
+    # and nothing else: every error is a break or its knock-on effect (a caller of the changed member,
+    # another construction of the abstract class)
+    names = ("_provided_by_nobody", '"_run"', "_not_in_any_contract", "OpTarget")
     errors = [line for line in out.splitlines() if ": error:" in line]
-    assert len(errors) == len(BREAKS), out
+    assert all(any(name in line for name in names) for line in errors), out

@@ -147,6 +147,16 @@ def test_a_tensor_subclass_takes_the_dispatcher(comm, monkeypatch):
     assert calls == ["Marked"]
 
 
+def test_a_parameter_is_plain(comm, monkeypatch):
+    """A layer's weight is an nn.Parameter, which dispatches as a plain tensor: no dispatcher for it."""
+    x, r, w = _inputs()
+    want = comm.all_reduce_add_rmsnorm(x, r, w)
+    _refuse_dispatch(monkeypatch, "_FUSED")
+    with torch.no_grad():
+        got = comm.all_reduce_add_rmsnorm(x, r, torch.nn.Parameter(w))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_a_gradient_still_flows(comm):
     x, r, w = _inputs()
     x.requires_grad_(True)

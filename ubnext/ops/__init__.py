@@ -316,9 +316,14 @@ def _plain(*tensors: torch.Tensor | None) -> bool:
     if _is_compiling() or _dispatch_modes() or _function_modes() or _profiling():
         return False
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or t.is_meta):
+        if t is not None and (type(t) not in _PLAIN_TYPES or t.is_meta):
             return False
     return True
+
+
+# a Parameter dispatches as a plain tensor (its __torch_function__ is torch's disabled one, and it has
+# no __torch_dispatch__): a layer's weight must not send its every call through the dispatcher
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _dispatcher_callable(name: str):
