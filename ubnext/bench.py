@@ -513,11 +513,16 @@ def main(argv: list[str] | None = None) -> int:
 
         model_rows = _costmodel.run(args.world, quick=args.quick)
         _costmodel.print_table(model_rows, args.json)
-        _costmodel.print_invariant(_costmodel.invariant_rows(model_rows), args.json)
+        from .tuning import _invariant
+
+        _invariant.print_invariant(_invariant.invariant_rows(model_rows), args.json)
         from .tuning import _calibration
 
         peers = _calibration.peer_rows(args.world, _costmodel.ALLREDUCE_BYTES)
         _calibration.print_peer_rows(peers, args.json)
+        from .tuning import _targets
+
+        _targets.print_targets(_targets.targets(model_rows, peers), args.json)
         return 0
 
     gpu = gpu_available()

@@ -61,9 +61,10 @@ UBNEXT_EMU_API void ubnext_emu_set_counting(int on);
  * cta_inflight, cta_remote_load_bytes]: the NVLink crossings, dependent local L2 round trips, atomics
  * and serialised waits of its critical chain (the chain its weights make longest), and, of the block
  * that needs the most rounds of its bytes in flight, the bytes it loaded, the most it had in flight at
- * one control point, and how many of its loaded bytes came from peers or the switch. A reader of the
- * first 5 words sees what it saw before. */
-#define UBNEXT_EMU_COUNT_WORDS 12
+ * one control point, and how many of its loaded bytes came from peers or the switch; then
+ * [mc_ld_bytes, mc_store_bytes]: the launch's multimem.ld_reduce bytes and its multimem.st and .red bytes
+ * (each counted once, at its size). A reader of the first 5 words sees what it saw before. */
+#define UBNEXT_EMU_COUNT_WORDS 14
 UBNEXT_EMU_API int ubnext_emu_counts(uint64_t* out, int nwords);
 /* Count mode: the count words of every launch since the previous call (oldest first; at most the newest
  * 4096 are kept), up to max_launches records of UBNEXT_EMU_COUNT_WORDS words each; forgets them all.

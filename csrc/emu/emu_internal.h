@@ -153,6 +153,10 @@ struct Fiber {
   // loads since its last control advance (memory.cpp, "waits").
   Timed tclock, tdata;
   Timed tready() const { return later(tclock, tdata); }
+  // Where its loads issue in the calibrated model: its control clock at its last control advance other than
+  // a wait on bytes it loaded before (whose place in time is the kernel's check order, settled lazily), and
+  // the latest stamp of its own stores to this rank's memory since (a read-back of them is no wait).
+  Timed tbase, own_max;
   std::vector<BatchLoad> batch;
   uint32_t load_seq = 0;
   unsigned waiting = 0;              // count mode: inside a wait (count_wait_begin): loads are polls

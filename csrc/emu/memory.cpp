@@ -232,7 +232,15 @@ static Clock arrival(const Fiber& f, bool own, Clock seen) {
 // The calibrated model's (Timed) arrival: a load of this rank's memory is one L2 round trip after the later
 // of its issue and the word's landing; a peer's or the switch's, a round trip of two hops.
 static Timed t_arrival(const Fiber& f, bool own, const Timed& seen) {
-  return own ? plus_l2(later(f.tclock, seen)) : later(plus_hops(f.tclock, 2 * kHop), plus_hops(seen, kHop));
+  return own ? plus_l2(later(f.tbase, seen)) : later(plus_hops(f.tbase, 2 * kHop), plus_hops(seen, kHop));
+}
+// The model's load, issued at the thread's base, read the value at `seen` only if it had landed by then (or
+// is the thread's own store).
+static bool fresh(const Fiber& f, const Timed& seen) { return later(f.tbase, f.own_max) < seen; }
+// A control advance other than a batch wait: later loads issue from here.
+static void set_base(Fiber& f) {
+  f.tbase = f.tclock;
+  f.own_max = Timed{};
 }
 
 // ---- the calibrated model's waits (Timed), stated once (t_wait_end):
@@ -276,7 +284,7 @@ static void observe(Block& b, const Where& w, unsigned bytes, const void* p) {
   if (b.cur->waiting) return;
   Fiber& f = *b.cur;
   if (w.region < 0) {  // memory outside the pool (this GPU's): one L2 round trip, no stamp
-    f.tdata.join(plus_l2(f.tclock));
+    f.tdata.join(plus_l2(f.tbase));
     return;
   }
   const Region& r = g_regions[w.region];
@@ -290,10 +298,10 @@ static void observe(Block& b, const Where& w, unsigned bytes, const void* p) {
     return;
   }
   if (f.batch.size() >= kMaxBatch) end_batch(f);
-  BatchLoad l{reinterpret_cast<uint64_t>(p) / 16, f.load_seq++, false, f.tclock, f.tready(), seen.t};
-  if (f.tready() < seen.t) {
+  BatchLoad l{reinterpret_cast<uint64_t>(p) / 16, f.load_seq++, false, f.tbase, later(f.tbase, f.own_max), seen.t};
+  if (fresh(f, seen.t)) {
     l.pending = true;  // the model's load read the old value: a wait, applied in program order
-    f.tdata.join(plus_l2(f.tclock));
+    f.tdata.join(plus_l2(f.tbase));
   } else {
     f.tdata.join(t_arrival(f, true, seen.t));
   }
@@ -306,6 +314,7 @@ static void count_fence(Block& b) {
   f.clock.fences += 1;
   end_batch(f);
   f.tclock = plus_hops(f.tready(), kHop);
+  set_base(f);
 }
 // Bytes in flight: a CTA's loads issued at one control point (its barrier generation and the issuing
 // thread's Timed control clock) are in flight together; a wait, an atomic, a fence or a barrier moves the
@@ -316,7 +325,7 @@ static void count_load_bytes(Block& b, const void* p, unsigned bytes, bool remot
   b.bytes_moved += bytes;
   b.load_bytes += bytes;
   if (remote) b.remote_load_bytes += bytes;
-  b.inflight[uint64_t(b.bar_gen) << 32 | encode_timed(b.cur->tclock)] += bytes;
+  b.inflight[uint64_t(b.bar_gen) << 32 | encode_timed(b.cur->tbase)] += bytes;
 }
 void count_wait_begin() {
   Block* b = tl_block;
@@ -326,8 +335,10 @@ void count_wait_begin() {
 // The calibrated model's end of a marked wait whose awaited value landed at `seen` (Timed), on bytes at p.
 static void t_wait_end(Fiber& f, const void* p, bool own, const Timed& seen) {
   if (!own) {  // a poll of a peer's memory or the switch: each re-load a round trip
+    count_settle(f);
     f.tclock = later(plus_hops(f.tclock, 2 * kHop), plus_hops(seen, kHop));
     f.tdata.join(f.tclock);
+    set_base(f);
     return;
   }
   const uint64_t g = reinterpret_cast<uint64_t>(p) / 16;
@@ -338,6 +349,7 @@ static void t_wait_end(Fiber& f, const void* p, bool own, const Timed& seen) {
       f.tdata.join(plus_l2(later(l.issue_ctrl, seen)));
       return;
     }
+    // (issue_ctrl and issue_ready: the thread's base, and base joined with its own stores, at the load)
     settle_below(f, l.seq);
     l.pending = false;
     apply_wait(f, seen);
@@ -345,6 +357,7 @@ static void t_wait_end(Fiber& f, const void* p, bool own, const Timed& seen) {
   }
   count_settle(f);
   apply_wait(f, seen);
+  set_base(f);  // a wait the kernel always enters (its first check is inside it): loads issue after it
 }
 
 void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, uint32_t target) {
@@ -404,6 +417,7 @@ void join_clocks(Fiber* const* fibers, unsigned n) {
   for (unsigned i = 0; i < n; ++i) {
     fibers[i]->clock = fibers[i]->data = m;
     fibers[i]->tclock = fibers[i]->tdata = t;
+    set_base(*fibers[i]);
   }
 }
 
@@ -429,9 +443,14 @@ void count_launch_words(const Block* blocks, int nblocks, uint64_t* words) {
       remote = b.remote_load_bytes;
     }
   }
-  const uint64_t w[UBNEXT_EMU_COUNT_WORDS] = {uint64_t(nblocks), longest.hops, longest.fences,   most,           total,
-                                              tlongest.hops,     tlongest.l2,  tlongest.atomics, tlongest.waits, loads,
-                                              inflight,          remote};
+  uint64_t mc_ld = 0, mc_st = 0;
+  for (int i = 0; i < nblocks; ++i) {
+    mc_ld += blocks[i].traffic.mc_ld_bytes;
+    mc_st += blocks[i].traffic.mc_store_bytes + blocks[i].traffic.mc_red_bytes;
+  }
+  const uint64_t w[UBNEXT_EMU_COUNT_WORDS] = {
+      uint64_t(nblocks), longest.hops,   longest.fences, most,     total,  tlongest.hops, tlongest.l2,
+      tlongest.atomics,  tlongest.waits, loads,          inflight, remote, mc_ld,         mc_st};
   memcpy(words, w, sizeof w);
 }
 
@@ -751,6 +770,7 @@ void mem_store(void* dst, const void* src, unsigned bytes, int order) {
     if (counting()) {
       if (bytes >= 8) b->bytes_moved += bytes;
       count_settle(*b->cur);  // the store's value may be what the thread waited for
+      if (w.region >= 0 && w.rank == g_regions[w.region].rank) b->cur->own_max.join(b->cur->tready());
       PendingStore s = pending(w, reinterpret_cast<uint64_t>(dst), src, bytes, false, ready_stamp(*b->cur));
       if (b->chaos && order == kRelaxed) {
         buffer_store(*b, s);
@@ -806,6 +826,7 @@ static void observe_result(Block& b, const Where& w) {
   t.atomics += 1;
   f.tclock = t;
   f.tdata.join(t);
+  set_base(f);
 }
 
 uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order) {
@@ -839,7 +860,10 @@ void fence(int scope) {
   if (Block* b = enter(true)) {
     drain_for_release(*b);
     if (counting() && scope == kScopeSys) count_fence(*b);
-    else if (counting()) end_batch(*b->cur);
+    else if (counting()) {
+      end_batch(*b->cur);
+      set_base(*b->cur);
+    }
   }
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }

@@ -417,7 +417,7 @@ static void run_block(Block& b, char* arena) {
     f.sbuf.clear();
     f.mc_shadow.clear();
     f.clock = f.data = Clock{};
-    f.tclock = f.tdata = Timed{};
+    f.tclock = f.tdata = f.tbase = f.own_max = Timed{};
     f.batch.clear();
     f.load_seq = 0;
     f.waiting = 0;

@@ -220,6 +220,24 @@ def test_an_added_fence_raises_the_count(plain_at_2, plain_rows_at_2):
     assert compared and len(differ) == compared, differ
 
 
+def _calibrated(rows):
+    keys = ("t_hops", "l2", "atomics", "waits", "cta_load_bytes", "cta_inflight")
+    return {(r["op"], r["path"], r["bytes"]): tuple(r[k] for k in keys) for r in rows if not r["derived"]}
+
+
+def test_calibrated_counts_do_not_depend_on_scheduling(plain_rows_at_2):
+    """Issue 38 item 1's counts (csrc/emu/memory.cpp): the same under chaos mode (other schedules, other
+    orders in which the peers' values land) as in the plain run, and the Lamport poll's serialised waits
+    there (every peer slot a wait after the last; 2 ranks: at least one)."""
+    chaos = _costmodel.run(
+        2, quick=True, only=LAMPORT | TWOSHOTS, env={"UBNEXT_EMU_CHAOS": "1", "UBNEXT_EMU_SEED": "5"}
+    )
+    plain = _calibrated(plain_rows_at_2)
+    assert plain == _calibrated(chaos) and plain
+    for key, (t_hops, l2, atomics, waits, load, inflight) in plain.items():
+        assert t_hops >= 1 and waits >= 1 and 0 < inflight <= load, (key, plain[key])
+
+
 def test_call_header_checks_add_no_hop(plain_at_2):
     """The call check (misuse issue, item 1): with and without it, the same hops and fences on every
     path that carries it. The Lamport header travels beside the data (16 bytes more per peer, in
@@ -255,7 +273,12 @@ def test_bench_model_command():
     proc = run_script(f"{sys.executable} -m ubnext.bench --model --world 2 --quick --json", timeout=240)
     assert_mpi_ok(proc)
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
-    rows = [r for r in lines if "table" not in r]
+    rows = [r for r in lines if "table" not in r and not r["path"].startswith("peer:")]
+    # issue 38 item 1: the peer rows and ubnext's rows side by side under the calibrated model (cal_us)
+    peers = [r for r in lines if "table" not in r and r["path"].startswith("peer:")]
+    assert peers and all(r["cal_us"] > 0 and r["chosen"] is False for r in peers), peers[:2]
+    assert all(r["cal_us"] > 0 for r in rows if r["ctas"] is not None), [r for r in rows if r["cal_us"] is None][:2]
+    assert any(r.get("table") == "targets" for r in lines)
     assert rows and all(set(r) == set(_costmodel.KEYS) | {"derived"} for r in rows), rows[:2]
     # issue 26: the batch-invariant mode beside the default, per reducing op and size, never on a
     # path that reduces through the switch (the NVLS two-shot paths only in their rank-order form)

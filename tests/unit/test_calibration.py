@@ -13,8 +13,9 @@ import pytest
 from ubnext.tuning import _calibration as C
 from ubnext.tuning import _peers
 
-# sha256 of constants + counting rules + records (C.freeze_hash): the freeze of 2026-11-27
-FROZEN = "7b8685c9e1c70ef1b2deb7cda4377dc6233652779178d34e4803ae324ad2250b"
+# sha256 of constants + counting rules + records (C.freeze_hash): the freeze of 2026-11-27, re-pinned when the
+# rule that prices ubnext's own counts (launch_cal_us, rounds) joined the hash; the table below is unchanged
+FROZEN = "35530fbda0065153c46068604db5823b3575a8b8a0c245576e4eea0b019931ef"
 
 # (case, model_us, left_out_us) as calibrated on 2026-11-27 (docs/PERF.md, "The calibrated model")
 PINNED = [
@@ -108,3 +109,31 @@ def test_peer_rows_are_marked_and_never_chosen() -> None:
     nvls = [r["bytes"] for r in rows if r["path"] == "peer:nccl_nvls"]
     fused = [r["tokens"] for r in rows if r["path"] == "peer:flashinfer_oneshot"]
     assert ll == [2048, 16384, 65536] and nvls == [262144, 1 << 20, 64 << 20] and fused == [1, 16, 128]
+
+
+def test_ubnext_counts_are_priced_by_the_peers_rule() -> None:
+    """A ubnext launch from the emulator's counts costs what a peer kernel with the same counts costs."""
+    c = {
+        "t_hops": 1,
+        "l2": 3,
+        "atomics": 1,
+        "waits": 2,
+        "cta_load_bytes": 64 * 1024,
+        "cta_inflight": 16 * 1024,
+        "cta_remote_load_bytes": 0,
+        "nvlink_bytes": 0,
+        "mc_ld_bytes": 0,
+        "mc_store_bytes": 0,
+        "total_bytes": 0,
+    }
+    k = _peers.Kernel(
+        "k", "x:1", l2=3, hops=1, atomics=1, waits=2, cta_bytes=64 * 1024, inflight=16 * 1024, remote=False
+    )
+    v = {name: const.value for name, const in C.HOPPER.items()}
+    for mode in ("graph+pdl", "eager"):
+        assert C.launch_cal_us(c, 8, mode) == pytest.approx(C.kernel_us(k, mode, "H100", v))
+    assert C.rounds(c) == 4
+    # multicast bus bytes as NCCL's: ld_reduce bytes + stored bytes x N
+    mc = c | {"mc_ld_bytes": 1 << 20, "mc_store_bytes": 1 << 20, "cta_inflight": 0}
+    km = _peers.Kernel("k", "x:1", l2=3, hops=1, atomics=1, waits=2, multicast_bytes=9 << 20)
+    assert C.launch_cal_us(mc, 8, "graph") == pytest.approx(C.kernel_us(km, "graph", "H100", v))

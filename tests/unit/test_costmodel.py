@@ -8,6 +8,7 @@ import pytest
 
 from ubnext.comm._executor import GPU_BLOCK, GRID_CAP, gpu_max_blocks, launch_geometry
 from ubnext.tuning import _costmodel as M
+from ubnext.tuning import _invariant
 
 
 def _launch(**kw):
@@ -125,7 +126,7 @@ def test_the_modes_plain_nvls_rows_are_timed_by_their_rank_order_form():
         row("all_reduce", "nvls_lamport" + M.RANK_ORDER_SUFFIX, mb, 7.5),
         row("all_reduce_add_rmsnorm", "nvls_lamport", mb, 7.0, chosen=True),
     ]
-    plain, fused = M.invariant_rows(rows)
+    plain, fused = _invariant.invariant_rows(rows)
     assert (plain["mode_path"], plain["mode_us"], plain["ratio"]) == ("nvls_lamport", 7.5, 1.25), plain
     assert (fused["mode_path"], fused["mode_us"], fused["ratio"]) == ("nvls_lamport", 7.0, 1.0), fused
     # the flagged two-shot sums by unicast loads: the unicast two-shot's grid, not NCCL's 2 CTAs at 8 ranks

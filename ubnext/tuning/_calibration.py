@@ -20,8 +20,9 @@ import inspect
 import json
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TextIO
+from typing import Any, TextIO
 
 from . import _peers
 from ._peers import Kernel, Record
@@ -143,6 +144,32 @@ def kernel_us(k: Kernel, mode: str, gpu: str, v: dict[str, float]) -> float:
     return launch_us(mode, v) + latency + data
 
 
+def rounds(c: Mapping[str, Any]) -> int:
+    """Rounds of one CTA's loads: its loaded bytes over its bytes in flight (the emulator's counts)."""
+    return math.ceil(c["cta_load_bytes"] / c["cta_inflight"]) if c.get("cta_inflight") else 1
+
+
+def launch_cal_us(
+    c: Mapping[str, Any], world: int, mode: str, gpu: str = "H100", v: dict[str, float] | None = None
+) -> float:
+    """Modeled time of one of ubnext's launches from the emulator's count mode (``_costmodel``'s launch dicts,
+    csrc/emu/memory.cpp's rules), under the calibrated constants and kernel_us's rule: launch + (l2 + waits) x
+    L2_RT + hops x HOP + atomics x ATOMIC + the slowest of the CTA's extra rounds (a round trip each: two hops
+    when most of its loaded bytes come from peers or the switch, else one L2 round trip), its unicast NVLink
+    bytes, its multicast bus bytes (ld_reduce bytes + stored bytes x N, NCCL's S/N + S) and its HBM bytes."""
+    v = v or _values(HOPPER)
+    remote = 2 * c["cta_remote_load_bytes"] > c["cta_load_bytes"]
+    rt = 2 * v["hop_us"] if remote else v["l2_rt_us"]
+    data = max(
+        (rounds(c) - 1) * rt,
+        c["nvlink_bytes"] / (v["nvlink_GBps"] * 1e3),
+        (c["mc_ld_bytes"] + c["mc_store_bytes"] * world) / (v["nvls_GBps"] * 1e3),
+        c["total_bytes"] / (v[f"hbm_{gpu}_GBps"] * 1e3),
+    )
+    latency = (c["l2"] + c["waits"]) * v["l2_rt_us"] + c["t_hops"] * v["hop_us"] + c["atomics"] * v["atomic_us"]
+    return launch_us(mode, v) + latency + data
+
+
 def record_us(r: Record, over: dict[str, float] | None = None) -> float:
     """Modeled time of a record on Hopper constants (``over``: constants replaced, e.g. re-fitted ones)."""
     v = _values(HOPPER, over)
@@ -235,6 +262,8 @@ def freeze_hash() -> str:
         h.update(repr(replace(r, source="", mode_note="")).encode())
     h.update(inspect.getsource(kernel_us).encode())
     h.update(inspect.getsource(launch_us).encode())
+    h.update(inspect.getsource(launch_cal_us).encode())
+    h.update(inspect.getsource(rounds).encode())
     return h.hexdigest()
 
 
@@ -301,6 +330,8 @@ def peer_rows(world: int, allreduce_bytes: tuple[int, ...], hidden: int = 8192) 
                 "atomics": k.atomics,
                 "waits": k.waits,
                 "model_us": round(kernel_us(k, "graph+pdl", "H100", v), 2),
+                "cal_us": round(kernel_us(k, "graph+pdl", "H100", v), 2),
+                "cal_eager_us": round(kernel_us(k, "eager", "H100", v), 2),
                 "chosen": False,
             }
         )

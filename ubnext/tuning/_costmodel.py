@@ -39,6 +39,8 @@ from ._constants import (  # noqa: F401 (Constant: tests build one through this 
     SM_GBPS,
     Constant,
 )
+from ._emucounts import CAL_KEYS, CAL_ROW_KEYS, cal_row
+from ._invariant import invariant_rows, print_invariant  # noqa: F401 (bench and tests call them here)
 
 HIDDEN = 8192
 # Sizes the emulated ranks run; larger ones are derived. A launch of more blocks than this
@@ -78,6 +80,15 @@ KEYS = (
     "max_cta_bytes",
     "model_us",
     "chosen",
+    # the calibrated model (issue 38 item 1; _calibration.launch_cal_us): its chain's counts and bytes in flight
+    "t_hops",
+    "l2",
+    "atomics",
+    "waits",
+    "cta_load_bytes",
+    "cta_inflight",
+    "cal_us",
+    "cal_eager_us",
 )
 
 
@@ -165,17 +176,17 @@ def measurable(case: Case, world: int, sm_count: int) -> bool:
 # ------------------------------------------------------------------ one emulated rank
 
 
-def _run_case(comm, emu, case: Case, world: int):
+def _run_case(comm, emu, case: Case, world: int, log=None):
     """The launches of the second of two identical calls: the steady state, in which a Lamport call
     re-poisons what a call of its own size wrote (the first call re-poisons an earlier case's)."""
     for _ in range(2):
-        launches, error = _run_once(comm, emu, case, world)
+        launches, error = _run_once(comm, emu, case, world, log)
         if error:
             return None, error
     return launches, None
 
 
-def _run_once(comm, emu, case: Case, world: int):
+def _run_once(comm, emu, case: Case, world: int, log=None):
     import torch
 
     from .. import errors
@@ -185,6 +196,8 @@ def _run_once(comm, emu, case: Case, world: int):
     n = case.nbytes // 2
     g = torch.Generator().manual_seed(1234 + comm.rank)
     dtype = torch.bfloat16
+    if log is not None:
+        log.take()  # forget launches before this call's
     with emu.recording() as launches:
         try:
             if case.op == "all_reduce":
@@ -215,6 +228,11 @@ def _run_once(comm, emu, case: Case, world: int):
     if case.op in ("all_reduce", *FUSED_OPS) and ran != case.path:
         return None, f"ran {ran}, not {case.path}"
     counted = [c._asdict() for c in launches]
+    full = log.take() if log is not None else []
+    if log is not None and len(full) != len(counted):
+        return None, f"count log has {len(full)} launches, the recording {len(counted)}"
+    for c, f in zip(counted, full):
+        c.update({k: getattr(f, k) for k in CAL_KEYS})
     if case.op == "quantize" and case.path == "tensor" and case.nbytes > ONE_CTA_BYTES:
         # the amax is torch's reduction (torch.aminmax), which the emulator does not count: modeled
         # as one launch reading the tensor at HBM bandwidth
@@ -230,7 +248,8 @@ def _run_once(comm, emu, case: Case, world: int):
                 "total_bytes": case.nbytes,
                 "nvlink_bytes": 0,
                 "multicast_bytes": 0,
-            },
+            }
+            | dict.fromkeys(CAL_KEYS, 0),
         )
     return counted, None
 
@@ -265,10 +284,16 @@ def _worker(
     }
     for comm in comms.values():
         comm.prepare()
+    from . import _calibration, _emucounts
+
+    log = _emucounts.CountLog(comms[todo[0].invariant]._emu) if todo else None
+    if log is not None:
+        h = _calibration.HOPPER  # the calibrated constants decide which chain is critical
+        log.set_weights(h["hop_us"].value, h["l2_rt_us"].value, h["atomic_us"].value, h["l2_rt_us"].value)
     rows = []
     for case in todo:
         comm = comms[case.invariant]
-        launches, error = _run_case(comm, comm._emu, case, world)
+        launches, error = _run_case(comm, comm._emu, case, world, log)
         rows.append({"case": case.__dict__, "launches": launches, "error": error})
     if rank == 0:
         with open(out_path, "w") as f:
@@ -306,6 +331,17 @@ def derive(measured: dict, case: Case, world: int, sm_count: int) -> list[dict] 
             d["max_cta_bytes"] = round(c["max_cta_bytes"] * ratio * c["ctas"] / d["ctas"])
         d["nvlink_bytes"] = round(c["nvlink_bytes"] * ratio)
         d["multicast_bytes"] = round(c["multicast_bytes"] * ratio)
+        if "cta_load_bytes" in c:
+            # the calibrated counts: a CTA's loads and bytes in flight scale with its share; a CTA that
+            # issued all its loads at one control point (one round) still does (its loop has no wait), else
+            # its depth per control point is its loop body's, which the size does not change
+            share = ratio * c["ctas"] / d["ctas"] if c["ctas"] else ratio
+            for k in ("cta_load_bytes", "cta_remote_load_bytes"):
+                d[k] = round(c[k] * share)
+            if c["cta_inflight"] >= c["cta_load_bytes"]:
+                d["cta_inflight"] = d["cta_load_bytes"]
+            d["mc_ld_bytes"] = round(c["mc_ld_bytes"] * ratio)
+            d["mc_store_bytes"] = round(c["mc_store_bytes"] * ratio)
         out.append(d)
     return out
 
@@ -348,6 +384,7 @@ def table(measured: dict, world: int, sm_count: int, quick: bool, only: frozense
                     "fences": None,
                     "max_cta_bytes": None,
                     "model_us": None,
+                    **dict.fromkeys(CAL_ROW_KEYS),
                     "chosen": True,
                     "derived": False,
                     "launches": 0,
@@ -369,6 +406,7 @@ def table(measured: dict, world: int, sm_count: int, quick: bool, only: frozense
         }
         if not launches:
             row.update(ctas=None, hops=None, fences=None, max_cta_bytes=None, model_us=None)
+            row.update(dict.fromkeys(CAL_ROW_KEYS))
         else:
             row.update(
                 ctas=max(c["ctas"] for c in launches),
@@ -377,86 +415,13 @@ def table(measured: dict, world: int, sm_count: int, quick: bool, only: frozense
                 max_cta_bytes=max(c["max_cta_bytes"] for c in launches),
                 model_us=model_us(launches),
             )
+            row.update(cal_row(launches, world))
         row["chosen"] = chosen == case.path and not case.invariant  # the default's choice
         row["derived"] = derived
         row["launches"] = len(launches or [])
         row["peer"] = _peer(case)
         rows.append(row)
     return rows
-
-
-def invariant_rows(rows: list[dict]) -> list[dict]:
-    """The batch-invariant mode beside the default, per reducing op and size: each mode's planner
-    choice (the mode's is the default's restricted to the paths that sum in rank order: no
-    multimem.ld_reduce) and its modeled time, from the table's rows. all_gather reduces nothing and
-    reduce_scatter's kernel sums in rank order in both modes, so neither changes. Past the pool
-    both leave the kernels: the default for NCCL's allreduce, the mode for its rank-ordered
-    fallback (ubnext/comm/_allreduce.py), whose bytes per rank are given as a multiple of a ring
-    allreduce's 2 (N-1)/N of the message: the all-to-all and the all-gather in the dtype (x1),
-    the fused op's all-gather in fp32 (x1.5 for bf16). A plain allreduce on an NVLS two-shot path
-    is timed by the mode's own rows of it (RANK_ORDER_SUFFIX: unicast rank-order sums, not the
-    default's multimem.ld_reduce)."""
-    timed = {(r["op"], r["bytes"], r["path"]): r["model_us"] for r in rows}
-    out = []
-    for r in rows:
-        if r["op"] not in ("all_reduce", "all_reduce_add_rmsnorm") or not r["chosen"]:
-            continue
-        case = Case(r["op"], r["path"], r["bytes"], r["tokens"])
-        mode = chosen_path(case, r["world"], batch_invariant=True)
-        timed_as = mode + RANK_ORDER_SUFFIX if r["op"] == "all_reduce" and mode in INVARIANT_ALLREDUCE_PATHS else mode
-        default_us, mode_us = r["model_us"], timed.get((r["op"], r["bytes"], timed_as))
-        out.append(
-            {
-                "op": r["op"],
-                "bytes": r["bytes"],
-                "tokens": r["tokens"],
-                "world": r["world"],
-                "default_path": r["path"],
-                "default_us": default_us,
-                "mode_path": mode,
-                "mode_us": mode_us,
-                "ratio": round(mode_us / default_us, 2) if default_us and mode_us else None,
-                "fallback_bytes_vs_ring": (1.5 if r["op"] != "all_reduce" else 1.0) if mode == "torch" else None,
-            }
-        )
-    return out
-
-
-def print_invariant(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
-    if as_json:
-        for r in rows:
-            print(json.dumps({"table": "batch_invariant"} | r), file=out)
-        return
-    from ..pool.layout import plan_layout
-
-    world = rows[0]["world"] if rows else 0
-    layout = plan_layout(world, HIDDEN) if world else None
-    print(
-        f"# batch-invariant mode (Communicator(batch_invariant=True)) beside the default, {world} ranks, bf16, "
-        f"hidden {HIDDEN}: each mode's planner choice and its modeled time above; the pool of both is the "
-        f"default one ({layout.sized_by if layout else '-'}: a {layout.lamport_capacity if layout else 0} byte "
-        f"Lamport slot, a {layout.staging_bytes if layout else 0} byte staging region); past it, the mode's "
-        "rank-ordered fallback (all-to-all + all-gather on torch.distributed) moves the bytes of a ring "
-        "allreduce times the last column",
-        file=out,
-    )
-    print(
-        f"{'op':24} {'bytes':>10} {'tok':>5} {'default':>14} {'us':>8} {'mode':>14} {'us':>8} {'ratio':>6} "
-        f"{'fallback_x':>10}",
-        file=out,
-    )
-    for r in rows:
-
-        def us(v):
-            return f"{v:8.2f}" if v is not None else f"{'-':>8}"
-
-        ratio = f"{r['ratio']:6.2f}" if r["ratio"] is not None else f"{'-':>6}"
-        fb = f"{r['fallback_bytes_vs_ring']:10.1f}" if r["fallback_bytes_vs_ring"] else f"{'-':>10}"
-        print(
-            f"{r['op']:24} {r['bytes']:10d} {r['tokens']:5d} {r['default_path']:>14} {us(r['default_us'])} "
-            f"{r['mode_path']:>14} {us(r['mode_us'])} {ratio} {fb}",
-            file=out,
-        )
 
 
 def _peer(case: Case) -> str:
@@ -555,8 +520,15 @@ def print_table(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
     for name, c in CONSTANTS.items():
         print(f"#   {name} = {c.value:g} {c.unit}: {c.source}", file=out)
     print(
+        "#   calibrated (issue 38 item 1; ubnext/tuning/_calibration.py): t_hops l2 atomics waits = the counts of "
+        "the calibrated model's critical chain, rounds = a CTA's loaded bytes / its bytes in flight; cal_us "
+        "graph + PDL, eager (H100); the peer: rows below are priced the same way",
+        file=out,
+    )
+    print(
         f"{'op':28} {'path':15} {'bytes':>10} {'tok':>5} {'ctas':>5} {'hops':>5} {'fences':>6} "
-        f"{'max_cta_bytes':>13} {'model_us':>9}  peer",
+        f"{'max_cta_bytes':>13} {'model_us':>9}  {'t_hops':>6} {'l2':>3} {'atom':>4} {'waits':>5} {'rounds':>6} "
+        f"{'cal_us':>7} {'eager':>7}  peer",
         file=out,
     )
     for r in rows:
@@ -568,9 +540,16 @@ def print_table(rows: list[dict], as_json: bool, out=sys.stdout) -> None:
                 file=out,
             )
             continue
+        cal = f"{'-':>6} {'-':>3} {'-':>4} {'-':>5} {'-':>6} {'-':>7} {'-':>7}"
+        if r["cal_us"] is not None:
+            rounds = -(-r["cta_load_bytes"] // r["cta_inflight"]) if r["cta_inflight"] else 1
+            cal = (
+                f"{r['t_hops']:6d} {r['l2']:3d} {r['atomics']:4d} {r['waits']:5d} {rounds:6d} "
+                f"{r['cal_us']:7.2f} {r['cal_eager_us']:7.2f}"
+            )
         print(
             f"{r['op']:28} {r['path']:15} {r['bytes']:10d} {r['tokens']:5d} {r['ctas']:5d} {r['hops']:5d} "
-            f"{r['fences']:6d} {r['max_cta_bytes']:13d} {r['model_us']:9.2f}{mark} {r['peer']}",
+            f"{r['fences']:6d} {r['max_cta_bytes']:13d} {r['model_us']:9.2f}{mark} {cal}  {r['peer']}",
             file=out,
         )
 

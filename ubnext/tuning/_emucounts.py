@@ -10,7 +10,7 @@ import ctypes
 from typing import Any, NamedTuple
 
 # UBNEXT_EMU_COUNT_WORDS (csrc/emu/emu_api.h)
-COUNT_WORDS = 12
+COUNT_WORDS = 14
 LOG_MAX = 4096
 
 
@@ -28,7 +28,9 @@ class Counts(NamedTuple):
     waits: int  # serialised waits;
     cta_load_bytes: int  # of the CTA needing the most rounds: the bytes it loaded,
     cta_inflight: int  # the most it had in flight at one control point,
-    cta_remote_load_bytes: int  # and its loaded bytes from peers or the switch
+    cta_remote_load_bytes: int  # and its loaded bytes from peers or the switch;
+    mc_ld_bytes: int  # the launch's multimem.ld_reduce bytes,
+    mc_store_bytes: int  # its multimem.st and .red bytes (once each, at its size)
 
 
 class CountLog:
@@ -52,3 +54,39 @@ class CountLog:
         buf = (ctypes.c_uint64 * (COUNT_WORDS * LOG_MAX))()
         n = self._lib.ubnext_emu_count_log(buf, LOG_MAX)
         return [Counts(*buf[i * COUNT_WORDS : (i + 1) * COUNT_WORDS]) for i in range(n)]
+
+
+# launch keys the calibrated counts add (_emucounts.Counts), zero in a launch the emulator did not count
+CAL_KEYS = (
+    "t_hops",
+    "l2",
+    "atomics",
+    "waits",
+    "cta_load_bytes",
+    "cta_inflight",
+    "cta_remote_load_bytes",
+    "mc_ld_bytes",
+    "mc_store_bytes",
+)
+
+CAL_ROW_KEYS = ("t_hops", "l2", "atomics", "waits", "cta_load_bytes", "cta_inflight", "cal_us", "cal_eager_us")
+
+
+def cal_row(launches: list[dict], world: int) -> dict:
+    """A row's calibrated counts (summed over its launches; a CTA's bytes: the launch needing the most rounds)
+    and its calibrated time, graph + PDL and eager (``_calibration.launch_cal_us``)."""
+    from . import _calibration
+
+    if any("cta_load_bytes" not in c for c in launches):
+        return dict.fromkeys(CAL_ROW_KEYS)
+    worst = max(launches, key=lambda c: (_calibration.rounds(c), c["cta_load_bytes"]))
+    return {
+        "t_hops": sum(c["t_hops"] for c in launches),
+        "l2": sum(c["l2"] for c in launches),
+        "atomics": sum(c["atomics"] for c in launches),
+        "waits": sum(c["waits"] for c in launches),
+        "cta_load_bytes": worst["cta_load_bytes"],
+        "cta_inflight": worst["cta_inflight"],
+        "cal_us": round(sum(_calibration.launch_cal_us(c, world, "graph+pdl") for c in launches), 2),
+        "cal_eager_us": round(sum(_calibration.launch_cal_us(c, world, "eager") for c in launches), 2),
+    }

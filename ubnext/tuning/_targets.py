@@ -1,0 +1,119 @@
+"""Issue 38 item 2's targets as they stand, from one ``python -m ubnext.bench --model`` run: ubnext's rows and
+the ``peer:`` rows, both priced by the calibrated model (``cal_us``: H100, graph + PDL; ``_calibration``).
+Printed only: it chooses nothing and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+Row = dict[str, Any]
+FUSED = "all_reduce_add_rmsnorm"
+NVLS_PATHS = ("nvls_twoshot", "nvls_lamport", "nvls_oneshot")
+MB = 1 << 20
+
+
+def _best(rows: Sequence[Row], op: str, nbytes: int, paths: Sequence[str] | None = None) -> Row | None:
+    cands = [
+        r
+        for r in rows
+        if r["op"] == op
+        and r["bytes"] == nbytes
+        and r.get("cal_us") is not None
+        and not str(r["path"]).endswith("/ro")
+        and (paths is None or r["path"] in paths)
+    ]
+    return min(cands, key=lambda r: r["cal_us"]) if cands else None
+
+
+def _peer(peers: Sequence[Row], path: str, op: str, nbytes: int) -> Row | None:
+    return next((p for p in peers if p["path"] == path and p["op"] == op and p["bytes"] == nbytes), None)
+
+
+def targets(rows: Sequence[Row], peers: Sequence[Row]) -> list[Row]:
+    """One row per target case: ubnext's best path there (and the planner's choice), its calibrated time,
+    the peer's, the bound and whether it holds."""
+    out: list[Row] = []
+
+    def add(case: str, op: str, nbytes: int, paths: Sequence[str] | None, peer_path: str, factor: float) -> None:
+        best, peer = _best(rows, op, nbytes, paths), _peer(peers, peer_path, op, nbytes)
+        chosen = next((r for r in rows if r["op"] == op and r["bytes"] == nbytes and r.get("chosen")), None)
+        if best is None or peer is None:
+            return
+        bound = round(factor * float(peer["cal_us"]), 2)
+        counts = {k: best.get(k) for k in ("t_hops", "l2", "atomics", "waits", "cta_load_bytes", "cta_inflight")}
+        out.append(
+            {
+                "table": "targets",
+                "case": case,
+                "bytes": nbytes,
+                "path": best["path"],
+                "ubnext_us": best["cal_us"],
+                "chosen_path": chosen["path"] if chosen else None,
+                "chosen_us": chosen.get("cal_us") if chosen else None,
+                "peer": peer_path,
+                "peer_us": peer["cal_us"],
+                "bound_us": bound,
+                "holds": best["cal_us"] <= bound,
+                "counts": counts,
+                "peer_counts": {k: peer.get(k) for k in ("hops", "l2", "atomics", "waits")},
+            }
+        )
+
+    for tokens in (1, 16):
+        add(f"fused {tokens}x8192 <= 0.9 x FlashInfer", FUSED, tokens * 8192 * 2, None, "peer:flashinfer_oneshot", 0.9)
+    for nbytes in sorted({r["bytes"] for r in rows if r["op"] == "all_reduce" and r["bytes"] <= 64 * 1024}):
+        add(f"allreduce {nbytes} B <= NCCL LL", "all_reduce", nbytes, None, "peer:nccl_symmetric_ll", 1.0)
+    for nbytes in sorted({r["bytes"] for r in rows if r["op"] == "all_reduce" and 4 * MB <= r["bytes"] <= 64 * MB}):
+        add(
+            f"NVLS allreduce {nbytes // MB} MB <= 0.9 x NCCL NVLS",
+            "all_reduce",
+            nbytes,
+            NVLS_PATHS,
+            "peer:nccl_nvls",
+            0.9,
+        )
+    one = next((r for r in out if r["case"].startswith("fused 1x")), None)
+    if one is not None:
+        out.append(
+            {
+                "table": "targets",
+                "case": "fused 1x8192 <= 4 us",
+                "ubnext_us": one["ubnext_us"],
+                "bound_us": 4.0,
+                "holds": one["ubnext_us"] <= 4.0,
+                "path": one["path"],
+            }
+        )
+    big = _best(rows, "all_reduce", 64 * MB, NVLS_PATHS)
+    if big is not None:
+        world = big["world"]
+        busbw = 2 * (world - 1) / world * 64 * MB / (big["cal_us"] * 1e3)
+        out.append(
+            {
+                "table": "targets",
+                "case": "busbw at 64 MB >= 450 GB/s",
+                "path": big["path"],
+                "ubnext_us": big["cal_us"],
+                "busbw_GBps": round(busbw, 1),
+                "holds": busbw >= 450.0,
+            }
+        )
+    return out
+
+
+def print_targets(rows: list[Row], as_json: bool, out: TextIO = sys.stdout) -> None:
+    if as_json:
+        for r in rows:
+            print(json.dumps(r), file=out)
+        return
+    print("# issue 38 item 2's targets as they stand (calibrated model, H100, 8 ranks, graph + PDL)", file=out)
+    for r in rows:
+        peer = f" vs {r['peer']} {r['peer_us']:.2f} us (bound {r['bound_us']:.2f})" if "peer" in r else ""
+        extra = f" busbw {r['busbw_GBps']} GB/s" if "busbw_GBps" in r else ""
+        print(
+            f"{r['case']:44} {r['path']:14} {r['ubnext_us']:8.2f} us{peer}{extra}  {'holds' if r['holds'] else 'MISSES'}",
+            file=out,
+        )
