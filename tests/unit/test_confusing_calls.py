@@ -19,14 +19,8 @@ from ubnext.runtime import _lifecycle
 
 
 @pytest.fixture(scope="module")
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    # the cached communicator ubnext.all_reduce uses, on the torch path whatever UBNEXT_EMULATE says
-    comm = _lifecycle.cached[dist.group.WORLD.group_name] = Communicator(emulate=False)
-    yield comm
-    _lifecycle.cached.clear()
-    comm.close()
-    dist.destroy_process_group()
+def world(world1_comm):
+    return world1_comm
 
 
 # -- C1: the mismatch error names the call's output form, and speaks of offsets only for an offset --

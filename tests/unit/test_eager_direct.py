@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,12 +20,8 @@ HIDDEN = 64
 
 
 @pytest.fixture(scope="module")
-def comm():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    c = ubnext.Communicator(emulate=False)
-    yield c
-    c.close()
-    dist.destroy_process_group()
+def comm(world1_comm):
+    return world1_comm
 
 
 def _inputs(device: str = "cpu"):

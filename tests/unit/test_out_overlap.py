@@ -10,9 +10,7 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
-import ubnext
 from ubnext import ops
 from ubnext.reference._checks import check_out_overlap
 
@@ -21,12 +19,8 @@ ELEM = 4  # float32
 
 
 @pytest.fixture(scope="module")
-def comm():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    c = ubnext.Communicator(emulate=False)
-    yield c
-    c.close()
-    dist.destroy_process_group()
+def comm(world1_comm):
+    return world1_comm
 
 
 CALLS = {  # op -> its call with out=
