@@ -234,7 +234,7 @@ def test_calibrated_counts_do_not_depend_on_scheduling(plain_rows_at_2):
     )
     plain = _calibrated(plain_rows_at_2)
     assert plain == _calibrated(chaos) and plain
-    for key, (t_hops, l2, atomics, waits, load, inflight) in plain.items():
+    for key, (t_hops, _l2, _atomics, waits, load, inflight) in plain.items():
         assert t_hops >= 1 and waits >= 1 and 0 < inflight <= load, (key, plain[key])
 
 

@@ -40,7 +40,6 @@ from ._constants import (  # noqa: F401 (Constant: tests build one through this 
     Constant,
 )
 from ._emucounts import CAL_KEYS, CAL_ROW_KEYS, cal_row
-from ._invariant import invariant_rows, print_invariant  # noqa: F401 (bench and tests call them here)
 
 HIDDEN = 8192
 # Sizes the emulated ranks run; larger ones are derived. A launch of more blocks than this
