@@ -287,13 +287,18 @@ def compare(run: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
                 return {"ok": False, "why": f"prompt {i} step {step}: token {a} != baseline {b}", "steps": steps}
             steps += 1
             per_prompt[-1] += 1
-    diffs = [abs(x[0] - y[0]) for p, q in zip(run["top2_logprobs"], base["top2_logprobs"]) for x, y in zip(p, q)]
+    # over the compared steps only: past a near tie the two may follow different tokens, and their logprobs differ
+    diffs = [
+        abs(x[0] - y[0])
+        for p, q, n in zip(run["top2_logprobs"], base["top2_logprobs"], per_prompt)
+        for x, y in zip(p[:n], q[:n])
+    ]
     return {
         "ok": True,
         "steps": steps,
         "steps_per_prompt": per_prompt,
         "stopped": stopped,
-        "max_top1_logprob_diff": max(diffs) if diffs else None,
+        "max_top1_logprob_diff_compared": max(diffs) if diffs else None,
     }
 
 
@@ -408,7 +413,7 @@ def ubnext_source() -> dict[str, Any]:
     return {
         "path": str(where),
         "commit": git("rev-parse", "HEAD"),
-        "changed": git("status", "--porcelain").splitlines(),
+        "changed": git("status", "--porcelain", "--", ".", ":!build").splitlines(),
     }
 
 
