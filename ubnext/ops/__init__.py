@@ -41,6 +41,7 @@ from ..reference._checks import (
     fp8_output,
 )
 from ..runtime import _lifecycle
+from ._dispatch import dispatcher_callable
 from ._target import OpTarget
 
 __all__ = [
@@ -326,32 +327,20 @@ def _plain(*tensors: torch.Tensor | None) -> bool:
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _dispatcher_callable(name: str):
-    """(the operator's OpOverloadPacket, the dispatcher's own callable behind it).
-    ``torch.ops.ubnext.<name>(...)`` passes two Python frames before the dispatcher (the namespace's
-    attribute lookups and OpOverloadPacket.__call__, which only forwards to this callable): about
-    0.3 us per call here (docs/PERF.md). Both reach the same dispatcher entry, with the same
-    __torch_function__ handling, so modes, subclasses and the profiler see the same operator. Dynamo
-    cannot trace the bare callable, so entry points take the packet while
-    ``torch.compiler.is_compiling()``."""
-    packet = getattr(torch.ops.ubnext, name)
-    return packet, getattr(packet, "_op", packet)  # OpOverloadPacket._op: torch 2.0 to 2.13 at least
-
-
 # (OpOverloadPacket, its dispatcher callable) of each operator the entry points below call; an
 # entry point calls `(packet if _is_compiling() else direct)(...)`
-_ALL_REDUCE = _dispatcher_callable("all_reduce")
-_ALL_REDUCE_OUT = _dispatcher_callable("all_reduce_out")
-_LINEAR_ALL_REDUCE = _dispatcher_callable("linear_all_reduce")
-_FUSED = _dispatcher_callable("all_reduce_add_rmsnorm")
-_FUSED_FP8 = _dispatcher_callable("all_reduce_add_rmsnorm_fp8")
-_FUSED_QUANT = _dispatcher_callable("all_reduce_add_rmsnorm_quant")
-_ALL_GATHER = _dispatcher_callable("all_gather")
-_ALL_GATHER_OUT = _dispatcher_callable("all_gather_out")
-_REDUCE_SCATTER = _dispatcher_callable("reduce_scatter")
-_REDUCE_SCATTER_OUT = _dispatcher_callable("reduce_scatter_out")
-_QUANTIZE_FP8 = _dispatcher_callable("quantize_fp8")
-_QUANTIZE = _dispatcher_callable("quantize")
+_ALL_REDUCE = dispatcher_callable("all_reduce")
+_ALL_REDUCE_OUT = dispatcher_callable("all_reduce_out")
+_LINEAR_ALL_REDUCE = dispatcher_callable("linear_all_reduce")
+_FUSED = dispatcher_callable("all_reduce_add_rmsnorm")
+_FUSED_FP8 = dispatcher_callable("all_reduce_add_rmsnorm_fp8")
+_FUSED_QUANT = dispatcher_callable("all_reduce_add_rmsnorm_quant")
+_ALL_GATHER = dispatcher_callable("all_gather")
+_ALL_GATHER_OUT = dispatcher_callable("all_gather_out")
+_REDUCE_SCATTER = dispatcher_callable("reduce_scatter")
+_REDUCE_SCATTER_OUT = dispatcher_callable("reduce_scatter_out")
+_QUANTIZE_FP8 = dispatcher_callable("quantize_fp8")
+_QUANTIZE = dispatcher_callable("quantize")
 
 
 def not_differentiable(what: str, instead: str) -> RuntimeError:
