@@ -142,6 +142,20 @@ def test_a_tensor_subclass_takes_the_dispatcher(comm, monkeypatch):
     assert calls == ["Marked"]
 
 
+def test_functorch_transforms_and_jit_tracing_take_the_dispatcher(comm):
+    """Their tensors are torch.Tensor by type, with no Python mode: the direct call would hand vmap's and
+    jvp's wrapped tensors to the implementation (no storage), give functionalize uninitialised memory,
+    and leave the collective out of a jit trace. At world 1 the allreduce is the identity."""
+    x, xb = torch.randn(4, HIDDEN), torch.randn(3, 4, HIDDEN)
+    assert torch.equal(torch.vmap(lambda t: ubnext.all_reduce(t))(xb), xb)
+    assert torch.equal(torch.func.functionalize(lambda t: ubnext.all_reduce(t))(x), x)
+    # (the operators have no forward-mode formula: jvp's tangent is not checked here, only that it runs)
+    primal, _ = torch.func.jvp(lambda t: ubnext.all_reduce(t), (x,), (torch.ones_like(x),))
+    assert torch.equal(primal, x)
+    traced = torch.jit.trace(lambda t: ubnext.all_reduce(t) * 2, (x,), check_trace=False)
+    assert "ubnext::all_reduce" in str(traced.graph), traced.graph
+
+
 def test_a_parameter_is_plain(comm, monkeypatch):
     """A layer's weight is an nn.Parameter, which dispatches as a plain tensor: no dispatcher for it."""
     x, r, w = _inputs()

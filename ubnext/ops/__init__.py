@@ -39,6 +39,7 @@ from ..reference._checks import (
     check_reduce_scatter_args,
     check_same_device,
     fp8_output,
+    rmsnorm_backward,
 )
 from ..runtime import _lifecycle
 from ._dispatch import dispatcher_callable
@@ -301,20 +302,26 @@ _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _profiling = torch.autograd._profiler_enabled
+# functorch's transforms (vmap, grad, jvp, functionalize) wrap tensors that are still torch.Tensor by type
+_transforms = torch._C._are_functorch_transforms_active
+_jit_tracing = torch._C._get_tracing_state
 
 
 def _plain(*tensors: torch.Tensor | None) -> bool:
     """Whether an eager call on ``tensors`` (None: an optional one not given) may run its operator's
-    implementation without the dispatcher:
-    only where the dispatcher would add nothing but its cost (issue 38's host time: its round trip back
-    into the Python implementation is about 2 us a call, more than the implementation's own checks).
-    Not while Dynamo traces (the graph must hold the operator); not under a Python dispatch or function
-    mode, nor for a tensor subclass (DTensor, FakeTensor, ...), nor under the profiler: each of these
-    sees the operator; not with any tensor on the meta device, where the fake implementation answers
-    (and names a meta tensor beside real ones). The caller passes every tensor argument, and calls this
-    only where no gradient is wanted and nothing is mutated (an out= form goes through the dispatcher,
-    which bumps ``out``'s version counter)."""
-    if _is_compiling() or _dispatch_modes() or _function_modes() or _profiling():
+    implementation without the dispatcher's round trip (about 2 us a call): only where the dispatcher
+    would do nothing else. Not while Dynamo or torch.jit.trace traces, inside a functorch transform
+    (its wrapped tensors are torch.Tensor by type), under a Python dispatch or function mode or the
+    profiler, nor for a subclass or a meta tensor. The caller passes every tensor, and calls this only
+    where no gradient is wanted and nothing is mutated. docs/ARCHITECTURE.md says why each case."""
+    if (
+        _is_compiling()
+        or _dispatch_modes()
+        or _function_modes()
+        or _profiling()
+        or _transforms()
+        or _jit_tracing() is not None
+    ):
         return False
     for t in tensors:
         if t is not None and (type(t) not in _PLAIN_TYPES or t.is_meta):
@@ -407,17 +414,6 @@ class _ReduceScatterGrad(torch.autograd.Function):
     def backward(ctx, grad):
         gathered = all_gather(grad.contiguous(), ctx.comm)
         return (gathered if ctx.factor == 1.0 else gathered * ctx.factor), None, None
-
-
-def rmsnorm_backward(r: torch.Tensor, weight: torch.Tensor, eps: float, grad_y: torch.Tensor):
-    """Gradients of ``y = rmsnorm(r, weight, eps)`` (fp32 in, fp32 out), in closed form:
-    with ``inv = rsqrt(mean(r^2) + eps)`` and ``gw = grad_y * weight``,
-    ``grad_r = inv * gw - r * inv^3 * mean(gw * r)`` and ``grad_weight = sum_rows(grad_y * r * inv)``."""
-    inv = torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps)
-    gw = grad_y * weight
-    grad_r = inv * gw - r * inv.pow(3) * (gw * r).mean(dim=-1, keepdim=True)
-    grad_w = (grad_y * r * inv).reshape(-1, r.shape[-1]).sum(dim=0)
-    return grad_r, grad_w
 
 
 class _FusedGrad(torch.autograd.Function):

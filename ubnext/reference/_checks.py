@@ -265,6 +265,19 @@ def rmsnorm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return r * torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps) * weight
 
 
+def rmsnorm_backward(
+    r: torch.Tensor, weight: torch.Tensor, eps: float, grad_y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``y = rmsnorm(r, weight, eps)`` (fp32 in, fp32 out), in closed form:
+    with ``inv = rsqrt(mean(r^2) + eps)`` and ``gw = grad_y * weight``,
+    ``grad_r = inv * gw - r * inv^3 * mean(gw * r)`` and ``grad_weight = sum_rows(grad_y * r * inv)``."""
+    inv = torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps)
+    gw = grad_y * weight
+    grad_r = inv * gw - r * inv.pow(3) * (gw * r).mean(dim=-1, keepdim=True)
+    grad_w = (grad_y * r * inv).reshape(-1, r.shape[-1]).sum(dim=0)
+    return grad_r, grad_w
+
+
 def _butterfly(v: torch.Tensor) -> torch.Tensor:
     """reduce.cuh's warp_sum over the last dimension (32 lanes): what lane 0 holds after the xor steps
     16, 8, 4, 2, 1 is the lower half plus the upper half, halved again and again."""
