@@ -9,7 +9,8 @@ part reads state that another part, or the constructor, provides. This module na
 - :class:`Prepared`: the pool, the kernels and the set-up collectives (``Preparation``);
 - :class:`Planned`: the path and the launch of a call signature (``Planner``);
 - :class:`Executing`: the checks every call makes, and the launch itself (``Executor``);
-- :class:`AllReducing`: the allreduce that the other families build on (``AllReduceOps``).
+- :class:`AllReducing`: the allreduce that the other families build on (``AllReduceOps``);
+- :class:`Quantizing`: the block quantiser that the fused op's torch fallback ends with (``QuantizeOps``).
 
 Each part module opens with its contract: a ``Part`` protocol, made only while type checking, that
 joins what the part needs and what it provides; the part derives from it. mypy then checks that:
@@ -167,3 +168,12 @@ class AllReducing(Protocol):
     def _rank_order_sum(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
     def _rank_order_shard(self, shards: torch.Tensor, factor: float = 1.0) -> torch.Tensor: ...
+
+
+class Quantizing(Protocol):
+    """``QuantizeOps``: the block-scaled quantiser, which the fused op's torch fallback applies to its
+    unquantised output (so that fusion changes no bit)."""
+
+    def _quantize_blocks(
+        self, x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, swizzled: bool, ue8m0: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -44,11 +44,11 @@ def _value_text(scale: torch.Tensor | None) -> str | None:
     return None if scale is None else repr(float(scale.reshape(-1)[0]))
 
 
-# the contract (ubnext/comm/_contracts.py): needs State, Prepared, Planned, Executing, AllReducing
+# the contract (ubnext/comm/_contracts.py): needs State, Prepared, Planned, Executing, AllReducing, Quantizing
 if TYPE_CHECKING:
-    from ._contracts import AllReducing, Executing, Planned, Prepared, State
+    from ._contracts import AllReducing, Executing, Planned, Prepared, Quantizing, State
 
-    class Part(State, Prepared, Planned, Executing, AllReducing): ...
+    class Part(State, Prepared, Planned, Executing, AllReducing, Quantizing): ...
 else:
     Part = object
 

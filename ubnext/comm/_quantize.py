@@ -69,11 +69,11 @@ def split_row(n: int, elem: int) -> int:
     return per_vector * math.gcd(n // per_vector, SPLIT_ROW_VECTORS)
 
 
-# the contract (ubnext/comm/_contracts.py): needs State, Prepared, Executing
+# the contract (ubnext/comm/_contracts.py): needs State, Prepared, Executing; provides Quantizing
 if TYPE_CHECKING:
-    from ._contracts import Executing, Prepared, State
+    from ._contracts import Executing, Prepared, Quantizing, State
 
-    class Part(State, Prepared, Executing): ...
+    class Part(State, Prepared, Executing, Quantizing): ...
 else:
     Part = object
 
