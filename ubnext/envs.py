@@ -340,7 +340,8 @@ VARIABLES: dict[str, Var] = {
             "0|1",
             "Turn on ubnext's vLLM plugin (the `vllm.general_plugins` entry point, docs/VLLM.md): vLLM's "
             "tensor-parallel all-reduce, and its all-reduce + RMSNorm in compiled graphs, run on ubnext. Unset, "
-            "the plugin imports nothing but ubnext.envs and changes nothing in vLLM.",
+            "the plugin changes nothing in vLLM: loading its entry point imports the ubnext package (which "
+            "defines torch.ops.ubnext), and register() reads this variable and returns.",
         ),
     )
 }

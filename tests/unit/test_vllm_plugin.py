@@ -198,6 +198,17 @@ def test_each_all_reduce_takes_ubnext_where_it_has_a_kernel_path(make):
     assert torch.equal(res, small * 3) and comm.stats()["calls"]["all_reduce_add_rmsnorm lamport"] == 1
 
 
+def test_a_non_contiguous_tensor_takes_vllms_path_after_a_contiguous_one_of_its_size(make):
+    """ubnext's allreduce refuses a non-contiguous x; the routing cache is by dtype and size, so
+    contiguity is judged per call (the review's case: the cached answer of a contiguous call of the
+    same size sent a transposed one to ubnext)."""
+    comm = make()
+    assert torch.equal(comm.all_reduce(torch.ones(8, 16)), torch.ones(8, 16) * 2)
+    transposed = torch.ones(16, 8).t()
+    assert torch.equal(comm.all_reduce(transposed), transposed * 2)
+    assert comm.stats()["calls"] == {"all_reduce lamport": 1, "all_reduce vllm": 1}
+
+
 def test_batch_invariant_follows_vllm(make):
     assert make(ctx=Context(128, 2, 0, 64, True)).ubnext.batch_invariant is True
     assert make("tp:1", ctx=Context(128, 2, 0, 64, False)).ubnext.batch_invariant is False

@@ -293,6 +293,8 @@ def compare(run: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         for p, q, n in zip(run["top2_logprobs"], base["top2_logprobs"], per_prompt)
         for x, y in zip(p[:n], q[:n])
     ]
+    if steps == 0:  # nothing compared is no evidence
+        return {"ok": False, "why": "no step compared: every prompt starts at a near tie", "steps": 0}
     return {
         "ok": True,
         "steps": steps,

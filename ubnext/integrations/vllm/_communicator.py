@@ -138,11 +138,15 @@ class _UbnextServed:
         _serving.add(self)
 
     def _takes_ubnext(self, x: torch.Tensor) -> bool:
+        # contiguity per call, outside the cache: the plan depends on dtype and size only, and a
+        # non-contiguous tensor of a cached size must still take the parent's path
+        if not x.is_contiguous():
+            return False
         key = (x.dtype, x.numel())
         takes = self._paths.get(key)
         if takes is None:
             path = self.ubnext.explain(x).split(":", 1)[0]
-            takes = self._paths[key] = path in _DEVICE_PATHS and x.is_contiguous()
+            takes = self._paths[key] = path in _DEVICE_PATHS
         return takes
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:

@@ -301,7 +301,13 @@ class UbnextVllmPass(CustomGraphPass):
     def uuid(self) -> Any:
         if self.chained is None:
             return pass_uuid()
-        return (pass_uuid(), self.chained.uuid() if hasattr(self.chained, "uuid") else repr(self.chained))
+        # a chained pass without a uuid is named by its class, never by repr (an address: a new cache key
+        # in every process)
+        chained = self.chained
+        name = (
+            chained.uuid() if hasattr(chained, "uuid") else f"{type(chained).__module__}.{type(chained).__qualname__}"
+        )
+        return (pass_uuid(), name)
 
 
 # -- a graph as data: what the client tier stores and the unit tests rebuild ------------------------
