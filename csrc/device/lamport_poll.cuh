@@ -28,8 +28,9 @@ namespace ubx {
 // ending one round trip after the last of the slots landed, however many were outstanding.
 // UBNEXT_BREAK_POLL_READS_ONCE (test-only): each re-poll pass loads only the slot it names, and once that one
 // is ready the poll accepts every other slot as its first pass read it: stale values (the sentinel's words,
-// +0 and -0 as data: that rank's share is left out of the sum; a header the peer never sent).
-template <int K, typename OnReady>
+// +0 and -0 as data: that rank's share is left out of the sum). The header check is left whole (kBreakable
+// false), so that the break shows where it matters, as wrong sums, not as a header the peer never sent.
+template <int K, typename OnReady, bool kBreakable = true>
 UBX_DEV bool poll_slots(const uint8_t* base, uint64_t stride, uint32_t p0, uint32_t todo, uint4 (&v)[K],
                         const ubnext_comm_desc* d, uint64_t limit, uint32_t op, OnReady&& on_ready) {
   static_assert(K >= 1 && K <= 32, "one bit of `todo` per slot");
@@ -60,9 +61,9 @@ UBX_DEV bool poll_slots(const uint8_t* base, uint64_t stride, uint32_t p0, uint3
 #if !defined(UBNEXT_BREAK_POLL_READS_ONCE)
       ok = pass(todo);
 #else
-      const uint32_t named = todo & (0u - todo);  // test-only: re-load only the lowest outstanding slot
+      const uint32_t named = kBreakable ? todo & (0u - todo) : todo;  // test-only: the lowest outstanding slot
       ok = pass(named);
-      if (ok && (todo & named) == 0u) {
+      if (kBreakable && ok && (todo & named) == 0u) {
 #pragma unroll
         for (int j = 0; j < K; ++j)  // ... and judge every other slot on its first load
           if (ok && (todo & (1u << j))) ok = on_ready(static_cast<uint32_t>(j), v[j]);
@@ -136,7 +137,8 @@ struct LamportSrc {
     if (failed) return false;
     const uint8_t* base = buf + gi * 16;
     for (uint32_t p0 = 0; p0 < nranks; p0 += kBatch) {
-      const uint32_t todo = nranks - p0 >= static_cast<uint32_t>(kBatch) ? (1u << kBatch) - 1u : (1u << (nranks - p0)) - 1u;
+      const uint32_t todo =
+          nranks - p0 >= static_cast<uint32_t>(kBatch) ? (1u << kBatch) - 1u : (1u << (nranks - p0)) - 1u;
       uint4 v[kBatch];
       auto on_ready = [&](uint32_t j, const uint4&) {
 #if defined(UBNEXT_STAMPS)
@@ -214,7 +216,9 @@ UBX_DEV bool lamport_headers_match(const LamportSrc<T>& src, const uint4& mine, 
       }
       return true;
     };
-    if (!poll_slots<kBatch>(headers, src.slot_bytes, p0, todo, h, src.desc, src.limit_ns, src.op, same)) return false;
+    if (!poll_slots<kBatch, decltype(same)&, false>(headers, src.slot_bytes, p0, todo, h, src.desc, src.limit_ns,
+                                                    src.op, same))
+      return false;
   }
 #else
   (void)src;
