@@ -1,6 +1,6 @@
-// Polling a Lamport buffer: the rank-order sum of one vector over every slot (LamportSrc) and the call
-// header check (lamport_headers_match), shared by the Lamport one-shot (lamport.cu) and the push form of
-// nvls_lamport (nvls.cu). The words are self-validating (vec.cuh: the sentinel); the buffers' rotation is
+// Polling a Lamport buffer: every outstanding slot re-loaded on each pass (poll_slots), the rank-order sum
+// of one vector over every slot (LamportSrc) and the call header check (lamport_headers_match), shared by
+// the Lamport one-shot (lamport.cu) and nvls_lamport (nvls.cu: its push form, and poll_portions_flat). The words are self-validating (vec.cuh: the sentinel); the buffers' rotation is
 // lamport_rotation.cuh's.
 #pragma once
 
@@ -11,7 +11,86 @@
 
 namespace ubx {
 
-// Reduced sums of one 16-byte vector of our own Lamport buffer: polls every slot, sums in rank order.
+// Polls slots p0 + j of a Lamport buffer (j < K with bit j of `todo`; slot p at base + p * stride) until
+// every one is ready, re-loading EVERY outstanding slot on each pass, as FlashInfer's one-shot
+// (`while (!done) { for r: load; done &= ready }`) and NCCL's LL recvUnrolled do. A poll that spins on one
+// slot before it looks at the next judges the later slots on their first loads: once the last peer lands,
+// each slot still counted as outstanding costs one more serial L2 round trip (up to K - 1); here one more
+// pass sees them all. The first pass issues every load before the first check (latency hiding); a slot found
+// ready leaves `todo` and on_ready(j, value) sees it once, in rank order within a pass (a header check, a
+// stamp; it may refuse: false ends the poll, which fails). v[j] keeps the value accepted. Callers consume
+// the values only after the poll, in rank order, so the result is that of any other poll: the bits do not
+// depend on the order of arrival.
+// Bounded as every wait (barrier.cuh): one limit for the whole poll (t0 at its first re-poll); the verdict
+// names the lowest slot still outstanding (the peer a rank-order consumer waits on first), watching the
+// abort flag and that peer's departure; a departed peer's slot is read once more before the failure is
+// reported, naming op, rank and peer. Count mode (platform.cuh, memory.cpp "a multi-slot poll"): one wait,
+// ending one round trip after the last of the slots landed, however many were outstanding.
+// UBNEXT_BREAK_POLL_READS_ONCE (test-only): each re-poll pass loads only the slot it names, and once that one
+// is ready the poll accepts every other slot as its first pass read it: stale values (the sentinel's words,
+// +0 and -0 as data: that rank's share is left out of the sum). The header check is left whole (kBreakable
+// false), so that the break shows where it matters, as wrong sums, not as a header the peer never sent.
+template <int K, typename OnReady, bool kBreakable = true>
+UBX_DEV bool poll_slots(const uint8_t* base, uint64_t stride, uint32_t p0, uint32_t todo, uint4 (&v)[K],
+                        const ubnext_comm_desc* d, uint64_t limit, uint32_t op, OnReady&& on_ready) {
+  static_assert(K >= 1 && K <= 32, "one bit of `todo` per slot");
+  UBX_COUNT_POLL_BEGIN();
+  // One pass over the outstanding slots: re-load each (all loads before the first check), then take the
+  // ready ones. False when on_ready refused one.
+  auto pass = [&](uint32_t reload) -> bool {
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+      if (reload & (1u << j)) v[j] = ld_volatile_v4(base + (p0 + j) * stride);
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      if ((todo & (1u << j)) && is_ready(v[j])) {
+        todo &= ~(1u << j);
+        if (!on_ready(static_cast<uint32_t>(j), v[j])) return false;
+      }
+    }
+    return true;
+  };
+  bool ok = pass(todo);
+  const bool repolled = ok && todo != 0u;
+  if (repolled) {
+    UBX_COUNT_WAIT_BEGIN();
+    const uint64_t t0 = globaltimer_ns();
+    uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
+    for (;;) {
+      spin_pause();
+#if !defined(UBNEXT_BREAK_POLL_READS_ONCE)
+      ok = pass(todo);
+#else
+      const uint32_t named = kBreakable ? todo & (0u - todo) : todo;  // test-only: the lowest outstanding slot
+      ok = pass(named);
+      if (kBreakable && ok && (todo & named) == 0u) {
+#pragma unroll
+        for (int j = 0; j < K; ++j)  // ... and judge every other slot on its first load
+          if (ok && (todo & (1u << j))) ok = on_ready(static_cast<uint32_t>(j), v[j]);
+        todo = 0u;
+      }
+#endif
+      if (!ok || todo == 0u) break;
+      const uint32_t peer = p0 + static_cast<uint32_t>(__ffs(static_cast<int>(todo)) - 1);
+      const WaitResult r = wait_verdict(d, peer, t0, limit, next_check);
+      if (r == kPeerLeft) {  // read once more: a slot the peer stored before it left is taken
+        ok = pass(todo);
+        if (!ok || todo == 0u) break;
+        if ((todo & (1u << (peer - p0))) == 0u) continue;
+      }
+      if (r != kWaiting) {
+        report_wait_failure(d, r, op, peer);
+        ok = false;
+        break;
+      }
+    }
+  }
+  UBX_COUNT_POLL_END(repolled, ok);
+  return ok;
+}
+
+// Reduced sums of one 16-byte vector of our own Lamport buffer: polls every slot (poll_slots: every
+// outstanding slot re-loaded on each pass), then sums in rank order.
 template <typename T>
 struct LamportSrc {
   const uint8_t* buf;  // our buffer b, slot 0
@@ -25,9 +104,9 @@ struct LamportSrc {
   uint64_t* slot_stamps = nullptr;  // test-only (stamps.cuh): the stamping thread's slot stamps, first vector only
 #endif
 
-  // Slow path: spin on one slot until ready. On timeout (or the peer's departure) report it, which
-  // aborts the communicator; stop when it is aborted (barrier.cuh), so that a dead peer costs one
-  // timeout, not one per thread.
+  // One slot, spun on until ready (the test-only rank_order_ignored build's reversed sum, nvls.cu, polls one
+  // slot at a time with it). On timeout (or the peer's departure) report it, which aborts the communicator;
+  // stop when it is aborted (barrier.cuh), so that a dead peer costs one timeout, not one per thread.
   UBX_DEV bool wait(const uint8_t* addr, uint4& v, uint32_t peer) const {
     UBX_COUNT_WAIT_BEGIN();
     const bool ready = wait_polls(addr, v, peer);
@@ -52,28 +131,32 @@ struct LamportSrc {
 
   UBX_DEV bool operator()(int64_t gi, float (&acc)[DType<T>::kElems]) {
     constexpr int V = DType<T>::kElems;
-    constexpr int kBatch = 8;  // slots loaded back to back before the first check (latency hiding)
+    constexpr int kBatch = 8;  // slots polled together (every outstanding one re-loaded on each pass)
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = 0.f;
     if (failed) return false;
     const uint8_t* base = buf + gi * 16;
     for (uint32_t p0 = 0; p0 < nranks; p0 += kBatch) {
+      const uint32_t todo =
+          nranks - p0 >= static_cast<uint32_t>(kBatch) ? (1u << kBatch) - 1u : (1u << (nranks - p0)) - 1u;
       uint4 v[kBatch];
+      auto on_ready = [&](uint32_t j, const uint4&) {
+#if defined(UBNEXT_STAMPS)
+        if (slot_stamps != nullptr) slot_stamps[p0 + j] = globaltimer_ns();  // when the poll saw it
+#else
+        (void)j;
+#endif
+        return true;
+      };
+      if (!poll_slots<kBatch>(base, slot_bytes, p0, todo, v, desc, limit_ns, op, on_ready)) {
+        failed = true;
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j)
-        if (p0 + j < nranks) v[j] = ld_volatile_v4(base + (p0 + j) * slot_bytes);
+        for (int e = 0; e < V; ++e) acc[e] = 0.f;
+        return false;
+      }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        if (p0 + j < nranks) {
-          if (!is_ready(v[j]) && !wait(base + (p0 + j) * slot_bytes, v[j], p0 + j)) {
-            failed = true;
-#pragma unroll
-            for (int e = 0; e < V; ++e) acc[e] = 0.f;
-            return false;
-          }
-#if defined(UBNEXT_STAMPS)
-          if (slot_stamps != nullptr) slot_stamps[p0 + j] = globaltimer_ns();
-#endif
+        if (todo & (1u << j)) {
           float f[V];
           unpack<T>(v[j], f);
           // Rank order 0..N-1, starting from +0: 0 + s_0 == s_0 exactly (no -0 after sanitising).
@@ -99,27 +182,27 @@ UBX_DEV uint4 lamport_call_header(uint32_t op, uint32_t dtype, int n, int hidden
                     static_cast<uint32_t>(hidden), header_eps(eps, flags));
 }
 
-// Thread 0 of block 0: every peer's call header in our buffer equals ours, else report the first
-// differing word (UBNEXT_HDR_*, the last one as UBNEXT_HDR_EPS) as a mismatch. The headers are loaded
-// back to back, kBatch at a time (one round trip, as LamportSrc's slots), then checked. False if a
-// header differs, did not come, or the communicator was aborted.
+// Thread 0 of block 0: every peer's call header in our buffer equals ours, else report a differing word
+// (UBNEXT_HDR_*, the last one as UBNEXT_HDR_EPS) as a mismatch. The headers are polled together
+// (poll_slots: all loaded at once, every outstanding one re-loaded on each pass: one wait however many
+// peers are late, where a header-by-header spin cost up to N - 1 serial round trips), each compared when it
+// is found ready: the first differing peer in rank order among those found in one pass, and a mismatch is
+// reported without waiting for later headers. False if a header differs, did not come, or the communicator
+// was aborted.
 template <typename T>
 UBX_DEV bool lamport_headers_match(const LamportSrc<T>& src, const uint4& mine, uint32_t rank) {
 #if !defined(UBNEXT_BREAK_NO_LAMPORT_HEADER_CHECK)
-  constexpr uint32_t kBatch = 8;
+  constexpr int kBatch = 8;
   const uint8_t* headers = src.buf - UBNEXT_LAMPORT_HEADER_BYTES;  // slot 0's header
   for (uint32_t p0 = 0; p0 < src.nranks; p0 += kBatch) {
+    const uint32_t n = src.nranks - p0 >= static_cast<uint32_t>(kBatch) ? kBatch : src.nranks - p0;
+    uint32_t todo = (1u << n) - 1u;
+    if (rank >= p0 && rank - p0 < n) todo &= ~(1u << (rank - p0));  // our own header: nothing to check
+    if (todo == 0u) continue;
     uint4 h[kBatch];
-#pragma unroll
-    for (uint32_t j = 0; j < kBatch; ++j)
-      if (p0 + j < src.nranks && p0 + j != rank) h[j] = ld_volatile_v4(headers + (p0 + j) * src.slot_bytes);
-#pragma unroll
-    for (uint32_t j = 0; j < kBatch; ++j) {
-      const uint32_t p = p0 + j;
-      if (p >= src.nranks || p == rank) continue;
-      if (!is_ready(h[j]) && !src.wait(headers + p * src.slot_bytes, h[j], p)) return false;
+    auto same = [&](uint32_t j, const uint4& t4) {
       const uint32_t m[4] = {mine.x, mine.y, mine.z, mine.w};
-      const uint32_t t[4] = {h[j].x, h[j].y, h[j].z, h[j].w};
+      const uint32_t t[4] = {t4.x, t4.y, t4.z, t4.w};
 #if !defined(UBNEXT_BREAK_NO_EPS_CHECK)
       constexpr uint32_t kWords = 4;
 #else
@@ -127,11 +210,15 @@ UBX_DEV bool lamport_headers_match(const LamportSrc<T>& src, const uint4& mine, 
 #endif
       for (uint32_t f = 0; f < kWords; ++f) {
         if (m[f] != t[f]) {
-          report_error(src.desc, UBNEXT_ERR_MISMATCH, src.op, p, f == 3 ? UBNEXT_HDR_EPS : f, m[f], t[f]);
+          report_error(src.desc, UBNEXT_ERR_MISMATCH, src.op, p0 + j, f == 3 ? UBNEXT_HDR_EPS : f, m[f], t[f]);
           return false;
         }
       }
-    }
+      return true;
+    };
+    if (!poll_slots<kBatch, decltype(same)&, false>(headers, src.slot_bytes, p0, todo, h, src.desc, src.limit_ns,
+                                                    src.op, same))
+      return false;
   }
 #else
   (void)src;

@@ -32,6 +32,9 @@ typedef long long int64_t;
 #define UBX_COUNT_WAIT_BEGIN() ::ubx_emu::count_wait_begin()
 #define UBX_COUNT_WAIT_END(p, bytes, arrived) ::ubx_emu::count_wait_end((p), (bytes), (arrived), 0, 0u)
 #define UBX_COUNT_WAIT_END_AT(p, target, arrived) ::ubx_emu::count_wait_end((p), 4, (arrived), 1, (target))
+// a poll of several slots that re-loads every outstanding one on each pass: one wait (lamport_poll.cuh)
+#define UBX_COUNT_POLL_BEGIN() ::ubx_emu::count_poll_begin()
+#define UBX_COUNT_POLL_END(repolled, arrived) ::ubx_emu::count_poll_end((repolled), (arrived))
 #define UBX_VECTOR_STORE(p, bytes, access) ::ubx_emu::vector_access((p), (bytes), (access), false)
 #else
 #define UBX_DEV __device__ __forceinline__
@@ -39,5 +42,7 @@ typedef long long int64_t;
 #define UBX_COUNT_WAIT_BEGIN() ((void)0)
 #define UBX_COUNT_WAIT_END(p, bytes, arrived) ((void)0)
 #define UBX_COUNT_WAIT_END_AT(p, target, arrived) ((void)0)
+#define UBX_COUNT_POLL_BEGIN() ((void)0)
+#define UBX_COUNT_POLL_END(repolled, arrived) ((void)0)
 #define UBX_VECTOR_STORE(p, bytes, access) ((void)0)
 #endif

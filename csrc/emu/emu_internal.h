@@ -90,6 +90,7 @@ struct BatchLoad {
   uint32_t seq;
   bool pending;
   Timed issue_ctrl, issue_ready, seen;
+  bool poll = false;  // a first-pass load of a multi-slot poll (count_poll_begin): its wait is the poll's
 };
 
 // A store that chaos mode holds back. `key_*` name the memory it lands in independently of the
@@ -160,6 +161,7 @@ struct Fiber {
   std::vector<BatchLoad> batch;
   uint32_t load_seq = 0;
   unsigned waiting = 0;              // count mode: inside a wait (count_wait_begin): loads are polls
+  bool poll_open = false;            // count mode: inside a multi-slot poll (count_poll_begin/end)
   bool griddep_waited = false;       // it executed griddepcontrol.wait in this launch
   bool griddep_launched = false;     // it executed griddepcontrol.launch_dependents
   std::unordered_set<uint64_t> loaded;  // count mode: 16-byte granules it loaded (a poll counts once)

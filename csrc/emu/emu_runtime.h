@@ -37,6 +37,12 @@ void mc_red_add_u32(uint32_t* mc, uint32_t v, int order);
 // target: the write that stored `target`, even if overwritten since; else the latest write).
 void count_wait_begin();
 void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, uint32_t target);
+// A poll of several 16-byte slots of this rank's memory that re-loads every outstanding slot on each pass
+// (lamport_poll.cuh's poll_slots): begin before its first pass, whose loads are the slots' first loads; its
+// re-polls between count_wait_begin and this end (repolled: the end closes that wait too). The slots whose
+// value landed after their first load's issue cost ONE wait together (memory.cpp, count_poll_end).
+void count_poll_begin();
+void count_poll_end(int repolled, int arrived);
 
 uint64_t globaltimer_ns();
 void spin_pause();

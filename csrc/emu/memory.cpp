@@ -258,6 +258,11 @@ static void set_base(Fiber& f) {
 //   actually entered the wait (a timing question) thus changes nothing;
 // - waits are applied in the order of the loads they check, which is the kernels' order (a batch of
 //   loads, then a check of each in turn).
+// - a multi-slot poll (count_poll_begin/end: a first pass of loads, then passes that re-load every slot
+//   still outstanding, as FlashInfer's and NCCL LL's polls) is ONE wait: the slots of its first pass whose
+//   value landed after that load's issue end together, one round trip after the later of the thread's
+//   control and the last of them landing; the others were there (one L2 round trip, data clock only).
+//   Whether the kernel re-polled (timing) changes nothing, as for a single slot.
 static constexpr size_t kMaxBatch = 1024;
 static void apply_wait(Fiber& f, const Timed& seen) {
   f.tclock = plus_wait(later(f.tclock, seen));
@@ -299,6 +304,7 @@ static void observe(Block& b, const Where& w, unsigned bytes, const void* p) {
   }
   if (f.batch.size() >= kMaxBatch) end_batch(f);
   BatchLoad l{reinterpret_cast<uint64_t>(p) / 16, f.load_seq++, false, f.tbase, later(f.tbase, f.own_max), seen.t};
+  l.poll = f.poll_open;
   if (fresh(f, seen.t)) {
     l.pending = true;  // the model's load read the old value: a wait, applied in program order
     f.tdata.join(plus_l2(f.tbase));
@@ -358,6 +364,56 @@ static void t_wait_end(Fiber& f, const void* p, bool own, const Timed& seen) {
   count_settle(f);
   apply_wait(f, seen);
   set_base(f);  // a wait the kernel always enters (its first check is inside it): loads issue after it
+}
+
+void count_poll_begin() {
+  Block* b = tl_block;
+  if (!b || !b->cur || !counting()) return;
+  b->cur->poll_open = true;
+}
+// The end of a multi-slot poll (the rule above, "a multi-slot poll"). Every slot's value is still the one the
+// poll accepted: its one writer wrote it in this launch and nothing overwrites it before the kernel ends
+// (lamport_rotation.cuh), so its stamps are read here, whichever pass saw it.
+void count_poll_end(int repolled, int arrived) {
+  Block* b = tl_block;
+  if (!b || !b->cur || !counting()) return;
+  Fiber& f = *b->cur;
+  if (repolled && f.waiting) --f.waiting;
+  if (!f.poll_open) return;
+  f.poll_open = false;
+  size_t first = f.batch.size();
+  for (size_t i = 0; i < f.batch.size(); ++i)
+    if (f.batch[i].poll) {
+      first = i;
+      break;
+    }
+  if (first == f.batch.size()) return;  // no first-pass load of this rank's memory (or the batch ended)
+  if (!arrived) {  // a timeout or an abort: no value was consumed
+    for (size_t i = first; i < f.batch.size(); ++i) f.batch[i].poll = f.batch[i].pending = false;
+    return;
+  }
+  settle_below(f, f.batch[first].seq);  // waits the thread owed before the poll
+  bool wait = false;
+  Timed last;
+  for (size_t i = first; i < f.batch.size(); ++i) {
+    BatchLoad& l = f.batch[i];
+    if (!l.poll) continue;
+    l.poll = l.pending = false;
+    const uint64_t a = l.granule * 16;
+    const Where w = locate(a);
+    if (w.region < 0 || w.rank < 0) continue;
+    const Stamp seen = read_stamps(g_regions[w.region], w.rank, w.off, 16);
+    count_load_bytes(*b, reinterpret_cast<const void*>(a), 16, false);
+    f.data.join(arrival(f, true, seen.c));
+    if (l.issue_ready < seen.t) {  // the model's first load read the old value: the poll waits for it
+      last.join(seen.t);
+      wait = true;
+    } else {
+      f.tdata.join(plus_l2(later(l.issue_ctrl, seen.t)));
+    }
+  }
+  if (repolled) f.clock.join(f.data);  // what the poll waited for decides what the thread does next
+  if (wait) apply_wait(f, last);
 }
 
 void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, uint32_t target) {

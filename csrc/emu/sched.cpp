@@ -421,6 +421,7 @@ static void run_block(Block& b, char* arena) {
     f.batch.clear();
     f.load_seq = 0;
     f.waiting = 0;
+    f.poll_open = false;
     f.loaded.clear();
     f.griddep_waited = f.griddep_launched = false;
     f.stack_lo = arena + size_t(i) * kStackBytes;

@@ -354,6 +354,8 @@ extern "C" __global__ void ubnext_emu_selftest_progress_wait(EMU_ST_PARAMS) {
 //   1: block 1, thread 0 sets the n flags (an atomic first unless flags & 8, so that its stamps are
 //      later than the waiter's issue); block 0, thread 0 waits for each flag in turn (a marked wait), or,
 //      with flags & 4, loads all n first and waits for those not yet set (the Lamport batch);
+//      with flags & 16, loads all n first, then re-loads every one not yet set on each pass until none is
+//      left (a multi-slot poll, lamport_poll.cuh's poll_slots: count_poll_begin/end);
 //   2: block 0, thread 0 makes n dependent GPU-scope atomics on the counter and one red (no result);
 //   3: every thread of block 0 loads n vectors of its own, then a barrier, then one more vector.
 extern "C" __global__ void ubnext_emu_selftest_count(EMU_ST_PARAMS) {
@@ -389,6 +391,22 @@ extern "C" __global__ void ubnext_emu_selftest_count(EMU_ST_PARAMS) {
       return;
     }
     uint32_t seen[64];
+    if (flags & 16) {
+      UBX_COUNT_POLL_BEGIN();
+      uint64_t todo = 0;
+      for (int k = 0; k < n; ++k)
+        if (ubx::ld_volatile_u32(w + 4 * k) == 0u) todo |= 1ull << k;
+      const bool repolled = todo != 0;
+      if (repolled) UBX_COUNT_WAIT_BEGIN();
+      while (todo != 0) {
+        ubx::spin_pause();
+        for (int k = 0; k < n; ++k)
+          if ((todo >> k & 1) && ubx::ld_volatile_u32(w + 4 * k) != 0u) todo &= ~(1ull << k);
+      }
+      UBX_COUNT_POLL_END(repolled, 1);
+      ubx::st_relaxed_sys_u32(w + 520, 1u);
+      return;
+    }
     if (flags & 4)
       for (int k = 0; k < n; ++k) seen[k] = ubx::ld_volatile_u32(w + 4 * k);
     for (int k = 0; k < n; ++k) {

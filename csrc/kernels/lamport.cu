@@ -34,7 +34,8 @@
 // word, as for data words, so the rotation's argument (lamport_rotation.cuh: a word seen is a store
 // landed) holds for it too; other blocks neither write nor wait for it. No NVLink hop is added: the
 // header travels beside the data and is polled while the data is in flight; one 16-byte store per peer
-// (or one multicast store) more per call.
+// (or one multicast store) more per call, and for thread 0 of block 0 one serialised wait before its data
+// (every peer's header polled together, lamport_poll.cuh poll_slots; one wait per header before).
 //
 // Ordering of the data path: no fence and no release. Every 32-bit word is self-validating (sentinel vs
 // sanitised data), so a reader needs no flag; a vector is consumed only when all four words have arrived.

@@ -304,39 +304,32 @@ UBX_DEV void nvls_oneshot(const ubnext_comm_desc* d, const void* in, void* out, 
 // ---------------------------------------------------------------- nvls_lamport
 // Flat mode, after the broadcast: every owner's item j of this thread (j = global thread index, grid-
 // strided; the same mapping as the exchange), polled in our copy of the Lamport buffer (slot r's item j
-// at data0 + r * slot + 16 j: every word ready) and written to out. False on a timeout (reported).
+// at data0 + r * slot + 16 j: every word ready) and written to out. The owners' items are polled together
+// (lamport_poll.cuh poll_slots: all loads issued first, every outstanding one re-loaded on each pass), then
+// written, each to its own place: the bits do not depend on the order they came in. False on a timeout
+// (reported).
 template <typename T>
 UBX_DEV bool poll_portions_flat(const ubnext_comm_desc* d, const uint8_t* data0, uint64_t slot, const Slices& sl,
                                 uint32_t nranks, void* out, int n) {
-  bool failed = false;
-  for (int64_t j = global_tid(); j < sl.cv && !failed; j += global_threads()) {
-    // Every owner's item j: issue all loads first, then wait for the ones not yet there.
-    constexpr int kPeers = 8;
-    for (uint32_t r0 = 0; r0 < nranks && !failed; r0 += kPeers) {
-      uint4 v[kPeers];  // zeroed: only entries with a valid index are loaded / used
-      for (int u = 0; u < kPeers; ++u) v[u] = make_uint4(0u, 0u, 0u, 0u);
+  constexpr int kPeers = 8;
+  const uint64_t limit = timeout_ns(d);
+  for (int64_t j = global_tid(); j < sl.cv; j += global_threads()) {
+    const uint8_t* item = data0 + static_cast<uint64_t>(j) * 16u;
+    for (uint32_t r0 = 0; r0 < nranks; r0 += kPeers) {
+      uint32_t todo = 0u;  // the owners whose portion has an item j (the last portions may be shorter)
 #pragma unroll
-      for (int u = 0; u < kPeers; ++u) {
-        const uint32_t r = r0 + u;
-        if (r < nranks && static_cast<int64_t>(r) * sl.cv + j < sl.nv)
-          v[u] = ld_volatile_v4(data0 + r * slot + static_cast<uint64_t>(j) * 16u);
-      }
+      for (int u = 0; u < kPeers; ++u)
+        if (r0 + u < nranks && static_cast<int64_t>(r0 + u) * sl.cv + j < sl.nv) todo |= 1u << u;
+      if (todo == 0u) continue;
+      uint4 v[kPeers];
+      auto any = [](uint32_t, const uint4&) { return true; };
+      if (!poll_slots<kPeers>(item, slot, r0, todo, v, d, limit, UBNEXT_OP_NVLS_LAMPORT, any)) return false;
 #pragma unroll
-      for (int u = 0; u < kPeers; ++u) {
-        const uint32_t r = r0 + u;
-        const int64_t gi = static_cast<int64_t>(r) * sl.cv + j;
-        if (r < nranks && gi < sl.nv && !failed) {
-          if (!is_ready(v[u]) &&
-              !poll_ready_v4(data0 + r * slot + static_cast<uint64_t>(j) * 16u, v[u], d, UBNEXT_OP_NVLS_LAMPORT, r)) {
-            failed = true;
-          } else {
-            store_vec<T>(out, gi, n, v[u]);
-          }
-        }
-      }
+      for (int u = 0; u < kPeers; ++u)
+        if (todo & (1u << u)) store_vec<T>(out, static_cast<int64_t>(r0 + u) * sl.cv + j, n, v[u]);
     }
   }
-  return !failed;
+  return true;
 }
 
 // ---------------------------------------------------------------- nvls_lamport, push form

@@ -63,7 +63,8 @@ def decode(sync_region: bytes, nranks: int | None = None) -> dict:
 def order_problems(stamps: dict, *, row_split: bool) -> list[str]:
     """What is wrong with a decoded record (``decode``), empty when nothing is: every phase stamped
     (``row_exchange`` exactly when ``row_split``, the fused kernel's rows shared by several CTAs) and at
-    least one slot, in program order: entry <= wait <= push <= each slot <= row_exchange <= exit."""
+    least one slot, in program order: entry <= wait <= push <= each slot <= row_exchange <= exit (the slots
+    among themselves in the order they arrived)."""
     problems = []
     wanted = [p for p in PHASES if p != "row_exchange" or row_split]
     for phase in wanted:
@@ -76,16 +77,18 @@ def order_problems(stamps: dict, *, row_split: bool) -> list[str]:
         problems.append(f"slot stamps missing: {slots}")
     if problems:
         return problems
-    sequence = (
-        [("entry", stamps["entry"]), ("wait", stamps["wait"]), ("push", stamps["push"])]
-        + [(f"slot {p}", s) for p, s in enumerate(slots)]
-        + ([("row_exchange", stamps["row_exchange"])] if row_split else [])
-        + [("exit", stamps["exit"])]
-    )
-    # the slots are stamped in rank order by one thread, so they are ordered among themselves too
-    for (a, ta), (b, tb) in zip(sequence, sequence[1:]):
+    before = [("entry", stamps["entry"]), ("wait", stamps["wait"]), ("push", stamps["push"])]
+    after = ([("row_exchange", stamps["row_exchange"])] if row_split else []) + [("exit", stamps["exit"])]
+    for (a, ta), (b, tb) in zip(before + after, (before + after)[1:]):
         if ta > tb:
             problems.append(f"{a} ({ta} ns) after {b} ({tb} ns)")
+    # the slots in the order they were seen (lamport_poll.cuh's poll re-loads every outstanding slot on
+    # each pass), not in rank order: each one between the push and the next phase
+    for p, s in enumerate(slots):
+        if s < before[-1][1]:
+            problems.append(f"push ({before[-1][1]} ns) after slot {p} ({s} ns)")
+        if s > after[0][1]:
+            problems.append(f"slot {p} ({s} ns) after {after[0][0]} ({after[0][1]} ns)")
     return problems
 
 

@@ -228,7 +228,7 @@ def _calibrated(rows):
 def test_calibrated_counts_do_not_depend_on_scheduling(plain_rows_at_2):
     """Issue 38 item 1's counts (csrc/emu/memory.cpp): the same under chaos mode (other schedules, other
     orders in which the peers' values land) as in the plain run, and the Lamport poll's serialised waits
-    there (every peer slot a wait after the last; 2 ranks: at least one)."""
+    there (a poll of every slot, re-loading the outstanding ones on each pass, is one wait: at least one)."""
     chaos = _costmodel.run(
         2, quick=True, only=LAMPORT | TWOSHOTS, env={"UBNEXT_EMU_CHAOS": "1", "UBNEXT_EMU_SEED": "5"}
     )

@@ -77,6 +77,14 @@ def test_a_batch_then_its_checks_counts_as_the_model_sees_it(region):
     assert _chain(_count(region, 1 | 4 | 8, 6)) == (0, 1, 0, 0)
 
 
+def test_a_poll_that_reloads_every_outstanding_slot_is_one_wait(region):
+    # lamport_poll.cuh's poll_slots: load every flag, then re-load all those not set on each pass. The
+    # writer's stamps are later than the loads' issue: one wait, however many flags (was n, above)
+    assert _chain(_count(region, 1 | 16, 6)) == (0, 0, 1, 1)
+    # stamps no later than the loads' issue: no wait, one round trip, as for the batch
+    assert _chain(_count(region, 1 | 16 | 8, 6)) == (0, 1, 0, 0)
+
+
 def test_bytes_in_flight_are_what_a_ctas_threads_load_between_two_control_advances(region):
     n = 6
     c = _count(region, 3, n, grid=1)
@@ -86,7 +94,7 @@ def test_bytes_in_flight_are_what_a_ctas_threads_load_between_two_control_advanc
     assert _chain(c) == (0, 2, 0, 0)  # a load, the barrier, a load
 
 
-@pytest.mark.parametrize("flags", [0, 1, 1 | 4, 1 | 4 | 8, 2])
+@pytest.mark.parametrize("flags", [0, 1, 1 | 4, 1 | 4 | 8, 1 | 16, 1 | 16 | 8, 2])
 def test_counts_do_not_depend_on_scheduling(region, flags):
     grid = 2
     want = _count(region, flags, 8, grid)

@@ -59,6 +59,12 @@ def test_decode_and_order_of_a_good_record():
     assert stamps.order_problems(split, row_split=True) == []
 
 
+def test_slots_in_any_order_between_push_and_exit():
+    """The poll re-loads every outstanding slot on each pass (lamport_poll.cuh): slots are stamped as they
+    arrive, a later rank's before an earlier one's."""
+    assert stamps.order_problems(stamps.decode(_region(GOOD, [310, 300]), 2), row_split=False) == []
+
+
 @pytest.mark.parametrize(
     "values,slots,row_split,problem",
     [

@@ -72,6 +72,7 @@ BREAKS = {
     "row_split_no_arrival": "UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL",
     "twoshot_reverse_order": "UBNEXT_BREAK_TWOSHOT_REVERSE_ORDER",
     "rank_order_ignored": "UBNEXT_BREAK_RANK_ORDER_IGNORED",
+    "poll_reads_once": "UBNEXT_BREAK_POLL_READS_ONCE",
     # not protocols but layouts: comm.quantize's NVFP4 nibble order and to_blocked swizzle (blockscale.cuh)
     "nvfp4_nibble_order": "UBNEXT_BREAK_NVFP4_NIBBLE_ORDER",
     "swizzle": "UBNEXT_BREAK_SWIZZLE",
