@@ -70,7 +70,7 @@ class Record:
     mode: str  # graph | graph+pdl | eager: every kernel of the record pays this launch
     mode_note: str
     kernels: tuple[Kernel, ...]
-    fit: bool = True  # False: a variant reported beside its figure, not fitted (the figure is fitted once)
+    fit: bool = True  # False: reported, not fitted (a variant of a fitted figure, or a harness the model cannot time)
 
 
 # ------------------------------------------------------------------ structures, scaled by the model's rules
@@ -80,6 +80,13 @@ def copy_kernel(nbytes: int, read: str) -> Kernel:
     """A device-to-device copy the harness adds (torch ``Tensor.copy_``): one launch, one dependent local
     round trip, its bytes read and written through HBM."""
     return Kernel("copy_", read, l2=1, hbm_bytes=2 * nbytes)
+
+
+def graph_event_node(name: str, read: str) -> Kernel:
+    """An event node in a captured graph (an external event wait or an event record) that serialises with
+    the kernels around it: priced as one more dependent node launch, with no body (an assumption: no figure
+    times an event node alone)."""
+    return Kernel(name, read)
 
 
 def nccl_symmetric_ll(nbytes: int, world: int) -> Kernel:
@@ -239,13 +246,65 @@ def vllm_one_stage(nbytes: int, world: int) -> Kernel:
 
 NCCL_1940 = "nccl#1940 (nccl-tests, NCCL 2.27 symmetric kernels, best latency after tuning)"
 HARNESS_3759 = "benchmarks/comm/bench_quantized_allreduce.py (FlashInfer fb28d72)"
+STRONGSTREAM = "src/misc/strongstream.cc (NCCL 5067397)"
+HARNESS_773 = "benchmark/test_fused_allreduce_rms_norm.py (FlagGems-vllm 037ef12)"
+
+
+def _torch_multimem_record(nbytes: int, label: str, published: float, copy_out: bool) -> Record:
+    copies = (copy_kernel(nbytes, f"{HARNESS_3759}:180"),)
+    kernels: tuple[Kernel, ...] = (*copies, torch_multimem(nbytes, 8))
+    note = (
+        "graph node: bench_gpu_time(use_cuda_graph=True, num_iters_within_graph=10) times a replay of 10 calls "
+        "by CUDA events, divided by 10 (flashinfer/testing/utils.py:1486-1532); max over ranks, median of 30. "
+    )
+    if copy_out:
+        kernels = (*kernels, copy_kernel(nbytes, f"{HARNESS_3759}:184"))
+        note += "The merged script also copies out (:184): reported beside the figure, not fitted"
+    else:
+        note += "As published with the table: copy in, then the op (the merged script's copy-out is the variant)"
+    return Record(
+        "torch",
+        f"multimem_all_reduce_ {label}" + (" (with copy-out)" if copy_out else ""),
+        "8xH200",
+        "H200",
+        "hopper",
+        published,
+        "flashinfer#3759 (CUDA graph, median)",
+        "graph",
+        note,
+        kernels,
+        fit=not copy_out,
+    )
+
+
+def _flashinfer_replay_record(tokens: int, published: float) -> Record:
+    return Record(
+        "FlashInfer",
+        f"one-shot fused AR+RMSNorm {tokens}x6144 bf16",
+        "H100 TP2",
+        "H100",
+        "hopper",
+        published,
+        "FlagGems-vllm#773 (vLLM column)",
+        "replay",
+        f"one op per graph, 1000 replays back to back between two CUDA events, divided by 1000, max over ranks, "
+        f"median of 7 ({HARNESS_773}: _capture, _rank_max_latency_us): every op pays a whole graph launch; the "
+        "kernel's PDL attribute has no node to overlap inside a one-node graph",
+        (flashinfer_oneshot(tokens, 6144, 2),),
+    )
 
 
 def records() -> tuple[Record, ...]:
-    """The published figures of issue 38 item 1, each with its count record."""
+    """The published figures of issue 38 item 1, each with its count record; launch modes as read in each
+    figure's harness (docs/PERF.md, "The calibrated model")."""
     fi_note = (
         "FlashInfer's launcher sets cudaLaunchAttributeProgrammaticStreamSerialization when launch_with_pdl "
         "(trtllm_allreduce_fusion.cuh:1828)"
+    )
+    nccl_tests = (
+        "nccl-tests' time is a host clock over all ops divided by their count, mean over ranks (src/common.cu:553-"
+        "589 at d29b43c); the command is not in the thread's text: taken as NVIDIA's latency recipe in "
+        "nccl-tests#333 (-G 100 graph launch, -R 2 symmetric buffers, NCCL_GRAPH_MIXING_SUPPORT=0: no event nodes)"
     )
     return (
         Record(
@@ -257,7 +316,7 @@ def records() -> tuple[Record, ...]:
             2.3,
             NCCL_1940,
             "graph",
-            "launch mode not stated: fitted as graph (nccl-tests -G); the eager variant is reported beside it",
+            nccl_tests + "; the eager variant is reported beside it",
             (nccl_symmetric_ll(8, 8),),
         ),
         Record(
@@ -269,42 +328,14 @@ def records() -> tuple[Record, ...]:
             2.3,
             NCCL_1940,
             "eager",
-            "the same figure read as an eager launch: not fitted, reported",
+            "the same figure read as an eager launch (nccl-tests without -G): not fitted, reported",
             (nccl_symmetric_ll(8, 8),),
             fit=False,
         ),
-        Record(
-            "torch",
-            "multimem_all_reduce_ 2 KB",
-            "8xH200",
-            "H200",
-            "hopper",
-            8.5,
-            "flashinfer#3759 (CUDA graph, median)",
-            "graph",
-            f"bench_gpu_time(use_cuda_graph=True); the timed function copies in and out ({HARNESS_3759}:180, :184)",
-            (
-                copy_kernel(2 * KB, f"{HARNESS_3759}:180"),
-                torch_multimem(2 * KB, 8),
-                copy_kernel(2 * KB, f"{HARNESS_3759}:184"),
-            ),
-        ),
-        Record(
-            "torch",
-            "multimem_all_reduce_ 2 MB",
-            "8xH200",
-            "H200",
-            "hopper",
-            18.2,
-            "flashinfer#3759 (CUDA graph, median)",
-            "graph",
-            f"as at 2 KB ({HARNESS_3759}:180-184)",
-            (
-                copy_kernel(2 * MB, f"{HARNESS_3759}:180"),
-                torch_multimem(2 * MB, 8),
-                copy_kernel(2 * MB, f"{HARNESS_3759}:184"),
-            ),
-        ),
+        _torch_multimem_record(2 * KB, "2 KB", 8.5, copy_out=False),
+        _torch_multimem_record(2 * KB, "2 KB", 8.5, copy_out=True),
+        _torch_multimem_record(2 * MB, "2 MB", 18.2, copy_out=False),
+        _torch_multimem_record(2 * MB, "2 MB", 18.2, copy_out=True),
         Record(
             "NCCL",
             "allreduce 2 KB (torch.distributed)",
@@ -314,21 +345,18 @@ def records() -> tuple[Record, ...]:
             16.6,
             "flashinfer#3759 (CUDA graph, median)",
             "graph",
-            f"the timed function copies the input first ({HARNESS_3759}:149), then dist.all_reduce (:150)",
-            (copy_kernel(2 * KB, f"{HARNESS_3759}:149"), nccl_ring_ll(2 * KB, 8)),
+            f"graph node, as torch's 2 KB: the timed function copies the input first ({HARNESS_3759}:149), then "
+            "dist.all_reduce (:150); NCCL's default graph mixing (NCCL_GRAPH_MIXING_SUPPORT=1, src/init.cc:2066-"
+            "2076) makes each captured launch wait on an external event and record one",
+            (
+                copy_kernel(2 * KB, f"{HARNESS_3759}:149"),
+                graph_event_node("external event wait (serialEvent)", f"{STRONGSTREAM}:245-247"),
+                nccl_ring_ll(2 * KB, 8),
+                graph_event_node("event record node", f"{STRONGSTREAM}:282 (recordEventOnStream), :330-345"),
+            ),
         ),
-        Record(
-            "FlashInfer",
-            "one-shot fused AR+RMSNorm 6x6144 bf16",
-            "H100 TP2",
-            "H100",
-            "hopper",
-            7.0,
-            "FlagGems-vllm#773 (via shared/DESIGN.md section 9; not re-read)",
-            "graph+pdl",
-            fi_note,
-            (flashinfer_oneshot(6, 6144, 2),),
-        ),
+        _flashinfer_replay_record(6, 6.98),
+        _flashinfer_replay_record(138, 12.98),
         Record(
             "FlashInfer",
             "one-shot fused AR+RMSNorm 32x8192 bf16",
@@ -338,9 +366,12 @@ def records() -> tuple[Record, ...]:
             10.0,
             "vllm#22086",
             "graph+pdl",
-            "vLLM's benchmark under CUDA graphs; PDL as in the fusion pass's call (assumed, not stated with the "
-            "figure). " + fi_note,
+            "graph node + PDL: 10 ops per graph; the stored script (vLLM 100aec2 benchmarks/kernels/"
+            "benchmark_fused_collective.py benchmark_operation) times 2 replays (20 ops) by host clock, rank 0, no "
+            "barrier; the PR's own version was not found; printed in ms to 3 decimals (9.5-10.5 us). Not fitted: "
+            "a host-clock tail of unknown size over 20 ops, and no barrier, are in the figure. " + fi_note,
             (flashinfer_oneshot(32, 8192, 2),),
+            fit=False,
         ),
         Record(
             "vLLM",
@@ -351,8 +382,9 @@ def records() -> tuple[Record, ...]:
             7.0,
             "vllm#24111",
             "graph",
-            "launch mode not stated; vLLM's custom allreduce runs on registered graph buffers (no input copy) "
-            "under CUDA graphs: taken as graph",
+            "graph node: 10 ops per graph on registered graph buffers (no input copy), host clock over 50 replays "
+            "(vLLM 048d679 benchmarks/kernels/benchmark_device_communicators.py benchmark_allreduce_single; the "
+            "PR's own version was not found); printed in ms to 3 decimals (6.5-7.5 us)",
             (vllm_one_stage(512 * KB, 2),),
         ),
     )
