@@ -182,7 +182,13 @@ UBX_DEV uint4 lamport_call_header(uint32_t op, uint32_t dtype, int n, int hidden
                     static_cast<uint32_t>(hidden), header_eps(eps, flags));
 }
 
-// Thread 0 of block 0: every peer's call header in our buffer equals ours, else report a differing word
+// The one writer and reader of a Lamport call header: the LAST thread of block 0. Grid-stride work gives
+// the last thread of a block the fewest vectors (none when the message does not fill block 0), so its
+// header wait runs beside the data polls of the other threads instead of before one thread's data poll,
+// where it was one more serialised wait on the critical path.
+UBX_DEV bool is_lamport_header_thread() { return blockIdx.x == 0 && threadIdx.x == blockDim.x - 1; }
+
+// The header thread (is_lamport_header_thread): every peer's call header in our buffer equals ours, else report a differing word
 // (UBNEXT_HDR_*, the last one as UBNEXT_HDR_EPS) as a mismatch. The headers are polled together
 // (poll_slots: all loaded at once, every outstanding one re-loaded on each pass: one wait however many
 // peers are late, where a header-by-header spin cost up to N - 1 serial round trips), each compared when it

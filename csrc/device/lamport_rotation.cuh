@@ -8,7 +8,7 @@
 //   ... push into buffer rot.b (every rank's copy) ...
 //   lamport_repoison(d, rot);                       // our copy of buffer rot.bprev
 //   ... poll our copy of buffer rot.b ...
-//   lamport_rot_finish(rot, bytes_per_slot);        // collective over the block (__syncthreads)
+//   lamport_rot_finish(d, rot, bytes_per_slot, op); // collective over the block (__syncthreads)
 //
 // Call k (k = sync[LAMPORT_CALL], local) uses buffer b = k % 3 of every rank and re-poisons buffer
 // (k + 2) % 3 of THIS rank (local stores of the sentinel), for the byte count that call k - 1 recorded.
@@ -23,7 +23,7 @@
 //   - NOT b: this call's own data is arriving there.
 // So the re-poisoning never races with this call's pushes or polls (different buffer).
 //
-// Finish: the last block to finish (done counter) records this call's byte count in
+// Finish: once every block has counted itself done, block 0 records this call's byte count in
 // sync[LAMPORT_BYTES + b], resets the done counter and advances sync[LAMPORT_CALL]. The counter lives in
 // device memory and is only touched by the kernel, so a captured CUDA graph replays correctly.
 //
@@ -33,20 +33,20 @@
 // csrc/kernels/nvls.cu). Re-poisoning writes the sentinel over that many bytes of every slot.
 //
 // Ordering ("why" for each):
-//   - Re-poison -> reuse two calls later: the poison stores target our OWN memory and are published at
-//     gpu scope by the release of the done counter (cumulative over the block via __syncthreads), i.e.
-//     they sit in our L2 -- the point where peers' NVLink stores to our memory are serialised -- before
-//     the call ends, and the peers' next stores into that buffer are causally after our next call's
-//     pushes (kernel boundaries on both sides order the rest).
+//   - Re-poison -> reuse two calls later: the poison stores target our OWN memory and have been performed
+//     when this kernel ends, i.e. they sit in our L2 -- the point where peers' NVLink stores to our memory
+//     are serialised -- before our next call pushes anything, and the peers' next stores into that
+//     buffer are causally after our next call's pushes (kernel boundaries on both sides order the rest).
 //   - Multicast pushes (our own included) cannot land after that re-poison: call k - 1's poll accepted
 //     every word of them from our memory (L2, where the multicast and unicast aliases meet), so they
 //     had landed before the kernel that re-poisons began. Hence no fence.proxy.alias between a multicast
 //     push and the unicast poll and re-poison (lamport.cu gives the whole argument).
 //   - Rotation: every thread reads sync[LAMPORT_CALL] and sync[LAMPORT_BYTES + (k+2)%3] at kernel start,
-//     before its block's __syncthreads + done increment (release); the last block's increment acquires
-//     all of them, so its advance cannot be seen by any thread of this launch, and the next launch sees
-//     all three updates (kernel boundary). Nobody ever observes a half-advanced state.
-//   UBNEXT_BREAK_NO_RELEASE (test-only) turns the done-counter acq_rel into a relaxed CAS loop (no test
+//     before its block's __syncthreads + done increment (release, lamport_rot_begin); block 0's wait for
+//     the count (acquire) orders all of them before its advance, so no thread of this launch can see the
+//     advance, and the next launch sees all three updates (kernel boundary). Nobody ever observes a
+//     half-advanced state.
+//   UBNEXT_BREAK_NO_RELEASE (test-only) makes the done count's increment relaxed (no test
 //     can observe that on its own; the same build also drops the release of the barrier signal,
 //     barrier.cuh, which the two-shot tests do catch).
 //   UBNEXT_BREAK_SKIP_REPOISON (test-only) skips the re-poison: call k + 3 then sees stale data as ready.
@@ -56,6 +56,7 @@
 #include "desc.cuh"
 #include "ptx.cuh"
 #include "vec.cuh"
+#include "barrier.cuh"
 
 // The rotation counter wraps at a multiple of 3 so that k % 3 stays continuous (2^32 is not a multiple
 // of 3: wrapping there would reuse a buffer that has not been re-poisoned).
@@ -82,8 +83,15 @@ UBX_DEV uint64_t lamport_buffer_off(const ubnext_comm_desc* d, uint32_t buf) {
   return d->lamport_off + static_cast<uint64_t>(buf) * d->nranks * d->lamport_slot_bytes;
 }
 
-// Read before this block's done increment (see "Rotation" above): the last block may advance these only
-// once every thread of the grid has read them.
+// Reads the rotation counters, then counts this block as having read them (collective over the block: a
+// __syncthreads, then thread 0's fire-and-forget increment of the done count). Why count here, at the
+// start, and not at the end: the count says only "this block has read k and prev_bytes", which is all
+// the advance must wait for (the next launch reads the rest after the kernel boundary). Released here,
+// it has no stores before it to wait for; released at the end it would wait for the block's pushes to
+// peers to land (a release orders every earlier store: one more NVLink hop at the tail of every block),
+// and an atomic whose result a block waits for would cost every block a GPU-scope round trip there.
+// A launch of one block counts nothing (its __syncthreads already orders its reads before thread 0's
+// advance).
 UBX_DEV LamportRot lamport_rot_begin(const ubnext_comm_desc* d) {
   LamportRot r;
   r.own = reinterpret_cast<uint8_t*>(static_cast<uint64_t>(d->peer_base[d->rank]));
@@ -93,6 +101,16 @@ UBX_DEV LamportRot lamport_rot_begin(const ubnext_comm_desc* d) {
   r.bprev = (r.k + 2u) % 3u;
   r.prev_bytes = ld_volatile_u32(r.sync + UBNEXT_SYNC_LAMPORT_BYTES + r.bprev);
   if (r.prev_bytes > d->lamport_slot_bytes) r.prev_bytes = d->lamport_slot_bytes;  // never poison past a slot
+  if (gridDim.x > 1u) {
+    __syncthreads();  // why: every thread of this block has read k / prev_bytes before thread 0 counts it
+    if (threadIdx.x == 0) {
+#if !defined(UBNEXT_BREAK_NO_RELEASE)
+      red_release_gpu_add_u32(r.sync + UBNEXT_SYNC_LAMPORT_BLOCKS_DONE, 1u);
+#else
+      red_relaxed_gpu_add_u32(r.sync + UBNEXT_SYNC_LAMPORT_BLOCKS_DONE, 1u);  // test-only: no release
+#endif
+    }
+  }
   return r;
 }
 
@@ -115,35 +133,44 @@ UBX_DEV void lamport_repoison(const ubnext_comm_desc* d, const LamportRot& r) {
 #endif
 }
 
-// The last block to finish records this call's bytes per slot and advances the call counter.
-// Collective over the block; every block must call it exactly once per launch, also after a timeout (a
-// half-counted launch would leave the done counter off by some blocks forever).
-UBX_DEV void lamport_rot_finish(const LamportRot& r, uint64_t bytes_per_slot) {
-  __syncthreads();  // why: every thread of this block has read k / prev_bytes and done all its stores
-  if (threadIdx.x == 0) {
-    uint32_t* done = r.sync + UBNEXT_SYNC_LAMPORT_BLOCKS_DONE;
-#if defined(UBNEXT_BREAK_NO_RELEASE)
-    // Test-only broken build: relaxed increment, no release of this block's work, no acquire of others'.
-    uint32_t prev = ld_volatile_u32(done);
+// Block 0 waits until every block of the launch has counted itself (acquire: their reads of the counters,
+// released by their increments, come before block 0's advance). Bounded like every wait: past the timeout
+// it reports {TIMEOUT, op, rank, rank} (a block of this rank's own launch never started) and the rotation
+// stays where it is. It does not leave at an abort: every block counts itself at its start, so the count
+// completes once every block has started, whatever the peers do.
+UBX_DEV bool lamport_blocks_done(const ubnext_comm_desc* d, const uint32_t* done, uint32_t blocks, uint32_t op) {
+  UBX_COUNT_WAIT_BEGIN();
+  bool arrived = ld_acquire_sys_u32(done) >= blocks;
+  if (!arrived) {
+    const uint64_t t0 = globaltimer_ns();
+    const uint64_t limit = timeout_ns(d);
     for (;;) {
-      const uint32_t seen = atom_cas_relaxed_sys_u32(done, prev, prev + 1u);
-      if (seen == prev) break;
-      prev = seen;
-    }
-#else
-    // why acq_rel: release publishes this block's reads of the counter and its re-poison stores (through
-    // __syncthreads cumulativity) before it counts as done; acquire in the last block orders all of that
-    // before the advance below.
-    const uint32_t prev = atom_add_acq_rel_gpu_u32(done, 1u);
-#endif
-    if (prev == gridDim.x - 1u) {
-      // Every block of this launch has finished reading the sync words: reset and advance. The next
-      // launch (stream order) sees all three; CALL is written last anyway.
-      st_relaxed_sys_u32(done, 0u);
-      st_relaxed_sys_u32(r.sync + UBNEXT_SYNC_LAMPORT_BYTES + r.b, static_cast<uint32_t>(bytes_per_slot));
-      st_relaxed_sys_u32(r.sync + UBNEXT_SYNC_LAMPORT_CALL, lamport_next_call(r.k));
+      spin_pause();
+      if ((arrived = ld_acquire_sys_u32(done) >= blocks)) break;
+      if (globaltimer_ns() - t0 > limit) {
+        report_timeout(d, op, static_cast<uint32_t>(d->rank));
+        break;
+      }
     }
   }
+  UBX_COUNT_WAIT_END_AT(done, blocks, arrived);
+  return arrived;
+}
+
+// Block 0 records this call's bytes per slot and advances the call counter, once every block has counted
+// itself (lamport_rot_begin); at the end of block 0, so that its own polls keep reading this call's k. Other
+// blocks may still be polling: they read the counters only at their start. Collective over the block.
+UBX_DEV void lamport_rot_finish(const ubnext_comm_desc* d, const LamportRot& r, uint64_t bytes_per_slot, uint32_t op) {
+  if (blockIdx.x != 0u) return;
+  __syncthreads();  // why: every thread of block 0 has read k / prev_bytes
+  if (threadIdx.x != 0) return;
+  uint32_t* done = r.sync + UBNEXT_SYNC_LAMPORT_BLOCKS_DONE;
+  if (gridDim.x > 1u) {
+    if (!lamport_blocks_done(d, done, gridDim.x, op)) return;
+    st_relaxed_sys_u32(done, 0u);  // no block of this launch counts again; the next one starts from 0
+  }
+  st_relaxed_sys_u32(r.sync + UBNEXT_SYNC_LAMPORT_BYTES + r.b, static_cast<uint32_t>(bytes_per_slot));
+  st_relaxed_sys_u32(r.sync + UBNEXT_SYNC_LAMPORT_CALL, lamport_next_call(r.k));
 }
 
 }  // namespace ubx

@@ -172,6 +172,23 @@ UBX_DEV void red_release_sys_add_u32(uint32_t* p, uint32_t v) {
 #endif
 }
 
+// Fire and forget: the Lamport finish's arrival count (lamport_rotation.cuh), whose result nobody waits for.
+UBX_DEV void red_release_gpu_add_u32(uint32_t* p, uint32_t v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::red_add_u32(p, v, ::ubx_emu::kRelease, ::ubx_emu::kScopeGpu);
+#else
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+#endif
+}
+
+UBX_DEV void red_relaxed_gpu_add_u32(uint32_t* p, uint32_t v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::red_add_u32(p, v, ::ubx_emu::kRelaxed, ::ubx_emu::kScopeGpu);
+#else
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+#endif
+}
+
 // Returns the old value.
 UBX_DEV uint32_t atom_add_acq_rel_gpu_u32(uint32_t* p, uint32_t v) {
 #if defined(UBNEXT_EMULATOR)

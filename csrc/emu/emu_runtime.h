@@ -8,8 +8,8 @@
 namespace ubx_emu {
 
 // Memory orders of the twins. Volatile and relaxed behave the same (relaxed in the emulator).
-// Scopes are those of ptx.cuh: every kRelease there is .sys (count mode counts it as a fence),
-// the one kAcqRel atomic is .gpu.
+// Scopes are those of ptx.cuh: a kRelease there is .sys (count mode counts it as a fence) except the
+// red's that passes kScopeGpu (the Lamport count, priced as a drain only); the one kAcqRel atomic is .gpu.
 enum Order { kRelaxed = 0, kAcquire = 1, kRelease = 2, kAcqRel = 3 };
 enum Scope { kScopeGpu = 0, kScopeSys = 1 };
 // Element types of multimem.ld_reduce.
@@ -20,7 +20,7 @@ enum McType { kMcBf16 = 0, kMcF16 = 1, kMcF32 = 2 };
 void mem_load(void* dst, const void* src, unsigned bytes, int order);
 void mem_store(void* dst, const void* src, unsigned bytes, int order);
 uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order);                 // returns old
-void red_add_u32(uint32_t* p, uint32_t v, int order);                        // red: no result
+void red_add_u32(uint32_t* p, uint32_t v, int order, int scope = kScopeSys);                        // red: no result
 uint32_t atomic_cas_u32(uint32_t* p, uint32_t cmp, uint32_t val, int order);  // returns old
 void fence(int scope);
 // fence.proxy.alias: ends the window in which this thread's unicast loads may miss its own multicast

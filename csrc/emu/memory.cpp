@@ -841,7 +841,10 @@ void mem_store(void* dst, const void* src, unsigned bytes, int order) {
   words_store(dst, src, bytes, memorder(order, false));
 }
 
-static Where before_atomic(Block& b, const void* p, int order) {
+// A release at system scope waits for the thread's stores to land (count_fence: one hop). One at GPU
+// scope is priced as a drain only: the model has no store acknowledgment inside one GPU, and ubnext's one
+// GPU-scope release (the Lamport count, lamport_rotation.cuh) comes before the thread's first store.
+static Where before_atomic(Block& b, const void* p, int order, int scope = kScopeSys) {
   griddep_check(b, p, "atomic");
   const Where w = locate(reinterpret_cast<uint64_t>(p));
   count_unicast(b, w, 4, true);
@@ -850,7 +853,7 @@ static Where before_atomic(Block& b, const void* p, int order) {
   if (order == kRelease || order == kAcqRel) drain_for_release(b);
   else drain_overlapping(b, w, 4);
   if (counting()) {
-    if (order == kRelease) count_fence(b);
+    if (order == kRelease && scope == kScopeSys) count_fence(b);
     end_batch(*b.cur);
     if (w.region >= 0 && w.rank >= 0) {
       const Region& r = g_regions[w.region];
@@ -894,8 +897,8 @@ uint32_t atomic_add_u32(uint32_t* p, uint32_t v, int order) {
   return old;
 }
 
-void red_add_u32(uint32_t* p, uint32_t v, int order) {
-  if (Block* b = enter(true)) before_atomic(*b, p, order);
+void red_add_u32(uint32_t* p, uint32_t v, int order, int scope) {
+  if (Block* b = enter(true)) before_atomic(*b, p, order, scope);
   __atomic_fetch_add(p, v, memorder(order, false));
 }
 

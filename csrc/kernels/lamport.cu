@@ -25,7 +25,7 @@
 // partials (after their polls): norm.cuh argues why that cannot deadlock and why the grid must be
 // co-resident (at most one block per SM, as the launch geometry gives).
 //
-// Call header: thread 0 of block 0 pushes this rank's call header (op, dtype, flags, n, hidden and a fused
+// Call header: the last thread of block 0 (lamport_poll.cuh: is_lamport_header_thread) pushes this rank's call header (op, dtype, flags, n, hidden and a fused
 // call's eps: lamport_poll.cuh's lamport_call_header) into vector 0 of its slot beside its first data,
 // then loads every peer's at once and compares them before its own data. A peer whose header differs
 // is reported as UBNEXT_ERR_MISMATCH, which aborts the communicator: every
@@ -34,8 +34,8 @@
 // word, as for data words, so the rotation's argument (lamport_rotation.cuh: a word seen is a store
 // landed) holds for it too; other blocks neither write nor wait for it. No NVLink hop is added: the
 // header travels beside the data and is polled while the data is in flight; one 16-byte store per peer
-// (or one multicast store) more per call, and for thread 0 of block 0 one serialised wait before its data
-// (every peer's header polled together, lamport_poll.cuh poll_slots; one wait per header before).
+// (or one multicast store) more per call, and for the header thread one serialised wait before its data,
+// if it has any (every peer's header polled together, lamport_poll.cuh poll_slots).
 //
 // Ordering of the data path: no fence and no release. Every 32-bit word is self-validating (sentinel vs
 // sanitised data), so a reader needs no flag; a vector is consumed only when all four words have arrived.
@@ -72,9 +72,9 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   const uint64_t slot = d->lamport_slot_bytes;
 
   const LamportRot rot = lamport_rot_begin(d);  // before this block's done increment (step 4)
-  const uint64_t buf_off = lamport_buffer_off(d, rot.b);                                // buffer b, slot 0
-  const uint64_t my_off = buf_off + static_cast<uint64_t>(rank) * slot;               // our slot: header
-  const uint64_t my_data_off = my_off + UBNEXT_LAMPORT_HEADER_BYTES;                        // then the data
+  const uint64_t buf_off = lamport_buffer_off(d, rot.b);  // buffer b, slot 0
+  const uint64_t my_off = buf_off + static_cast<uint64_t>(rank) * slot;  // our slot: header
+  const uint64_t my_data_off = my_off + UBNEXT_LAMPORT_HEADER_BYTES;  // then the data
   const uint64_t mc = (flags & UBNEXT_F_MULTICAST) ? static_cast<uint64_t>(d->mc_base) : 0ull;
   const int64_t nvec = (static_cast<int64_t>(n) + V - 1) / V;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -104,7 +104,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
     store_everywhere(my_data_off + static_cast<uint64_t>(gi) * 16u, v);
   };
   const uint4 header = lamport_call_header(UBNEXT_OP_LAMPORT, DType<T>::kCode, n, hidden, flags, eps);
-  const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;  // its one writer and reader (above)
+  const bool header_thread = is_lamport_header_thread();  // its one writer and reader (above)
   if (header_thread && aborted == 0u) store_everywhere(my_off, header);
   // Row mode: one CTA per row, or a row shared by `split` CTAs (norm.cuh, the row split).
   const int split = rows ? row_split_of(nrows, nv_row, flags) : 1;
@@ -170,7 +170,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   }
 
   // ---- 4. finish: the last block advances the rotation (also after a timeout)
-  lamport_rot_finish(rot, UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(nvec) * 16u);
+  lamport_rot_finish(d, rot, UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(nvec) * 16u, UBNEXT_OP_LAMPORT);
   UBX_STAMP(d, kStampExit);
   griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)
 }

@@ -342,10 +342,10 @@ UBX_DEV bool poll_portions_flat(const ubnext_comm_desc* d, const uint8_t* data0,
 //   [H + 16 cv, H + 32 cv) on rank j's copy: rank s's values of portion j, stored by s (the push)
 //   1. push: thread t loads its items j (t, t + G, ...) of EVERY owner's portion of `in` (sanitised:
 //      -0 -> +0, so no word is the sentinel) and stores owner s's item j at slot [rank], H + 16 (cv + j)
-//      of rank s's copy (relaxed .sys stores, peers first, our own last); thread 0 of block 0 multicasts
-//      our call header into slot [rank].
+//      of rank s's copy (relaxed .sys stores, peers first, our own last); the header thread
+//      (is_lamport_header_thread) multicasts our call header into slot [rank].
 //   2. re-poison our copy of the previous call's buffer while the peers' data is in flight.
-//   3. thread 0 of block 0 compares every peer's header with ours (lamport.cu's check); every thread
+//   3. the header thread compares every peer's header with ours (lamport.cu's check); every thread
 //      polls its items j of OUR portion in every slot's receive region, sums them in fp32 in rank order
 //      0..N-1 from +0 (lamport_poll.cuh LamportSrc: the Lamport one-shot's sum, bit for bit), rounds
 //      once to T, sanitises and multicasts the vector into slot [rank], H + 16 j of every copy.
@@ -410,7 +410,7 @@ UBX_DEV void nvls_lamport_push(const ubnext_comm_desc* d, const void* in, void* 
   }
   const uint4 header =
       lamport_call_header(UBNEXT_OP_NVLS_LAMPORT, DType<T>::kCode, n, hidden, flags, 0.f);  // flat: no eps
-  const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;
+  const bool header_thread = is_lamport_header_thread();
   if (header_thread && aborted == 0u) multimem_st_v4(reinterpret_cast<void*>(mc_slot), header);
   if (aborted != 0u) adopt_abort(d, aborted);
 
@@ -446,7 +446,7 @@ UBX_DEV void nvls_lamport_push(const ubnext_comm_desc* d, const void* in, void* 
   if (!recv.failed) (void)poll_portions_flat<T>(d, my_buf + UBNEXT_LAMPORT_HEADER_BYTES, slot, sl, nranks, out, n);
 
   // ---- 5. finish (also after a timeout: the done counter must count every block)
-  lamport_rot_finish(rot, bytes_used);
+  lamport_rot_finish(d, rot, bytes_used, UBNEXT_OP_NVLS_LAMPORT);
   griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap)
 }
 
@@ -509,7 +509,7 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
   }
   // Even after a timeout: keep the done counter consistent (the communicator is dead anyway, but a
   // half-counted launch would leave the counter off by some blocks forever).
-  lamport_rot_finish(rot, slot_bytes_used);
+  lamport_rot_finish(d, rot, slot_bytes_used, UBNEXT_OP_NVLS_LAMPORT);
   griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)
 }
 
