@@ -59,8 +59,9 @@
 // Sticky abort. A timeout or a header mismatch aborts the communicator on every rank: the rank that
 // detects it writes its failure into record [rank] of every rank's sync region and then sets each rank's
 // abort flag (release). Every wait (barrier, Lamport poll) reads the local flag on a time base
-// (UBX_ABORT_POLL_NS: a wait that ends sooner never reads it; the flag is device memory, never the host
-// word), and every barrier kernel reads it once at entry, so that:
+// (UBX_ABORT_POLL_NS, judged at the wait's clock reads, every UBX_SPIN_CLOCK_EVERY-th spin (SpinWait): a
+// wait that ends sooner never reads it; the flag is device memory, never the host word), and every barrier
+// kernel reads it once at entry, so that:
 //   - the peers of a failed rank stop waiting at once instead of each timing out on its own;
 //   - a late rank, arriving after its peers gave up, returns at once instead of matching a barrier its
 //     peers have left and touching memory they have reused (without the flag it would pass the first
@@ -195,7 +196,7 @@ UBX_DEV bool peer_departed(const ubnext_comm_desc* d, uint32_t peer) {
 #endif
 }
 
-// One step of a wait for `peer` begun at t0, after the awaited word was found not ready: kAborted when
+// The verdict on a wait for `peer` begun at t0 (SpinWait calls it at its clock reads): kAborted when
 // the communicator has been aborted (then reported), kPeerLeft when the peer has left (the caller reads
 // its word once more before reporting), kTimedOut past `limit`, else kWaiting. The abort flag and the
 // departure word are read once per UBX_ABORT_POLL_NS, the departure only after UBX_DEPARTED_GRACE_NS.
@@ -213,6 +214,54 @@ UBX_DEV WaitResult wait_verdict(const ubnext_comm_desc* d, uint32_t peer, uint64
   }
   return now - t0 > limit ? kTimedOut : kWaiting;
 }
+
+// The one spin of every cross-rank wait (wait_flag_polls, poll_ready_v4, LamportSrc::wait, lamport_poll.cuh
+// poll_slots). The caller loads what it waits for; each time it is not there, the caller calls step(peer),
+// which pauses (spin_pause: the emulator's scheduling point, a short sleep on the GPU) and, on the first call
+// and then on every UBX_SPIN_CLOCK_EVERY-th, reads %globaltimer: the first read starts the wait (t0), each
+// later one gives wait_verdict (the abort flag and the departure on their own time base, then the timeout).
+// A wait of K steps reads the clock ceil(K / UBX_SPIN_CLOCK_EVERY) times (tests/unit/test_emu.py pins it),
+// where every step read it before; NCCL's waits likewise check their abort flag every N spins.
+// Why 16. A %globaltimer read is a special-register read (S2R, tens of cycles) plus a 64-bit compare and a
+// branch, which sit after the poll's load in the loop (the asm is volatile: never hoisted), so each one
+// delays the next load; a step is the 20 ns pause plus the poll's L2 round trip (143 ns on H100, docs/PERF.md's
+// dependent-chain probe). Read every 16th step, the clock costs a few cycles per step, about 1 % of it. The
+// price is the resolution: a verdict is up to 16 steps late, about 16 x (20 + 143) ns = 2.6 us on the GPU
+// (more where a step polls several slots), far under UBX_ABORT_POLL_NS (so the abort flag still ends a wait
+// within about 53 us, as before within 50) and negligible against any timeout (UBNEXT_TIMEOUT is in
+// seconds). In the emulator a step of a block whose fibers all spin may back off 20-200 us (3.2 ms in count
+// mode, csrc/emu/README.md): 16 steps is at most 3.2 ms (51 ms), still far under the 1-5 s timeouts the
+// tests use, and every step still yields there (spin_pause), so no worker busy-loops between clock reads.
+#ifndef UBX_SPIN_CLOCK_EVERY
+#define UBX_SPIN_CLOCK_EVERY 16u
+#endif
+static_assert((UBX_SPIN_CLOCK_EVERY & (UBX_SPIN_CLOCK_EVERY - 1u)) == 0u, "a power of two: steps may wrap");
+struct SpinWait {
+  const ubnext_comm_desc* d;
+  uint64_t limit;
+  uint64_t t0 = 0;
+  uint64_t next_check = 0;
+  uint32_t steps = 0;  // may wrap (a wait past 2^32 steps): the clock stays on every 16th, t0 stays put
+  bool started = false;
+
+  UBX_DEV SpinWait(const ubnext_comm_desc* desc, uint64_t limit_ns) : d(desc), limit(limit_ns) {}
+
+  // After a poll that found nothing: kWaiting (then paused), or why the wait ends (wait_verdict).
+  UBX_DEV WaitResult step(uint32_t peer) {
+    WaitResult r = kWaiting;
+    if ((steps++ & (UBX_SPIN_CLOCK_EVERY - 1u)) == 0u) {
+      if (started) {
+        r = wait_verdict(d, peer, t0, limit, next_check);
+      } else {
+        started = true;
+        t0 = globaltimer_ns();
+        next_check = t0 + UBX_ABORT_POLL_NS;
+      }
+    }
+    if (r == kWaiting) spin_pause();
+    return r;
+  }
+};
 
 // A wait for `peer` ended without its word: report why (a timeout or a departure; an abort was
 // reported when it was seen).
@@ -258,13 +307,10 @@ UBX_DEV bool epoch_reached(uint32_t a, uint32_t b) { return static_cast<int32_t>
 // abort flag and the peer's departure.
 UBX_DEV WaitResult wait_flag_polls(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target, uint64_t limit,
                                    uint32_t peer) {
-  if (epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
-  const uint64_t t0 = globaltimer_ns();
-  uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
+  SpinWait spin(d, limit);
   for (;;) {
-    spin_pause();
     if (epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
-    const WaitResult r = wait_verdict(d, peer, t0, limit, next_check);
+    const WaitResult r = spin.step(peer);
     if (r == kPeerLeft && epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
     if (r != kWaiting) return r;
   }
@@ -286,19 +332,16 @@ UBX_DEV bool v4_ready(const uint4& v) {
 }
 
 UBX_DEV bool poll_ready_v4_polls(const void* addr, uint4& v, const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
-  const uint64_t limit = timeout_ns(d);
-  const uint64_t t0 = globaltimer_ns();
-  uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
+  SpinWait spin(d, timeout_ns(d));
   for (;;) {
     v = ld_volatile_v4(addr);
     if (v4_ready(v)) return true;
-    const WaitResult r = wait_verdict(d, peer, t0, limit, next_check);
+    const WaitResult r = spin.step(peer);
     if (r == kPeerLeft && v4_ready(v = ld_volatile_v4(addr))) return true;
     if (r != kWaiting) {
       report_wait_failure(d, r, op, peer);
       return false;
     }
-    spin_pause();
   }
 }
 UBX_DEV bool poll_ready_v4(const void* addr, uint4& v, const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {

@@ -388,6 +388,19 @@ def test_wait_times_out_naming_rank_and_peer(emu):
     assert 0.5 <= elapsed < 3.0, elapsed
 
 
+@pytest.mark.parametrize("steps", [1, 15, 16, 17, 40])
+def test_a_wait_reads_the_clock_once_per_n_spins(emu, steps):
+    """barrier.cuh's SpinWait, the spin of every cross-rank wait: a wait of K spins reads %globaltimer
+    ceil(K / N) times (the first read starts its clock), not once per spin."""
+    pool, err, desc = _wait_setup(60.0)
+    out = np.zeros(4, np.uint32)
+    emu.launch("ubnext_emu_selftest_spin", 1, 32, kargs(desc=desc, out=out, n=steps))
+    reads, ended, every = (int(x) for x in out[:3])
+    assert every == 16  # barrier.cuh says why 16
+    assert ended == 0, "a step ended a wait with a 60 s timeout and no abort"
+    assert reads == -(-steps // every), (steps, reads)
+
+
 def test_watchdog_aborts_a_stuck_launch(tmp_path):
     """A kernel that spins without a bound: the watchdog ends the process with a report instead
     of hanging the test run."""
