@@ -104,8 +104,19 @@
 
 namespace ubx {
 
+// UBNEXT_TEST_DESC_NOINLINE (test-only, a compile check: tests/unit/test_kernels_compile.py) makes sync_words a
+// function that is not inlined, as any helper may become: it indexes the descriptor (peer_base[rank]) through
+// its pointer. The kernels' descriptor is __grid_constant__ (entry.cuh), so that pointer is the parameter's own
+// address and no copy is made; without it (UBNEXT_BREAK_DESC_COPY) every thread copies the 256 bytes to its
+// stack frame, which the frame check (python -m ubnext.kernels build --fail-on-spill) must refuse.
+#if !defined(UBNEXT_TEST_DESC_NOINLINE)
+#define UBX_DESC_HELPER UBX_DEV
+#else
+#define UBX_DESC_HELPER __device__ __noinline__
+#endif
+
 // This rank's (or a peer's) sync region, as 32-bit words.
-UBX_DEV uint32_t* sync_words(const ubnext_comm_desc* d, uint32_t rank) {
+UBX_DESC_HELPER uint32_t* sync_words(const ubnext_comm_desc* d, uint32_t rank) {
   return reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->peer_base[rank] + d->sync_off));
 }
 
