@@ -138,15 +138,43 @@ UBX_DEV uint64_t timeout_ns(const ubnext_comm_desc* d) {
   return t ? t : UBNEXT_DEFAULT_TIMEOUT_NS;
 }
 
-// Fill the host-visible error word (desc.cuh: UBNEXT_ERR_WORDS) unless another thread already has. The
-// first thread claims it by CAS of code 0 -> BUSY, writes the details, and only then stores the final
-// code with release, so a reader that sees a final code sees its details.
+// Fill the host-visible error word (desc.cuh: UBNEXT_ERR_WORDS) unless it already holds a record (the first
+// failure wins). The claim is made in device memory, the record then copied to the host word:
+//   1. take this rank's lock word UBNEXT_SYNC_ERR_LOCK (its sync region, device memory) by a CAS 0 -> 1.
+//      A CAS on the host-mapped word itself, as before, is atomic only where the device has native host
+//      atomics (the CUDA Programming Guide promises no more); on device memory it is atomic for every thread
+//      of this GPU, the only writers of this rank's word. (.sys scope, the one CAS ptx.cuh has: a cold path.)
+//      A thread that finds the lock taken returns at once: the holder is reporting, so a record will be
+//      there (its own or an earlier one), as a thread that lost the old CAS returned.
+//   2. after the CAS, a .sys fence (with it, an acquire: an earlier holder's copy, released in 4, is
+//      visible), then the host word's code: nonzero means a record that the host has not taken: leave it.
+//   3. copy: words 1..7 by plain (relaxed .sys) stores, a .sys fence, then the code by a plain store. The
+//      fence orders the details before the code for every observer, so a reader that sees a nonzero code
+//      sees the whole record: ubnext_take_kernel_error (csrc/host) loads the code with acquire before it
+//      reads the rest; Python (ubnext/comm/_executor.py) reads the details after a synchronisation. The
+//      code goes from 0 straight to its final value: the word never shows a half-written record.
+//   4. release the lock (st.release.sys: orders the copy before a later holder's step 2).
+// Reset: the lock is 0 between launches, since a thread holds it only across steps 2-3 and kernels do not
+// trap there (the sync region, lock included, is zeroed when a communicator is created). The record stays
+// until the host takes it: ubnext_take_kernel_error zeroes the host word (after a synchronisation); Python
+// never does (the communicator is broken for good). A later kernel of the aborted communicator finds the
+// word zero again and reports the failure anew, as the C API promises.
+// UBNEXT_BREAK_ERR_NO_CLAIM (test-only) copies without the lock: racing reports then mix their records, which
+// tests/unit/test_emu.py (test_racing_reports_*) must see.
 UBX_DEV void write_error_word(const ubnext_comm_desc* d, const uint32_t (&w)[UBNEXT_ERR_WORDS]) {
   uint32_t* err = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->err_ptr));
   if (err == nullptr) return;
-  if (atom_cas_relaxed_sys_u32(err, 0u, UBNEXT_ERR_BUSY) != 0u) return;
-  for (int i = 1; i < UBNEXT_ERR_WORDS; ++i) st_relaxed_sys_u32(err + i, w[i]);
-  st_release_sys_u32(err, w[0]);
+  uint32_t* lock = sync_words(d, static_cast<uint32_t>(d->rank)) + UBNEXT_SYNC_ERR_LOCK;
+#if !defined(UBNEXT_BREAK_ERR_NO_CLAIM)
+  if (atom_cas_relaxed_sys_u32(lock, 0u, 1u) != 0u) return;
+  fence_acq_rel_sys();
+#endif
+  if (ld_relaxed_sys_u32(err) == 0u) {
+    for (int i = 1; i < UBNEXT_ERR_WORDS; ++i) st_relaxed_sys_u32(err + i, w[i]);
+    fence_acq_rel_sys();
+    st_relaxed_sys_u32(err, w[0]);
+  }
+  st_release_sys_u32(lock, 0u);
 }
 
 // This rank's abort flag: 0, or 1 + the rank whose failure aborted the communicator. A relaxed load,

@@ -236,6 +236,16 @@ extern "C" __global__ void ubnext_emu_selftest_spin(EMU_ST_PARAMS) {
   o[2] = UBX_SPIN_CLOCK_EVERY;
 }
 
+// The error word under contention (barrier.cuh write_error_word): every thread of every block reports a
+// failure at once, each its own record, all of whose words derive from its global index g, so that a record
+// mixed from two reports shows: {MISMATCH, op = base + g, rank, peer = g, field = g ^ 0x5a5a, mine = 3 g + 7,
+// theirs = ~g, 0}, base = 100 + n. desc: nranks 1 (report_error also aborts the communicator: its own
+// region only).
+extern "C" __global__ void ubnext_emu_selftest_report(EMU_ST_PARAMS) {
+  const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;
+  ubx::report_error(&desc, UBNEXT_ERR_MISMATCH, 100u + static_cast<uint32_t>(n) + g, g, g ^ 0x5a5au, 3u * g + 7u, ~g);
+}
+
 // Warp-op variants: segment widths, shfl_up, 64-bit shuffles, block votes, exited lanes.
 // out: uint32 [grid][blockDim][8], in the order written below.
 extern "C" __global__ void ubnext_emu_selftest_warp(EMU_ST_PARAMS) {
