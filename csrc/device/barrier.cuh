@@ -160,7 +160,7 @@ UBX_DEV uint64_t timeout_ns(const ubnext_comm_desc* d) {
 // never does (the communicator is broken for good). A later kernel of the aborted communicator finds the
 // word zero again and reports the failure anew, as the C API promises.
 // UBNEXT_BREAK_ERR_NO_CLAIM (test-only) copies without the lock: racing reports then mix their records, which
-// tests/unit/test_emu.py (test_racing_reports_*) must see.
+// tests/unit/test_emu_waits.py (test_racing_reports_*) must see.
 UBX_DEV void write_error_word(const ubnext_comm_desc* d, const uint32_t (&w)[UBNEXT_ERR_WORDS]) {
   uint32_t* err = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->err_ptr));
   if (err == nullptr) return;
@@ -259,7 +259,7 @@ UBX_DEV WaitResult wait_verdict(const ubnext_comm_desc* d, uint32_t peer, uint64
 // which pauses (spin_pause: the emulator's scheduling point, a short sleep on the GPU) and, on the first call
 // and then on every UBX_SPIN_CLOCK_EVERY-th, reads %globaltimer: the first read starts the wait (t0), each
 // later one gives wait_verdict (the abort flag and the departure on their own time base, then the timeout).
-// A wait of K steps reads the clock ceil(K / UBX_SPIN_CLOCK_EVERY) times (tests/unit/test_emu.py pins it),
+// A wait of K steps reads the clock ceil(K / UBX_SPIN_CLOCK_EVERY) times (tests/unit/test_emu_waits.py pins it),
 // where every step read it before; NCCL's waits likewise check their abort flag every N spins.
 // Why 16. A %globaltimer read is a special-register read (S2R, tens of cycles) plus a 64-bit compare and a
 // branch, which sit after the poll's load in the loop (the asm is volatile: never hoisted), so each one
