@@ -339,7 +339,7 @@ UBNEXT_API ubnext_status_t ubnext_quantize_fp8(void* stream, ubnext_dtype_t dtyp
  * mapped pinned memory). Returns SUCCESS if no kernel reported an error, TIMEOUT (last-error
  * text names the op, this rank and the peer it waited for), INVALID_ARGUMENT when ranks made
  * different calls (UBNEXT_ERR_MISMATCH: the text names the differing call-header field and both
- * values, e.g. the pool offsets of `in`) or when a kernel is still writing the word, PEER_LEFT
+ * values, e.g. the pool offsets of `in`), PEER_LEFT
  * (the peer it waited for had left: UBNEXT_ERR_PEER_LEFT), or INTERNAL (unknown code). Not collective, no CUDA call, not ordered with
  * any stream: call it after synchronising the stream (or polling an event) so that the
  * kernels that could write it have finished. A timeout, a departure or a mismatch aborts the communicator

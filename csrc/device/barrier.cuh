@@ -59,8 +59,9 @@
 // Sticky abort. A timeout or a header mismatch aborts the communicator on every rank: the rank that
 // detects it writes its failure into record [rank] of every rank's sync region and then sets each rank's
 // abort flag (release). Every wait (barrier, Lamport poll) reads the local flag on a time base
-// (UBX_ABORT_POLL_NS: a wait that ends sooner never reads it; the flag is device memory, never the host
-// word), and every barrier kernel reads it once at entry, so that:
+// (UBX_ABORT_POLL_NS, judged at the wait's clock reads, every UBX_SPIN_CLOCK_EVERY-th spin (SpinWait): a
+// wait that ends sooner never reads it; the flag is device memory, never the host word), and every barrier
+// kernel reads it once at entry, so that:
 //   - the peers of a failed rank stop waiting at once instead of each timing out on its own;
 //   - a late rank, arriving after its peers gave up, returns at once instead of matching a barrier its
 //     peers have left and touching memory they have reused (without the flag it would pass the first
@@ -103,8 +104,19 @@
 
 namespace ubx {
 
+// UBNEXT_TEST_DESC_NOINLINE (test-only, a compile check: tests/unit/test_kernels_compile.py) makes sync_words a
+// function that is not inlined, as any helper may become: it indexes the descriptor (peer_base[rank]) through
+// its pointer. The kernels' descriptor is __grid_constant__ (entry.cuh), so that pointer is the parameter's own
+// address and no copy is made; without it (UBNEXT_BREAK_DESC_COPY) every thread copies the 256 bytes to its
+// stack frame, which the frame check (python -m ubnext.kernels build --fail-on-spill) must refuse.
+#if !defined(UBNEXT_TEST_DESC_NOINLINE)
+#define UBX_DESC_HELPER UBX_DEV
+#else
+#define UBX_DESC_HELPER __device__ __noinline__
+#endif
+
 // This rank's (or a peer's) sync region, as 32-bit words.
-UBX_DEV uint32_t* sync_words(const ubnext_comm_desc* d, uint32_t rank) {
+UBX_DESC_HELPER uint32_t* sync_words(const ubnext_comm_desc* d, uint32_t rank) {
   return reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->peer_base[rank] + d->sync_off));
 }
 
@@ -126,15 +138,43 @@ UBX_DEV uint64_t timeout_ns(const ubnext_comm_desc* d) {
   return t ? t : UBNEXT_DEFAULT_TIMEOUT_NS;
 }
 
-// Fill the host-visible error word (desc.cuh: UBNEXT_ERR_WORDS) unless another thread already has. The
-// first thread claims it by CAS of code 0 -> BUSY, writes the details, and only then stores the final
-// code with release, so a reader that sees a final code sees its details.
+// Fill the host-visible error word (desc.cuh: UBNEXT_ERR_WORDS) unless it already holds a record (the first
+// failure wins). The claim is made in device memory, the record then copied to the host word:
+//   1. take this rank's lock word UBNEXT_SYNC_ERR_LOCK (its sync region, device memory) by a CAS 0 -> 1.
+//      A CAS on the host-mapped word itself, as before, is atomic only where the device has native host
+//      atomics (the CUDA Programming Guide promises no more); on device memory it is atomic for every thread
+//      of this GPU, the only writers of this rank's word. (.sys scope, the one CAS ptx.cuh has: a cold path.)
+//      A thread that finds the lock taken returns at once: the holder is reporting, so a record will be
+//      there (its own or an earlier one), as a thread that lost the old CAS returned.
+//   2. after the CAS, a .sys fence (with it, an acquire: an earlier holder's copy, released in 4, is
+//      visible), then the host word's code: nonzero means a record that the host has not taken: leave it.
+//   3. copy: words 1..7 by plain (relaxed .sys) stores, a .sys fence, then the code by a plain store. The
+//      fence orders the details before the code for every observer, so a reader that sees a nonzero code
+//      sees the whole record: ubnext_take_kernel_error (csrc/host) loads the code with acquire before it
+//      reads the rest; Python (ubnext/comm/_executor.py) reads the details after a synchronisation. The
+//      code goes from 0 straight to its final value: the word never shows a half-written record.
+//   4. release the lock (st.release.sys: orders the copy before a later holder's step 2).
+// Reset: the lock is 0 between launches, since a thread holds it only across steps 2-3 and kernels do not
+// trap there (the sync region, lock included, is zeroed when a communicator is created). The record stays
+// until the host takes it: ubnext_take_kernel_error zeroes the host word (after a synchronisation); Python
+// never does (the communicator is broken for good). A later kernel of the aborted communicator finds the
+// word zero again and reports the failure anew, as the C API promises.
+// UBNEXT_BREAK_ERR_NO_CLAIM (test-only) copies without the lock: racing reports then mix their records, which
+// tests/unit/test_emu_waits.py (test_racing_reports_*) must see.
 UBX_DEV void write_error_word(const ubnext_comm_desc* d, const uint32_t (&w)[UBNEXT_ERR_WORDS]) {
   uint32_t* err = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->err_ptr));
   if (err == nullptr) return;
-  if (atom_cas_relaxed_sys_u32(err, 0u, UBNEXT_ERR_BUSY) != 0u) return;
-  for (int i = 1; i < UBNEXT_ERR_WORDS; ++i) st_relaxed_sys_u32(err + i, w[i]);
-  st_release_sys_u32(err, w[0]);
+  uint32_t* lock = sync_words(d, static_cast<uint32_t>(d->rank)) + UBNEXT_SYNC_ERR_LOCK;
+#if !defined(UBNEXT_BREAK_ERR_NO_CLAIM)
+  if (atom_cas_relaxed_sys_u32(lock, 0u, 1u) != 0u) return;
+  fence_acq_rel_sys();
+#endif
+  if (ld_relaxed_sys_u32(err) == 0u) {
+    for (int i = 1; i < UBNEXT_ERR_WORDS; ++i) st_relaxed_sys_u32(err + i, w[i]);
+    fence_acq_rel_sys();
+    st_relaxed_sys_u32(err, w[0]);
+  }
+  st_release_sys_u32(lock, 0u);
 }
 
 // This rank's abort flag: 0, or 1 + the rank whose failure aborted the communicator. A relaxed load,
@@ -195,7 +235,7 @@ UBX_DEV bool peer_departed(const ubnext_comm_desc* d, uint32_t peer) {
 #endif
 }
 
-// One step of a wait for `peer` begun at t0, after the awaited word was found not ready: kAborted when
+// The verdict on a wait for `peer` begun at t0 (SpinWait calls it at its clock reads): kAborted when
 // the communicator has been aborted (then reported), kPeerLeft when the peer has left (the caller reads
 // its word once more before reporting), kTimedOut past `limit`, else kWaiting. The abort flag and the
 // departure word are read once per UBX_ABORT_POLL_NS, the departure only after UBX_DEPARTED_GRACE_NS.
@@ -213,6 +253,54 @@ UBX_DEV WaitResult wait_verdict(const ubnext_comm_desc* d, uint32_t peer, uint64
   }
   return now - t0 > limit ? kTimedOut : kWaiting;
 }
+
+// The one spin of every cross-rank wait (wait_flag_polls, poll_ready_v4, LamportSrc::wait, lamport_poll.cuh
+// poll_slots). The caller loads what it waits for; each time it is not there, the caller calls step(peer),
+// which pauses (spin_pause: the emulator's scheduling point, a short sleep on the GPU) and, on the first call
+// and then on every UBX_SPIN_CLOCK_EVERY-th, reads %globaltimer: the first read starts the wait (t0), each
+// later one gives wait_verdict (the abort flag and the departure on their own time base, then the timeout).
+// A wait of K steps reads the clock ceil(K / UBX_SPIN_CLOCK_EVERY) times (tests/unit/test_emu_waits.py pins it),
+// where every step read it before; NCCL's waits likewise check their abort flag every N spins.
+// Why 16. A %globaltimer read is a special-register read (S2R, tens of cycles) plus a 64-bit compare and a
+// branch, which sit after the poll's load in the loop (the asm is volatile: never hoisted), so each one
+// delays the next load; a step is the 20 ns pause plus the poll's L2 round trip (143 ns on H100, docs/PERF.md's
+// dependent-chain probe). Read every 16th step, the clock costs a few cycles per step, about 1 % of it. The
+// price is the resolution: a verdict is up to 16 steps late, about 16 x (20 + 143) ns = 2.6 us on the GPU
+// (more where a step polls several slots), far under UBX_ABORT_POLL_NS (so the abort flag still ends a wait
+// within about 53 us, as before within 50) and negligible against any timeout (UBNEXT_TIMEOUT is in
+// seconds). In the emulator a step of a block whose fibers all spin may back off 20-200 us (3.2 ms in count
+// mode, csrc/emu/README.md): 16 steps is at most 3.2 ms (51 ms), still far under the 1-5 s timeouts the
+// tests use, and every step still yields there (spin_pause), so no worker busy-loops between clock reads.
+#ifndef UBX_SPIN_CLOCK_EVERY
+#define UBX_SPIN_CLOCK_EVERY 16u
+#endif
+static_assert((UBX_SPIN_CLOCK_EVERY & (UBX_SPIN_CLOCK_EVERY - 1u)) == 0u, "a power of two: steps may wrap");
+struct SpinWait {
+  const ubnext_comm_desc* d;
+  uint64_t limit;
+  uint64_t t0 = 0;
+  uint64_t next_check = 0;
+  uint32_t steps = 0;  // may wrap (a wait past 2^32 steps): the clock stays on every 16th, t0 stays put
+  bool started = false;
+
+  UBX_DEV SpinWait(const ubnext_comm_desc* desc, uint64_t limit_ns) : d(desc), limit(limit_ns) {}
+
+  // After a poll that found nothing: kWaiting (then paused), or why the wait ends (wait_verdict).
+  UBX_DEV WaitResult step(uint32_t peer) {
+    WaitResult r = kWaiting;
+    if ((steps++ & (UBX_SPIN_CLOCK_EVERY - 1u)) == 0u) {
+      if (started) {
+        r = wait_verdict(d, peer, t0, limit, next_check);
+      } else {
+        started = true;
+        t0 = globaltimer_ns();
+        next_check = t0 + UBX_ABORT_POLL_NS;
+      }
+    }
+    if (r == kWaiting) spin_pause();
+    return r;
+  }
+};
 
 // A wait for `peer` ended without its word: report why (a timeout or a departure; an abort was
 // reported when it was seen).
@@ -258,13 +346,10 @@ UBX_DEV bool epoch_reached(uint32_t a, uint32_t b) { return static_cast<int32_t>
 // abort flag and the peer's departure.
 UBX_DEV WaitResult wait_flag_polls(const ubnext_comm_desc* d, const uint32_t* flag, uint32_t target, uint64_t limit,
                                    uint32_t peer) {
-  if (epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
-  const uint64_t t0 = globaltimer_ns();
-  uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
+  SpinWait spin(d, limit);
   for (;;) {
-    spin_pause();
     if (epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
-    const WaitResult r = wait_verdict(d, peer, t0, limit, next_check);
+    const WaitResult r = spin.step(peer);
     if (r == kPeerLeft && epoch_reached(ld_acquire_sys_u32(flag), target)) return kArrived;
     if (r != kWaiting) return r;
   }
@@ -286,19 +371,16 @@ UBX_DEV bool v4_ready(const uint4& v) {
 }
 
 UBX_DEV bool poll_ready_v4_polls(const void* addr, uint4& v, const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {
-  const uint64_t limit = timeout_ns(d);
-  const uint64_t t0 = globaltimer_ns();
-  uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
+  SpinWait spin(d, timeout_ns(d));
   for (;;) {
     v = ld_volatile_v4(addr);
     if (v4_ready(v)) return true;
-    const WaitResult r = wait_verdict(d, peer, t0, limit, next_check);
+    const WaitResult r = spin.step(peer);
     if (r == kPeerLeft && v4_ready(v = ld_volatile_v4(addr))) return true;
     if (r != kWaiting) {
       report_wait_failure(d, r, op, peer);
       return false;
     }
-    spin_pause();
   }
 }
 UBX_DEV bool poll_ready_v4(const void* addr, uint4& v, const ubnext_comm_desc* d, uint32_t op, uint32_t peer) {

@@ -33,13 +33,13 @@
 #define UBNEXT_F_RANK_ORDER 0x8000
 
 /* The error word, err_ptr[0..7] = {code, op, rank, peer, field, mine, theirs, aborted}: the first
- * kernel thread to fail claims it by CAS of code from 0 to UBNEXT_ERR_BUSY, writes the other words,
- * then stores the final code with release (which orders them before it). field/mine/theirs are set for
+ * kernel thread to fail takes this rank's lock word UBNEXT_SYNC_ERR_LOCK (device memory), writes the
+ * other words, a system fence, then the code, and releases the lock (csrc/device/barrier.cuh,
+ * write_error_word): a nonzero code orders the whole record before it. field/mine/theirs are set for
  * a mismatch only. `rank` is the rank that detected the failure; aborted = 1 when this rank stopped
  * because the communicator had been aborted (by that rank, or by this one in an earlier launch), not
  * because it detected the failure itself in this launch. */
 #define UBNEXT_ERR_WORDS 8
-#define UBNEXT_ERR_BUSY 0xffffffffu
 #define UBNEXT_ERR_TIMEOUT 1
 #define UBNEXT_ERR_MISMATCH 2 /* a peer's call header differs from ours (field, mine, theirs) */
 #define UBNEXT_ERR_PEER_LEFT 3 /* the awaited peer closed its communicator or its process exited */
@@ -83,6 +83,9 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_SYNC_ABORT 8
 /* Local: 0 until this rank has broadcast its abort (CAS 0 -> 1 by the first failing thread). */
 #define UBNEXT_SYNC_ABORT_CLAIM 9
+/* Local: the error word's lock (barrier.cuh, write_error_word), 1 only while a thread of this rank copies
+ * its record to the host word; 0 between launches. */
+#define UBNEXT_SYNC_ERR_LOCK 10
 /* [UBNEXT_MAX_RANKS] words: word [r] is 1 once rank r has left for good (closed its communicator or
  * exited). Rank r writes it into every rank's region from the host (ubnext/pool/symmetric.py,
  * announce_departure); a wait for peer r reads it (barrier.cuh, wait_verdict). */

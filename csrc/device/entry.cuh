@@ -15,9 +15,21 @@
 #include "desc.cuh"
 #include "ptx.cuh"
 
-#define UBX_KERNEL_PARAMS                                                                           \
-  const ubnext_comm_desc desc, const void *in, void *out, const void *residual, void *residual_out, \
-      const void *weight, const float *scale, float *scale_inv, int n, int hidden, float eps, int flags
+// __grid_constant__: the descriptor is read-only for the whole grid, so taking its address gives the
+// parameter's own (constant bank) address. Without it, a helper that takes `&desc` and stops being inlined
+// (an ABI call with a generic pointer) makes ptxas copy the 256 bytes to every thread's stack frame: local
+// memory, and loads of it on every use. The frame check (python -m ubnext.kernels build --fail-on-spill)
+// refuses any stack frame; tests/unit/test_kernels_compile.py shows it catching that copy under the
+// test-only UBNEXT_BREAK_DESC_COPY (no __grid_constant__) with UBNEXT_TEST_DESC_NOINLINE (barrier.cuh).
+// The emulator defines __grid_constant__ empty (emu_prelude.h, shim/crt/host_defines.h).
+#if !defined(UBNEXT_BREAK_DESC_COPY)
+#define UBX_DESC_PARAM const __grid_constant__ ubnext_comm_desc desc
+#else
+#define UBX_DESC_PARAM const ubnext_comm_desc desc
+#endif
+#define UBX_KERNEL_PARAMS                                                                                  \
+  UBX_DESC_PARAM, const void *in, void *out, const void *residual, void *residual_out, const void *weight, \
+      const float *scale, float *scale_inv, int n, int hidden, float eps, int flags
 
 // extern "C" __global__ with the one parameter list; the body starts with UBX_KERNEL_BEGIN.
 #define UBX_KERNEL(NAME) extern "C" __global__ void NAME(UBX_KERNEL_PARAMS)

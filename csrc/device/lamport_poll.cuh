@@ -54,10 +54,17 @@ UBX_DEV bool poll_slots(const uint8_t* base, uint64_t stride, uint32_t p0, uint3
   const bool repolled = ok && todo != 0u;
   if (repolled) {
     UBX_COUNT_WAIT_BEGIN();
-    const uint64_t t0 = globaltimer_ns();
-    uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
+    SpinWait spin(d, limit);
     for (;;) {
-      spin_pause();
+      // todo != 0 here; the verdict names the lowest slot outstanding
+      const uint32_t peer = p0 + static_cast<uint32_t>(__ffs(static_cast<int>(todo)) - 1);
+      const WaitResult r = spin.step(peer);
+      if (r != kWaiting && r != kPeerLeft) {
+        report_wait_failure(d, r, op, peer);
+        ok = false;
+        break;
+      }
+      // kPeerLeft: this pass is the read once more (a slot the peer stored before it left is taken)
 #if !defined(UBNEXT_BREAK_POLL_READS_ONCE)
       ok = pass(todo);
 #else
@@ -71,14 +78,7 @@ UBX_DEV bool poll_slots(const uint8_t* base, uint64_t stride, uint32_t p0, uint3
       }
 #endif
       if (!ok || todo == 0u) break;
-      const uint32_t peer = p0 + static_cast<uint32_t>(__ffs(static_cast<int>(todo)) - 1);
-      const WaitResult r = wait_verdict(d, peer, t0, limit, next_check);
-      if (r == kPeerLeft) {  // read once more: a slot the peer stored before it left is taken
-        ok = pass(todo);
-        if (!ok || todo == 0u) break;
-        if ((todo & (1u << (peer - p0))) == 0u) continue;
-      }
-      if (r != kWaiting) {
+      if (r == kPeerLeft && (todo & (1u << (peer - p0))) != 0u) {
         report_wait_failure(d, r, op, peer);
         ok = false;
         break;
@@ -114,14 +114,13 @@ struct LamportSrc {
     return ready;
   }
   UBX_DEV bool wait_polls(const uint8_t* addr, uint4& v, uint32_t peer) const {
-    const uint64_t t0 = globaltimer_ns();
-    uint64_t next_check = t0 + UBX_ABORT_POLL_NS;
+    SpinWait spin(desc, limit_ns);
     for (;;) {
-      spin_pause();
-      v = ld_volatile_v4(addr);
-      if (is_ready(v)) return true;
-      const WaitResult r = wait_verdict(desc, peer, t0, limit_ns, next_check);
-      if (r == kPeerLeft && is_ready(v = ld_volatile_v4(addr))) return true;
+      const WaitResult r = spin.step(peer);
+      if (r == kWaiting || r == kPeerLeft) {  // kPeerLeft: read once more (barrier.cuh)
+        v = ld_volatile_v4(addr);
+        if (is_ready(v)) return true;
+      }
       if (r != kWaiting) {
         report_wait_failure(desc, r, op, peer);
         return false;

@@ -45,6 +45,8 @@ void count_poll_begin();
 void count_poll_end(int repolled, int arrived);
 
 uint64_t globaltimer_ns();
+// How many times this worker thread (one block) has read globaltimer_ns: SpinWait's clock reads (selftest).
+uint64_t globaltimer_reads();
 void spin_pause();
 
 // griddepcontrol (ptx.cuh). Launches are serialised, so the wait has nothing to wait for: it marks the

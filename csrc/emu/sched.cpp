@@ -317,7 +317,12 @@ static uint64_t stall_ns() {
 }
 
 // What a kernel's %globaltimer reads: CLOCK_MONOTONIC, or stall time (above).
-uint64_t globaltimer_ns() { return stall_clock_on() ? stall_ns() : wall_ns(); }
+static thread_local uint64_t tl_clock_reads = 0;
+uint64_t globaltimer_ns() {
+  ++tl_clock_reads;
+  return stall_clock_on() ? stall_ns() : wall_ns();
+}
+uint64_t globaltimer_reads() { return tl_clock_reads; }
 
 [[noreturn]] static void abandon_fiber(Block& b, Fiber& f) {
   f.state = kDone;

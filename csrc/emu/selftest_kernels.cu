@@ -5,6 +5,7 @@
 #include "../device/desc.cuh"
 #include "../device/platform.cuh"
 #include "../device/ptx.cuh"
+#include "../device/barrier.cuh"
 
 #include "../device/entry.cuh"
 
@@ -218,6 +219,31 @@ extern "C" __global__ void ubnext_emu_selftest_wait(EMU_ST_PARAMS) {
     }
     ubx::spin_pause();
   }
+}
+
+// The shared spin's clock (barrier.cuh SpinWait): thread 0 of block 0 takes `n` steps of one wait, as a
+// poll that never finds its word would, with the descriptor's timeout (the test gives a long one). out:
+// uint32 {clock reads during the steps, steps that ended the wait (none expected), UBX_SPIN_CLOCK_EVERY}.
+extern "C" __global__ void ubnext_emu_selftest_spin(EMU_ST_PARAMS) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  uint32_t* o = static_cast<uint32_t*>(out);
+  ubx::SpinWait spin(&desc, desc.timeout_ns);
+  const uint64_t before = ::ubx_emu::globaltimer_reads();
+  uint32_t ended = 0;
+  for (int k = 0; k < n; ++k) ended += spin.step(1u) != ubx::kWaiting;
+  o[0] = static_cast<uint32_t>(::ubx_emu::globaltimer_reads() - before);
+  o[1] = ended;
+  o[2] = UBX_SPIN_CLOCK_EVERY;
+}
+
+// The error word under contention (barrier.cuh write_error_word): every thread of every block reports a
+// failure at once, each its own record, all of whose words derive from its global index g, so that a record
+// mixed from two reports shows: {MISMATCH, op = base + g, rank, peer = g, field = g ^ 0x5a5a, mine = 3 g + 7,
+// theirs = ~g, 0}, base = 100 + n. desc: nranks 1 (report_error also aborts the communicator: its own
+// region only).
+extern "C" __global__ void ubnext_emu_selftest_report(EMU_ST_PARAMS) {
+  const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;
+  ubx::report_error(&desc, UBNEXT_ERR_MISMATCH, 100u + static_cast<uint32_t>(n) + g, g, g ^ 0x5a5au, 3u * g + 7u, ~g);
 }
 
 // Warp-op variants: segment widths, shfl_up, 64-bit shuffles, block votes, exited lanes.

@@ -710,14 +710,10 @@ ubnext_status_t ubnext_take_kernel_error(const struct ubnext_comm_desc* host_des
     return fail(UBNEXT_STATUS_INVALID_ARGUMENT, "host_desc.err_ptr is 0 or misaligned: no error word to read");
   }
   uint32_t* word = reinterpret_cast<uint32_t*>(static_cast<uintptr_t>(host_desc->err_ptr));
-  // A kernel claims the word with UBNEXT_ERR_BUSY, fills the details, then releases the final
-  // code: acquire on code pairs with that release. BUSY means the kernel has not finished.
+  // A kernel writes the details, a system fence, then the code (barrier.cuh, write_error_word): the
+  // acquire on the code pairs with that fence, so a nonzero code comes with its whole record.
   const uint32_t code = __atomic_load_n(&word[0], __ATOMIC_ACQUIRE);
   if (code == 0) return UBNEXT_STATUS_SUCCESS;
-  if (code == UBNEXT_ERR_BUSY) {
-    return fail(UBNEXT_STATUS_INVALID_ARGUMENT,
-                "a kernel is still writing the error word: synchronise the stream first");
-  }
   uint32_t w[UBNEXT_ERR_WORDS];
   for (int i = 1; i < UBNEXT_ERR_WORDS; ++i) w[i] = __atomic_load_n(&word[i], __ATOMIC_RELAXED);
   const uint32_t op = w[1], rank = w[2], peer = w[3];

@@ -498,10 +498,6 @@ static void test_kernel_error(void) {
          "twoshot: rank 0 stopped waiting for peer 3, which has left");
   CHECK(g_err_word[0] == 0 && g_err_word[3] == 0);
 
-  g_err_word[0] = UBNEXT_ERR_BUSY;
-  EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_INVALID_ARGUMENT, "still writing");
-  g_err_word[0] = 0;
-
   g_err_word[0] = 9;
   g_err_word[1] = UBNEXT_OP_LAMPORT;
   EXPECT(ubnext_take_kernel_error(&g_desc), UBNEXT_STATUS_INTERNAL, "unknown code 9");

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from ubnext.comm import Communicator
-from ubnext.runtime import _lifecycle
+from ubnext.runtime import _emu, _lifecycle
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +21,19 @@ def world1_comm():
     _lifecycle.cached.clear()
     comm.close()
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def emu():
+    """The emulator library (the correct build), left in plain mode without a watchdog."""
+    e = _emu.load()
+    yield e
+    e.configure(False)
+    e.set_watchdog(None)
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "chaos"])
+def chaos(request, emu):
+    emu.configure(request.param, 12345)
+    yield request.param
+    emu.configure(False)

@@ -64,7 +64,7 @@ def test_descriptor_field_order_matches_header():
     assert f"#define UBNEXT_DESC_BYTES {pool.DESC_BYTES}" in text
     assert f"#define UBNEXT_LAMPORT_HEADER_BYTES {pool.LAMPORT_HEADER_BYTES}" in text
     assert f"#define UBNEXT_SYNC_DEPARTED {pool.SYNC_DEPARTED}" in text
-    for name in ("ABORT", "ABORT_CLAIM", "ABORT_RECORD"):
+    for name in ("ABORT", "ABORT_CLAIM", "ABORT_RECORD", "ERR_LOCK"):
         assert f"#define UBNEXT_SYNC_{name} {getattr(pool, 'SYNC_' + name)}" in text, name
     for name in ("TIMEOUT", "MISMATCH", "PEER_LEFT"):
         assert re.search(rf"#define UBNEXT_ERR_{name} {getattr(errors, 'ERR_' + name)}\b", text), name

@@ -24,21 +24,6 @@ from ubnext.runtime import _emu
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def emu():
-    e = _emu.load()
-    yield e
-    e.configure(False)
-    e.set_watchdog(None)
-
-
-@pytest.fixture(params=[False, True], ids=["plain", "chaos"])
-def chaos(request, emu):
-    emu.configure(request.param, 12345)
-    yield request.param
-    emu.configure(False)
-
-
 # ---------------------------------------------------------------------------- execution model
 
 

@@ -1,6 +1,6 @@
-"""The Lamport kernels and the shared device headers compile everywhere they must, without a GPU:
-NVRTC for sm_90 / sm_100 without register spills (the protocol's latency assumes none), g++ as
-emulator host code with warnings on, and each deliberately broken test-only build."""
+"""The kernels and the shared device headers compile everywhere they must, without a GPU: NVRTC for
+sm_90 / sm_100 without register spills or any stack frame (the protocol's latency assumes neither), g++
+as emulator host code with warnings on, and each deliberately broken test-only build."""
 
 import shutil
 import subprocess
@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from ubnext import kernels
+from ubnext.kernels import _ptxas
 
 LAMPORT = kernels.CSRC / "kernels" / "lamport.cu"
 
@@ -46,15 +47,55 @@ def test_lamport_compiles_as_emulator_host_code(defines):
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
-def test_lamport_cubin_has_no_spills(arch):
+@pytest.mark.parametrize("fname", sorted(kernels.sources()))
+def test_cubin_has_no_spills_and_no_stack_frame(fname, arch):
     """From the cubin cache when this tree's kernels were built (the suite's first step), else
-    compiled now: ptxas's resources of each dtype's kernel."""
+    compiled now: ptxas's resources of each kernel, judged as ``--fail-on-spill`` judges them."""
     try:
-        _, resources = kernels.compile_kernels("lamport.cu", arch)
+        _, resources = kernels.compile_kernels(fname, arch)
     except ImportError:
         pytest.skip("cuda-bindings (NVRTC) not installed")
-    assert sorted(r.name for r in resources) == sorted(kernels.sources()["lamport.cu"]), resources
-    assert all(r.spill_stores == 0 and r.spill_loads == 0 for r in resources), resources
+    assert sorted(r.name for r in resources) == sorted(kernels.sources()[fname]), resources
+    assert _ptxas.frame_problems(resources) == []
+
+
+@pytest.mark.parametrize("arch", ["sm_90"])
+def test_frame_check_catches_a_descriptor_copied_to_the_stack(arch):
+    """barrier.cuh's sync_words not inlined (UBNEXT_TEST_DESC_NOINLINE, a compile check only): with the
+    descriptor __grid_constant__ its pointer is the parameter's own address, no frame; without
+    (UBNEXT_BREAK_DESC_COPY) every thread copies the 256-byte descriptor to its stack, which the check
+    names. allgather.cu: the smallest kernel file that reaches the helper. sm_90 only: for sm_100, NVRTC
+    13.5 passes the parameter's own address even without the attribute (no copy, no frame), so there is
+    nothing for the check to catch."""
+    pytest.importorskip("cuda.bindings")
+
+    def problems(*defines):
+        _, log = kernels._nvrtc_images("allgather.cu", arch, ("cubin",), defines)
+        resources = _ptxas.parse_ptxas_log(log, arch)
+        assert [r.name for r in resources] == ["ubnext_allgather_u8"], log
+        return resources, _ptxas.frame_problems(resources)
+
+    assert problems("UBNEXT_TEST_DESC_NOINLINE")[1] == []
+    resources, found = problems("UBNEXT_TEST_DESC_NOINLINE", "UBNEXT_BREAK_DESC_COPY")
+    assert resources[0].stack_bytes >= 256, resources  # sizeof(ubnext_comm_desc)
+    assert len(found) == 1 and found[0].startswith(f"ubnext_allgather_u8 ({arch}): "), found
+
+
+def test_a_called_functions_figures_are_not_the_kernels():
+    """ptxas lists a function that is not inlined after the kernels, with its own (here empty) frame: the
+    kernel keeps its 256-byte frame (the parser once overwrote it with the function's 0)."""
+    log = """ptxas info    : Compiling entry function 'ubnext_allgather_u8' for 'sm_90'
+ptxas info    : Function properties for ubnext_allgather_u8
+ptxas         .     256 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 256 bytes cumulative stack size, 4 bytes smem
+ptxas info    : Function properties for _ZN3ubx10sync_wordsEPK16ubnext_comm_descj
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"""
+    (r,) = _ptxas.parse_ptxas_log(log, "sm_90")
+    assert (r.name, r.registers, r.stack_bytes, r.shared_bytes) == ("ubnext_allgather_u8", 64, 256, 4)
+    # a kernel whose own frame is empty but whose callee's is not: the cumulative size counts it
+    log = log.replace("256 bytes stack frame", "0 bytes stack frame").replace("64 registers", "40 registers")
+    (r,) = _ptxas.parse_ptxas_log(log, "sm_90")
+    assert r.stack_bytes == 256 and _ptxas.frame_problems([r]) != []
 
 
 def test_nvrtc_writes_only_into_writable_buffers(monkeypatch):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from . import CSRC, MANIFEST, _cache_dir, build_many, export_cubins, nvrtc_version, sources
+from ._ptxas import frame_problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     build = sub.add_parser("build", help="compile every kernel ahead of time (no GPU needed)")
     build.add_argument("--arch", nargs="+", default=["sm_90", "sm_100"])
-    build.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills")
+    build.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills or has a stack frame")
     export = sub.add_parser(
         "export",
         help="write every kernel file's cubin and a manifest to a folder "
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"NVRTC {nvrtc_version()}; cache {_cache_dir()}")
     print(f"{'kernel':32} {'arch':7} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} {'smem':>6}")
-    spills = 0
+    problems: list[str] = []
     built = build_many([(fname, arch) for fname in sorted(files) for arch in args.arch])
     for fname, names in sorted(files.items()):
         for arch in args.arch:
@@ -55,12 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             for r in sorted(resources, key=lambda r: r.name):
                 if r.name not in names:
                     continue
-                spills += r.spill_stores + r.spill_loads
+                problems += frame_problems([r])
                 print(
                     f"{r.name:32} {r.arch:7} {r.registers:5d} {r.spill_stores:9d} {r.spill_loads:9d} {r.stack_bytes:6d} {r.shared_bytes:6d}"
                 )
-    if args.fail_on_spill and spills:
-        print(f"error: {spills} bytes of register spills")
+    if args.fail_on_spill and problems:
+        print(f"error: {len(problems)} kernels spill or have a stack frame:", *problems, sep="\n  ")
         return 1
     return 0
 

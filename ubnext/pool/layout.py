@@ -39,6 +39,9 @@ SYNC_DEPARTED = 16  # UBNEXT_SYNC_DEPARTED: sync word [r] set once rank r has le
 # UBNEXT_SYNC_ABORT_CLAIM (local: set by this rank's first failure) and UBNEXT_SYNC_ABORT_RECORD (record [r]
 # of 8 words, written by rank r only): a host abort (SymmetricPool.abort_from_host) writes them as a kernel does
 SYNC_ABORT, SYNC_ABORT_CLAIM, SYNC_ABORT_RECORD = 8, 9, 256
+# UBNEXT_SYNC_ERR_LOCK (local): the error word's lock, held while a kernel thread copies its record to the
+# host word (barrier.cuh write_error_word); the host never touches it
+SYNC_ERR_LOCK = 10
 # UBNEXT_SYNC_STAMPS .. UBNEXT_SYNC_STAMPS_END: sync words of the test-only build UBNEXT_STAMPS, the Lamport
 # one-shot's per-phase time stamps (csrc/device/stamps.cuh; tests/gpu_check/stamps.py decodes them)
 SYNC_STAMPS = range(512, 576)

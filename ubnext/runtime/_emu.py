@@ -77,6 +77,8 @@ BREAKS = {
     "nvfp4_nibble_order": "UBNEXT_BREAK_NVFP4_NIBBLE_ORDER",
     "swizzle": "UBNEXT_BREAK_SWIZZLE",
     "no_pdl_wait": "UBNEXT_BREAK_NO_PDL_WAIT",
+    # the error word copied without its lock (barrier.cuh write_error_word): racing reports mix their records
+    "err_no_claim": "UBNEXT_BREAK_ERR_NO_CLAIM",
     # not a break: the Lamport one-shot's per-phase stamps (csrc/device/stamps.cuh, tests/gpu_check/stamps.py)
     "stamps": "UBNEXT_STAMPS",
 }
