@@ -140,17 +140,16 @@ UBX_DEV void lamport_repoison(const ubnext_comm_desc* d, const LamportRot& r) {
 // completes once every block has started, whatever the peers do.
 UBX_DEV bool lamport_blocks_done(const ubnext_comm_desc* d, const uint32_t* done, uint32_t blocks, uint32_t op) {
   UBX_COUNT_WAIT_BEGIN();
-  bool arrived = ld_acquire_sys_u32(done) >= blocks;
-  if (!arrived) {
-    const uint64_t t0 = globaltimer_ns();
-    const uint64_t limit = timeout_ns(d);
-    for (;;) {
-      spin_pause();
-      if ((arrived = ld_acquire_sys_u32(done) >= blocks)) break;
-      if (globaltimer_ns() - t0 > limit) {
-        report_timeout(d, op, static_cast<uint32_t>(d->rank));
-        break;
-      }
+  const uint32_t rank = static_cast<uint32_t>(d->rank);
+  SpinWait spin(d, timeout_ns(d));  // barrier.cuh: the clock every UBX_SPIN_CLOCK_EVERY spins
+  bool arrived = false;
+  for (;;) {
+    if ((arrived = ld_acquire_sys_u32(done) >= blocks)) break;
+    // An abort or a departure does not end this wait (above); only the limit does, checked on the
+    // spins where the helper read the clock (it answers something other than kWaiting there after one).
+    if (spin.step(rank) != kWaiting && globaltimer_ns() - spin.t0 > spin.limit) {
+      report_timeout(d, op, rank);
+      break;
     }
   }
   UBX_COUNT_WAIT_END_AT(done, blocks, arrived);
