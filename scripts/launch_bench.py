@@ -6,7 +6,8 @@ Rows, each timed in every round, the rounds alternating their order (ABBA), medi
 the rounds:
 - cuda.core's ``launch(stream, config, kernel, *args)``: the descriptor's address, the seven pointers
   and the four numpy scalars (what ubnext launched before the descriptor went by value, which cuda.core
-  cannot pass), its Stream and LaunchConfig (with PDL) made once, as ubnext kept them;
+  cannot pass), its Stream and LaunchConfig (with PDL) made once; then with the Stream looked up per
+  launch (an lru_cache of Stream.from_handle), as ubnext's launch through cuda.core did;
 - ``_cuda.launch`` as the communicator makes it: the primary context current, the PDL attribute, the
   seven pointers patched into the call signature's KernelParams, the ``done`` event recorded; with
   its config made once (as cuda.core's), then with launch_config's lookup in the timed call;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import statistics
 import time
@@ -74,8 +76,14 @@ def main() -> int:
     done = _cuda.create_event(0)
     launch = _cuda.launch
     launch_config = _cuda.launch_config
+    # how ubnext found the stream object per launch when it launched through cuda.core (before 2026-11-26)
+    wrap_stream = functools.lru_cache(maxsize=64)(core.Stream.from_handle)
     rows = {
         "cuda.core launch": (core_sizes, lambda: launch_core(core_stream, core_config, kernel, *core_args)),
+        "cuda.core launch with the stream's lookup": (
+            core_sizes,
+            lambda: launch_core(wrap_stream(stream_handle), core_config, kernel, *core_args),
+        ),
         "_cuda.launch, config made once": (ours_sizes, lambda: launch(handle, config, params, pointers, done)),
         "_cuda.launch with launch_config's lookup": (
             ours_sizes,

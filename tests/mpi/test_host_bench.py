@@ -40,7 +40,11 @@ def test_launch_bench_script():
     proc = run_script("scripts/launch_bench.sh --calls 50 --rounds 7")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {line[:46].strip(): line[46:].split() for line in proc.stdout.splitlines() if not line.startswith("#")}
-    calls = {"cuda.core launch": "1", "_cuda.launch, config made once": "3"}
+    calls = {
+        "cuda.core launch": "1",
+        "cuda.core launch with the stream's lookup": "1",
+        "_cuda.launch, config made once": "3",
+    }
     calls |= {"_cuda.launch with launch_config's lookup": "3", "_cuda.launch through the public calls": "3"}
     assert {name: rows[name][0] for name in calls} == calls, proc.stdout
     assert rows["cuda.core launch"][-1] == "1.000", proc.stdout

@@ -439,16 +439,18 @@ def launch(
     _PACK_POINTERS(values, pointers_at, p_in, p_out, p_res, p_res_out, p_w, p_scale, p_scale_inv)
     _, arg, stream_handle, context, context_address = config
     try:
-        switch = _ctx_get_current() != context_address
-        if switch:
-            check(driver().cuCtxPushCurrent(context), "cuCtxPushCurrent")
+        if _ctx_get_current() == context_address:
+            _launch_kernel_ex(arg, kernel, address, 0)
+            if done is not None:
+                _event_record(done, stream_handle)
+            return
+        check(driver().cuCtxPushCurrent(context), "cuCtxPushCurrent")
         try:
             _launch_kernel_ex(arg, kernel, address, 0)
             if done is not None:
                 _event_record(done, stream_handle)
         finally:
-            if switch:
-                check(driver().cuCtxPopCurrent(), "cuCtxPopCurrent")
+            check(driver().cuCtxPopCurrent(), "cuCtxPopCurrent")
     except _DriverError as exc:  # the v2 calls raise their own; ubnext's callers know CudaError
         raise CudaError(f"kernel launch failed: {type(exc).__name__}: {exc}") from exc
 
