@@ -357,9 +357,10 @@ def host_overhead(
             patches.enter_context(mock.patch.object(kernels, "load_kernel", lambda name, index: name))
             patches.enter_context(mock.patch.object(_cuda, "launch", record_launch))
             # what the launch's preparation asks the driver (the GPU's arch for PDL, the kernel's
-            # handle): answered here, as an sm_90 would, so that no driver is needed
+            # handle, the primary context a config keeps): answered here, so that no driver is needed
             patches.enter_context(mock.patch.object(_cuda, "pdl_enabled", lambda index: True))
             patches.enter_context(mock.patch.object(_cuda, "kernel_handle", lambda kernel: kernel))
+            patches.enter_context(mock.patch.object(_cuda, "_primary_context", lambda index: (None, 0)))
             # the event each launch records (stream ordering): made once, by the driver in --launch driver
             patches.enter_context(mock.patch.object(_cuda, "create_event", lambda index: None))
         patches.enter_context(torch.inference_mode())
@@ -382,6 +383,8 @@ def host_overhead(
             comm.mode = "emulator"
             comm._plans.clear()  # made in gpu mode
             comm._calls.clear()
+            if launch == "recorder":
+                _cuda.launch_config.cache_clear()  # its configs name no context
     assert comm.last_path != "torch", "the timed path did not reach a kernel launch"
     return rows
 

@@ -115,9 +115,9 @@ def builds(one_rank_pool):
             )
             _cuda.launch(
                 build.handle,
-                _cuda.launch_config(1, BLOCK, _cuda.current_stream_handle(0), False),
-                empty.address((0,) * 7),
-                0,
+                _cuda.launch_config(1, BLOCK, _cuda.current_stream_handle(0), False, 0),
+                empty,
+                (0,) * 7,
             )
             torch.cuda.synchronize()
             assert one_rank_pool.err[0].item() == 0, f"{defines}: an empty call failed: {one_rank_pool.err.tolist()}"
@@ -134,7 +134,7 @@ def _chain(build: Build, one: OneRankPool, pdl: bool) -> tuple[torch.Tensor, flo
     the queue before the host had queued the whole chain with every hold tried."""
     stream = _cuda.current_stream_handle(0)
     params = _cuda.KernelParams(one.desc, _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], (N, 0, 0.0, 0)))
-    config = _cuda.launch_config(N // 4 // BLOCK, BLOCK, stream, pdl)
+    config = _cuda.launch_config(N // 4 // BLOCK, BLOCK, stream, pdl, 0)
     hold = HOLD_CYCLES
     for _ in range(HOLD_TRIES):
         one.reset()
@@ -146,7 +146,7 @@ def _chain(build: Build, one: OneRankPool, pdl: bool) -> tuple[torch.Tensor, flo
         start.record()
         for k in range(CHAIN):
             pointers = (buffers[k].data_ptr(), buffers[k + 1].data_ptr(), 0, 0, 0, 0, 0)
-            _cuda.launch(build.handle, config, params.address(pointers), 0)
+            _cuda.launch(build.handle, config, params, pointers)
         end.record()
         held = not start.query()  # the hold outlasted the queueing: the events time the GPU alone
         end.synchronize()

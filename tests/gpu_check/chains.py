@@ -112,7 +112,7 @@ def measure(device_index: int) -> dict[str, dict]:
     links = torch.from_numpy(table.view(np.int32)).to(device)  # the same bits (torch copies no uint32)
     result = torch.zeros(RESULT_WORDS, dtype=torch.int64, device=device)
     stream = _cuda.current_stream_handle(device_index)
-    config = _cuda.launch_config(1, 32, stream, False)  # one warp; thread 0 walks
+    config = _cuda.launch_config(1, 32, stream, False, device_index)  # one warp; thread 0 walks
     figures: dict[str, dict] = {}
     for name, (mode, what) in CHAINS.items():
         params = _cuda.KernelParams(
@@ -122,9 +122,7 @@ def measure(device_index: int) -> dict[str, dict]:
         per_link = []
         for _ in range(REPEATS):
             result.zero_()
-            _cuda.launch(
-                handle, config, params.address((links.data_ptr(), result.data_ptr(), 0, 0, 0, 0, 0)), device_index
-            )
+            _cuda.launch(handle, config, params, (links.data_ptr(), result.data_ptr(), 0, 0, 0, 0, 0))
             torch.cuda.synchronize(device)
             out = result.cpu().numpy().view(np.uint64)
             problem = walk_problem(out, mode, table, LINKS, STEPS)

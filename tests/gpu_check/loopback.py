@@ -189,8 +189,8 @@ class VirtualRanks:
             mine = scalars[r] if isinstance(scalars, list) else scalars
             packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(mine) :], mine)
             params = _cuda.KernelParams(self.descs[r], packed)
-            config = _cuda.launch_config(grid, block, self.streams[r].cuda_stream, False)
-            _cuda.launch(kernel, config, params.address(pointers[r]), 0)
+            config = _cuda.launch_config(grid, block, self.streams[r].cuda_stream, False, 0)
+            _cuda.launch(kernel, config, params, pointers[r])
         self.synchronize()
 
     def sync_region(self, rank: int) -> bytes:

@@ -239,6 +239,7 @@ def _recorder_in_place_of_the_launch(comm):
         patches.enter_context(mock.patch.object(_cuda, "launch", record_launch))
         patches.enter_context(mock.patch.object(_cuda, "pdl_enabled", lambda index: True))
         patches.enter_context(mock.patch.object(_cuda, "kernel_handle", lambda kernel: kernel))
+        patches.enter_context(mock.patch.object(_cuda, "_primary_context", lambda index: (None, 0)))  # kept by configs
         patches.enter_context(mock.patch.object(_cuda, "create_event", lambda index: None))
         comm.mode = "gpu"
         try:
@@ -247,6 +248,7 @@ def _recorder_in_place_of_the_launch(comm):
             comm.mode = "emulator"
             comm._plans.clear()  # made in gpu mode
             comm._calls.clear()
+            _cuda.launch_config.cache_clear()  # its configs name no context
 
 
 def _alternating_rounds(fns: dict, busy, calls: int, rounds: int) -> tuple[dict, dict]:
@@ -417,9 +419,9 @@ def _chain_enqueue(comm, how, pointers, pdl: bool, event: bool, captured: bool, 
     done = extra_event if event else None
 
     def enqueue():
-        config = _cuda.launch_config(how.grid, how.block, torch.cuda.current_stream().cuda_stream, pdl)
+        config = _cuda.launch_config(how.grid, how.block, torch.cuda.current_stream().cuda_stream, pdl, device_index)
         for p in pointers:
-            _cuda.launch(how.kernel, config, how.params.address(p), device_index, done)
+            _cuda.launch(how.kernel, config, how.params, p, done)
 
     return enqueue
 

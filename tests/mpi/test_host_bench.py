@@ -33,6 +33,23 @@ def test_host_bench_script():
     _rows_present(proc.stdout, 2)  # the recorder's run, then the stub driver's
 
 
+def test_launch_bench_script():
+    """`scripts/launch_bench.sh` (docs/PERF.md's launch timing) runs, short: every row present, each with
+    the driver calls one launch makes against the stub (the bench checks that each row's launch reached
+    the driver with the twelve values), and cuda.core's row the reference of the ratio column."""
+    proc = run_script("scripts/launch_bench.sh --calls 50 --rounds 7")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line[:46].strip(): line[46:].split() for line in proc.stdout.splitlines() if not line.startswith("#")}
+    calls = {
+        "cuda.core launch": "1",
+        "cuda.core launch with the stream's lookup": "1",
+        "_cuda.launch, config made once": "3",
+    }
+    calls |= {"_cuda.launch with launch_config's lookup": "3", "_cuda.launch through the public calls": "3"}
+    assert {name: rows[name][0] for name in calls} == calls, proc.stdout
+    assert rows["cuda.core launch"][-1] == "1.000", proc.stdout
+
+
 def test_bench_script_host_mode_as_the_readme_writes_it():
     proc = run_script("scripts/bench.sh --host --calls 50", env={"UBNEXT_EMULATE": "1", "UBNEXT_BENCH_NP": "2"})
     assert_mpi_ok(proc)

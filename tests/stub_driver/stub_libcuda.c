@@ -36,7 +36,17 @@ static int tracing(void) {
     if (trace_on < 0) trace_on = getenv("STUB_TRACE") != NULL;
     return trace_on;
 }
-#define T() do { if (tracing()) fprintf(stderr, "[stub] %s\n", __func__); } while (0)
+/* Every entry point's call, counted, and the last STUB_CALL_LOG names in call order (a ring indexed by
+ * the count), so that a test pins which driver calls one launch makes (tests/unit/test_stub_driver.py).
+ * Not atomic: a test that reads them makes its calls from one thread at a time. */
+#define STUB_CALL_LOG 64
+unsigned long long stub_call_count = 0;
+const char *stub_call_names[STUB_CALL_LOG];
+#define T()                                                                      \
+    do {                                                                         \
+        stub_call_names[stub_call_count++ % STUB_CALL_LOG] = __func__;           \
+        if (tracing()) fprintf(stderr, "[stub] %s\n", __func__);                 \
+    } while (0)
 
 /* What the last launch was given, read by the tests through ctypes. The driver cannot know how many
  * parameters a kernel takes (the cubin says so); the test sets stub_param_sizes[i] to the byte size
@@ -319,9 +329,13 @@ API CUresult cuEventCreate(void **e, unsigned f) { (void)f; T(); *e = FAKE_EVENT
 API CUresult cuEventDestroy_v2(void *e) { (void)e; T(); return 0; }
 API CUresult cuEventRecord(void *e, void *s) { (void)e; (void)s; T(); return 0; }
 
+/* What the launches return: a test sets it (through ctypes) to see a launch error reach ubnext's caller.
+ * A failed launch records nothing, as the driver runs nothing. */
+CUresult stub_launch_result = 0;
 API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                             unsigned bz, unsigned shmem, void *stream, void **params, void **extra) {
     (void)gy; (void)gz; (void)by; (void)bz; (void)shmem; (void)extra; T();
+    if (stub_launch_result) return stub_launch_result;
     record_launch(f, stream, gx, bx, params);
     stub_last_nattrs = 0;
     return 0;
@@ -330,6 +344,7 @@ typedef struct { unsigned gx, gy, gz, bx, by, bz, shmem; void *hStream; void *at
 typedef struct { int id; char pad[4]; union { char bytes[64]; int i; } value; } LaunchAttr;
 API CUresult cuLaunchKernelEx(const LaunchCfg *cfg, void *f, void **params, void **extra) {
     (void)extra; T();
+    if (stub_launch_result) return stub_launch_result;
     record_launch(f, cfg->hStream, cfg->gx, cfg->bx, params);
     stub_last_nattrs = cfg->nattrs;
     for (unsigned i = 0; i < cfg->nattrs && i < 8; i++) {

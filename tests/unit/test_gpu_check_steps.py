@@ -212,6 +212,7 @@ FAKE_GPU_SCRIPT = textwrap.dedent("""
             self.cuda_stream = next(Stream.handles) if handle is None else handle
 
     DEFAULT = Stream(0)
+    PRIMARY = 0xC7C7C000  # device index i's primary context: PRIMARY + i
     state = {"current": DEFAULT, "graph": None, "launches": 0}
 
     class Event:
@@ -257,10 +258,10 @@ FAKE_GPU_SCRIPT = textwrap.dedent("""
         finally:
             state["current"] = previous
 
-    def launch(kernel, config, params, device_index, done=None):
-        assert isinstance(kernel, str) and device_index == 0, (kernel, device_index)
-        assert int(config.hStream) == state["current"].cuda_stream, "launched on another stream than the current one"
-        values = (ctypes.c_uint64 * 12).from_address(params)
+    def launch(kernel, config, params, pointers, done=None):
+        assert isinstance(kernel, str) and config.context_address == PRIMARY + 0, (kernel, config)  # device 0's
+        assert config.stream_handle == state["current"].cuda_stream, "launched on another stream than the current one"
+        values = (ctypes.c_uint64 * 12).from_address(params.address(pointers))
         pointer = lambda i: ctypes.c_uint64.from_address(values[i]).value
         src, dst, residual = pointer(1), pointer(2), pointer(3)
         n = ctypes.c_int32.from_address(values[8]).value
@@ -284,6 +285,7 @@ FAKE_GPU_SCRIPT = textwrap.dedent("""
         mock.patch.object(_cuda, "capturing", lambda device: state["graph"] is not None),
         mock.patch.object(kernels, "load_kernel", lambda name, index: name),
         mock.patch.object(_cuda, "kernel_handle", lambda kernel: kernel),
+        mock.patch.object(_cuda, "_primary_context", lambda index: (None, PRIMARY + index)),
         mock.patch.object(_cuda, "launch", launch), mock.patch.object(_cuda, "pdl_enabled", lambda index: True),
         mock.patch.object(_cuda, "create_event", lambda index: object()),
         mock.patch.object(_cuda, "wait_event", lambda *args: None),

@@ -134,11 +134,11 @@ def test_a_cached_launch_passes_the_descriptor_the_scalars_and_the_pdl_rule(monk
         launch = comm._launch_for(algo, torch.bfloat16, 4096, hidden, 1e-6, flags)
         sent_flags = flags | (kernels.F_MULTICAST if algo == "lamport" else 0)
         comm._run(launch, pointers)
-        kernel, config, address, device_index, done = launched.pop()
+        kernel, config, params, sent_pointers, done = launched.pop()
         assert done == "done-event"  # recorded after the kernel, for the next stream switch
-        assert int(kernel) == 0xABC001 and device_index == 1 and config == "config"
-        assert configs.pop() == (launch.grid, launch.block, 0x5000, pdl)
-        got = _read_back(address, kernels.KERNEL_SIGNATURE)
+        assert kernel == 0xABC001 and config == "config" and sent_pointers == pointers
+        assert configs.pop() == (launch.grid, launch.block, 0x5000, pdl, 1)  # on the communicator's device
+        got = _read_back(params.address(pointers), kernels.KERNEL_SIGNATURE)
         assert got[0] == DESC and tuple(got[1:8]) == pointers
         assert got[8:10] == [4096, hidden] and got[11] == sent_flags and got[10] == float(np.float32(1e-6))
         assert launch.scalars == (4096, hidden, 1e-6, sent_flags) and launch.pdl == pdl

@@ -31,11 +31,10 @@ ABI_SIZES_INTO_STUB = textwrap.dedent("""
 
 SCRIPT = (
     textwrap.dedent("""
-    import ctypes, struct, sys, threading
-    import numpy as np
+    import ctypes, importlib.util, struct, sys, threading
     from ubnext import kernels, pool
-    from ubnext.runtime._cuda import (KernelParams, core, driver, kernel_handle, launch, launch_config, pack_kernel_args,
-                              pdl_enabled)
+    from ubnext.runtime._cuda import (CudaError, KernelParams, bind_launch_calls, core, create_event, driver, kernel_handle,
+                                      launch, launch_config, pack_kernel_args, pdl_enabled)
 
     stub = ctypes.CDLL("libcuda.so.1")
     assert hasattr(stub, "stub_launch_count"), "libcuda.so.1 is not the stub"
@@ -44,7 +43,20 @@ SCRIPT = (
     + textwrap.dedent("""
     recorded = lambda name, kind=ctypes.c_void_p: kind.in_dll(stub, name).value
     check = lambda result: result[0] == 0 or (_ for _ in ()).throw(RuntimeError(result))
+    call_count = ctypes.c_ulonglong.in_dll(stub, "stub_call_count")
+    call_names = (ctypes.c_char_p * 64).in_dll(stub, "stub_call_names")
+
+    def driver_calls(fn):  # the stub's entry points that fn() reached, in order ("_v2" ABI suffixes dropped)
+        before = call_count.value
+        fn()
+        return [call_names[i % 64].decode().removesuffix("_v2") for i in range(before, call_count.value)]
+
     check(driver().cuInit(0))
+    public = sys.argv[1] == "public"
+    v2 = bind_launch_calls(public=public)
+    # where cuda.bindings has the v2 module, its calls are the ones bound: a signature that no longer
+    # matches would fall back to the slower public calls silently
+    assert v2 == (not public and importlib.util.find_spec("cuda.bindings._v2") is not None), v2
     kernel = kernel_handle(core().ObjectCode.from_cubin(b"\\x7fELF not a cubin").get_kernel("ubnext_lamport_bf16"))
     desc = pool.pack_desc(rank=1, nranks=2, timeout_ns=5, err_ptr=6, mc_base=7, layout=pool.PoolLayout(2, 4096, 8192),
                           peer_bases=[0x1_0000_0000, 0x2_0000_0000])
@@ -52,19 +64,22 @@ SCRIPT = (
     scalars = (4096, 512, 1e-6, 13)
     params = KernelParams(desc, pack_kernel_args(kernels.KERNEL_SIGNATURE[8:], scalars))
     pdl = pdl_enabled(0)  # the device's compute capability through cuda.core, UBNEXT_PDL through envs
+    config = launch_config(3, 256, 0x5A00, pdl, 0)
+    done = create_event(0)
     seen = {}
 
     def fresh_thread():  # no context is current on a new thread
-        launch(kernel, launch_config(3, 256, 0x5A00, pdl), params.address(pointers), 0)
+        seen["calls"] = driver_calls(lambda: launch(kernel, config, params, pointers, done))
         seen["after"] = int(driver().cuCtxGetCurrent()[1])
 
     worker = threading.Thread(target=fresh_thread)
     worker.start()
     worker.join()
     assert seen["after"] == 0, "the launch left a context current on a thread that had none"
-    assert recorded("stub_push_count", ctypes.c_ulonglong) == 1
+    assert seen["calls"] == ["cuCtxGetCurrent", "cuCtxPushCurrent", "cuLaunchKernelEx", "cuEventRecord",
+                             "cuCtxPopCurrent"], seen["calls"]
     assert recorded("stub_launch_count", ctypes.c_ulonglong) == 1
-    assert recorded("stub_last_func") == int(kernel)
+    assert recorded("stub_last_func") == kernel
     assert recorded("stub_last_stream") == 0x5A00
     assert recorded("stub_last_grid", ctypes.c_uint) == 3 and recorded("stub_last_block", ctypes.c_uint) == 256
     primary_context = driver().cuDevicePrimaryCtxRetain(driver().cuDeviceGet(0)[1])[1]
@@ -80,12 +95,31 @@ SCRIPT = (
     attributes = [(ids[i], attr_values[i]) for i in range(nattrs)]
     pss = int(driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
     assert attributes == ([(pss, 1)] if pdl else []), attributes
-    # the primary context already current (torch's threads): launched without a switch
+    # the primary context already current (torch's threads): launched without a switch, in three calls
+    # (two without an event), other pointers patched into the same buffer
     check(driver().cuCtxSetCurrent(primary_context))
-    launch(kernel, launch_config(1, 64, 0x5B00, pdl), params.address(pointers), 0)
+    other = tuple(0x7E0000002000 + 0x100 * i for i in range(7))
+    calls = driver_calls(lambda: launch(kernel, launch_config(1, 64, 0x5B00, pdl, 0), params, other, done))
+    assert calls == ["cuCtxGetCurrent", "cuLaunchKernelEx", "cuEventRecord"], calls
     assert recorded("stub_launch_count", ctypes.c_ulonglong) == 2 and recorded("stub_last_stream") == 0x5B00
-    assert recorded("stub_push_count", ctypes.c_ulonglong) == 1, "switched to a context that was current"
+    assert tuple((ctypes.c_ulonglong * 16).in_dll(stub, "stub_last_args")[1:8]) == other
+    assert driver_calls(lambda: launch(kernel, config, params, pointers)) == ["cuCtxGetCurrent", "cuLaunchKernelEx"]
     assert int(driver().cuCtxGetCurrent()[1]) == primary
+    # a failed launch raises CudaError, and a pushed context is popped all the same
+    ctypes.c_int.in_dll(stub, "stub_launch_result").value = 719  # CUDA_ERROR_LAUNCH_FAILED
+
+    def failing_thread():
+        try:
+            launch(kernel, config, params, pointers, done)
+        except CudaError as exc:
+            seen["error"] = str(exc)
+        seen["after"] = int(driver().cuCtxGetCurrent()[1])
+
+    worker = threading.Thread(target=failing_thread)
+    worker.start()
+    worker.join()
+    assert "launch" in seen.get("error", "").lower() and "fail" in seen["error"].lower(), seen
+    assert seen["after"] == 0 and recorded("stub_launch_count", ctypes.c_ulonglong) == 3
     print("stub launch ok, pdl", pdl)
 """)
 )
@@ -97,6 +131,7 @@ def stub_dir(tmp_path_factory):
     return stub_driver.build(tmp_path_factory.mktemp("stub_driver"))
 
 
+@pytest.mark.parametrize("calls", ["default", "public"])
 @pytest.mark.parametrize(
     "env,pdl",
     [
@@ -107,11 +142,15 @@ def stub_dir(tmp_path_factory):
     ],
     ids=["sm_90", "sm_90-UBNEXT_PDL=0", "sm_80", "sm_100"],
 )
-def test_launch_reaches_the_driver_with_every_argument(stub_dir, env, pdl):
+def test_launch_reaches_the_driver_with_every_argument(stub_dir, env, pdl, calls):
     """cuLaunchKernelEx gets the kernel, geometry, stream, the descriptor's 256 bytes by value, the
     pointers and scalars, and the programmatic-stream-serialization attribute on sm_90 and later
-    unless UBNEXT_PDL=0 (the compute capability asked through cuda.core of the stub)."""
-    result = _run_with_stub(stub_dir, SCRIPT, **env)
+    unless UBNEXT_PDL=0 (the compute capability asked through cuda.core of the stub), with the
+    device's primary context current and the thread's own context (none) current again after it.
+    Where that context is current already, a launch makes three driver calls (two without an event):
+    the count docs/PERF.md's launch timing rests on. Through the calls bound by default (cuda.bindings'
+    v2 module where it has one) and through its public ones; a failed launch raises CudaError."""
+    result = _run_with_stub(stub_dir, SCRIPT, argv=(calls,), **env)
     assert result.returncode == 0 and f"stub launch ok, pdl {pdl}" in result.stdout, result.stdout + result.stderr
 
 

@@ -215,6 +215,7 @@ class Executor(Part):
     _flight_seq = 0
     _flight_done = 0
     _flight_how: Launch | TorchCall | None = None
+    _launch_done: int | None = None  # the event recorded after the last eager launch (_cuda.create_event)
     _flight_group = ""  # the process group's name (Communicator.__init__)
 
     def _log_once(self, key: str, message: str) -> None:
@@ -413,9 +414,9 @@ class Executor(Part):
                 done = self._new_done_event()
         _cuda.launch(
             how.kernel,
-            _cuda.launch_config(how.grid, how.block, self._stream, how.pdl),
-            how.params.address(pointers),
-            self._device_index,
+            _cuda.launch_config(how.grid, how.block, self._stream, how.pdl, self._device_index),
+            how.params,
+            pointers,
             done,
         )
         if self._debug and not self._capturing:  # a synchronisation would break the capture

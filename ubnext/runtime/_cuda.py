@@ -15,7 +15,7 @@ import functools
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -220,16 +220,20 @@ def pack_kernel_args(signature: Sequence[tuple[str, str]], values: Sequence[Any]
     return packed
 
 
-_PACK_POINTERS = struct.Struct("<7Q").pack_into
+# The seven pointers as the kernel reads them: native void* (8 bytes on every platform CUDA runs on).
+# "P" packs through PyLong_AsVoidPtr, about 60 ns less than "<7Q" for seven pointers.
+_PACK_POINTERS = struct.Struct("7P").pack_into
+assert struct.calcsize("P") == 8, "CUDA runs on 64-bit platforms only"
 
 
-class KernelParams:
+class KernelParams(threading.local):
     """One call signature's kernel parameters as cuLaunchKernelEx takes them (``kernelParams``: the
     address of an array of pointers, one to each parameter's value): the descriptor and the scalars
-    written once, the seven pointers per call (``address``). cuda.core's ``launch`` cannot pass the
-    descriptor, a struct by value, so ubnext builds the array itself. One buffer per thread: the driver
-    copies the values during the launch call, so a buffer is free again when the call returns, and
-    calls from other threads (autograd's) never share one."""
+    written once, the seven pointers per call (``launch``, or ``address``). cuda.core's ``launch``
+    cannot pass the descriptor, a struct by value, so ubnext builds the array itself. One buffer per
+    thread (a ``threading.local``: ``__init__`` runs again, with the same arguments, on each thread
+    that uses the object): the driver copies the values during the launch call, so a buffer is free
+    again when the call returns, and calls from other threads (autograd's) never share one."""
 
     def __init__(self, desc: bytes, packed_scalars: Sequence[Any]):
         """``desc``: the descriptor's bytes (a multiple of 8, as its u64 fields); ``packed_scalars``:
@@ -237,28 +241,24 @@ class KernelParams:
         seven 8-byte pointers, then the four 4-byte scalars, each at its natural alignment."""
         if len(desc) % 8:
             raise ValueError(f"the descriptor's {len(desc)} bytes are not whole u64 fields")
-        self._pointers_at = len(desc)
-        scalars_at = self._pointers_at + 7 * 8
-        self._template = bytes(desc) + bytes(7 * 8) + b"".join(v.tobytes() for v in packed_scalars)
-        self._offsets = np.array(
-            [0]
-            + [self._pointers_at + 8 * i for i in range(7)]
-            + [scalars_at + 4 * i for i in range(len(packed_scalars))],
-            dtype=np.uint64,
+        pointers_at = len(desc)
+        scalars_at = pointers_at + 7 * 8
+        values = bytearray(bytes(desc) + bytes(7 * 8) + b"".join(v.tobytes() for v in packed_scalars))
+        view = np.frombuffer(values, dtype=np.uint8)  # its address; the export also pins the bytearray
+        offsets = (
+            [0] + [pointers_at + 8 * i for i in range(7)] + [scalars_at + 4 * i for i in range(len(packed_scalars))]
         )
-        self._local = threading.local()
+        addresses = np.array(offsets, dtype=np.uint64) + np.uint64(view.__array_interface__["data"][0])
+        self._pinned = (view, addresses)
+        # what launch reads on every call, as one attribute (each costs a thread-local lookup)
+        self.buffers = (values, pointers_at, int(addresses.__array_interface__["data"][0]))
 
     def address(self, pointers: Sequence[int]) -> int:
         """The kernelParams address with these seven pointers (in, out, residual, residual_out, weight,
         scale, scale_inv) in place; valid until this thread's next call."""
-        buffers = getattr(self._local, "buffers", None)
-        if buffers is None:
-            values = bytearray(self._template)
-            view = np.frombuffer(values, dtype=np.uint8)  # its address; the export also pins the bytearray
-            addresses = self._offsets + np.uint64(view.__array_interface__["data"][0])
-            buffers = self._local.buffers = (values, view, addresses, addresses.__array_interface__["data"][0])
-        _PACK_POINTERS(buffers[0], self._pointers_at, *pointers)  # struct: a tenth of numpy's cost here
-        return buffers[3]
+        values, pointers_at, address = self.buffers
+        _PACK_POINTERS(values, pointers_at, *pointers)
+        return address
 
 
 def pdl_enabled(device_index: int) -> bool:
@@ -272,12 +272,10 @@ def _compute_major(device_index: int) -> int:
     return core().Device(device_index).compute_capability[0]
 
 
-def kernel_handle(kernel):
-    """A cuda.core kernel's driver handle (``kernel_address``: a CUkernel from cuLibraryLoadData) as
-    the CUfunction that cuLaunchKernelEx takes (the driver accepts a
-    CUkernel in its place): made once, since the binding converts an object of the declared type faster
-    than an int."""
-    return driver().CUfunction(kernel_address(kernel))
+def kernel_handle(kernel) -> int:
+    """A cuda.core kernel's driver handle (a CUkernel from cuLibraryLoadData, which cuLaunchKernelEx takes
+    in place of a CUfunction) as ``launch`` takes it: an int."""
+    return kernel_address(kernel)
 
 
 def kernel_address(kernel) -> int:
@@ -300,10 +298,11 @@ def _primary_context(device_index: int):
 CU_EVENT_DISABLE_TIMING = 0x2
 
 
-def create_event(device_index: int):
-    """An event of the device's primary context, without timing (the cheapest to record)."""
+def create_event(device_index: int) -> int:
+    """An event of the device's primary context, without timing (the cheapest to record), as its
+    handle: what ``launch`` records (cuda.bindings' calls take the int too)."""
     with primary_context(device_index):
-        return check(driver().cuEventCreate(CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        return int(check(driver().cuEventCreate(CU_EVENT_DISABLE_TIMING), "cuEventCreate"))
 
 
 def wait_event(stream_handle: int, event, device_index: int) -> None:
@@ -333,33 +332,127 @@ def event_done(event, device_index: int) -> bool:
     return True
 
 
-def launch(kernel, config, params: int, device_index: int, done=None) -> None:
-    """Launch a kernel (``kernel_handle``) with ``config`` (``launch_config``: geometry, stream and
-    attributes) and ``params`` (a ``KernelParams.address``) through cuda.bindings' cuLaunchKernelEx,
-    from any thread. The kernel lives in the device's primary context, and launches come from any
-    thread (autograd's backward threads, a user's own), where another context, or none, may be
-    current: that context is pushed for the launch and popped after it, so the thread's own state is
-    left as it was (as ``primary_context`` does, inlined here: a generator-based context manager costs
-    about 0.7 us per call here, and the launch is the hot path). ``done``: an event (``create_event``)
-    recorded right after the kernel, on the same stream. Host cost, against a stub driver:
-    docs/PERF.md."""
-    drv = driver()
-    want, want_address = _primary_context(device_index)
-    status, current = drv.cuCtxGetCurrent()
-    if status:
-        check((status, current), "cuCtxGetCurrent")
-    switch = int(current) != want_address
-    if switch:
-        check(drv.cuCtxPushCurrent(want), "cuCtxPushCurrent")
+# launch's three driver calls, bound once (bind_launch_calls) to cuda.bindings' v2 driver module where it
+# has them, else to its public one. The public calls convert their arguments and return a status tuple in
+# Python-level code: against the stub driver, 90 ns for cuCtxGetCurrent, 215 for cuEventRecord and about
+# 250 for cuLaunchKernelEx above the stub's own work, where the v2 calls (cpdef, int handles, raising on
+# failure) take 75, 77 and about 150; with them, and the pointers packed as below, launch went from 1.9x
+# cuda.core's launch of the same arguments to no slower (scripts/launch_bench.sh, docs/PERF.md).
+_ctx_get_current: Callable[[], int]
+_launch_kernel_ex: Callable[[Any, int, int, int], None]
+_event_record: Callable[[int, int], None]
+_DriverError: Any = ()  # what the bound calls raise instead of CudaError; `except ()` catches nothing
+_bound: str | None = None  # "v2" or "public", once bound
+
+# The v2 calls launch makes, as their signatures read (the first line of each docstring, which Cython
+# writes). cuda.bindings._v2 is private (cuda-bindings 13.x has it, 12.9 has not): a module without
+# these calls, or whose calls read otherwise, is not used, and launch takes the public calls instead.
+_V2_CALLS = {
+    "ctx_get_current": "ctx_get_current() -> intptr_t",
+    "launch_kernel_ex": "launch_kernel_ex(config, intptr_t f, kernel_params, intptr_t extra)",
+    "event_record": "event_record(intptr_t h_event, intptr_t h_stream)",
+}
+
+
+def _v2_driver():
+    """cuda.bindings' v2 driver module where its calls match ``_V2_CALLS``, else None."""
     try:
-        status = drv.cuLaunchKernelEx(config, kernel, params, 0)[0]
+        from cuda.bindings._v2 import driver as v2
+    except ImportError:
+        return None
+    for name, signature in _V2_CALLS.items():
+        doc = getattr(getattr(v2, name, None), "__doc__", None) or ""
+        if doc.split("\n", 1)[0] != signature:
+            return None
+    return v2 if isinstance(getattr(v2, "DriverError", None), type) else None
+
+
+def _public_calls(drv):
+    """``launch``'s three calls through cuda.bindings' public driver module ``drv``, with v2's form:
+    int handles in and out, an exception (CudaError) on failure."""
+
+    def ctx_get_current() -> int:
+        status, ctx = drv.cuCtxGetCurrent()
+        if status:
+            check(status, "cuCtxGetCurrent")
+        return int(ctx)
+
+    def launch_kernel_ex(config, kernel: int, params: int, extra: int) -> None:
+        status = drv.cuLaunchKernelEx(config, kernel, params, extra)[0]
         if status:
             check(status, "cuLaunchKernelEx")
-        if done is not None:
-            check(drv.cuEventRecord(done, config.hStream), "cuEventRecord")
-    finally:
-        if switch:
-            check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+    def event_record(event: int, stream: int) -> None:
+        status = drv.cuEventRecord(event, stream)[0]
+        if status:
+            check(status, "cuEventRecord")
+
+    return ctx_get_current, launch_kernel_ex, event_record
+
+
+def bind_launch_calls(public: bool = False) -> bool:
+    """Bind ``launch``'s driver calls, once: the v2 ones where cuda.bindings has them (True), else the
+    public ones (False). ``public``: bind the public ones, even where v2 ones are there (tests, after
+    ``forget_launch_calls``)."""
+    global _ctx_get_current, _launch_kernel_ex, _event_record, _DriverError, _bound
+    if _bound is None:
+        v2 = None if public else _v2_driver()
+        if v2 is not None:
+            _ctx_get_current, _launch_kernel_ex, _event_record = (
+                v2.ctx_get_current,
+                v2.launch_kernel_ex,
+                v2.event_record,
+            )
+            _DriverError, _bound = v2.DriverError, "v2"
+        else:
+            _ctx_get_current, _launch_kernel_ex, _event_record = _public_calls(driver())
+            _DriverError, _bound = (), "public"
+    return _bound == "v2"
+
+
+def forget_launch_calls() -> None:
+    """Unbind ``launch``'s calls and drop what was made with them (the configs, the primary contexts), so
+    that the next launch_config binds anew: for tests that fake the driver, before and after."""
+    global _bound
+    _bound = None
+    launch_config.cache_clear()
+    _primary_context.cache_clear()
+
+
+def launch(
+    kernel: int, config: LaunchConfig, params: KernelParams, pointers: Sequence[int], done: int | None = None
+) -> None:
+    """Launch a kernel (``kernel_handle``) with ``config`` (``launch_config``: geometry, stream, device and
+    attributes), ``params`` (the call signature's ``KernelParams``) and its seven ``pointers``, from any
+    thread. The kernel lives in the device's primary context, and launches come from any thread
+    (autograd's backward threads, a user's own), where another context, or none, may be current: that
+    context is pushed for the launch and popped after it, so the thread's own state is left as it was.
+    ``done``: an event (``create_event``) recorded right after the kernel, on the same stream.
+
+    Where the primary context is current already (torch's threads), a launch makes three driver calls:
+    cuCtxGetCurrent, cuLaunchKernelEx, cuEventRecord (tests/unit/test_stub_driver.py pins them). Its host
+    cost against the stub driver, beside cuda.core's ``launch`` of the same arguments:
+    scripts/launch_bench.sh, docs/PERF.md."""
+    values, pointers_at, address = params.buffers
+    # unpacked here, not starred into pack_into: a star-call costs about 60 ns more
+    p_in, p_out, p_res, p_res_out, p_w, p_scale, p_scale_inv = pointers
+    _PACK_POINTERS(values, pointers_at, p_in, p_out, p_res, p_res_out, p_w, p_scale, p_scale_inv)
+    _, arg, stream_handle, context, context_address = config
+    try:
+        if _ctx_get_current() == context_address:
+            _launch_kernel_ex(arg, kernel, address, 0)
+            if done is not None:
+                _event_record(done, stream_handle)
+            return
+        check(driver().cuCtxPushCurrent(context), "cuCtxPushCurrent")
+        try:
+            _launch_kernel_ex(arg, kernel, address, 0)
+            if done is not None:
+                _event_record(done, stream_handle)
+        finally:
+            check(driver().cuCtxPopCurrent(), "cuCtxPopCurrent")
+    except _DriverError as exc:  # the v2 calls raise their own; ubnext's callers know CudaError
+        raise CudaError(f"kernel launch failed: {type(exc).__name__}: {exc}") from exc
 
 
 @contextlib.contextmanager
@@ -389,24 +482,43 @@ def store_words(device_index: int, addresses: Sequence[int], value: int) -> None
         check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
 
 
+class LaunchConfig(NamedTuple):
+    """A launch's configuration as ``launch`` hands it to the driver. ``native``: the CUlaunchConfig, which
+    owns the memory that ``arg`` may point to (its attributes too); ``arg``: what the bound
+    cuLaunchKernelEx takes (the struct's address for the v2 calls, the object for cuda.bindings' public
+    one); ``stream_handle``: the stream as an int, for cuEventRecord; ``context`` and
+    ``context_address``: the device's primary context, which the launch makes current."""
+
+    native: Any
+    arg: Any
+    stream_handle: int
+    context: Any
+    context_address: int
+
+
 @functools.lru_cache(maxsize=256)
-def launch_config(grid: int, block: int, stream_handle: int, pdl: bool):
-    """cuLaunchKernelEx's CUlaunchConfig for a 1-D grid and block on a stream (its raw handle), with
-    the programmatic-stream-serialization attribute when ``pdl`` (``pdl_enabled``): the kernel may then
-    start before the previous kernel on the stream has ended, and waits for it in griddepcontrol.wait
-    (csrc/device/ptx.cuh). Made once per geometry and stream: building one costs microseconds."""
+def launch_config(grid: int, block: int, stream_handle: int, pdl: bool, device_index: int) -> LaunchConfig:
+    """cuLaunchKernelEx's CUlaunchConfig for a 1-D grid and block on a stream (its raw handle) of a
+    device, with the programmatic-stream-serialization attribute when ``pdl`` (``pdl_enabled``): the
+    kernel may then start before the previous kernel on the stream has ended, and waits for it in
+    griddepcontrol.wait (csrc/device/ptx.cuh). Made once per geometry, stream and device: building one
+    costs microseconds. Binds ``launch``'s driver calls (``bind_launch_calls``): every launch takes a
+    config made here first."""
+    v2 = bind_launch_calls()
     drv = driver()
     config = drv.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
     config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
     config.sharedMemBytes = 0
     config.hStream = drv.CUstream(stream_handle)
+    attributes = []  # one per launch attribute asked for, each with its own value
     if pdl:
         attribute = drv.CUlaunchAttribute()
         attribute.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attribute.value.programmaticStreamSerializationAllowed = 1
-        config.attrs = [attribute]
-        config.numAttrs = 1
-    else:
-        config.numAttrs = 0
-    return config
+        attributes.append(attribute)
+    if attributes:
+        config.attrs = attributes
+    config.numAttrs = len(attributes)
+    context, context_address = _primary_context(device_index)
+    return LaunchConfig(config, int(config.getPtr()) if v2 else config, stream_handle, context, context_address)
