@@ -10,7 +10,7 @@ import ctypes
 from typing import Any, NamedTuple
 
 # UBNEXT_EMU_COUNT_WORDS (csrc/emu/emu_api.h)
-COUNT_WORDS = 14
+COUNT_WORDS = 16
 LOG_MAX = 4096
 
 
@@ -30,7 +30,9 @@ class Counts(NamedTuple):
     cta_inflight: int  # the most it had in flight at one control point,
     cta_remote_load_bytes: int  # and its loaded bytes from peers or the switch;
     mc_ld_bytes: int  # the launch's multimem.ld_reduce bytes,
-    mc_store_bytes: int  # its multimem.st and .red bytes (once each, at its size)
+    mc_store_bytes: int  # its multimem.st and .red bytes (once each, at its size);
+    dsm: int  # the critical chain's distributed-shared-memory accesses of a sibling block,
+    cluster_syncs: int  # and its cluster barriers
 
 
 class CountLog:
@@ -67,6 +69,8 @@ CAL_KEYS = (
     "cta_remote_load_bytes",
     "mc_ld_bytes",
     "mc_store_bytes",
+    "dsm",
+    "cluster_syncs",
 )
 
 CAL_ROW_KEYS = ("t_hops", "l2", "atomics", "waits", "cta_load_bytes", "cta_inflight", "cal_us", "cal_eager_us")
