@@ -78,17 +78,17 @@ inline unsigned nvls_twoshot_grid_cap(size_t nranks, int cc_major) {
 }
 
 // Blocks per token row of the Lamport fused kernel at few tokens (csrc/device/norm.cuh, the row split;
-// ubnext/_executor.py row_split): the blocks the rows leave free, each keeping >= 128 of the row's
-// `row_vectors` 16-byte vectors, within the sync region's partials (one word per 32 vectors of every
-// row, 896 words) and a row cache (2048 vectors) per block; 1 = no split.
+// ubnext/comm/_executor.py row_split), launched as one thread-block cluster per row: the blocks the rows
+// leave free, each keeping >= 128 of the row's `row_vectors` 16-byte vectors, at most 8 (the portable
+// cluster size), and a row cache (2048 vectors) per block; 1 = no split.
+constexpr size_t kRowSplitMax = 8;
 inline size_t row_split(size_t tokens, size_t row_vectors, size_t max_blocks) {
   if (tokens == 0 || row_vectors == 0) return 1;
   const size_t groups = (row_vectors + 31) / 32;
   size_t split = max_blocks / tokens;
   if (row_vectors / 128 < split) split = row_vectors / 128;
-  if (split < 2 || tokens * groups > UBNEXT_SYNC_ROW_PARTIALS_END - UBNEXT_SYNC_ROW_PARTIALS ||
-      (groups + split - 1) / split * 32 > 2048)
-    return 1;
+  if (kRowSplitMax < split) split = kRowSplitMax;
+  if (split < 2 || (groups + split - 1) / split * 32 > 2048) return 1;
   return split;
 }
 

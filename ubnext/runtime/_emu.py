@@ -69,7 +69,7 @@ BREAKS = {
     "extra_fence": "UBNEXT_BREAK_EXTRA_FENCE",
     "ssq_block_order": "UBNEXT_BREAK_SSQ_BLOCK_ORDER",
     "two_roundings": "UBNEXT_BREAK_TWO_ROUNDINGS",
-    "row_split_no_arrival": "UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL",
+    "cluster_ssq_order": "UBNEXT_BREAK_CLUSTER_SSQ_ORDER",
     "twoshot_reverse_order": "UBNEXT_BREAK_TWOSHOT_REVERSE_ORDER",
     "rank_order_ignored": "UBNEXT_BREAK_RANK_ORDER_IGNORED",
     "poll_reads_once": "UBNEXT_BREAK_POLL_READS_ONCE",
