@@ -189,7 +189,31 @@ void test_quantize_grid() {
 
 }  // namespace
 
+// The row split as a cluster launch (launch_rules.h row_split, row_cluster, pair_clusters_fit): at most 8
+// CTAs per row (a portable cluster), one cluster per row, and the cluster rule's arithmetic at its site: a
+// grid within pair_grid_cap leaves room for its clusters beside any other such kernel on H100 and B200.
+void test_row_split_clusters() {
+  CHECK(ubnext::row_split(1, 1024, 64) == 8);   // 1 x 8192 bf16: 8 CTAs of 128 vectors
+  CHECK(ubnext::row_split(1, 2048, 64) == 8);   // fp32's 2048 vectors: still 8, not 16
+  CHECK(ubnext::row_split(16, 1024, 64) == 4);  // 16 tokens: 64 CTAs, clusters of 4
+  CHECK(ubnext::row_split(32, 1024, 128) == 4);  // no sync-region partials bound any more
+  CHECK(ubnext::row_split(64, 1024, 64) == 1);
+  CHECK(ubnext::row_cluster(1, 8) == 8 && ubnext::row_cluster(16, 64) == 4);
+  CHECK(ubnext::row_cluster(8, 8) == 1 && ubnext::row_cluster(0, 8) == 1);
+  CHECK(ubnext::pair_clusters_fit(8, 16) && !ubnext::pair_clusters_fit(9, 17) && !ubnext::pair_clusters_fit(1, 0));
+  for (long long sms : {132ll, 148ll})
+    for (long long gpcs : {8ll}) {
+      const long long g = ubnext::pair_grid_cap(static_cast<int>(sms));
+      for (long long s = 2; s <= static_cast<long long>(ubnext::kRowSplitMax); ++s) {
+        // worst case beside another kernel of g CTAs, k = 2 CTAs per SM: k (sms - g) / s - G (s - 1) / s
+        const double room = (2.0 * (sms - g) - static_cast<double>(gpcs * (s - 1))) / static_cast<double>(s);
+        CHECK(room >= static_cast<double>(g / s));
+      }
+    }
+}
+
 int main() {
+  test_row_split_clusters();
   test_quantize_grid();
   test_traits();
   test_grid_matches_python();

@@ -417,7 +417,7 @@ def _chain_enqueue(comm, how, pointers, pdl: bool, event: bool, captured: bool, 
     done = extra_event if event else None
 
     def enqueue():
-        config = _cuda.launch_config(how.grid, how.block, torch.cuda.current_stream().cuda_stream, pdl)
+        config = _cuda.launch_config(how.grid, how.block, torch.cuda.current_stream().cuda_stream, pdl, how.cluster)
         for p in pointers:
             _cuda.launch(how.kernel, config, how.params.address(p), device_index, done)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ubnext.comm._executor import GPU_BLOCK, GRID_CAP, gpu_max_blocks, launch_geometry, row_cluster
+from ubnext.comm._executor import GPU_BLOCK, GRID_CAP, clusters_fit_pair, gpu_max_blocks, launch_geometry, row_cluster
 from ubnext.tuning import _costmodel as M
 from ubnext.tuning import _invariant
 
@@ -105,6 +105,8 @@ def test_fused_lamport_rows_split_over_free_sms():
     assert geometry("lamport", 1, split_rows=False) == (1, GPU_BLOCK)
     assert geometry("twoshot", 1)[0] == geometry("nvls_lamport", 1)[0] == 1
     assert row_cluster("twoshot", 1, 1) == row_cluster("lamport", 0, 64) == 1
+    # the cluster rule between communicators (launch_rules.h pair_clusters_fit): twice the clusters fit
+    assert clusters_fit_pair(8, 16) and not clusters_fit_pair(9, 17) and not clusters_fit_pair(1, 0)
     assert launch_geometry("lamport", 512, 2, 1, True, 8, GPU_BLOCK, 128)[0] == 1  # 64 vectors: < 2 x 128
 
 

@@ -35,7 +35,7 @@ SCRIPT = (
     import numpy as np
     from ubnext import kernels, pool
     from ubnext.runtime._cuda import (KernelParams, core, driver, kernel_handle, launch, launch_config, pack_kernel_args,
-                              pdl_enabled)
+                              pdl_enabled, max_active_clusters)
 
     stub = ctypes.CDLL("libcuda.so.1")
     assert hasattr(stub, "stub_launch_count"), "libcuda.so.1 is not the stub"
@@ -86,6 +86,17 @@ SCRIPT = (
     assert recorded("stub_launch_count", ctypes.c_ulonglong) == 2 and recorded("stub_last_stream") == 0x5B00
     assert recorded("stub_push_count", ctypes.c_ulonglong) == 1, "switched to a context that was current"
     assert int(driver().cuCtxGetCurrent()[1]) == primary
+    # a cluster launch (the Lamport row split): the cluster-dimension attribute after PDL's, its x the cluster
+    launch(kernel, launch_config(16, 128, 0x5B00, pdl, 8), params.address(pointers), 0)
+    nattrs = recorded("stub_last_nattrs", ctypes.c_uint)
+    cdim = int(driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    attributes = [(ids[i], attr_values[i]) for i in range(nattrs)]
+    assert attributes == ([(pss, 1)] if pdl else []) + [(cdim, 8)], attributes
+    assert recorded("stub_last_grid", ctypes.c_uint) == 16 and recorded("stub_last_block", ctypes.c_uint) == 128
+    # cuOccupancyMaxActiveClusters asked at the cluster's shape
+    ctypes.c_int.in_dll(stub, "stub_max_clusters").value = 5
+    assert max_active_clusters(kernel, 128, 4, 0) == 5
+    assert recorded("stub_last_cluster_asked", ctypes.c_int) == 4
     print("stub launch ok, pdl", pdl)
 """)
 )

@@ -118,6 +118,14 @@ def row_cluster(algo: str, tokens: int, grid: int) -> int:
     return grid // tokens if algo == "lamport" and 0 < tokens < grid else 1
 
 
+def clusters_fit_pair(clusters: int, max_active_clusters: int) -> bool:
+    """Whether a cluster launch of ``clusters`` clusters keeps the no-deadlock rule between communicators:
+    twice its clusters within what the empty device holds at once (``max_active_clusters``,
+    cuOccupancyMaxActiveClusters). csrc/host/launch_rules.h pair_clusters_fit states the same rule and the
+    argument for it. When it fails the launch drops its cluster: each row is then one CTA's (norm.cuh)."""
+    return max_active_clusters > 0 and 2 * clusters <= max_active_clusters
+
+
 @functools.cache
 def _kernel_name(algo: str, dtype: torch.dtype) -> str:
     return kernels.kernel_name(algo, "u8" if dtype == torch.uint8 else DTYPE_CODES[dtype])
@@ -324,6 +332,11 @@ class Executor(Part):
         fp8_out = flags & (kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN)
         name = _kernel_name(algo, dtype)
         if self.mode == "gpu":
+            kernel = _cuda.kernel_handle(kernels.load_kernel(name, self._device_index))
+            if cluster > 1 and not clusters_fit_pair(
+                grid // cluster, _cuda.max_active_clusters(kernel, block, cluster, self._device_index)
+            ):
+                cluster = 1
             return Launch(
                 algo,
                 name,
@@ -334,7 +347,7 @@ class Executor(Part):
                 desc,
                 _cuda.pdl_enabled(self._device_index),
                 _cuda.KernelParams(desc, packed),
-                _cuda.kernel_handle(kernels.load_kernel(name, self._device_index)),
+                kernel,
                 cluster,
             )
         # the emulator stands for sm_90 and later: it checks what the attribute asks of a kernel
@@ -427,7 +440,7 @@ class Executor(Part):
                 done = self._new_done_event()
         _cuda.launch(
             how.kernel,
-            _cuda.launch_config(how.grid, how.block, self._stream, how.pdl),
+            _cuda.launch_config(how.grid, how.block, self._stream, how.pdl, how.cluster),
             how.params.address(pointers),
             self._device_index,
             done,

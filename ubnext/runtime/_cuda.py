@@ -390,23 +390,44 @@ def store_words(device_index: int, addresses: Sequence[int], value: int) -> None
 
 
 @functools.lru_cache(maxsize=256)
-def launch_config(grid: int, block: int, stream_handle: int, pdl: bool):
+def launch_config(grid: int, block: int, stream_handle: int, pdl: bool, cluster: int = 1):
     """cuLaunchKernelEx's CUlaunchConfig for a 1-D grid and block on a stream (its raw handle), with
     the programmatic-stream-serialization attribute when ``pdl`` (``pdl_enabled``): the kernel may then
     start before the previous kernel on the stream has ended, and waits for it in griddepcontrol.wait
-    (csrc/device/ptx.cuh). Made once per geometry and stream: building one costs microseconds."""
+    (csrc/device/ptx.cuh); and, when ``cluster`` > 1, the cluster-dimension attribute: consecutive CTAs in
+    thread-block clusters of ``cluster`` (the Lamport row split, csrc/device/norm.cuh). Made once per
+    geometry and stream: building one costs microseconds."""
     drv = driver()
     config = drv.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
     config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
     config.sharedMemBytes = 0
     config.hStream = drv.CUstream(stream_handle)
+    attributes = []
     if pdl:
         attribute = drv.CUlaunchAttribute()
         attribute.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attribute.value.programmaticStreamSerializationAllowed = 1
-        config.attrs = [attribute]
-        config.numAttrs = 1
-    else:
-        config.numAttrs = 0
+        attributes.append(attribute)
+    if cluster > 1:
+        attribute = drv.CUlaunchAttribute()
+        attribute.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster, 1, 1
+        attributes.append(attribute)
+    config.attrs = attributes
+    config.numAttrs = len(attributes)
     return config
+
+
+def max_active_clusters(kernel, block: int, cluster: int, device_index: int) -> int:
+    """cuOccupancyMaxActiveClusters: how many clusters of ``cluster`` CTAs of ``block`` threads of ``kernel``
+    (``kernel_handle``) the device holds at once when empty (0: none fits, e.g. an MPS share with few SMs),
+    in the device's primary context. Asked once per call signature (Executor._launch_for)."""
+    ctx, _ = _primary_context(device_index)
+    check(driver().cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        return int(
+            check(driver().cuOccupancyMaxActiveClusters(kernel, launch_config(cluster, block, 0, False, cluster)))
+        )
+    finally:
+        check(driver().cuCtxPopCurrent(), "cuCtxPopCurrent")
