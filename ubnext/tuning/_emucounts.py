@@ -73,7 +73,18 @@ CAL_KEYS = (
     "cluster_syncs",
 )
 
-CAL_ROW_KEYS = ("t_hops", "l2", "atomics", "waits", "cta_load_bytes", "cta_inflight", "cal_us", "cal_eager_us")
+CAL_ROW_KEYS = (
+    "t_hops",
+    "l2",
+    "atomics",
+    "waits",
+    "dsm",
+    "cluster_syncs",
+    "cta_load_bytes",
+    "cta_inflight",
+    "cal_us",
+    "cal_eager_us",
+)
 
 
 def cal_row(launches: list[dict], world: int) -> dict:
@@ -89,6 +100,9 @@ def cal_row(launches: list[dict], world: int) -> dict:
         "l2": sum(c["l2"] for c in launches),
         "atomics": sum(c["atomics"] for c in launches),
         "waits": sum(c["waits"] for c in launches),
+        # issue 38 item 2's cluster counts (memory.cpp), shown beside the others; _calibration prices them
+        "dsm": sum(c["dsm"] for c in launches),
+        "cluster_syncs": sum(c["cluster_syncs"] for c in launches),
         "cta_load_bytes": worst["cta_load_bytes"],
         "cta_inflight": worst["cta_inflight"],
         "cal_us": round(sum(_calibration.launch_cal_us(c, world, "graph+pdl") for c in launches), 2),
