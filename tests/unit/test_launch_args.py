@@ -137,7 +137,7 @@ def test_a_cached_launch_passes_the_descriptor_the_scalars_and_the_pdl_rule(monk
         kernel, config, address, device_index, done = launched.pop()
         assert done == "done-event"  # recorded after the kernel, for the next stream switch
         assert int(kernel) == 0xABC001 and device_index == 1 and config == "config"
-        assert configs.pop() == (launch.grid, launch.block, 0x5000, pdl)
+        assert configs.pop() == (launch.grid, launch.block, 0x5000, pdl, launch.cluster)
         got = _read_back(address, kernels.KERNEL_SIGNATURE)
         assert got[0] == DESC and tuple(got[1:8]) == pointers
         assert got[8:10] == [4096, hidden] and got[11] == sent_flags and got[10] == float(np.float32(1e-6))
