@@ -249,7 +249,7 @@ VARIABLES: dict[str, Var] = {
                 "no_pdl_wait",
                 "ssq_block_order",
                 "two_roundings",
-                "row_split_no_arrival",
+                "cluster_ssq_order",
                 "rank_order_ignored",
                 "poll_reads_once",
                 "err_no_claim",
@@ -259,7 +259,7 @@ VARIABLES: dict[str, Var] = {
             "''|skip_repoison|no_release|skip_barrier|no_header_check|single_header_slot|no_abort_check|"
             "no_proxy_fence_nvls_twoshot|twoshot_drop_peer|allgather_short_push|no_lamport_header_check|no_eps_check|"
             "no_departure_check|extra_fence|"
-            "twoshot_reverse_order|nvfp4_nibble_order|swizzle|no_pdl_wait|ssq_block_order|two_roundings|row_split_no_arrival|"
+            "twoshot_reverse_order|nvfp4_nibble_order|swizzle|no_pdl_wait|ssq_block_order|two_roundings|cluster_ssq_order|"
             "rank_order_ignored|poll_reads_once|err_no_claim|stamps",
             "TEST ONLY: build the emulator with a deliberately broken protocol, to show that the "
             "tests catch it; or, 'stamps', with the Lamport one-shot's per-phase time stamps "

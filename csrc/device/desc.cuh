@@ -108,11 +108,8 @@ typedef struct ubnext_comm_desc {
 #define UBNEXT_STAMP_COUNT (5 + UBNEXT_MAX_RANKS) /* entry, wait, push, row exchange, exit; then one per slot */
 #define UBNEXT_SYNC_STAMPS_END 576
 #define UBNEXT_SYNC_BARRIER_FLAG 1024 /* [UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS], peers write */
-/* The fused row split (norm.cuh, norm_row_part), local: a counter per token row, and the rows' sum-of-
- * squares partials (one fp32 per 32 vectors of a row), written and read by the CTAs sharing a row. */
-#define UBNEXT_SYNC_ROW_COUNT 3072 /* [UBNEXT_MAX_BLOCKS] */
-#define UBNEXT_SYNC_ROW_PARTIALS 3200
-#define UBNEXT_SYNC_ROW_PARTIALS_END 4096
+/* Words 3072..4095 are unused: the fused row split's exchange (norm.cuh, norm_row_part) moved from them into
+ * distributed shared memory (issue 38 item 2). */
 /* Call headers, published with the first barrier signal of every kernel that reads its peers'
  * `in` at its own offset: [2][UBNEXT_MAX_BLOCKS][UBNEXT_MAX_RANKS][4] words, peers write. The
  * first index is the parity of the barrier epoch that carries the header: a peer can be one

@@ -327,50 +327,54 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
 
 // ---------------------------------------------------------------- one row, several CTAs (the row split)
 // At 1..16 tokens one CTA per row leaves most SMs idle and puts a row's polls, its residual and weight
-// loads and all its stores on one SM (issue 24 item 2). With gridDim.x = nrows * split (the host's
-// launch_geometry), CTA b works on part b % split of row b / split: the whole groups [part * gpp,
-// (part + 1) * gpp) of the row, gpp = ceil(ng / split), so vector i of the row belongs to thread
-// (i - lo) % blockDim.x of that CTA. Each CTA computes the G_g of its groups (the fixed order above: a
-// group never straddles two CTAs), publishes them in this rank's sync region, and every CTA of the row
-// folds all of them in the same order: each gets the bits one CTA would have computed alone.
+// loads and all its stores on one SM (issue 24 item 2). The host launches the grid nrows * split as clusters
+// of `split` CTAs (launch_rules.h row_split, ubnext/comm/_executor.py: at most 8, the portable cluster size),
+// so CTA b, of cluster rank b % split, works on part b % split of row b / split: the whole groups
+// [part * gpp, (part + 1) * gpp) of the row, gpp = ceil(ng / split), so vector i of the row belongs to thread
+// (i - lo) % blockDim.x of that CTA (at 1 x 8192 bf16: 8 CTAs of 128 threads, one vector per thread). Each CTA
+// computes the G_g of its groups (the fixed order above: a group never straddles two CTAs) into its own
+// shared memory, and every CTA of the row folds all of them in the same order through distributed shared
+// memory: each gets the bits one CTA would have computed alone, whatever the split (issue 26).
 //
-// Exchange (intra-rank, through global memory; no cluster, no DSMEM): G_g -> sync[ROW_PARTIALS + row*ng + g]
-// (relaxed stores), __syncthreads, then thread 0 adds 1 to the row's counter with a gpu-scope acq_rel
-// atomic (cumulative over the block through the __syncthreads: its release orders every thread's G before
-// it), waits for the count to reach nparts (acquire, bounded by desc->timeout_ns: a timeout reports
-// {TIMEOUT, op, rank, peer = rank}, as a wait for one's own CTAs), and after the block has read every G
-// adds 1 again; the CTA that brings it to 2 * nparts resets it to 0 for the next call (every CTA of the row
-// has then passed its wait, and the next kernel on the stream is ordered after this one).
-// No system-scope fence or release: the partials never leave the GPU (the cost model counts neither).
-// UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL (test-only): part 0 never arrives, so its siblings' bounded wait ends
-// in the timeout error, which must name the op and the rank.
+// Exchange (issue 38 item 2; FlashInfer/TRT-LLM's one-shot fused reduces over a cluster the same way):
+// G_g -> s_part[g - part * gpp] of the CTA's shared memory, the CTA's failure vote beside them; the cluster
+// barrier (arrive.release: every thread's stores before its arrival; wait.acquire); then every warp loads the
+// votes and the G_g of all the row's CTAs with ld.shared::cluster (mapa) and folds them (fold_groups); then it
+// arrives again, and waits only before it exits, after its outputs: a CTA's shared memory must outlive the
+// siblings' reads of it. No global memory, no atomic, no poll, no timeout: the barrier waits for threads
+// that reach it in bounded time (a Src gives up at its own timeout, and a CTA without a part, or whose Src
+// failed, still arrives, with its vote), and the cluster's CTAs are co-scheduled by the launch, not assumed
+// co-resident. The previous exchange (a global counter and partials in the sync region) spun on its siblings,
+// which a plain launch never promises to run together (under MPS or a green context with fewer SMs it
+// timed out).
+// Deadlock freedom: CTA (row, part) waits only for the CTAs of its cluster, which wait in turn only for
+// (a) data the same CTA index of each peer pushes BEFORE it waits for anything (lamport.cu) and (b) the
+// cluster barrier; no cycle, and the cluster runs at once by construction. Across communicators: the grid
+// cap's argument (launch_rules.h pair_grid_cap) holds for clusters.
+// UBNEXT_BREAK_CLUSTER_SSQ_ORDER (test-only): each CTA sums its own groups first and the cluster then adds
+// the CTAs' sums, FlashInfer's order: it depends on the split, so the bits change with the geometry.
 //
-// Deadlock freedom: CTA (row, part) waits only for the CTAs of the same row on this rank, and they wait in
-// turn only for (a) data the same CTA index of each peer pushes BEFORE it waits for anything (lamport.cu)
-// and (b) the arrival of their siblings; no cycle. What remains is residency: every CTA of the grid must
-// run at once, since a resident CTA spins until its siblings arrive. The grid is at most one CTA per SM
-// (launch_geometry caps rows * split at the SM count), the residency every barrier kernel already needs
-// (CTA b waits for CTA b of every peer), and the emulator runs every block of a launch concurrently.
-//
-// When: not for per-token FP8 (its row amax would need a second exchange), and only when the row's G fit
-// the sync region and a part fits the row cache; otherwise split = 1 (spare CTAs of the grid idle).
+// When: not for per-token FP8 (its row amax would need a second exchange), only in a cluster launch of
+// exactly nrows * split CTAs (without one, every row is one CTA's: norm_row, any grid), and only when a
+// part fits the row cache; otherwise split = 1 (spare CTAs of the grid idle).
 #define UBX_ROW_SPLIT_MIN_VECS 128 /* host rule: at least 128 vectors (4 groups) per CTA */
-#define UBX_ROW_PARTIALS_MAX (UBNEXT_SYNC_ROW_PARTIALS_END - UBNEXT_SYNC_ROW_PARTIALS)
+#define UBX_ROW_SPLIT_MAX 8        /* host rule: CTAs per row, a portable cluster */
+#define UBX_ROW_PART_GROUPS (UBX_ROW_CACHE_VECS / UBX_SSQ_GROUP_VECS)
 
 struct RowPart {
-  int64_t row;    // the CTA's row (valid when active)
-  int lo, hi;     // its vectors [lo, hi) of the row
-  int ng;         // groups of the row
-  int nparts;     // CTAs sharing the row (1: no split)
-  bool active;    // this CTA has a part
+  int64_t row;  // the CTA's row
+  int lo, hi;   // its vectors [lo, hi) of the row (empty: no part)
+  int ng;       // groups of the row
+  int gpp;      // groups per part: G_g lives in cluster rank g / gpp
+  int nparts;   // CTAs of the row with a part (1: no split)
+  bool active;  // this CTA has a part
 };
 
-// The split of this launch (uniform over the grid; all ranks agree: same arguments, same grid).
+// The split of this launch (uniform over the grid; all ranks agree: same arguments, same launch).
 UBX_DEV int row_split_of(int64_t nrows, int nv, int flags) {
+  const int split = static_cast<int>(cluster_nctarank());
+  if (split < 2 || nrows <= 0 || out_mode(flags) == kOutFp8Token || gridDim.x != nrows * split) return 1;
   const int ng = (nv + UBX_SSQ_GROUP_VECS - 1) / UBX_SSQ_GROUP_VECS;
-  if (nrows <= 0 || out_mode(flags) == kOutFp8Token || gridDim.x < 2 * nrows) return 1;
-  if (nrows > UBNEXT_MAX_BLOCKS || nrows * ng > UBX_ROW_PARTIALS_MAX) return 1;  // a counter per row; partials
-  const int split = static_cast<int>(gridDim.x / nrows);
   const int gpp = (ng + split - 1) / split;
   return gpp * UBX_SSQ_GROUP_VECS <= UBX_ROW_CACHE_VECS ? split : 1;
 }
@@ -379,19 +383,20 @@ UBX_DEV RowPart row_part_of(int64_t nrows, int nv, int split) {
   RowPart rp;
   if (split <= 1 || nv <= 0) {  // no split: norm_row's one block per row
     rp.row = 0;
-    rp.lo = rp.hi = rp.ng = 0;
+    rp.lo = rp.hi = rp.ng = rp.gpp = 0;
     rp.nparts = 1;
     rp.active = false;
     return rp;
   }
   rp.ng = (nv + UBX_SSQ_GROUP_VECS - 1) / UBX_SSQ_GROUP_VECS;
-  const int gpp = (rp.ng + split - 1) / split;
-  rp.nparts = (rp.ng + gpp - 1) / gpp;
+  rp.gpp = (rp.ng + split - 1) / split;
+  rp.nparts = (rp.ng + rp.gpp - 1) / rp.gpp;
   rp.row = blockIdx.x / split;
-  const int part = static_cast<int>(blockIdx.x % split);
+  const int part = static_cast<int>(cluster_ctarank());  // == blockIdx.x % split: clusters of consecutive CTAs
   rp.active = rp.row < nrows && part < rp.nparts;
-  rp.lo = part * gpp * UBX_SSQ_GROUP_VECS;
-  rp.hi = rp.lo + gpp * UBX_SSQ_GROUP_VECS < nv ? rp.lo + gpp * UBX_SSQ_GROUP_VECS : nv;
+  rp.lo = part * rp.gpp * UBX_SSQ_GROUP_VECS;
+  rp.lo = rp.lo < nv ? rp.lo : nv;
+  rp.hi = rp.lo + rp.gpp * UBX_SSQ_GROUP_VECS < nv ? rp.lo + rp.gpp * UBX_SSQ_GROUP_VECS : nv;
   return rp;
 }
 
@@ -418,27 +423,31 @@ struct RowPrefetch {
   }
 };
 
+// A float of the shared memory of cluster rank `rank` (the same variable as `local`, in that CTA).
+UBX_DEV float ld_cluster_f32(const float* local, uint32_t rank) {
+  return u32_as_f32(ld_shared_cluster_u32(mapa_shared(local, rank)));
+}
+
 // One CTA's part of a split row: the row math of norm_row (same arithmetic, same bits) with the exchange
-// above. Collective over the block; false in every thread when a Src or the wait failed (reported).
+// above. Collective over the CLUSTER: every CTA of a split row's cluster calls it, with a part or not; false
+// in every thread of the cluster when a Src failed (reported).
 template <typename T, class Src, class Sink>
 UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefetch<T>& pre, Src& src, const Sink& sink,
                            uint4* cache, float* scratch, const ubnext_comm_desc* d, uint32_t op) {
   constexpr int V = DType<T>::kElems;
   constexpr int K = RowPrefetch<T>::kPrefetch;
   static_assert(K == 2, "res_at / w_at select among two");
+  // this CTA's G_g, then its failure vote: what the siblings read
+  __shared__ float s_part[UBX_ROW_PART_GROUPS + 1];
   const bool fused = (p.flags & UBNEXT_F_FUSED_NORM) != 0;
   const bool has_res = fused && p.residual != nullptr, has_w = fused && p.weight != nullptr;
   const int mode = out_mode(p.flags);
   const int nv = p.hidden / V;
   const int64_t g0 = rp.row * nv;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  uint32_t* sync = reinterpret_cast<uint32_t*>(static_cast<uint64_t>(d->peer_base[d->rank]) + d->sync_off);
-  uint32_t* partials = sync + UBNEXT_SYNC_ROW_PARTIALS + rp.row * rp.ng;
-  uint32_t* count = sync + UBNEXT_SYNC_ROW_COUNT + rp.row;
-  const uint32_t rank = static_cast<uint32_t>(d->rank);
 
   float fail = 0.f;
-  const int ngl = (rp.hi - rp.lo + UBX_SSQ_GROUP_VECS - 1) / UBX_SSQ_GROUP_VECS;
+  const int ngl = rp.active ? (rp.hi - rp.lo + UBX_SSQ_GROUP_VECS - 1) / UBX_SSQ_GROUP_VECS : 0;
   for (int gl = warp; gl < ngl; gl += nwarps) {
     const int i = rp.lo + gl * UBX_SSQ_GROUP_VECS + lane;  // == rp.lo + threadIdx.x + k * blockDim.x
     const int k = gl / nwarps;
@@ -455,52 +464,55 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
       }
     }
     const float G = warp_sum(q);
-    if (lane == 0) st_relaxed_sys_u32(partials + rp.lo / UBX_SSQ_GROUP_VECS + gl, f32_as_u32(G));
+    if (lane == 0) s_part[gl] = G;
   }
   const float wf = warp_sum(fail);
   if (lane == 0) scratch[32 + warp] = wf;
   __syncthreads();
-  fail = 0.f;
-  for (int w = 0; w < nwarps; ++w) fail += scratch[32 + w];
-  if (fail != 0.f) return false;  // block-uniform; the siblings leave at the abort this failure reported
-
   if (threadIdx.x == 0) {
-#if !defined(UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL)
-    (void)atom_add_acq_rel_gpu_u32(count, 1u);
+    float f = 0.f;
+    for (int w = 0; w < nwarps; ++w) f += scratch[32 + w];
+    s_part[UBX_ROW_PART_GROUPS] = f;
+  }
+  cluster_arrive_release();  // every thread's G_g and the vote, before its arrival
+  cluster_wait_acquire();
+  if (op == UBNEXT_OP_LAMPORT) UBX_STAMP(d, kStampRowExchange);  // test-only build (stamps.cuh)
+  fail = warp_sum(lane < rp.nparts ? ld_cluster_f32(&s_part[UBX_ROW_PART_GROUPS], static_cast<uint32_t>(lane)) : 0.f);
+  float ssq = 0.f;
+  if (fail == 0.f) {  // cluster-uniform: every CTA read the same votes
+#if !defined(UBNEXT_BREAK_CLUSTER_SSQ_ORDER)
+    auto load_g = [&](int64_t g) -> float {
+      return ld_cluster_f32(&s_part[g % rp.gpp], static_cast<uint32_t>(g / rp.gpp));
+    };
+    ssq = fold_groups(rp.ng, load_g);
 #else
-    if (rp.lo != 0) (void)atom_add_acq_rel_gpu_u32(count, 1u);  // test-only: part 0 never arrives
+    // test-only: each CTA's groups summed first, then the CTAs' sums in cluster order
+    for (int c = 0; c < rp.nparts; ++c) {
+      const int lo = c * rp.gpp, n = rp.ng - lo < rp.gpp ? rp.ng - lo : rp.gpp;
+      auto load_g = [&](int64_t g) -> float { return ld_cluster_f32(&s_part[g], static_cast<uint32_t>(c)); };
+      const float part = fold_groups(n, load_g);
+      ssq = c == 0 ? part : ssq + part;
+    }
 #endif
-    const WaitResult r = wait_flag_reached(d, count, static_cast<uint32_t>(rp.nparts), timeout_ns(d), rank);
-    if (r != kArrived) report_wait_failure(d, r, op, rank);
-    if (op == UBNEXT_OP_LAMPORT) UBX_STAMP(d, kStampRowExchange);  // test-only build (stamps.cuh)
-    scratch[0] = r == kArrived ? 0.f : 1.f;
   }
-  __syncthreads();
-  if (scratch[0] != 0.f) return false;
-  auto load_g = [&](int64_t g) -> float {
-    return u32_as_f32(ld_volatile_u32(sync + UBNEXT_SYNC_ROW_PARTIALS + rp.row * rp.ng + g));
-  };
-  const float ssq = fold_groups(rp.ng, load_g);
-  __syncthreads();  // every G read: the counter may be reset
-  if (threadIdx.x == 0) {
-    const uint32_t done = 2u * static_cast<uint32_t>(rp.nparts);
-    if (atom_add_acq_rel_gpu_u32(count, 1u) == done - 1u) (void)atom_add_acq_rel_gpu_u32(count, 0u - done);
+  cluster_arrive_relaxed();  // this CTA's reads of the siblings are done (their exit waits for it: below)
+  if (fail == 0.f && rp.active) {
+    const float rms = fused ? rms_of(ssq, p.hidden, p.eps) : 1.f;
+    const float sdiv = (mode == kOutFp8Static) ? p.scale[0] : 1.f;
+    // warp-uniform trips, as norm_row's pass 2 (rp.lo is a multiple of 32 vectors)
+    for (int i0 = rp.lo + static_cast<int>(threadIdx.x) - lane, k = 0; i0 < rp.hi; i0 += blockDim.x, ++k) {
+      const int i = i0 + lane;
+      const bool live = i < rp.hi;
+      float y[V] = {};
+      uint4 yp = make_uint4(0u, 0u, 0u, 0u);
+      if (live)
+        yp = norm_vec_w<T>(cache[i - rp.lo], rms, has_w,
+                           k < K ? pre.w_at(k) : (has_w ? load_whole_vec(p.weight, i) : uint4{}), y);
+      store_row_out<T>(mode, p, sink, g0 + i, live, yp, y, sdiv);
+    }
   }
-  const float rms = fused ? rms_of(ssq, p.hidden, p.eps) : 1.f;
-
-  const float sdiv = (mode == kOutFp8Static) ? p.scale[0] : 1.f;
-  // warp-uniform trips, as norm_row's pass 2 (rp.lo is a multiple of 32 vectors)
-  for (int i0 = rp.lo + static_cast<int>(threadIdx.x) - lane, k = 0; i0 < rp.hi; i0 += blockDim.x, ++k) {
-    const int i = i0 + lane;
-    const bool live = i < rp.hi;
-    float y[V] = {};
-    uint4 yp = make_uint4(0u, 0u, 0u, 0u);
-    if (live)
-      yp = norm_vec_w<T>(cache[i - rp.lo], rms, has_w,
-                         k < K ? pre.w_at(k) : (has_w ? load_whole_vec(p.weight, i) : uint4{}), y);
-    store_row_out<T>(mode, p, sink, g0 + i, live, yp, y, sdiv);
-  }
-  return true;
+  cluster_wait_acquire();  // no CTA leaves while a sibling may still read its s_part
+  return fail == 0.f;
 }
 
 }  // namespace ubx

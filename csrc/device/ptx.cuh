@@ -386,6 +386,127 @@ UBX_DEV void multimem_red_release_add_u32(uint32_t* p, uint32_t v) {
 #endif
 }
 
+// ---------------------------------------------------------------- thread-block clusters (sm_90+)
+// A launch with the cluster-dimension attribute (csrc/host/launch_rules.h) groups consecutive CTAs into
+// clusters that the GPU runs at once on one GPC; a CTA reaches its siblings' shared memory (distributed
+// shared memory) through a shared::cluster address from mapa_shared, and they synchronise with the cluster
+// barrier. The emulator's twins (csrc/emu/sched.cpp): each block's __shared__ lives in its worker's
+// thread-local storage, and mapa translates to the same offset in the sibling's. Below sm_90 these trap:
+// the host never launches a cluster there.
+#if !defined(UBNEXT_EMULATOR) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
+#define UBX_NO_CLUSTER 1
+#endif
+// A shared::cluster address: 32 bits on the GPU; the emulator's is a host pointer.
+#if defined(UBNEXT_EMULATOR)
+typedef uint64_t dsm_addr_t;
+#else
+typedef uint32_t dsm_addr_t;
+#endif
+
+// This CTA's rank in its cluster, and the cluster's size in CTAs (1 without a cluster launch).
+UBX_DEV uint32_t cluster_ctarank() {
+#if defined(UBNEXT_EMULATOR)
+  return ::ubx_emu::cluster_ctarank();
+#elif defined(UBX_NO_CLUSTER)
+  return 0;
+#else
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+#endif
+}
+
+UBX_DEV uint32_t cluster_nctarank() {
+#if defined(UBNEXT_EMULATOR)
+  return ::ubx_emu::cluster_nctarank();
+#elif defined(UBX_NO_CLUSTER)
+  return 1;
+#else
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return r;
+#endif
+}
+
+// The shared::cluster address of the __shared__ bytes at `p` (this CTA's) in the CTA of rank `rank` of the
+// cluster.
+UBX_DEV dsm_addr_t mapa_shared(const void* p, uint32_t rank) {
+#if defined(UBNEXT_EMULATOR)
+  return ::ubx_emu::dsm_map(p, rank);
+#elif defined(UBX_NO_CLUSTER)
+  (void)p;
+  (void)rank;
+  __trap();
+  return 0;
+#else
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  return r;
+#endif
+}
+
+UBX_DEV uint32_t ld_shared_cluster_u32(dsm_addr_t a) {
+  uint32_t v;
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::dsm_load(&v, a, 4);
+#elif defined(UBX_NO_CLUSTER)
+  (void)a;
+  v = 0;
+  __trap();
+#else
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+#endif
+  return v;
+}
+
+UBX_DEV void st_shared_cluster_u32(dsm_addr_t a, uint32_t v) {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::dsm_store(a, &v, 4);
+#elif defined(UBX_NO_CLUSTER)
+  (void)a;
+  (void)v;
+  __trap();
+#else
+  asm volatile("st.shared::cluster.u32 [%0], %1;" : : "r"(a), "r"(v) : "memory");
+#endif
+}
+
+// The cluster barrier, split: every thread of the cluster arrives, then waits until all have arrived
+// (.aligned: every thread of the warp executes it together). The release arrive orders the thread's earlier
+// stores (shared::cluster ones included) before its arrival; the acquire wait orders the later loads after
+// the arrivals it waited for: a store before a sibling's arrive.release is visible after one's own wait.
+UBX_DEV void cluster_arrive_release() {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::cluster_arrive(::ubx_emu::kRelease);
+#elif defined(UBX_NO_CLUSTER)
+  __trap();
+#else
+  asm volatile("barrier.cluster.arrive.release.aligned;" : : : "memory");
+#endif
+}
+
+// Orders nothing: a barrier for control only (and the test-only broken builds that drop the release).
+UBX_DEV void cluster_arrive_relaxed() {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::cluster_arrive(::ubx_emu::kRelaxed);
+#elif defined(UBX_NO_CLUSTER)
+  __trap();
+#else
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" : : : "memory");
+#endif
+}
+
+UBX_DEV void cluster_wait_acquire() {
+#if defined(UBNEXT_EMULATOR)
+  ::ubx_emu::cluster_wait();
+#elif defined(UBX_NO_CLUSTER)
+  __trap();
+#else
+  asm volatile("barrier.cluster.wait.acquire.aligned;" : : : "memory");
+#endif
+}
+
 // ---------------------------------------------------------------- time and waiting
 // Nanoseconds of wall time; the emulator uses CLOCK_MONOTONIC so the kernels' own timeout checks
 // behave the same on both.

@@ -20,16 +20,24 @@ extern "C" {
 #define UBNEXT_EMU_TRAFFIC_WORDS (4 * UBNEXT_EMU_MAX_RANKS + 7)
 
 /* Launch kernel `kernel` (an extern "C" kernel of this library with the collective ABI of
- * docs/ARCHITECTURE.md) with `grid` blocks of `block` threads; args[i] points to parameter i,
- * as cuLaunchKernel's kernelParams (args[0] to the 256-byte descriptor). Synchronous. `flags`:
- * UBNEXT_EMU_LAUNCH_PDL, as a GPU launch with the programmatic-stream-serialization attribute: a
- * memory access of a thread before its griddepcontrol.wait fails the launch. Returns 0, or nonzero
- * with a message in err: 1 bad arguments, 2 unknown kernel, 3 the kernel failed (deadlock inside a
- * block, __trap, stack overflow, an access before the wait). A launch that runs past the watchdog
- * prints a report and aborts the process. */
+ * docs/ARCHITECTURE.md) with `grid` blocks of `block` threads in clusters of `cluster` blocks
+ * (1: no cluster; blocks [k*cluster, (k+1)*cluster) form cluster k, as a 1-D launch with the GPU's
+ * cluster-dimension attribute); args[i] points to parameter i, as cuLaunchKernel's kernelParams
+ * (args[0] to the 256-byte descriptor). Synchronous. `flags`: UBNEXT_EMU_LAUNCH_PDL, as a GPU launch
+ * with the programmatic-stream-serialization attribute: a memory access of a thread before its
+ * griddepcontrol.wait fails the launch; UBNEXT_EMU_LAUNCH_CLUSTER_NONPORTABLE, as the
+ * non-portable-cluster-size-allowed attribute: clusters of 9..16 blocks (without it at most 8, the
+ * portable size; 16 is Hopper's most). A grid that is not a multiple of the cluster is refused, as
+ * cuLaunchKernelEx refuses it. Returns 0, or nonzero with a message in err: 1 bad arguments, 2 unknown
+ * kernel, 3 the kernel failed (deadlock inside a block, __trap, stack overflow, an access before the
+ * wait, a distributed-shared-memory access out of bounds or to an exited block). A launch that runs
+ * past the watchdog prints a report and aborts the process. */
 #define UBNEXT_EMU_LAUNCH_PDL 1
-UBNEXT_EMU_API int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args, int flags,
-                                     char* err, int errlen);
+#define UBNEXT_EMU_LAUNCH_CLUSTER_NONPORTABLE 2
+#define UBNEXT_EMU_MAX_CLUSTER_PORTABLE 8
+#define UBNEXT_EMU_MAX_CLUSTER 16
+UBNEXT_EMU_API int ubnext_emu_launch(const char* kernel, int grid, int block, int cluster, const void* const* args,
+                                     int flags, char* err, int errlen);
 /* Words of ubnext_emu_griddep, for the last launch that succeeded: [threads, threads that executed
  * griddepcontrol.wait, threads that executed griddepcontrol.launch_dependents]. */
 #define UBNEXT_EMU_GRIDDEP_WORDS 3
@@ -63,8 +71,10 @@ UBNEXT_EMU_API void ubnext_emu_set_counting(int on);
  * that needs the most rounds of its bytes in flight, the bytes it loaded, the most it had in flight at
  * one control point, and how many of its loaded bytes came from peers or the switch; then
  * [mc_ld_bytes, mc_store_bytes]: the launch's multimem.ld_reduce bytes and its multimem.st and .red bytes
- * (each counted once, at its size). A reader of the first 5 words sees what it saw before. */
-#define UBNEXT_EMU_COUNT_WORDS 14
+ * (each counted once, at its size); then [dsm, cluster_syncs]: the distributed-shared-memory accesses of
+ * a sibling block and the cluster barriers on the calibrated model's critical chain. A reader of the first 5
+ * words sees what it saw before. */
+#define UBNEXT_EMU_COUNT_WORDS 16
 UBNEXT_EMU_API int ubnext_emu_counts(uint64_t* out, int nwords);
 /* Count mode: the count words of every launch since the previous call (oldest first; at most the newest
  * 4096 are kept), up to max_launches records of UBNEXT_EMU_COUNT_WORDS words each; forgets them all.
@@ -73,6 +83,9 @@ UBNEXT_EMU_API int ubnext_emu_count_log(uint64_t* out, int max_launches);
 /* Count mode: the weights (ns) that order the calibrated model's chains: per NVLink hop, dependent local
  * L2 round trip, atomic, serialised wait (default 600, 143, 533, 143: the calibrated Hopper constants). */
 UBNEXT_EMU_API void ubnext_emu_set_count_weights(uint32_t hop, uint32_t l2, uint32_t atomic, uint32_t wait);
+/* Count mode: the weights (ns) of a distributed-shared-memory access of a sibling block and of a cluster
+ * barrier in that order (default 103 and 206: memory.cpp's count-mode section gives their sources). */
+UBNEXT_EMU_API void ubnext_emu_set_cluster_weights(uint32_t dsm, uint32_t cluster_sync);
 
 /* chaos != 0: random delays and store reordering. seed 0: derived from time and pid. */
 UBNEXT_EMU_API void ubnext_emu_configure(int chaos, uint64_t seed);

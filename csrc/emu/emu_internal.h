@@ -48,9 +48,11 @@ inline Clock later(Clock a, const Clock& b) {
 // L2 round trips, GPU-scope atomics whose result the thread waits for, and serialised waits. The critical
 // chain is the one a GPU would take longest over: ordered by the weighted sum of its counts (weights:
 // count_weights(), the calibrated Hopper constants in ns), ties by the counts themselves, so that the
-// order never depends on timing.
+// order never depends on timing. `dsm` and `csyncs`: distributed-shared-memory accesses of a sibling block
+// and cluster barriers (on-chip: a chain carries them through a cluster barrier, not through the stamps of
+// global memory, whose words have no room for them; memory.cpp).
 struct Timed {
-  uint32_t hops = 0, l2 = 0, atomics = 0, waits = 0;
+  uint32_t hops = 0, l2 = 0, atomics = 0, waits = 0, dsm = 0, csyncs = 0;
   uint64_t cost() const;
   bool operator<(const Timed& o) const {
     const uint64_t a = cost(), b = o.cost();
@@ -58,10 +60,13 @@ struct Timed {
     if (hops != o.hops) return hops < o.hops;
     if (atomics != o.atomics) return atomics < o.atomics;
     if (l2 != o.l2) return l2 < o.l2;
-    return waits < o.waits;
+    if (waits != o.waits) return waits < o.waits;
+    if (csyncs != o.csyncs) return csyncs < o.csyncs;
+    return dsm < o.dsm;
   }
   bool operator==(const Timed& o) const {
-    return hops == o.hops && l2 == o.l2 && atomics == o.atomics && waits == o.waits;
+    return hops == o.hops && l2 == o.l2 && atomics == o.atomics && waits == o.waits && dsm == o.dsm &&
+           csyncs == o.csyncs;
   }
   void join(const Timed& o) {
     if (*this < o) *this = o;
@@ -131,7 +136,8 @@ struct Traffic {
 };
 static_assert(sizeof(Traffic) == UBNEXT_EMU_TRAFFIC_WORDS * 8, "traffic layout");
 
-enum FiberState { kRunnable, kWaitBarrier, kWaitWarp, kDone };
+// kWaitCluster: in barrier.cluster.wait, for threads of this and the sibling blocks (sched.cpp).
+enum FiberState { kRunnable, kWaitBarrier, kWaitWarp, kWaitCluster, kDone };
 
 struct Fiber {
   void* sp = nullptr;  // saved stack pointer while switched out
@@ -165,6 +171,9 @@ struct Fiber {
   bool griddep_waited = false;       // it executed griddepcontrol.wait in this launch
   bool griddep_launched = false;     // it executed griddepcontrol.launch_dependents
   std::unordered_set<uint64_t> loaded;  // count mode: 16-byte granules it loaded (a poll counts once)
+  bool cluster_arrived = false;         // arrived at the cluster barrier, not yet waited
+  uint32_t cluster_phase = 0;           // the cluster barrier's phase it arrived in
+  Timed dsm_landed;                     // count mode: when its stores to a sibling's shared memory land
 };
 
 struct Warp {
@@ -175,6 +184,7 @@ struct Warp {
 };
 
 struct Launch;
+struct Cluster;
 
 // One block, run by one worker OS thread. Only that thread touches it while the block runs.
 struct Block {
@@ -206,6 +216,8 @@ struct Block {
   // count mode: bytes its threads loaded while at one control point (barrier generation, Timed control
   // clock encoded): the bytes in flight together (memory.cpp, "bytes in flight")
   std::unordered_map<uint64_t, uint64_t> inflight;
+  Cluster* cluster = nullptr;  // its cluster (a launch without clusters: clusters of one block)
+  unsigned crank = 0;          // its rank in the cluster
   bool pdl = false;          // launched with the PDL attribute: no memory access before griddepcontrol.wait
   uint32_t griddep_waited = 0, griddep_launched = 0;  // its ended threads that executed each
   std::string error;
@@ -220,7 +232,17 @@ void yield_fiber(bool work);
 // with the PDL attribute: fails the launch naming the access and the thread; does not return.
 [[noreturn]] void griddep_violation(const void* p, const char* access);
 
+// A distributed-shared-memory access of `bytes` at `addr` by the running thread: fails the launch unless
+// it lies in the shared memory of a block of the caller's cluster that has not exited; that block's rank.
+unsigned dsm_check(uint64_t addr, unsigned bytes, const char* access);
+
 // Memory-model hooks used by the scheduler.
+// barrier.cluster.arrive.release: the thread's stores (and those it saw through __syncthreads) first.
+void release_stores(Block& b);
+// Count mode, the cluster barrier: what the arriving thread brings (its chains, its sibling stores landed),
+// and what a thread takes from the barrier's completed phase (joined, plus one cluster barrier).
+void count_cluster_arrive(Fiber& f, Clock& c, Timed& t);
+void count_cluster_wait(Fiber& f, const Clock& c, const Timed& t);
 void drain_all(Block& b, std::vector<PendingStore>& buf);
 void chaos_spin(Block& b);   // at spin_pause/__nanosleep: maybe drain one store of the thread
 void chaos_round(Block& b);  // after each round: maybe drain one store of each parked thread

@@ -56,6 +56,23 @@ void spin_pause();
 void griddep_wait();
 void griddep_launch_dependents();
 
+// Thread-block clusters (sched.cpp; ptx.cuh's cluster section). The calling block's rank in its cluster
+// (%cluster_ctarank) and the cluster's size (%cluster_nctarank).
+unsigned cluster_ctarank();
+unsigned cluster_nctarank();
+// mapa: where the __shared__ bytes at `p` of the calling block lie in block `rank` of its cluster. Fails the
+// launch when `p` is not this block's shared memory or `rank` is outside the cluster.
+uint64_t dsm_map(const void* p, unsigned rank);
+// ld/st.shared::cluster of 4 or 16 bytes at an address from dsm_map (memory.cpp): scheduling points, a
+// relaxed store sits in chaos mode's store buffer like a global one; the block they address must not have
+// exited. Count mode counts a sibling's access as one `dsm` latency.
+void dsm_load(void* dst, uint64_t addr, unsigned bytes);
+void dsm_store(uint64_t addr, const void* src, unsigned bytes);
+// barrier.cluster.arrive (order kRelease or kRelaxed) and barrier.cluster.wait (acquire): a thread arrives,
+// then waits; the wait returns once every thread of the cluster that has not exited has arrived.
+void cluster_arrive(int order);
+void cluster_wait();
+
 // Execution model (emu_prelude.h wraps these in the CUDA names).
 struct Idx3 {
   unsigned int x, y, z;

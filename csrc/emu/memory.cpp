@@ -54,7 +54,19 @@
 //     timing (whether the kernel's first load already saw the value changes nothing);
 //   - bytes in flight per CTA: the bytes its threads load at one control point (the barrier generation and
 //     the issuing thread's control clock: a wait, an atomic, a fence or a barrier moves it on), as the
-//     twins and vector accesses see them; the launch reports the CTA with the most rounds of them.
+//     twins and vector accesses see them; the launch reports the CTA with the most rounds of them;
+//   - dsm: a load of a sibling block's shared memory (ld.shared::cluster) is there one `dsm` latency after
+//     its issue (loads issued together overlap, as for l2); a store to it lands one `dsm` after the thread's
+//     ready clock, which the thread's next cluster-barrier arrive waits for. A block's own shared memory
+//     through the cluster window costs nothing, as plain shared memory does;
+//   - cluster_syncs: a cluster barrier gives every thread of the cluster the latest chain that arrived
+//     (each arrival: the thread's ready clock and its sibling stores landed), plus one cluster barrier.
+//     Both stay on the chip: stamps of global memory do not carry them (a 4-byte word's shadow has no room),
+//     so a chain that leaves through global memory drops them, never adds;
+//   - weights (ubnext_emu_set_cluster_weights): dsm 103 ns, the SM-to-SM network's ~180-cycle latency that
+//     Luo et al. measured on H100 ("Benchmarking and Dissecting the Nvidia Hopper GPU Architecture",
+//     arXiv:2402.13499) at 1.755 GHz; a cluster barrier twice that (an arrive travels to the cluster's
+//     other SMs, its completion travels back), derived, not measured: a GPU figure replaces both.
 // A writer stamps before it stores the data and a reader loads the data before the stamp, so a
 // reader that sees the data sees its stamp. Bytes are the data a block moves: vector accesses
 // (8 or 16 bytes through the twins, any plain access of vec.cuh), a load once per 16-byte granule
@@ -121,12 +133,15 @@ void count_new_launch() { ++g_epoch; }
 
 // The weights that order the calibrated model's chains (Timed): ns per hop, L2 round trip, atomic, wait.
 // Defaults: the calibrated Hopper constants (ubnext/tuning/_calibration.py), which the model sets anyway.
-static std::atomic<uint32_t> g_weights[4] = {{600}, {143}, {533}, {143}};
+// Then a sibling's shared-memory access and a cluster barrier (sources: the rules above, "weights").
+static std::atomic<uint32_t> g_weights[6] = {{600}, {143}, {533}, {143}, {103}, {206}};
 uint64_t Timed::cost() const {
   return uint64_t(hops) * g_weights[0].load(std::memory_order_relaxed) +
          uint64_t(l2) * g_weights[1].load(std::memory_order_relaxed) +
          uint64_t(atomics) * g_weights[2].load(std::memory_order_relaxed) +
-         uint64_t(waits) * g_weights[3].load(std::memory_order_relaxed);
+         uint64_t(waits) * g_weights[3].load(std::memory_order_relaxed) +
+         uint64_t(dsm) * g_weights[4].load(std::memory_order_relaxed) +
+         uint64_t(csyncs) * g_weights[5].load(std::memory_order_relaxed);
 }
 
 static constexpr uint32_t kHop = 1;
@@ -149,6 +164,10 @@ static Timed plus_l2(Timed t) {
 }
 static Timed plus_wait(Timed t) {
   t.waits += 1;
+  return t;
+}
+static Timed plus_dsm(Timed t) {
+  t.dsm += 1;
   return t;
 }
 // A stamp word: the launch (16 bits), the planner's chain (hops, fences: 8 bits each), the calibrated
@@ -462,6 +481,22 @@ void count_wait_end(const void* p, unsigned bytes, int arrived, int has_target, 
   t_wait_end(f, p, own, seen.t);
 }
 
+void count_cluster_arrive(Fiber& f, Clock& c, Timed& t) {
+  end_batch(f);
+  c = f.ready();
+  t = later(f.tready(), f.dsm_landed);
+  f.dsm_landed = Timed{};
+}
+
+void count_cluster_wait(Fiber& f, const Clock& c, const Timed& t) {
+  end_batch(f);
+  Timed done = t;
+  done.csyncs += 1;
+  f.clock = f.data = later(f.ready(), c);
+  f.tclock = f.tdata = later(f.tready(), done);
+  set_base(f);
+}
+
 void join_clocks(Fiber* const* fibers, unsigned n) {
   Clock m;
   Timed t;
@@ -505,8 +540,8 @@ void count_launch_words(const Block* blocks, int nblocks, uint64_t* words) {
     mc_st += blocks[i].traffic.mc_store_bytes + blocks[i].traffic.mc_red_bytes;
   }
   const uint64_t w[UBNEXT_EMU_COUNT_WORDS] = {
-      uint64_t(nblocks), longest.hops,   longest.fences, most,     total,  tlongest.hops, tlongest.l2,
-      tlongest.atomics,  tlongest.waits, loads,          inflight, remote, mc_ld,         mc_st};
+      uint64_t(nblocks), longest.hops, longest.fences, most,   total, tlongest.hops, tlongest.l2,  tlongest.atomics,
+      tlongest.waits,    loads,        inflight,       remote, mc_ld, mc_st,         tlongest.dsm, tlongest.csyncs};
   memcpy(words, w, sizeof w);
 }
 
@@ -616,6 +651,7 @@ static void drain_for_release(Block& b) {
   drain_all(b, b.cumulative);
   drain_all(b, b.cur->sbuf);
 }
+void release_stores(Block& b) { drain_for_release(b); }
 
 static constexpr size_t kMaxBuffered = 64;
 
@@ -670,7 +706,7 @@ void chaos_spin(Block& b) {
 void chaos_round(Block& b) {
   if (!b.chaos) return;
   for (Fiber& f : b.fibers)
-    if (f.state == kWaitBarrier || f.state == kWaitWarp) drain_one_maybe(b, f.sbuf, 2);
+    if (f.state == kWaitBarrier || f.state == kWaitWarp || f.state == kWaitCluster) drain_one_maybe(b, f.sbuf, 2);
   drain_one_maybe(b, b.cumulative, 8);  // even when no thread of the block accesses memory any more
 }
 
@@ -927,6 +963,38 @@ void fence(int scope) {
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
 
+// ld/st.shared::cluster (ptx.cuh): a sibling block's shared memory, or this block's through the cluster window.
+void dsm_load(void* dst, uint64_t addr, unsigned bytes) {
+  const void* p = reinterpret_cast<const void*>(addr);
+  if (bytes >= 8) check_aligned(p, bytes, "ld.shared::cluster");
+  Block* b = enter(false);
+  unsigned rank = 0;
+  if (b) {
+    rank = dsm_check(addr, bytes, "ld.shared::cluster");
+    drain_overlapping(*b, Where{-1, -1, addr}, bytes);  // it reads its own writes
+  }
+  words_load(dst, p, bytes, __ATOMIC_RELAXED);
+  if (b && counting() && !b->cur->waiting && rank != b->crank) b->cur->tdata.join(plus_dsm(b->cur->tbase));
+}
+
+void dsm_store(uint64_t addr, const void* src, unsigned bytes) {
+  void* p = reinterpret_cast<void*>(addr);
+  if (bytes >= 8) check_aligned(p, bytes, "st.shared::cluster");
+  Block* b = enter(true);
+  if (b) {
+    const unsigned rank = dsm_check(addr, bytes, "st.shared::cluster");
+    if (counting()) {
+      count_settle(*b->cur);
+      if (rank != b->crank) b->cur->dsm_landed.join(plus_dsm(b->cur->tready()));
+    }
+    if (b->chaos) {  // relaxed: visible to the siblings after the thread's release (cluster arrive), or eventually
+      buffer_store(*b, pending(Where{-1, -1, addr}, addr, src, bytes, false, Stamp{}));
+      return;
+    }
+  }
+  words_store(p, src, bytes, __ATOMIC_RELAXED);
+}
+
 // fp32 <-> 16-bit float conversions of the switch's reduction (round to nearest even).
 static inline float f32_from_bits(uint32_t u) {
   float f;
@@ -1115,6 +1183,11 @@ extern "C" void ubnext_emu_set_counting(int on) { g_counting.store(on ? 1 : 0); 
 extern "C" void ubnext_emu_set_count_weights(uint32_t hop, uint32_t l2, uint32_t atomic, uint32_t wait) {
   const uint32_t w[4] = {hop, l2, atomic, wait};
   for (int i = 0; i < 4; ++i) g_weights[i].store(w[i]);
+}
+
+extern "C" void ubnext_emu_set_cluster_weights(uint32_t dsm, uint32_t cluster_sync) {
+  g_weights[4].store(dsm);
+  g_weights[5].store(cluster_sync);
 }
 
 extern "C" int ubnext_emu_unregister(int64_t handle) {

@@ -14,6 +14,7 @@
 // off further (to 3.2 ms): the counts never depend on timing, and 128 polling workers sleeping 200 us at
 // most kept the two cores so busy waking them that the blocks with work barely ran.
 #include <dlfcn.h>
+#include <link.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sched.h>
@@ -137,6 +138,24 @@ static inline void ctx_switch(void** save, void* load) {
 // The kernel ABI (docs/ARCHITECTURE.md): the descriptor by value, seven pointers, four scalars.
 using KernelFn = void (*)(ubnext_comm_desc, void*, void*, void*, void*, void*, void*, void*, int, int, float, int);
 
+// A thread-block cluster: `size` consecutive blocks of a launch, run together (the GPU's co-scheduling
+// guarantee: a cluster's CTAs are placed on one GPC at once). Each block's __shared__ variables live in its
+// worker's thread-local storage (emu_prelude.h), so a sibling's shared memory is the same offset in the
+// sibling worker's TLS block of this library (dsm_map). The cluster barrier (barrier.cluster.arrive/wait)
+// counts the threads of all its blocks; threads that exited no longer count, as for __syncthreads here.
+struct Cluster {
+  unsigned size = 1;
+  std::atomic<unsigned> started{0};            // blocks that published tls_lo (run_block waits for all)
+  uintptr_t tls_lo[UBNEXT_EMU_MAX_CLUSTER] = {};  // block r's TLS block of this library in its worker
+  std::atomic<bool> exited[UBNEXT_EMU_MAX_CLUSTER] = {};
+  std::mutex m;                                // the barrier's state below
+  unsigned pending = 0;                        // threads still to arrive in this phase
+  unsigned live = 0;                           // threads that have not exited
+  std::atomic<uint32_t> phase{0};              // completed phases
+  Clock acc_c, res_c[2];                       // count mode: the chains brought to the phase being filled,
+  Timed acc_t, res_t[2];                       // and of the last two completed ones (by phase parity)
+};
+
 struct Launch {
   std::string name;
   KernelFn fn = nullptr;
@@ -146,6 +165,7 @@ struct Launch {
   float eps = 0.f;
   Idx3 grid{1, 1, 1}, block{32, 1, 1};
   std::vector<Block> blocks;
+  std::vector<std::unique_ptr<Cluster>> clusters;
   std::mutex m;
   std::condition_variable cv;
   int done = 0;
@@ -274,6 +294,141 @@ uint32_t warp_exchange(uint32_t mask, uint32_t value, int src, int kind) {
   return f.xchg_result;
 }
 
+// ------------------------------------------------------------------------------ clusters
+unsigned cluster_ctarank() {
+  (void)current("%cluster_ctarank");
+  return tl_block->crank;
+}
+unsigned cluster_nctarank() {
+  (void)current("%cluster_nctarank");
+  return tl_block->cluster->size;
+}
+
+[[noreturn]] static void abandon_fiber(Block& b, Fiber& f);
+[[noreturn]] static void fail_here(const std::string& msg) {
+  Block& b = *tl_block;
+  fail_block(b, msg + " in " + where(b, b.cur));
+  abandon_fiber(b, *b.cur);
+}
+
+// This library's thread-local storage in the calling OS thread (where its __shared__ variables live) and
+// its size, from the dynamic linker (dl_iterate_phdr's dlpi_tls_data: allocated once the thread touched
+// a thread_local of the library, as run_block has); 0 when unknown.
+struct TlsBlock {
+  uintptr_t lo = 0;
+  size_t size = 0;
+};
+static thread_local TlsBlock tl_tls;
+static TlsBlock own_tls() {
+  if (tl_tls.lo) return tl_tls;
+  struct Q {
+    uintptr_t fn;
+    TlsBlock t;
+  } q{reinterpret_cast<uintptr_t>(&ubnext_emu_launch), {}};
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) -> int {
+        Q& q = *static_cast<Q*>(data);
+        bool ours = false;
+        size_t tls = 0;
+        for (int i = 0; i < info->dlpi_phnum; ++i) {
+          const ElfW(Phdr) & ph = info->dlpi_phdr[i];
+          if (ph.p_type == PT_LOAD && q.fn - (info->dlpi_addr + ph.p_vaddr) < ph.p_memsz) ours = true;
+          if (ph.p_type == PT_TLS) tls = ph.p_memsz;
+        }
+        if (!ours) return 0;
+        q.t = TlsBlock{reinterpret_cast<uintptr_t>(info->dlpi_tls_data), tls};
+        return 1;
+      },
+      &q);
+  if (q.t.lo && q.t.size) tl_tls = q.t;
+  return q.t;
+}
+
+uint64_t dsm_map(const void* p, unsigned rank) {
+  (void)current("mapa");
+  Block& b = *tl_block;
+  Cluster& c = *b.cluster;
+  const uintptr_t off = reinterpret_cast<uintptr_t>(p) - c.tls_lo[b.crank];
+  char msg[200];
+  if (off >= tl_tls.size) {
+    snprintf(msg, sizeof msg, "mapa of %p, which is not this block's shared memory", p);
+    fail_here(msg);
+  }
+  if (rank >= c.size) {
+    snprintf(msg, sizeof msg, "mapa to block rank %u of a cluster of %u", rank, c.size);
+    fail_here(msg);
+  }
+  return c.tls_lo[rank] + off;
+}
+
+unsigned dsm_check(uint64_t addr, unsigned bytes, const char* access) {
+  Block& b = *tl_block;
+  Cluster& c = *b.cluster;
+  char msg[200];
+  for (unsigned r = 0; r < c.size; ++r) {
+    if (addr - c.tls_lo[r] >= tl_tls.size) continue;
+    if (addr + bytes - c.tls_lo[r] > tl_tls.size) break;
+    if (c.exited[r].load(std::memory_order_acquire)) {
+      snprintf(msg, sizeof msg, "%s of block rank %u of the cluster, which has exited (its shared memory is gone)",
+               access, r);
+      fail_here(msg);
+    }
+    return r;
+  }
+  snprintf(msg, sizeof msg, "%s at %#llx, which is not in the shared memory of a block of this cluster", access,
+           static_cast<unsigned long long>(addr));
+  fail_here(msg);
+}
+
+// Under c.m: the phase is complete; the next one waits for every thread still live.
+static void complete_cluster(Cluster& c) {
+  const uint32_t p = c.phase.load(std::memory_order_relaxed);
+  c.res_c[p & 1] = c.acc_c;
+  c.res_t[p & 1] = c.acc_t;
+  c.acc_c = Clock{};
+  c.acc_t = Timed{};
+  c.pending = c.live;
+  c.phase.store(p + 1, std::memory_order_release);
+}
+
+void cluster_arrive(int order) {
+  Fiber& f = current("barrier.cluster.arrive");
+  Block& b = *tl_block;
+  if (f.cluster_arrived) fail_here("barrier.cluster.arrive twice without a barrier.cluster.wait");
+  if (order == kRelease) release_stores(b);
+  Cluster& c = *b.cluster;
+  Clock cc;
+  Timed tt;
+  if (counting()) count_cluster_arrive(f, cc, tt);
+  std::lock_guard<std::mutex> lk(c.m);
+  f.cluster_phase = c.phase.load(std::memory_order_relaxed);
+  f.cluster_arrived = true;
+  c.acc_c.join(cc);
+  c.acc_t.join(tt);
+  if (--c.pending == 0) complete_cluster(c);
+  b.progress = true;
+}
+
+static bool cluster_phase_done(const Block& b, const Fiber& f) {
+  return b.cluster->phase.load(std::memory_order_acquire) != f.cluster_phase;
+}
+
+void cluster_wait() {
+  Fiber& f = current("barrier.cluster.wait");
+  Block& b = *tl_block;
+  if (!f.cluster_arrived) fail_here("barrier.cluster.wait without a barrier.cluster.arrive");
+  if (!cluster_phase_done(b, f)) {
+    f.state = kWaitCluster;  // run_block makes it runnable once the phase completes
+    ctx_switch(&f.sp, b.sched_sp);
+  }
+  f.cluster_arrived = false;
+  if (counting()) {
+    Cluster& c = *b.cluster;
+    std::lock_guard<std::mutex> lk(c.m);  // res[parity] stays until this thread has arrived again
+    count_cluster_wait(f, c.res_c[f.cluster_phase & 1], c.res_t[f.cluster_phase & 1]);
+  }
+}
+
 // A thread that spins without touching memory through the twins still drains its store buffer.
 void spin_pause() {
   yield_fiber(false);
@@ -372,6 +527,12 @@ static void fiber_exit(Block& b, Fiber& f) {
   }
   b.griddep_waited += f.griddep_waited;
   b.griddep_launched += f.griddep_launched;
+  {  // an exited thread no longer counts for the cluster barrier
+    Cluster& c = *b.cluster;
+    std::lock_guard<std::mutex> lk(c.m);
+    --c.live;
+    if (!f.cluster_arrived && --c.pending == 0) complete_cluster(c);
+  }
   if (*reinterpret_cast<uint64_t*>(f.stack_lo) != kCanary)
     fail_block(b, "fiber stack overflow (" + std::to_string(kStackBytes) + " bytes) in " + where(b, &f));
   f.state = kDone;
@@ -404,6 +565,25 @@ static void backoff(unsigned idle) {
   nanosleep(&ts, nullptr);
 }
 
+// The co-scheduling of a cluster: publish this block's shared memory, then wait until every block of its
+// cluster has (the GPU starts a cluster's CTAs together; here every block of a launch runs at once on its
+// own worker, so this only waits for the siblings' workers to reach their start). False: the launch failed.
+static bool start_in_cluster(Block& b) {
+  Launch& L = *b.launch;
+  Cluster& c = *b.cluster;
+  const TlsBlock t = own_tls();
+  if (!t.lo) {
+    fail_block(b, "cannot locate the library's thread-local storage (shared memory) in this worker");
+    return false;
+  }
+  c.tls_lo[b.crank] = t.lo;
+  c.started.fetch_add(1, std::memory_order_release);
+  for (unsigned idle = 0; c.started.load(std::memory_order_acquire) < c.size;)
+    if (L.failed.load(std::memory_order_relaxed)) return false;
+    else backoff(++idle);
+  return true;
+}
+
 // Runs one block to completion on the calling worker thread, whose stack arena has room for it.
 static void run_block(Block& b, char* arena) {
   Launch& L = *b.launch;
@@ -429,12 +609,21 @@ static void run_block(Block& b, char* arena) {
     f.poll_open = false;
     f.loaded.clear();
     f.griddep_waited = f.griddep_launched = false;
+    f.cluster_arrived = false;
+    f.cluster_phase = 0;
+    f.dsm_landed = Timed{};
     f.stack_lo = arena + size_t(i) * kStackBytes;
     *reinterpret_cast<uint64_t*>(f.stack_lo) = kCanary;
     ctx_init(f, f.stack_lo + kStackBytes);
     b.warps[i / 32].live |= 1u << (i % 32);
   }
   b.live = nthreads;
+  if (!start_in_cluster(b)) {
+    b.cluster->exited[b.crank].store(true, std::memory_order_release);
+    merge_traffic(b.traffic);
+    tl_block = nullptr;
+    return;
+  }
   std::vector<unsigned> order(nthreads);
   for (unsigned i = 0; i < nthreads; ++i) order[i] = i;
   unsigned idle = 0;
@@ -444,6 +633,10 @@ static void run_block(Block& b, char* arena) {
       for (unsigned i = nthreads - 1; i > 0; --i) std::swap(order[i], order[b.rng.below(i + 1)]);
     for (unsigned i : order) {
       Fiber& f = b.fibers[i];
+      if (f.state == kWaitCluster && cluster_phase_done(b, f)) {
+        f.state = kRunnable;
+        b.progress = true;
+      }
       if (f.state != kRunnable) continue;
       b.cur = &f;
       tl_threadIdx = f.tid;
@@ -454,11 +647,20 @@ static void run_block(Block& b, char* arena) {
     }
     if (!b.error.empty()) break;
     if (b.chaos) chaos_round(b);  // parked threads' stores become visible eventually, unordered
-    bool runnable = false;
-    for (const Fiber& f : b.fibers) runnable |= f.state == kRunnable;
-    if (!runnable && b.live > 0) {
-      fail_block(b, "block (" + std::to_string(b.bidx.x) + "): " + std::to_string(b.live) +
-                        " threads wait in __syncthreads or a warp op that the others never reach");
+    // Threads in the cluster barrier wait for the sibling blocks too: no deadlock while the phase can still
+    // complete, i.e. unless a thread of this block that has not arrived is parked in __syncthreads or a
+    // warp op (then nothing can move it: every other thread of the block is parked too).
+    bool runnable = false, in_cluster = false, parked_unarrived = false;
+    for (const Fiber& f : b.fibers) {
+      runnable |= f.state == kRunnable || (f.state == kWaitCluster && cluster_phase_done(b, f));
+      in_cluster |= f.state == kWaitCluster;
+      parked_unarrived |= (f.state == kWaitBarrier || f.state == kWaitWarp) && !f.cluster_arrived;
+    }
+    if (!runnable && b.live > 0 && (!in_cluster || parked_unarrived)) {
+      fail_block(b,
+                 "block (" + std::to_string(b.bidx.x) + "): " + std::to_string(b.live) + " threads wait in " +
+                     (in_cluster ? "__syncthreads, a warp op or the cluster barrier" : "__syncthreads or a warp op") +
+                     " that the others never reach");
       break;
     }
     if (b.progress) {
@@ -469,6 +671,7 @@ static void run_block(Block& b, char* arena) {
     }
   }
   if (b.error.empty()) drain_all(b, b.cumulative);
+  b.cluster->exited[b.crank].store(true, std::memory_order_release);
   merge_traffic(b.traffic);
   tl_block = nullptr;
 }
@@ -569,8 +772,8 @@ static int set_err(char* err, int errlen, int code, const std::string& msg) {
   return code;
 }
 
-extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const void* const* args, int flags, char* err,
-                                 int errlen) {
+extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, int cluster, const void* const* args,
+                                 int flags, char* err, int errlen) {
   if (err && errlen > 0) err[0] = 0;
   if (!kernel || !args) return set_err(err, errlen, 1, "null kernel name or args");
   if (grid < 1 || grid > UBNEXT_EMU_MAX_GRID)
@@ -578,6 +781,17 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
                    "grid " + std::to_string(grid) + " outside [1, " + std::to_string(UBNEXT_EMU_MAX_GRID) + "]");
   if (block < 32 || block > 1024 || block % 32)
     return set_err(err, errlen, 1, "block " + std::to_string(block) + " is not a multiple of 32 in [32, 1024]");
+  const int cmax =
+      flags & UBNEXT_EMU_LAUNCH_CLUSTER_NONPORTABLE ? UBNEXT_EMU_MAX_CLUSTER : UBNEXT_EMU_MAX_CLUSTER_PORTABLE;
+  if (cluster < 1 || cluster > cmax)
+    return set_err(
+        err, errlen, 1,
+        "cluster " + std::to_string(cluster) + " outside [1, " + std::to_string(cmax) + "]" +
+            (cluster > cmax && cmax < UBNEXT_EMU_MAX_CLUSTER ? " (over 8 needs the non-portable cluster size attribute)"
+                                                             : ""));
+  if (grid % cluster)
+    return set_err(err, errlen, 1,
+                   "grid " + std::to_string(grid) + " is not a multiple of the cluster " + std::to_string(cluster));
   void* h = self_handle();
   void* sym = h ? dlsym(h, kernel) : nullptr;
   if (!sym) return set_err(err, errlen, 2, std::string("no kernel named ") + kernel + " in the emulator library");
@@ -598,12 +812,20 @@ extern "C" int ubnext_emu_launch(const char* kernel, int grid, int block, const 
   L.grid = Idx3{unsigned(grid), 1, 1};
   L.block = Idx3{unsigned(block), 1, 1};
   L.blocks.resize(size_t(grid));
+  for (int k = 0; k < grid / cluster; ++k) {
+    L.clusters.emplace_back(new Cluster());
+    Cluster& c = *L.clusters.back();
+    c.size = unsigned(cluster);
+    c.live = c.pending = unsigned(cluster) * unsigned(block);
+  }
   const bool chaos = chaos_enabled();
   const uint64_t seed = chaos_seed() ^ (uint64_t(getpid()) << 32) ^ (launch_count * 0x9e3779b97f4a7c15ull);
   for (int i = 0; i < grid; ++i) {
     Block& b = L.blocks[size_t(i)];
     b.launch = &L;
     b.bidx = Idx3{unsigned(i), 0, 0};
+    b.cluster = L.clusters[size_t(i / cluster)].get();
+    b.crank = unsigned(i % cluster);
     b.chaos = chaos;
     b.pdl = L.pdl;
     b.rng.seed(seed + uint64_t(i) * 0xbf58476d1ce4e5b9ull);

@@ -296,6 +296,35 @@ ubnext_status_t device_limits(int device, int kernel, unsigned block, Limits* ou
   return UBNEXT_STATUS_SUCCESS;
 }
 
+// cudaOccupancyMaxActiveClusters of kernel `kernel` on `device` at the row split's block and `cluster` CTAs per
+// cluster (launch_rules.h pair_clusters_fit), asked once per device, kernel and cluster size.
+std::atomic<int> g_max_clusters[kMaxCachedDevices][kNumKernels][kRowSplitMax + 1];  // the answer + 1; 0: not asked
+
+ubnext_status_t max_active_clusters(int device, int kernel, unsigned block, unsigned cluster, int* out) {
+  const bool cacheable = device < kMaxCachedDevices && block == kRowSplitBlock && cluster <= kRowSplitMax;
+  if (cacheable) {
+    const int known = g_max_clusters[device][kernel][cluster].load(std::memory_order_relaxed);
+    if (known > 0) {
+      *out = known - 1;
+      return UBNEXT_STATUS_SUCCESS;
+    }
+  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster;
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(cluster);
+  config.blockDim = dim3(block);
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  UBNEXT_TRY(
+      from_cuda(cudaOccupancyMaxActiveClusters(out, reinterpret_cast<const void*>(kKernels[kernel].stub), &config),
+                "cudaOccupancyMaxActiveClusters"));
+  if (cacheable) g_max_clusters[device][kernel][cluster].store(*out + 1, std::memory_order_relaxed);
+  return UBNEXT_STATUS_SUCCESS;
+}
+
 // The kernel ABI (docs/ARCHITECTURE.md): the descriptor by value (the caller's host copy, which must
 // equal the device one: csrc/device/entry.cuh says why kernels take it so), then pointers and scalars.
 struct KernelArgs {
@@ -332,7 +361,9 @@ ubnext_status_t pdl_enabled(int device, uint32_t launch_flags, bool* on) {
 // (default_grid: `bytes` of message, per-rank share or not, `tokens` rows, half the SMs for a kernel
 // that waits on its peers, the NVLS two-shot's own cap when `nvls_twoshot`) unless launch.grid says
 // otherwise. Kernels that wait on peers' blocks (`coresident`) refuse a grid larger than what fits at
-// once; a local kernel (`local`: no peer, no barrier) takes any grid.
+// once; a local kernel (`local`: no peer, no barrier) takes any grid. The Lamport fused kernel's row split
+// (`row_vectors` > 0, default grid) is a cluster launch of kRowSplitBlock-thread CTAs, one cluster per row,
+// as the Python launcher makes it, when pair_clusters_fit allows (launch_rules.h).
 ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per_rank_share, size_t bytes,
                              size_t tokens, size_t nranks, KernelArgs a, bool local = false, bool nvls_twoshot = false,
                              size_t row_vectors = 0) {
@@ -343,9 +374,10 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
   if (k.stub == nullptr) {
     return fail(UBNEXT_STATUS_UNSUPPORTED, "kernel %s is not compiled into this libubnext", k.name);
   }
-  const unsigned block = launch.block ? launch.block : kDefaultBlock;
+  unsigned block = launch.block ? launch.block : kDefaultBlock;
   Limits lim{};
   UBNEXT_TRY(device_limits(device, kernel, block, &lim));
+  const bool default_grid_used = launch.grid == 0;
   unsigned grid = launch.grid;
   if (grid == 0) {
     const unsigned algo_cap = nvls_twoshot && tokens == 0 ? nvls_twoshot_grid_cap(nranks, lim.cc_major) : 0u;
@@ -357,22 +389,39 @@ ubnext_status_t launch_index(const ubnext_launch_t& launch, int kernel, bool per
                 "grid %u exceeds the co-resident limit of %d blocks for %s with %u threads", grid, lim.coresident,
                 k.name, block);
   }
+  unsigned cluster = default_grid_used && row_vectors > 0 ? row_cluster(tokens, grid) : 1u;
+  if (cluster > 1) {
+    if (!launch.block) block = kRowSplitBlock;
+    int max_clusters = 0;
+    UBNEXT_TRY(max_active_clusters(device, kernel, block, cluster, &max_clusters));
+    if (!pair_clusters_fit(grid / cluster, max_clusters)) cluster = 1;  // each row one CTA's (norm.cuh)
+  }
   bool pdl = false;
   UBNEXT_TRY(pdl_enabled(device, launch.flags, &pdl));
   void* params[] = {&a.desc,  &a.in,        &a.out, &a.residual, &a.residual_out, &a.weight,
                     &a.scale, &a.scale_inv, &a.n,   &a.hidden,   &a.eps,          &a.flags};
   // With the attribute the kernel may start before the previous kernel on the stream has ended; it
   // waits for it in griddepcontrol.wait before touching memory (csrc/device/ptx.cuh).
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
+  // The cluster attribute: consecutive CTAs in clusters of `cluster` (the row split, norm.cuh).
+  cudaLaunchAttribute attributes[2] = {};
+  unsigned nattrs = 0;
+  if (pdl) {
+    attributes[nattrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[nattrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attributes[nattrs].id = cudaLaunchAttributeClusterDimension;
+    attributes[nattrs].val.clusterDim.x = cluster;
+    attributes[nattrs].val.clusterDim.y = attributes[nattrs].val.clusterDim.z = 1;
+    ++nattrs;
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(block);
   config.dynamicSmemBytes = 0;
   config.stream = static_cast<cudaStream_t>(launch.stream);
-  config.attrs = pdl ? &attribute : nullptr;
-  config.numAttrs = pdl ? 1 : 0;
+  config.attrs = nattrs ? attributes : nullptr;
+  config.numAttrs = nattrs;
   const cudaError_t err = cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(k.stub), params);
   return from_cuda(err, k.name);
 }

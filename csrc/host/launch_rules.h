@@ -67,6 +67,31 @@ inline int pair_grid_cap(int sms) {
   return base / 2 > 0 ? base / 2 : 1;
 }
 
+// The same argument for cluster launches (the Lamport row split: c = grid / s clusters of s <= 8 CTAs of
+// 128 threads, row_split and row_cluster below). The GPU places a cluster's CTAs at once on one GPC, so
+// "g <= SMs / 2 CTAs" alone no longer makes two kernels resident together: the SMs the other kernel leaves
+// free may be spread over the GPCs with fewer than a cluster's slots free in each. Per GPC j of n_j SMs,
+// with k of our CTAs per empty SM, the empty device holds M = sum_j floor(k n_j / s) of our clusters
+// (cuOccupancyMaxActiveClusters). The rule (pair_clusters_fit): 2c <= M, on top of g <= SMs / 2. Why it holds:
+//   (a) against any other kernel of g' <= SMs / 2 CTAs (plain or clustered, each CTA holding a whole SM at
+//       worst): it leaves >= SMs / 2 empty SMs, and GPC j with f_j of them holds floor(k f_j / s) >=
+//       k f_j / s - (s - 1) / s of our clusters, so together >= k SMs / (2s) - G (s - 1) / s for G GPCs.
+//       Our c = g / s <= SMs / (2s) clusters fit when G (s - 1) <= (k - 1) SMs / 2. A 128-thread CTA fits
+//       an SM at least twice whatever its registers (2 x 128 x 255 < 65536) and shared memory (33 KB of
+//       228), so k >= 2 and it suffices that G (s - 1) <= SMs / 2: at s = 8, G <= 9 GPCs on H100's 132 SMs
+//       (it has 8 or fewer), G <= 10 on 148 (B200). A device with more GPCs per SM than that, or s > 8,
+//       needs this checked again: the driver reports no GPC count, so the launchers cannot check it;
+//   (b) 2c <= M is what they can check: it refuses a device that holds too few clusters at all (an MPS
+//       share or a green context with few SMs, where the previous global-memory exchange spun until its
+//       timeout), and against another cluster launch of the same shape it is exact: a cluster takes s slots
+//       of one GPC, lowering that GPC's floor(slots / s) by exactly one, so c + c' <= M fit together;
+//   (c) PDL as above: a dependent parked in griddepcontrol.wait waits for a grid that waits on nobody.
+// When the rule fails the launch drops the cluster attribute: the kernel then gives each row to one CTA
+// (norm.cuh row_split_of), which waits for no sibling. The emulator runs every block of a launch at once.
+inline bool pair_clusters_fit(size_t clusters, int max_active_clusters) {
+  return max_active_clusters > 0 && 2 * clusters <= static_cast<size_t>(max_active_clusters);
+}
+
 // The NVLS two-shot's flat grid as NCCL sizes its multicast kernels (src/sym_kernels.cc, queryModel_lsa:
 // nMaxBlocksNvls = ceil(16 / nranks) below sm_100, ceil(32 / nranks) from sm_100; 2 CTAs at 8 ranks on
 // Hopper): the switch reduces and replicates, so a few SMs saturate NVLS bandwidth, and fewer CTAs
@@ -78,18 +103,26 @@ inline unsigned nvls_twoshot_grid_cap(size_t nranks, int cc_major) {
 }
 
 // Blocks per token row of the Lamport fused kernel at few tokens (csrc/device/norm.cuh, the row split;
-// ubnext/_executor.py row_split): the blocks the rows leave free, each keeping >= 128 of the row's
-// `row_vectors` 16-byte vectors, within the sync region's partials (one word per 32 vectors of every
-// row, 896 words) and a row cache (2048 vectors) per block; 1 = no split.
+// ubnext/comm/_executor.py row_split), launched as one thread-block cluster per row: the blocks the rows
+// leave free, each keeping >= 128 of the row's `row_vectors` 16-byte vectors, at most 8 (the portable
+// cluster size), and a row cache (2048 vectors) per block; 1 = no split.
+constexpr size_t kRowSplitMax = 8;
+// Threads of a split row's CTAs (at 1 x 8192 bf16: one 16-byte vector per thread, FlashInfer's 8 x 128).
+constexpr unsigned kRowSplitBlock = 128;
 inline size_t row_split(size_t tokens, size_t row_vectors, size_t max_blocks) {
   if (tokens == 0 || row_vectors == 0) return 1;
   const size_t groups = (row_vectors + 31) / 32;
   size_t split = max_blocks / tokens;
   if (row_vectors / 128 < split) split = row_vectors / 128;
-  if (split < 2 || tokens * groups > UBNEXT_SYNC_ROW_PARTIALS_END - UBNEXT_SYNC_ROW_PARTIALS ||
-      (groups + split - 1) / split * 32 > 2048)
-    return 1;
+  if (kRowSplitMax < split) split = kRowSplitMax;
+  if (split < 2 || (groups + split - 1) / split * 32 > 2048) return 1;
   return split;
+}
+
+// CTAs per thread-block cluster of a Lamport fused launch of `grid` CTAs over `tokens` rows: the row
+// split's (grid = tokens x split, one cluster per row), else 1 (no cluster).
+inline unsigned row_cluster(size_t tokens, unsigned grid) {
+  return tokens > 0 && grid > tokens ? static_cast<unsigned>(grid / tokens) : 1u;
 }
 
 // The same geometry as the Python launcher (ubnext/_executor.py, launch_geometry and gpu_max_blocks),

@@ -11,8 +11,9 @@
 //   3. poll: volatile 16-byte loads of our own buffer b, every slot, until no word is the sentinel
 //      (bounded by desc->timeout_ns); sum in fp32 in rank order 0..N-1 (bitwise identical on every
 //      rank); write `out`, or run the fused row math (csrc/device/norm.cuh), one block per token row, or
-//      at few tokens `split` blocks per row (norm.cuh's row split: the grid is rows x split; each block
-//      pushes and polls its part of the row, with the row's residual and weight loaded before the poll).
+//      at few tokens a cluster of `split` blocks per row (norm.cuh's row split: the grid is rows x split;
+//      each block pushes and polls its part of the row, with the row's residual and weight loaded before the
+//      poll, and the cluster folds the row's sum of squares in distributed shared memory).
 //   4. finish: the last block to finish records this call's byte count and advances the rotation.
 // Steps 2 and 4 (the 3-buffer rotation: why that buffer is safe to re-poison, the counters, their
 // ordering and the test-only broken builds) live in csrc/device/lamport_rotation.cuh, shared with
@@ -21,9 +22,9 @@
 // Dependencies between blocks: each thread polls exactly the vectors it pushed itself (same index
 // mapping on every rank, since every rank launches the same grid), so a block's polls depend only on the
 // same block of the peers, which pushes before it waits. Without the row split that keeps the kernel
-// deadlock-free for any grid. With it, the blocks sharing a row also wait for each other's sum-of-squares
-// partials (after their polls): norm.cuh argues why that cannot deadlock and why the grid must be
-// co-resident (at most one block per SM, as the launch geometry gives).
+// deadlock-free for any grid. With it, the blocks sharing a row, one thread-block cluster, also wait for
+// each other at the cluster barrier (after their polls): norm.cuh argues why that cannot deadlock; the
+// cluster launch runs them together.
 //
 // Call header: the last thread of block 0 (lamport_poll.cuh: is_lamport_header_thread) pushes this rank's call header (op, dtype, flags, n, hidden and a fused
 // call's eps: lamport_poll.cuh's lamport_call_header) into vector 0 of its slot beside its first data,
@@ -162,7 +163,8 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
     row_outputs_begin(flags, scale, scale_inv, nrows, hidden);
     const GlobalSink<T> sink{residual_out, out, scale_inv, static_cast<int64_t>(n)};
     if (split > 1) {
-      if (part.active) (void)norm_row_part<T>(rp, part, pre, src, sink, s_cache, s_red, d, UBNEXT_OP_LAMPORT);
+      // every CTA of the row's cluster, with a part or not: the cluster barriers count them all
+      (void)norm_row_part<T>(rp, part, pre, src, sink, s_cache, s_red, d, UBNEXT_OP_LAMPORT);
     } else {
       for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)
         if (!norm_row<T>(rp, row, src, sink, s_cache, UBX_ROW_CACHE_VECS, s_red)) break;  // block-uniform

@@ -9,12 +9,12 @@
 
 static int g_failures = 0;
 
-#define CHECK(cond)                                                                \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
+#define CHECK(cond)                                                                 \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
       std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                                \
-    }                                                                              \
+      ++g_failures;                                                                 \
+    }                                                                               \
   } while (0)
 
 namespace {
@@ -24,8 +24,8 @@ using ubnext::kAlgos;
 
 // ubnext/comm/_executor.py launch_geometry with gpu_max_blocks on a GPU (block 256, sm_count =
 // min(128, SM count), nvls_ctas 16 below sm_100 and 32 from it), grid only.
-long long py_grid(const char* algo, long long n, long long elem, long long tokens, bool fused,
-                  long long world, long long sms, int cc_major = 9) {
+long long py_grid(const char* algo, long long n, long long elem, long long tokens, bool fused, long long world,
+                  long long sms, int cc_major = 9) {
   const long long block = 256;
   auto ceil_div = [](long long a, long long b) { return (a + b - 1) / b; };
   auto clamp = [](long long x, long long hi) { return x < 1 ? 1 : (x > hi ? hi : x); };
@@ -40,8 +40,8 @@ long long py_grid(const char* algo, long long n, long long elem, long long token
     long long split = 1;
     if (a == "lamport" && tokens > 0) {
       const long long row_vectors = n / tokens * elem / 16, groups = ceil_div(row_vectors, 32);
-      split = std::min(max_blocks / tokens, row_vectors / 128);
-      if (split < 2 || tokens * groups > 4096 - 3200 || ceil_div(groups, split) * 32 > 2048) split = 1;
+      split = std::min({max_blocks / tokens, row_vectors / 128, 8LL});
+      if (split < 2 || ceil_div(groups, split) * 32 > 2048) split = 1;
     }
     return clamp(tokens * split, max_blocks);
   }
@@ -60,8 +60,7 @@ unsigned c_grid(int a, long long bytes, long long tokens, long long world, long 
                       static_cast<size_t>(world), 256, static_cast<int>(sms), coresident, true, nvls, row_vectors);
 }
 
-const char* const kNames[ubnext::kNumAlgos] = {"lamport", "nvls_oneshot", "nvls_twoshot",
-                                                "nvls_lamport", "twoshot"};
+const char* const kNames[ubnext::kNumAlgos] = {"lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twoshot"};
 
 void test_traits() {
   // Per-rank share: the two-shot family, nvls_lamport included.
@@ -104,8 +103,8 @@ void test_grid_matches_python() {
               const unsigned got = c_grid(a, n * e, 0, w, sms, cc);
               const long long want = py_grid(kNames[a], n, e, 0, false, w, sms, cc);
               if (got != want) {
-                std::fprintf(stderr, "%s n=%lld elem=%lld world=%lld sms=%lld cc=%d: grid %u, python %lld\n",
-                             kNames[a], n, e, w, sms, cc, got, want);
+                std::fprintf(stderr, "%s n=%lld elem=%lld world=%lld sms=%lld cc=%d: grid %u, python %lld\n", kNames[a],
+                             n, e, w, sms, cc, got, want);
                 ++g_failures;
               }
               ++checked;
@@ -116,7 +115,8 @@ void test_grid_matches_python() {
   for (int a = 0; a < ubnext::kNumAlgos; ++a)
     for (long long t : tokens)
       for (long long sms : smss) {
-        CHECK(c_grid(a, t * 4096 * 2, t, 8, sms, 9, 1 << 20, a == UBNEXT_ALGO_LAMPORT ? 4096 * 2 / 16 : 0) == py_grid(kNames[a], t * 4096, 2, t, true, 8, sms));
+        CHECK(c_grid(a, t * 4096 * 2, t, 8, sms, 9, 1 << 20, a == UBNEXT_ALGO_LAMPORT ? 4096 * 2 / 16 : 0) ==
+              py_grid(kNames[a], t * 4096, 2, t, true, 8, sms));
         ++checked;
       }
   std::printf("default grid: %d cases match ubnext/comm/_executor.py launch_geometry\n", checked);
@@ -189,7 +189,31 @@ void test_quantize_grid() {
 
 }  // namespace
 
+// The row split as a cluster launch (launch_rules.h row_split, row_cluster, pair_clusters_fit): at most 8
+// CTAs per row (a portable cluster), one cluster per row, and the cluster rule's arithmetic at its site: a
+// grid within pair_grid_cap leaves room for its clusters beside any other such kernel on H100 and B200.
+void test_row_split_clusters() {
+  CHECK(ubnext::row_split(1, 1024, 64) == 8);   // 1 x 8192 bf16: 8 CTAs of 128 vectors
+  CHECK(ubnext::row_split(1, 2048, 64) == 8);   // fp32's 2048 vectors: still 8, not 16
+  CHECK(ubnext::row_split(16, 1024, 64) == 4);  // 16 tokens: 64 CTAs, clusters of 4
+  CHECK(ubnext::row_split(32, 1024, 128) == 4);  // no sync-region partials bound any more
+  CHECK(ubnext::row_split(64, 1024, 64) == 1);
+  CHECK(ubnext::row_cluster(1, 8) == 8 && ubnext::row_cluster(16, 64) == 4);
+  CHECK(ubnext::row_cluster(8, 8) == 1 && ubnext::row_cluster(0, 8) == 1);
+  CHECK(ubnext::pair_clusters_fit(8, 16) && !ubnext::pair_clusters_fit(9, 17) && !ubnext::pair_clusters_fit(1, 0));
+  for (long long sms : {132ll, 148ll})
+    for (long long gpcs : {8ll}) {
+      const long long g = ubnext::pair_grid_cap(static_cast<int>(sms));
+      for (long long s = 2; s <= static_cast<long long>(ubnext::kRowSplitMax); ++s) {
+        // worst case beside another kernel of g CTAs, k = 2 CTAs per SM: k (sms - g) / s - G (s - 1) / s
+        const double room = (2.0 * (sms - g) - static_cast<double>(gpcs * (s - 1))) / static_cast<double>(s);
+        CHECK(room >= static_cast<double>(g / s));
+      }
+    }
+}
+
 int main() {
+  test_row_split_clusters();
   test_quantize_grid();
   test_traits();
   test_grid_matches_python();

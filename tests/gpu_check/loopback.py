@@ -176,10 +176,12 @@ class VirtualRanks:
         pointers: list[tuple],
         ranks: list[int] | None = None,
         kernel=None,
+        cluster: int = 1,
     ) -> None:
         """One launch per rank (``ranks``: a subset, to leave a peer missing), each on its own stream,
-        without PDL (nothing precedes them), then wait for all of them. ``scalars``: (n, hidden, eps,
-        flags), or a list of them, one per rank (a forced mismatch)."""
+        without PDL (nothing precedes them), in thread-block clusters of ``cluster`` (the Lamport row split),
+        then wait for all of them. ``scalars``: (n, hidden, eps, flags), or a list of them, one per rank (a
+        forced mismatch)."""
         from ubnext import kernels
         from ubnext.runtime import _cuda
 
@@ -189,7 +191,7 @@ class VirtualRanks:
             mine = scalars[r] if isinstance(scalars, list) else scalars
             packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(mine) :], mine)
             params = _cuda.KernelParams(self.descs[r], packed)
-            config = _cuda.launch_config(grid, block, self.streams[r].cuda_stream, False, 0)
+            config = _cuda.launch_config(grid, block, self.streams[r].cuda_stream, False, 0, cluster)
             _cuda.launch(kernel, config, params, pointers[r])
         self.synchronize()
 
@@ -229,7 +231,7 @@ class RecordingRanks(VirtualRanks):
     def max_blocks(self) -> int:
         return max(1, self.H100_SMS // self.n)
 
-    def launch(self, name, grid, block, scalars, pointers, ranks=None, kernel=None):
+    def launch(self, name, grid, block, scalars, pointers, ranks=None, kernel=None, cluster=1):
         from ubnext import kernels
         from ubnext.runtime import _cuda
 
@@ -237,8 +239,10 @@ class RecordingRanks(VirtualRanks):
             raise AssertionError(f"no kernel named {name}")
         for mine in scalars if isinstance(scalars, list) else [scalars]:
             _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(mine) :], mine)
-        if not (1 <= grid <= self.max_blocks() and block == 256):
+        if not (1 <= grid <= self.max_blocks() and block == (128 if cluster > 1 else 256)):
             raise AssertionError(f"{name}: grid {grid} x {block} breaks the residency cap {self.max_blocks()}")
+        if grid % cluster or not 1 <= cluster <= 8:
+            raise AssertionError(f"{name}: grid {grid} in clusters of {cluster}")
         for r in range(self.n) if ranks is None else ranks:
             if len(pointers[r]) != 7 or not all(isinstance(p, int) for p in pointers[r]):
                 raise AssertionError(f"{name}: rank {r}'s pointers {pointers[r]}")

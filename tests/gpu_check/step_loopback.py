@@ -84,7 +84,7 @@ def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=Non
 
     from tests.gpu_check import loopback as L
     from ubnext import kernels
-    from ubnext.comm._executor import GPU_BLOCK, launch_geometry
+    from ubnext.comm._executor import GPU_BLOCK, launch_geometry, row_cluster
 
     n, dev = vr.n, vr.device
     xs = [x.to(dev) for x in L.inputs(case, n, round_)]
@@ -143,7 +143,17 @@ def _round(vr, case, round_: int, max_blocks: int, ranks=None, numel_of_rank=Non
             pointers.append((src.data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0))
             outputs.append(out)
     vr.synchronize()  # the inputs, written on the default stream, before the ranks' streams read them
-    vr.launch(name, grid, block, scalars if numel_of_rank is None else scalars_of, pointers, ranks=ranks, kernel=kernel)
+    cluster = row_cluster(case.algo, case.numel // L.HIDDEN if case.fused else 0, grid)  # the row split's
+    vr.launch(
+        name,
+        grid,
+        block,
+        scalars if numel_of_rank is None else scalars_of,
+        pointers,
+        ranks=ranks,
+        kernel=kernel,
+        cluster=cluster,
+    )
     if case.fused:
         return [(o[0], o[1]) for o in outputs], xs
     return outputs, xs

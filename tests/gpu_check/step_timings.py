@@ -419,7 +419,9 @@ def _chain_enqueue(comm, how, pointers, pdl: bool, event: bool, captured: bool, 
     done = extra_event if event else None
 
     def enqueue():
-        config = _cuda.launch_config(how.grid, how.block, torch.cuda.current_stream().cuda_stream, pdl, device_index)
+        config = _cuda.launch_config(
+            how.grid, how.block, torch.cuda.current_stream().cuda_stream, pdl, device_index, how.cluster
+        )
         for p in pointers:
             _cuda.launch(how.kernel, config, how.params, p, done)
 

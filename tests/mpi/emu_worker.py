@@ -257,9 +257,9 @@ SENTINEL = -0x80000000  # the Lamport "not yet written" word (-0.0f)
 F_FUSED_NORM, F_MULTICAST = 1, 8  # UBNEXT_F_* (desc.cuh)
 
 
-def _lamport(emu, pool, err, dtype, n, hidden, grid, flags):
-    """One Lamport one-shot call of this rank (64-thread blocks), inputs that differ per rank; returns
-    (in, out) as the kernel saw them."""
+def _lamport(emu, pool, err, dtype, n, hidden, grid, flags, cluster=1):
+    """One Lamport one-shot call of this rank (64-thread blocks, in clusters of ``cluster``), inputs that
+    differ per rank; returns (in, out) as the kernel saw them."""
     kernel = {np.float32: "ubnext_lamport_fp32", np.uint16: "ubnext_lamport_bf16"}[dtype]
     rng = np.random.default_rng(7 + RANK)
     values = rng.standard_normal(n).astype(np.float32)
@@ -280,7 +280,13 @@ def _lamport(emu, pool, err, dtype, n, hidden, grid, flags):
         lamport_off=LAMPORT_OFF,
         lamport_slot_bytes=LAMPORT_SLOT,
     )
-    emu.launch(kernel, grid, 64, kargs(desc=desc, out=out, n=n, hidden=hidden, flags=flags, **{"in": x}, **fused))
+    emu.launch(
+        kernel,
+        grid,
+        64,
+        kargs(desc=desc, out=out, n=n, hidden=hidden, flags=flags, **{"in": x}, **fused),
+        cluster=cluster,
+    )
     check(not err.any(), f"{kernel} flags={flags} failed: error words {list(err)}")
     return x, out
 
@@ -313,7 +319,8 @@ def case_stamps(emu, pool, chaos):
             ("fused, a CTA per row", np.uint16, 2 * 1024, 1024, 2, F_FUSED_NORM, False),
         ]
         for what, dtype, n, hidden, grid, flags, row_split in calls:
-            x, out = _lamport(stamped, pool, err, dtype, n, hidden, grid, flags)
+            # a row split is a cluster launch of the row's CTAs (norm.cuh)
+            x, out = _lamport(stamped, pool, err, dtype, n, hidden, grid, flags, grid if row_split else 1)
             if not flags & F_FUSED_NORM:
                 check(
                     np.array_equal(out, reduce_in_order(COMM.allgather(x))), f"{what}: the stamped build's sum is wrong"

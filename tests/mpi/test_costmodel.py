@@ -59,12 +59,14 @@ PINNED_MULTICAST = {
     ("all_reduce", "nvls_twoshot/ro", 16384): (1, 6, 2, 20544),
     ("all_reduce", "nvls_lamport/ro", 65536): (4, 2, 0, 118912),
     ("all_reduce", "nvls_twoshot/ro", 65536): (4, 6, 2, 20544),
-    # the Lamport fused op splits a row over 8 CTAs at 1 token (norm.cuh's row split: 1/8 of the bytes
-    # per CTA, the same single hop); at 4 tokens its 32 CTAs are past the measured grids (derived, see
+    # the Lamport fused op splits a row over a cluster of 8 CTAs of 128 threads at 1 token (norm.cuh's row
+    # split: 1/8 of the bytes per CTA, the same single hop; CTA 0's share of the grid-wide re-poison is 128
+    # threads' since issue 38 item 2, 8128 bytes fewer than at 256); at 4 tokens its 32 CTAs are past the
+    # measured grids (derived, see
     # test_fused_row_split_at_8_ranks). The two-shot fused paths: the owner adds the residual before the
     # one rounding, so the row phase no longer loads it (fewer bytes), and nvls_twoshot's fused rows sum
     # by unicast loads instead of ld_reduce (the same hops: a round trip either way; issue 26)
-    ("all_reduce_add_rmsnorm", "lamport", 16384): (8, 1, 0, 36928),
+    ("all_reduce_add_rmsnorm", "lamport", 16384): (8, 1, 0, 28800),
     ("all_reduce_add_rmsnorm", "nvls_lamport", 16384): (1, 5, 1, 106560),
     ("all_reduce_add_rmsnorm", "nvls_twoshot", 16384): (1, 7, 3, 86080),
     ("all_reduce_add_rmsnorm", "twoshot", 16384): (1, 6, 2, 98368),
@@ -96,7 +98,7 @@ PINNED_UNICAST = {
     ("all_reduce", "twoshot", 16384): (1, 6, 2, 32864),
     ("all_reduce", "lamport", 65536): (16, 1, 0, 57520),
     ("all_reduce", "twoshot", 65536): (4, 6, 2, 32864),
-    ("all_reduce_add_rmsnorm", "lamport", 16384): (8, 1, 0, 43120),
+    ("all_reduce_add_rmsnorm", "lamport", 16384): (8, 1, 0, 34992),
     ("all_reduce_add_rmsnorm", "twoshot", 16384): (1, 6, 2, 98400),
     ("all_reduce_add_rmsnorm", "twoshot", 65536): (4, 6, 2, 98400),
     ("all_gather", "allgather", 65536): (4, 4, 2, 20576),
@@ -238,6 +240,28 @@ def test_calibrated_counts_do_not_depend_on_scheduling(plain_rows_at_2):
         assert t_hops >= 1 and waits >= 1 and 0 < inflight <= load, (key, plain[key])
 
 
+def test_the_row_splits_cluster_counts_do_not_depend_on_scheduling():
+    """Issue 38 item 2: the fused Lamport row split exchanges its partials in distributed shared memory
+    between two cluster barriers, with no counter its siblings race for (the global-memory exchange's
+    l2/waits varied by a few between runs), so its calibrated counts are the same under chaos mode's other
+    schedules, and its chain at one token holds the cluster's own latencies: both barriers and at least one
+    access of a sibling's shared memory (csrc/emu/memory.cpp, dsm and cluster_syncs)."""
+    only = frozenset({("all_reduce_add_rmsnorm", "lamport")})
+    keys = ("t_hops", "l2", "atomics", "waits", "dsm", "cluster_syncs", "cta_load_bytes", "cta_inflight")
+    runs = [
+        _costmodel.run(2, quick=True, only=only, env=env)
+        for env in (
+            {},
+            {"UBNEXT_EMU_CHAOS": "1", "UBNEXT_EMU_SEED": "5"},
+            {"UBNEXT_EMU_CHAOS": "1", "UBNEXT_EMU_SEED": "6"},
+        )
+    ]
+    counts = [{r["tokens"]: tuple(r[k] for k in keys) for r in rows if not r["derived"]} for rows in runs]
+    assert counts[0] and counts[0] == counts[1] == counts[2], counts
+    (one,) = [r for r in runs[0] if r["tokens"] == 1 and not r["derived"]]
+    assert one["ctas"] == 8 and one["cluster_syncs"] == 2 and one["dsm"] >= 1, one
+
+
 def test_call_header_checks_add_no_hop(plain_at_2):
     """The call check (misuse issue, item 1): with and without it, the same hops and fences on every
     path that carries it. The Lamport header travels beside the data (16 bytes more per peer, in
@@ -322,9 +346,12 @@ def test_fused_nvfp4_counts_at_4_ranks():
     the fused kernel quantising its own rows (csrc/device/norm.cuh store_row_out), with the unquantised
     op's counts (the row split over 8 CTAs, 1 hop, no fence) and fewer bytes per CTA than its 36,928
     (q is half a bf16 row). Two launches here would mean the form fell back to the fused op, then
-    comm.quantize of its output, which it was before the one-kernel form."""
+    comm.quantize of its output, which it was before the one-kernel form. 27,264 bytes since the split's
+    CTAs have 128 threads (issue 38 item 2; 35,392 at 256): CTA 0's share of the re-poison of the previous
+    call's 255 vectors per slot (lamport_rotation.cuh: one vector per thread of the grid) is 128, not 255,
+    vectors x 4 slots."""
     rows = _costmodel.run(4, quick=True, only=frozenset({(_costmodel.FUSED_NVFP4, "lamport")}))
     one = [r for r in rows if r["tokens"] == 1 and not r["derived"]]
     assert len(one) == 1, rows
     got = {k: one[0][k] for k in ("ctas", "hops", "fences", "max_cta_bytes", "launches")}
-    assert got == {"ctas": 8, "hops": 1, "fences": 0, "max_cta_bytes": 35392, "launches": 1}, got
+    assert got == {"ctas": 8, "hops": 1, "fences": 0, "max_cta_bytes": 27264, "launches": 1}, got

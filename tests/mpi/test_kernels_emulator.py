@@ -64,6 +64,8 @@ FULL = [
     # issue 26: the batch-invariant mode (at 2 ranks a sum of two is order-free: 3 and 4 show the order)
     "batch_invariant",
     "batch_invariant_fused",
+    # issue 38 item 2: the row split's cluster reduction in the fixed order
+    "cluster_order",
     # issue 24 item C: griddepcontrol placed in every kernel (the emulator checks the wait)
     "pdl",
     # issue 40 H3 and C3: settings agreed at set-up; a bad environment on one rank stops its peers too
@@ -146,6 +148,7 @@ UNICAST = [
     # issue 25 at 3 ranks: shards that are not whole vectors, FP8 rows that do not divide among the ranks
     "fsdp_odd_shards",
     "fsdp_fp8_uneven",
+    "cluster_order",
     "batch_invariant",
     "batch_invariant_fused",
     "pdl",
@@ -203,7 +206,8 @@ BROKEN = {
         "fused_arithmetic"
     ],  # the norm's sum of squares in block order: bits change with the block size
     "two_roundings": ["fused_arithmetic"],  # two-shot fused paths round s before the residual add
-    "row_split_no_arrival": ["fused_arithmetic"],  # a split row's block never arrives: the bounded wait times out
+    # the row split's cluster folds each CTA's groups first (FlashInfer's order): the bits follow the split
+    "cluster_ssq_order": ["cluster_order"],
     # a two-shot portion summed N-1..0: the batch-invariant mode's rank-order reference catches it
     "twoshot_reverse_order": ["batch_invariant"],
     # the plain NVLS two-shot paths ignore the mode's rank-order flag and ld_reduce (chaos: in a random order)
@@ -227,8 +231,6 @@ CAUGHT_AS = {
     # one row's swizzled scales sit where plain order puts them: the 7-row shape shows the break
     "swizzle": "nvfp4 7x1040 torch.bfloat16 swizzled=True ue8m0=False global_scale=True: scales vs the "
     "reference differs",
-    "row_split_no_arrival": "timed out in lamport after 5 s (UBNEXT_TIMEOUT, else the process group's "
-    "timeout) waiting for its own blocks sharing a token row",
 }
 # A violation is caught as a wrong result (AssertionError) or a lost peer (UbnextTimeoutError). Three
 # breaks also show as a call header read wrong: their cases make the same call on every rank, so a

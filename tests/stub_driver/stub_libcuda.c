@@ -313,6 +313,23 @@ API CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, void *f, i
     return 0;
 }
 
+/* cuOccupancyMaxActiveClusters: stub_max_clusters for every kernel; stub_last_cluster_asked the cluster size
+ * (the launch config's cluster-dimension attribute, 0 without one) it was last asked about */
+typedef struct { unsigned gx, gy, gz, bx, by, bz, shmem; void *hStream; void *attrs; unsigned nattrs; } OccCfg;
+typedef struct { int id; char pad[4]; union { char bytes[64]; unsigned u[3]; } value; } OccAttr;
+int stub_max_clusters = 16;
+int stub_last_cluster_asked = 0;
+API CUresult cuOccupancyMaxActiveClusters(int *n, void *f, const OccCfg *cfg) {
+    (void)f; T();
+    stub_last_cluster_asked = 0;
+    for (unsigned i = 0; i < cfg->nattrs; i++) {
+        const OccAttr *a = (const OccAttr *)cfg->attrs + i;
+        if (a->id == 4) stub_last_cluster_asked = (int)a->value.u[0]; /* CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION */
+    }
+    *n = stub_max_clusters;
+    return 0;
+}
+
 API CUresult cuStreamGetCtx(void *s, CUcontext *c) { (void)s; T(); *c = FAKE_CTX; return 0; }
 API CUresult cuStreamGetCtx_v2(void *s, CUcontext *c, void **gc) { (void)s; T(); *c = FAKE_CTX; if (gc) *gc = NULL; return 0; }
 API CUresult cuStreamGetDevice(void *s, CUdevice *d) { (void)s; T(); *d = 0; return 0; }

@@ -43,7 +43,7 @@ def test_debug_mode_does_not_synchronise_a_captured_launch(gpu_comm, monkeypatch
     monkeypatch.setattr(cu, "launch_config", lambda *args: None)
     comm._debug, comm._capturing, comm._stream, comm._device_index = True, capturing, 0, 0
     comm._launch_done = "event"
-    how = SimpleNamespace(kernel=0, grid=1, block=32, pdl=True, params=None)
+    how = SimpleNamespace(kernel=0, grid=1, block=32, pdl=True, cluster=1, params=None)
     comm._run(how, (0,) * 7)
     assert syncs == ([] if capturing else [comm.device])
     assert comm._pool.captured == capturing

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ubnext.comm._executor import GPU_BLOCK, GRID_CAP, gpu_max_blocks, launch_geometry
+from ubnext.comm._executor import GPU_BLOCK, GRID_CAP, clusters_fit_pair, gpu_max_blocks, launch_geometry, row_cluster
 from ubnext.tuning import _costmodel as M
 from ubnext.tuning import _invariant
 
@@ -89,17 +89,24 @@ def test_quantize_at_64_mb_takes_the_grid_its_work_needs():
 
 
 def test_fused_lamport_rows_split_over_free_sms():
-    """The Lamport fused launch at few tokens (csrc/device/norm.cuh's row split): 8 CTAs a row at
-    hidden 8192 bf16 while the SMs allow, one CTA a row once the rows' partials would not fit the sync
-    region (32 tokens x 32 groups > 896 words) and for per-token FP8; the other paths one CTA a row."""
+    """The Lamport fused launch at few tokens (csrc/device/norm.cuh's row split): a cluster of 8 CTAs of 128
+    threads a row at hidden 8192 bf16 while the SMs allow (one vector per thread), fewer as the rows take the
+    SMs, at most 8 (a portable cluster: fp32's 2048 vectors too), one CTA a row of 256 threads once the SMs
+    run out and for per-token FP8; the other paths one CTA a row."""
     n = 8192
 
-    def geometry(algo, tokens, **kw):
-        return launch_geometry(algo, tokens * n, 2, tokens, True, 8, GPU_BLOCK, 128, **kw)[0]
+    def geometry(algo, tokens, elem=2, **kw):
+        return launch_geometry(algo, tokens * n, elem, tokens, True, 8, GPU_BLOCK, 128, **kw)
 
-    assert [geometry("lamport", t) for t in (1, 2, 16, 32, 64)] == [8, 16, 128, 32, 64]
-    assert geometry("lamport", 1, split_rows=False) == 1
-    assert geometry("twoshot", 1) == geometry("nvls_lamport", 1) == 1
+    assert [geometry("lamport", t)[0] for t in (1, 2, 16, 32, 64, 128)] == [8, 16, 128, 128, 128, 128]
+    assert [row_cluster("lamport", t, geometry("lamport", t)[0]) for t in (1, 16, 32, 64, 128)] == [8, 8, 4, 2, 1]
+    assert geometry("lamport", 1) == (8, 128) and geometry("lamport", 128) == (128, GPU_BLOCK)
+    assert geometry("lamport", 1, elem=4) == (8, 128)
+    assert geometry("lamport", 1, split_rows=False) == (1, GPU_BLOCK)
+    assert geometry("twoshot", 1)[0] == geometry("nvls_lamport", 1)[0] == 1
+    assert row_cluster("twoshot", 1, 1) == row_cluster("lamport", 0, 64) == 1
+    # the cluster rule between communicators (launch_rules.h pair_clusters_fit): twice the clusters fit
+    assert clusters_fit_pair(8, 16) and not clusters_fit_pair(9, 17) and not clusters_fit_pair(1, 0)
     assert launch_geometry("lamport", 512, 2, 1, True, 8, GPU_BLOCK, 128)[0] == 1  # 64 vectors: < 2 x 128
 
 

@@ -137,9 +137,40 @@ def test_a_cached_launch_passes_the_descriptor_the_scalars_and_the_pdl_rule(monk
         kernel, config, params, sent_pointers, done = launched.pop()
         assert done == "done-event"  # recorded after the kernel, for the next stream switch
         assert kernel == 0xABC001 and config == "config" and sent_pointers == pointers
-        assert configs.pop() == (launch.grid, launch.block, 0x5000, pdl, 1)  # on the communicator's device
+        # on the communicator's device, with the call's cluster
+        assert configs.pop() == (launch.grid, launch.block, 0x5000, pdl, 1, launch.cluster)
         got = _read_back(params.address(pointers), kernels.KERNEL_SIGNATURE)
         assert got[0] == DESC and tuple(got[1:8]) == pointers
         assert got[8:10] == [4096, hidden] and got[11] == sent_flags and got[10] == float(np.float32(1e-6))
         assert launch.scalars == (4096, hidden, 1e-6, sent_flags) and launch.pdl == pdl
     assert [k for _, k in kernels.KERNEL_SIGNATURE] == ["desc"] + ["ptr"] * 7 + ["i32", "i32", "f32", "i32"]
+
+
+@pytest.mark.parametrize("max_clusters,cluster", [(2, 8), (1, 1), (0, 1)])
+def test_the_row_split_launches_as_a_cluster_when_two_fit(monkeypatch, max_clusters, cluster):
+    """The fused Lamport op at 1 x 8192 bf16 on a GPU (issue 38 item 2): 8 CTAs of 128 threads, one thread-block
+    cluster of 8 for the row, its cluster-dimension reaching launch_config, as long as the device holds twice
+    its clusters at once (cuOccupancyMaxActiveClusters, asked at its shape: launch_rules.h pair_clusters_fit);
+    otherwise the same grid without a cluster, whose rows the kernel gives to one CTA each."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ubnext.comm import Communicator
+
+    asked, configs = [], []
+    monkeypatch.setattr(kernels, "load_kernel", lambda name, index: SimpleNamespace(handle=0xABC000 + index))
+    monkeypatch.setattr(_cuda, "_compute_major", lambda index: 9)
+    monkeypatch.setattr(_cuda, "launch", lambda *args: None)
+    monkeypatch.setattr(_cuda, "launch_config", lambda *args: configs.append(args) or "config")
+    monkeypatch.setattr(
+        _cuda, "max_active_clusters", lambda kernel, block, c, index: asked.append((block, c)) or max_clusters
+    )
+    comm = object.__new__(Communicator)
+    comm.mode, comm.world_size, comm._sm_count, comm._device_index = "gpu", 8, 132, 0
+    comm._capturing, comm._stream, comm._debug, comm._launch_done = False, 0x5000, False, "done-event"
+    comm._pool = SimpleNamespace(has_multicast=True, desc=DESC)
+    launch = comm._launch_for("lamport", torch.bfloat16, 8192, 8192, 1e-6, kernels.F_FUSED_NORM)
+    assert (launch.grid, launch.block, launch.cluster) == (8, 128, cluster) and asked == [(128, 8)]
+    comm._run(launch, (0x7F0000001000,) * 7)
+    assert configs.pop() == (8, 128, 0x5000, True, 0, cluster)

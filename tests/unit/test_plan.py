@@ -235,13 +235,15 @@ def test_a_second_stream_waits_for_the_last_launch_not_the_stream(monkeypatch):
         "record_event",
         lambda event, stream, index: calls.append(("record", stream, event, index)),
     )
-    monkeypatch.setattr(ubnext.runtime._cuda, "launch_config", lambda grid, block, stream, pdl, index: stream)
+    monkeypatch.setattr(
+        ubnext.runtime._cuda, "launch_config", lambda grid, block, stream, pdl, index, cluster=1: stream
+    )
     monkeypatch.setattr(
         ubnext.runtime._cuda,
         "launch",
         lambda kernel, stream, params, pointers, done=None: calls.append(("launch", stream, done)),
     )
-    how = SimpleNamespace(kernel=0, grid=1, block=32, pdl=True, params=None)
+    how = SimpleNamespace(kernel=0, grid=1, block=32, pdl=True, cluster=1, params=None)
 
     def op(stream):
         current[0] = stream

@@ -34,7 +34,7 @@ SCRIPT = (
     import ctypes, importlib.util, struct, sys, threading
     from ubnext import kernels, pool
     from ubnext.runtime._cuda import (CudaError, KernelParams, bind_launch_calls, core, create_event, driver, kernel_handle,
-                                      launch, launch_config, pack_kernel_args, pdl_enabled)
+                                      launch, launch_config, max_active_clusters, pack_kernel_args, pdl_enabled)
 
     stub = ctypes.CDLL("libcuda.so.1")
     assert hasattr(stub, "stub_launch_count"), "libcuda.so.1 is not the stub"
@@ -105,6 +105,17 @@ SCRIPT = (
     assert tuple((ctypes.c_ulonglong * 16).in_dll(stub, "stub_last_args")[1:8]) == other
     assert driver_calls(lambda: launch(kernel, config, params, pointers)) == ["cuCtxGetCurrent", "cuLaunchKernelEx"]
     assert int(driver().cuCtxGetCurrent()[1]) == primary
+    # a cluster launch (the Lamport row split): the cluster-dimension attribute after PDL's, its x the cluster
+    launch(kernel, launch_config(16, 128, 0x5B00, pdl, 0, 8), params, pointers)
+    nattrs = recorded("stub_last_nattrs", ctypes.c_uint)
+    cdim = int(driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    attributes = [(ids[i], attr_values[i]) for i in range(nattrs)]
+    assert attributes == ([(pss, 1)] if pdl else []) + [(cdim, 8)], attributes
+    assert recorded("stub_last_grid", ctypes.c_uint) == 16 and recorded("stub_last_block", ctypes.c_uint) == 128
+    # cuOccupancyMaxActiveClusters asked at the cluster's shape
+    ctypes.c_int.in_dll(stub, "stub_max_clusters").value = 5
+    assert max_active_clusters(kernel, 128, 4, 0) == 5
+    assert recorded("stub_last_cluster_asked", ctypes.c_int) == 4
     # a failed launch raises CudaError, and a pushed context is popped all the same
     ctypes.c_int.in_dll(stub, "stub_launch_result").value = 719  # CUDA_ERROR_LAUNCH_FAILED
 
@@ -119,7 +130,7 @@ SCRIPT = (
     worker.start()
     worker.join()
     assert "launch" in seen.get("error", "").lower() and "fail" in seen["error"].lower(), seen
-    assert seen["after"] == 0 and recorded("stub_launch_count", ctypes.c_ulonglong) == 3
+    assert seen["after"] == 0 and recorded("stub_launch_count", ctypes.c_ulonglong) == 4
     print("stub launch ok, pdl", pdl)
 """)
 )

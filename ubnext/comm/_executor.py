@@ -61,24 +61,25 @@ def gpu_max_blocks(
     return cap
 
 
-# csrc/device/norm.cuh's row split: at least this many 16-byte vectors per CTA, the row's sum-of-squares
-# partials (one word per 32 vectors) within the sync region's words for them (desc.cuh), a CTA's part
-# within its row cache (UBX_ROW_CACHE_VECS)
+# csrc/device/norm.cuh's row split: at least this many 16-byte vectors per CTA, at most ROW_SPLIT_MAX CTAs
+# per row (a thread-block cluster of the portable size), a CTA's part within its row cache (UBX_ROW_CACHE_VECS)
 ROW_SPLIT_MIN_VECS = 128
-ROW_PARTIALS_MAX = 4096 - 3200
+ROW_SPLIT_MAX = 8
 ROW_CACHE_VECS = 2048
+# threads of a split row's CTAs on a GPU: at 1 x 8192 bf16 one vector per thread (FlashInfer's 8 x 128)
+ROW_SPLIT_BLOCK = 128
 
 
 def row_split(tokens: int, row_vectors: int, max_blocks: int) -> int:
-    """CTAs per token row of the Lamport fused kernel: the SMs the rows leave free, as long as each
-    CTA keeps >= ROW_SPLIT_MIN_VECS vectors (1 token x hidden 8192 bf16: 8 CTAs of 128 vectors, the
-    split FlashInfer's one-shot uses). The kernel applies the same limits (row_split_of) and takes
-    split = grid / tokens."""
+    """CTAs per token row of the Lamport fused kernel, launched as one cluster per row: the SMs the rows
+    leave free, as long as each CTA keeps >= ROW_SPLIT_MIN_VECS vectors, at most ROW_SPLIT_MAX (1 token x
+    hidden 8192 bf16: 8 CTAs of 128 vectors, the split FlashInfer's one-shot uses). The kernel applies the
+    same limits (row_split_of) and takes split = its cluster's size."""
     if tokens <= 0:
         return 1
     groups = -(-row_vectors // 32)
-    split = min(max_blocks // tokens, row_vectors // ROW_SPLIT_MIN_VECS)
-    if split < 2 or tokens * groups > ROW_PARTIALS_MAX or -(-groups // split) * 32 > ROW_CACHE_VECS:
+    split = min(max_blocks // tokens, row_vectors // ROW_SPLIT_MIN_VECS, ROW_SPLIT_MAX)
+    if split < 2 or -(-groups // split) * 32 > ROW_CACHE_VECS:
         return 1
     return split
 
@@ -96,18 +97,33 @@ def launch_geometry(
     split_rows: bool = True,
 ) -> tuple[int, int]:
     """(grid, block) of one kernel call: a block per token row for the fused norm (on the Lamport
-    path, at few tokens, ``row_split`` blocks per row unless ``split_rows`` is False: per-token FP8),
-    else enough blocks for one vector per thread (of this rank's 1/N share on the two-shot paths), at
-    most ``max_blocks`` (one per SM keeps the grid co-resident: blocks wait on peers' blocks)."""
+    path, at few tokens, a cluster of ``row_split`` blocks of at most ROW_SPLIT_BLOCK threads per row unless
+    ``split_rows`` is False: per-token FP8; ``row_cluster`` gives the cluster), else enough blocks for one
+    vector per thread (of this rank's 1/N share on the two-shot paths), at most ``max_blocks`` (one per SM
+    keeps the grid co-resident: blocks wait on peers' blocks)."""
     if fused:
         split = 1
         if algo == "lamport" and split_rows and tokens > 0:
             split = row_split(tokens, n // tokens * elem // 16, max_blocks)
-        return max(1, min(tokens * split, max_blocks)), block
+        return max(1, min(tokens * split, max_blocks)), min(block, ROW_SPLIT_BLOCK) if split > 1 else block
     vectors = -(-n * elem // 16)
     if algo in ("nvls_twoshot", "twoshot", "nvls_lamport"):
         vectors = -(-vectors // world_size)  # each rank reduces its 1/N share
     return max(1, min(-(-vectors // block), max_blocks)), block
+
+
+def row_cluster(algo: str, tokens: int, grid: int) -> int:
+    """Blocks per thread-block cluster of a launch: the row split's (launch_geometry's grid tokens x split,
+    one cluster per row), else 1 (no cluster)."""
+    return grid // tokens if algo == "lamport" and 0 < tokens < grid else 1
+
+
+def clusters_fit_pair(clusters: int, max_active_clusters: int) -> bool:
+    """Whether a cluster launch of ``clusters`` clusters keeps the no-deadlock rule between communicators:
+    twice its clusters within what the empty device holds at once (``max_active_clusters``,
+    cuOccupancyMaxActiveClusters). csrc/host/launch_rules.h pair_clusters_fit states the same rule and the
+    argument for it. When it fails the launch drops its cluster: each row is then one CTA's (norm.cuh)."""
+    return max_active_clusters > 0 and 2 * clusters <= max_active_clusters
 
 
 @functools.cache
@@ -142,6 +158,7 @@ class Launch(NamedTuple):
     pdl: bool  # launched with the programmatic-stream-serialization attribute (_cuda.pdl_enabled)
     params: Any = None  # gpu mode: _cuda.KernelParams of desc and scalars
     kernel: Any = None  # gpu mode: the loaded kernel's driver handle (_cuda.kernel_handle), looked up once
+    cluster: int = 1  # blocks per thread-block cluster (row_cluster)
 
 
 class TorchCall(NamedTuple):
@@ -310,11 +327,17 @@ class Executor(Part):
                 flags |= kernels.F_MULTICAST
         else:
             (grid, block), desc = geometry, LOCAL_DESC
+        cluster = row_cluster(algo, n // hidden if hidden and geometry is None else 0, grid)
         scalars = (n, hidden, float(eps), flags)
         packed = _cuda.pack_kernel_args(kernels.KERNEL_SIGNATURE[-len(scalars) :], scalars)
         fp8_out = flags & (kernels.F_FP8_STATIC | kernels.F_FP8_PER_TOKEN)
         name = _kernel_name(algo, dtype)
         if self.mode == "gpu":
+            kernel = _cuda.kernel_handle(kernels.load_kernel(name, self._device_index))
+            if cluster > 1 and not clusters_fit_pair(
+                grid // cluster, _cuda.max_active_clusters(kernel, block, cluster, self._device_index)
+            ):
+                cluster = 1
             return Launch(
                 algo,
                 name,
@@ -325,10 +348,13 @@ class Executor(Part):
                 desc,
                 _cuda.pdl_enabled(self._device_index),
                 _cuda.KernelParams(desc, packed),
-                _cuda.kernel_handle(kernels.load_kernel(name, self._device_index)),
+                kernel,
+                cluster,
             )
         # the emulator stands for sm_90 and later: it checks what the attribute asks of a kernel
-        return Launch(algo, name, grid, block, 8 if fp8_out else 16, scalars, desc, envs.get("UBNEXT_PDL"))
+        return Launch(
+            algo, name, grid, block, 8 if fp8_out else 16, scalars, desc, envs.get("UBNEXT_PDL"), cluster=cluster
+        )
 
     def _launch(
         self,
@@ -394,6 +420,7 @@ class Executor(Part):
                         list(zip(_SIGNATURE_KINDS, (how.desc, *pointers, *how.scalars))),
                         timeout_s=pool.timeout_s if pool is not None else None,
                         pdl=how.pdl,
+                        cluster=how.cluster,
                     )
             except KeyboardInterrupt:
                 self._broken = f"interrupted (Ctrl-C) in {_watchdog.describe(self)}"
@@ -414,7 +441,7 @@ class Executor(Part):
                 done = self._new_done_event()
         _cuda.launch(
             how.kernel,
-            _cuda.launch_config(how.grid, how.block, self._stream, how.pdl, self._device_index),
+            _cuda.launch_config(how.grid, how.block, self._stream, how.pdl, self._device_index, how.cluster),
             how.params,
             pointers,
             done,

@@ -497,13 +497,16 @@ class LaunchConfig(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def launch_config(grid: int, block: int, stream_handle: int, pdl: bool, device_index: int) -> LaunchConfig:
+def launch_config(
+    grid: int, block: int, stream_handle: int, pdl: bool, device_index: int, cluster: int = 1
+) -> LaunchConfig:
     """cuLaunchKernelEx's CUlaunchConfig for a 1-D grid and block on a stream (its raw handle) of a
     device, with the programmatic-stream-serialization attribute when ``pdl`` (``pdl_enabled``): the
     kernel may then start before the previous kernel on the stream has ended, and waits for it in
-    griddepcontrol.wait (csrc/device/ptx.cuh). Made once per geometry, stream and device: building one
-    costs microseconds. Binds ``launch``'s driver calls (``bind_launch_calls``): every launch takes a
-    config made here first."""
+    griddepcontrol.wait (csrc/device/ptx.cuh); and, when ``cluster`` > 1, the cluster-dimension attribute:
+    consecutive CTAs in thread-block clusters of ``cluster`` (the Lamport row split, csrc/device/norm.cuh).
+    Made once per geometry, stream and device: building one costs microseconds. Binds ``launch``'s driver
+    calls (``bind_launch_calls``): every launch takes a config made here first."""
     v2 = bind_launch_calls()
     drv = driver()
     config = drv.CUlaunchConfig()
@@ -517,8 +520,26 @@ def launch_config(grid: int, block: int, stream_handle: int, pdl: bool, device_i
         attribute.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attribute.value.programmaticStreamSerializationAllowed = 1
         attributes.append(attribute)
+    if cluster > 1:
+        attribute = drv.CUlaunchAttribute()
+        attribute.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster, 1, 1
+        attributes.append(attribute)
     if attributes:
         config.attrs = attributes
     config.numAttrs = len(attributes)
     context, context_address = _primary_context(device_index)
     return LaunchConfig(config, int(config.getPtr()) if v2 else config, stream_handle, context, context_address)
+
+
+def max_active_clusters(kernel, block: int, cluster: int, device_index: int) -> int:
+    """cuOccupancyMaxActiveClusters: how many clusters of ``cluster`` CTAs of ``block`` threads of ``kernel``
+    (``kernel_handle``) the device holds at once when empty (0: none fits, e.g. an MPS share with few SMs),
+    in the device's primary context. Asked once per call signature (Executor._launch_for)."""
+    ctx, _ = _primary_context(device_index)
+    config = launch_config(cluster, block, 0, False, device_index, cluster).native
+    check(driver().cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        return int(check(driver().cuOccupancyMaxActiveClusters(kernel, config)))
+    finally:
+        check(driver().cuCtxPopCurrent(), "cuCtxPopCurrent")

@@ -69,7 +69,7 @@ BREAKS = {
     "extra_fence": "UBNEXT_BREAK_EXTRA_FENCE",
     "ssq_block_order": "UBNEXT_BREAK_SSQ_BLOCK_ORDER",
     "two_roundings": "UBNEXT_BREAK_TWO_ROUNDINGS",
-    "row_split_no_arrival": "UBNEXT_BREAK_ROW_SPLIT_NO_ARRIVAL",
+    "cluster_ssq_order": "UBNEXT_BREAK_CLUSTER_SSQ_ORDER",
     "twoshot_reverse_order": "UBNEXT_BREAK_TWOSHOT_REVERSE_ORDER",
     "rank_order_ignored": "UBNEXT_BREAK_RANK_ORDER_IGNORED",
     "poll_reads_once": "UBNEXT_BREAK_POLL_READS_ONCE",
@@ -255,6 +255,7 @@ _ARG_TYPES: dict[str, type[ctypes._SimpleCData]] = {
 }
 DESC_BYTES = 8 * (16 + 16)  # sizeof(ubnext_comm_desc): 16 u64 fields, then 16 peer bases (desc.cuh)
 LAUNCH_PDL = 1  # UBNEXT_EMU_LAUNCH_PDL (emu_api.h)
+LAUNCH_CLUSTER_NONPORTABLE = 2  # UBNEXT_EMU_LAUNCH_CLUSTER_NONPORTABLE
 GRIDDEP_WORDS = 3
 
 
@@ -305,6 +306,7 @@ class Emulator:
             ctypes.c_char_p,
             i32,
             i32,
+            i32,
             ctypes.POINTER(ctypes.c_void_p),
             i32,
             ctypes.c_char_p,
@@ -349,13 +351,17 @@ class Emulator:
         *,
         timeout_s: float | None = None,
         pdl: bool = False,
+        cluster: int = 1,
+        nonportable_cluster: bool = False,
     ) -> None:
         """Run ``kernel`` (extern "C" in the library) on ``grid`` x ``block`` emulated threads,
         synchronously. ``args`` is the kernel's parameter list as (type, value) pairs, type in
         "ptr" (int address or 0/None), "i32", "f32". Raises EmulatorError on failure. A launch
         that does not end within the watchdog (``set_watchdog``, else 3 x the kernels' timeout
         ``timeout_s``, else 3 x UBNEXT_TIMEOUT or 30 min) aborts the process with a report: a
-        hang must not outlive the test that caused it."""
+        hang must not outlive the test that caused it. ``cluster``: blocks per thread-block cluster (the GPU's
+        cluster-dimension attribute; ``grid`` a multiple of it, at most 8 unless ``nonportable_cluster``, as
+        the non-portable-cluster-size attribute, allows 16)."""
         if len(args) != 12:
             raise EmulatorError(f"{kernel}: the kernel ABI has 12 parameters, got {len(args)}")
         values: list[ctypes._CData] = []
@@ -371,8 +377,9 @@ class Emulator:
         watchdog = self._watchdog_s or 3.0 * (timeout_s or envs.get("UBNEXT_TIMEOUT") or 1800.0)
         self._lib.ubnext_emu_set_watchdog_ns(int(watchdog * 1e9))
         err = ctypes.create_string_buffer(_ERRLEN)
+        flags = (LAUNCH_PDL if pdl else 0) | (LAUNCH_CLUSTER_NONPORTABLE if nonportable_cluster else 0)
         rc = self._lib.ubnext_emu_launch(
-            kernel.encode(), int(grid), int(block), ptrs, LAUNCH_PDL if pdl else 0, err, _ERRLEN
+            kernel.encode(), int(grid), int(block), int(cluster), ptrs, flags, err, _ERRLEN
         )
         if rc != 0:
             raise EmulatorError(

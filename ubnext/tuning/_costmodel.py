@@ -84,6 +84,8 @@ KEYS = (
     "l2",
     "atomics",
     "waits",
+    "dsm",
+    "cluster_syncs",
     "cta_load_bytes",
     "cta_inflight",
     "cal_us",

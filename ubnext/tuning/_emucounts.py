@@ -10,7 +10,7 @@ import ctypes
 from typing import Any, NamedTuple
 
 # UBNEXT_EMU_COUNT_WORDS (csrc/emu/emu_api.h)
-COUNT_WORDS = 14
+COUNT_WORDS = 16
 LOG_MAX = 4096
 
 
@@ -30,7 +30,9 @@ class Counts(NamedTuple):
     cta_inflight: int  # the most it had in flight at one control point,
     cta_remote_load_bytes: int  # and its loaded bytes from peers or the switch;
     mc_ld_bytes: int  # the launch's multimem.ld_reduce bytes,
-    mc_store_bytes: int  # its multimem.st and .red bytes (once each, at its size)
+    mc_store_bytes: int  # its multimem.st and .red bytes (once each, at its size);
+    dsm: int  # the critical chain's distributed-shared-memory accesses of a sibling block,
+    cluster_syncs: int  # and its cluster barriers
 
 
 class CountLog:
@@ -67,9 +69,22 @@ CAL_KEYS = (
     "cta_remote_load_bytes",
     "mc_ld_bytes",
     "mc_store_bytes",
+    "dsm",
+    "cluster_syncs",
 )
 
-CAL_ROW_KEYS = ("t_hops", "l2", "atomics", "waits", "cta_load_bytes", "cta_inflight", "cal_us", "cal_eager_us")
+CAL_ROW_KEYS = (
+    "t_hops",
+    "l2",
+    "atomics",
+    "waits",
+    "dsm",
+    "cluster_syncs",
+    "cta_load_bytes",
+    "cta_inflight",
+    "cal_us",
+    "cal_eager_us",
+)
 
 
 def cal_row(launches: list[dict], world: int) -> dict:
@@ -85,6 +100,9 @@ def cal_row(launches: list[dict], world: int) -> dict:
         "l2": sum(c["l2"] for c in launches),
         "atomics": sum(c["atomics"] for c in launches),
         "waits": sum(c["waits"] for c in launches),
+        # issue 38 item 2's cluster counts (memory.cpp), shown beside the others; _calibration prices them
+        "dsm": sum(c["dsm"] for c in launches),
+        "cluster_syncs": sum(c["cluster_syncs"] for c in launches),
         "cta_load_bytes": worst["cta_load_bytes"],
         "cta_inflight": worst["cta_inflight"],
         "cal_us": round(sum(_calibration.launch_cal_us(c, world, "graph+pdl") for c in launches), 2),
