@@ -434,6 +434,10 @@ UBX_DEV float ld_cluster_f32(const float* local, uint32_t rank) {
 template <typename T, class Src, class Sink>
 UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefetch<T>& pre, Src& src, const Sink& sink,
                            uint4* cache, float* scratch, const ubnext_comm_desc* d, uint32_t op) {
+#if !defined(UBNEXT_STAMPS)
+  (void)d;  // d and op: the test-only stamps build's (below)
+  (void)op;
+#endif
   constexpr int V = DType<T>::kElems;
   constexpr int K = RowPrefetch<T>::kPrefetch;
   static_assert(K == 2, "res_at / w_at select among two");

@@ -40,7 +40,7 @@ def parse_ptxas_log(log: str, arch: str) -> list[KernelResources]:
         if m:
             current = KernelResources(m.group(1), arch, 0, 0, 0, 0, 0)
             out.append(current)
-            props_for = None
+            props_for = current.name  # the kernel's own lines follow, until another function's block
             continue
         m = _PTXAS_PROPS.search(line)
         if m:
