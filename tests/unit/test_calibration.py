@@ -14,8 +14,9 @@ from ubnext.tuning import _calibration as C
 from ubnext.tuning import _peers
 
 # sha256 of constants + counting rules + records (C.freeze_hash): the re-calibration of 2026-11-28 (launch modes
-# read in each figure's harness: the graph-replay mode, NCCL's graph-mixing event nodes, FlagGems' second row)
-FROZEN = "d6a4b61acbdfb906216e277656012b01a662626f12dedb1fc423600888cbbf86"
+# read in each figure's harness: the graph-replay mode, NCCL's graph-mixing event nodes, FlagGems' second row;
+# then the cluster's own latencies, dsm_us and cluster_sync_us, for the emulator's new counts)
+FROZEN = "0cfd1bddab921f89dbd0a41122e914e93aa72a513605fcaa834c3ee57c375265"
 
 # (case, model_us, left_out_us) as calibrated on 2026-11-28 (docs/PERF.md, "The calibrated model")
 PINNED = [
@@ -26,9 +27,9 @@ PINNED = [
     ("multimem_all_reduce_ 2 MB", 15.15, 14.99),
     ("multimem_all_reduce_ 2 MB (with copy-out)", 17.47, 17.4),
     ("allreduce 2 KB (torch.distributed)", 16.73, 16.76),
-    ("one-shot fused AR+RMSNorm 6x6144 bf16", 7.32, 8.28),
-    ("one-shot fused AR+RMSNorm 138x6144 bf16", 12.02, 11.68),
-    ("one-shot fused AR+RMSNorm 32x8192 bf16", 4.18, 4.18),
+    ("one-shot fused AR+RMSNorm 6x6144 bf16", 7.39, 8.51),
+    ("one-shot fused AR+RMSNorm 138x6144 bf16", 11.86, 11.45),
+    ("one-shot fused AR+RMSNorm 32x8192 bf16", 4.4, 4.4),
     ("custom allreduce one-stage 0.5 MB", 6.36, 6.31),
 ]
 
@@ -53,9 +54,11 @@ def test_the_fitted_constants_are_at_most_three_and_are_the_fit_over_every_figur
         assert refit[name] == pytest.approx(C.HOPPER[name].value, abs=1e-3), name
 
 
-def test_every_constant_is_sourced_measured_fitted_or_marked_uncalibrated() -> None:
+def test_every_constant_is_sourced_measured_fitted_assumed_or_marked_uncalibrated() -> None:
     for name, c in C.HOPPER.items():
-        assert c.kind in ("sourced", "measured", "fitted") and c.value > 0 and len(c.source) > 20, name
+        assert c.kind in ("sourced", "measured", "fitted", "assumed") and c.value > 0 and len(c.source) > 20, name
+    # an assumption is the exception, and says why: only the cluster barrier has no figure yet
+    assert [n for n, c in C.HOPPER.items() if c.kind == "assumed"] == ["cluster_sync_us"]
     for name, c in C.BLACKWELL.items():
         assert c.kind == "uncalibrated" and c.value > 0 and len(c.source) > 20, name
 
@@ -138,9 +141,21 @@ def test_ubnext_counts_are_priced_by_the_peers_rule() -> None:
         "mc_ld_bytes": 0,
         "mc_store_bytes": 0,
         "total_bytes": 0,
+        "dsm": 2,
+        "cluster_syncs": 2,
     }
     k = _peers.Kernel(
-        "k", "x:1", l2=3, hops=1, atomics=1, waits=2, cta_bytes=64 * 1024, inflight=16 * 1024, remote=False
+        "k",
+        "x:1",
+        l2=3,
+        hops=1,
+        atomics=1,
+        waits=2,
+        dsm=2,
+        cluster_syncs=2,
+        cta_bytes=64 * 1024,
+        inflight=16 * 1024,
+        remote=False,
     )
     v = {name: const.value for name, const in C.HOPPER.items()}
     for mode in ("graph+pdl", "eager"):
@@ -148,5 +163,5 @@ def test_ubnext_counts_are_priced_by_the_peers_rule() -> None:
     assert C.rounds(c) == 4
     # multicast bus bytes as NCCL's: ld_reduce bytes + stored bytes x N
     mc = c | {"mc_ld_bytes": 1 << 20, "mc_store_bytes": 1 << 20, "cta_inflight": 0}
-    km = _peers.Kernel("k", "x:1", l2=3, hops=1, atomics=1, waits=2, multicast_bytes=9 << 20)
+    km = _peers.Kernel("k", "x:1", l2=3, hops=1, atomics=1, waits=2, dsm=2, cluster_syncs=2, multicast_bytes=9 << 20)
     assert C.launch_cal_us(mc, 8, "graph") == pytest.approx(C.kernel_us(km, "graph", "H100", v))

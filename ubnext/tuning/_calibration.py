@@ -4,7 +4,7 @@ figure, its modeled time, its time with every fitted constant re-fitted without 
 source. The peers' count records are in ``_peers``; the rules are in its docstring and docs/PERF.md.
 
 A kernel's time: its launch (by mode) + l2 x L2_RT + hops x HOP + atomics x ATOMIC + waits x L2_RT +
-cluster_syncs x L2_RT + its data term: the slowest of (rounds - 1) round trips of one CTA's loads
+dsm x DSM + cluster_syncs x CLUSTER_SYNC + its data term: the slowest of (rounds - 1) round trips of one CTA's loads
 (rounds = its bytes over its bytes in flight; a round trip is two hops for peer or multicast loads, one
 L2 round trip for local ones), its NVLink, multicast and HBM bytes at their bandwidths. A record's time
 is the sum of its kernels'. Launch modes: graph (a graph node's dependent launch, also for the event nodes
@@ -35,7 +35,7 @@ GIB = 2**30
 class Const:
     value: float
     unit: str
-    kind: str  # sourced | measured | fitted | uncalibrated
+    kind: str  # sourced | measured | fitted | assumed (no figure: stated as such) | uncalibrated
     source: str
 
 
@@ -52,6 +52,20 @@ HOPPER: dict[str, Const] = {
         0.143, "us", "measured", f"ld.relaxed.sys.v4 dependent chain, L2-resident, 143 ns per link ({GPU_RUN})"
     ),
     "atomic_us": Const(0.533, "us", "measured", f"atom.add.acq_rel.gpu dependent chain, 533 ns per link ({GPU_RUN})"),
+    "dsm_us": Const(
+        0.103,
+        "us",
+        "sourced",
+        "a load of a sibling block's shared memory in a thread-block cluster on Hopper: about 180 cycles at "
+        "1.755 GHz (arXiv:2402.13499, SM-to-SM network latency; cited, not re-measured here)",
+    ),
+    "cluster_sync_us": Const(
+        0.206,
+        "us",
+        "assumed",
+        "a cluster barrier (barrier.cluster.arrive + wait) as two SM-to-SM crossings, 2 x dsm_us: no "
+        "published or measured figure times one alone (the one-GPU check's probe is ready for the next GPU)",
+    ),
     "launch_graph_us": Const(
         1.4694,
         "us",
@@ -60,7 +74,7 @@ HOPPER: dict[str, Const] = {
         "over the calibration figures (--calibration)",
     ),
     "launch_replay_us": Const(
-        5.4951,
+        5.3354,
         "us",
         "fitted",
         "a one-node graph replayed back to back (each op pays a whole graph launch, GPU- or host-paced), fitted "
@@ -151,7 +165,13 @@ def kernel_us(k: Kernel, mode: str, gpu: str, v: dict[str, float]) -> float:
         k.multicast_bytes / (v["nvls_GBps"] * 1e3),
         k.hbm_bytes / (v[f"hbm_{gpu}_GBps"] * 1e3),
     )
-    latency = (k.l2 + k.waits + k.cluster_syncs) * v["l2_rt_us"] + k.hops * v["hop_us"] + k.atomics * v["atomic_us"]
+    latency = (
+        (k.l2 + k.waits) * v["l2_rt_us"]
+        + k.hops * v["hop_us"]
+        + k.atomics * v["atomic_us"]
+        + k.dsm * v["dsm_us"]
+        + k.cluster_syncs * v["cluster_sync_us"]
+    )
     return launch_us(mode, v) + latency + data
 
 
@@ -177,7 +197,13 @@ def launch_cal_us(
         (c["mc_ld_bytes"] + c["mc_store_bytes"] * world) / (v["nvls_GBps"] * 1e3),
         c["total_bytes"] / (v[f"hbm_{gpu}_GBps"] * 1e3),
     )
-    latency = (c["l2"] + c["waits"]) * v["l2_rt_us"] + c["t_hops"] * v["hop_us"] + c["atomics"] * v["atomic_us"]
+    latency = (
+        (c["l2"] + c["waits"]) * v["l2_rt_us"]
+        + c["t_hops"] * v["hop_us"]
+        + c["atomics"] * v["atomic_us"]
+        + c.get("dsm", 0) * v["dsm_us"]
+        + c.get("cluster_syncs", 0) * v["cluster_sync_us"]
+    )
     return launch_us(mode, v) + latency + data
 
 
@@ -194,6 +220,8 @@ def blackwell_values() -> dict[str, float]:
         "hop_us",
         "l2_rt_us",
         "atomic_us",
+        "dsm_us",
+        "cluster_sync_us",
         "launch_graph_us",
         "launch_replay_us",
         "pdl_gain_us",

@@ -17,8 +17,8 @@ The counting rules (docs/PERF.md, "The calibrated model"), stated once:
 - ``waits``: serialised waits of a poll loop: each costs one local round trip after the value it
   waited for landed, whether or not it was already there (a loop that re-loads every outstanding slot
   on each pass is one wait, however many slots);
-- ``cluster_syncs``: thread-block-cluster barriers (priced as one local round trip each: an
-  assumption, no measured figure);
+- ``cluster_syncs``: thread-block-cluster barriers (``cluster_sync_us``: an assumption, no figure times
+  one alone);
 - ``cta_bytes`` / ``inflight``: the bytes one CTA loads through its limiting path and the bytes its
   threads have in flight between two advances of their control clock; every round after the first
   costs one round trip (two hops for peer or multicast loads, one local round trip for local ones);
@@ -49,6 +49,7 @@ class Kernel:
     hops: int = 0
     atomics: int = 0
     waits: int = 0
+    dsm: int = 0
     cluster_syncs: int = 0
     cta_bytes: int = 0
     inflight: int = 0
@@ -183,7 +184,7 @@ def flashinfer_oneshot(tokens: int, hidden: int, world: int, sm_count: int = 132
     Lamport comm's constructor reads the workspace pointers, then the flag and sizes (two dependent local
     round trips); every thread loads its input vector (one more) and pushes it to every rank (one hop);
     its poll re-loads all N slots on each pass (one wait); the row's sum of squares is reduced through the
-    cluster (two cluster barriers); block 0 finally spins on the arrival counter (one more wait). One
+    cluster (two cluster barriers, and one batch of loads of the siblings' shared memory); block 0 finally spins on the arrival counter (one more wait). One
     vector per thread, a row per cluster (launch config); when the rows outnumber the clusters a thread
     handles several rows: its pushes are all issued first, then one more poll wait and norm per row."""
     threads_per_token = hidden // 8
@@ -207,6 +208,7 @@ def flashinfer_oneshot(tokens: int, hidden: int, world: int, sm_count: int = 132
         l2=3,
         hops=1,
         waits=1 + per_thread_tokens,
+        dsm=per_thread_tokens if cluster > 1 else 0,  # the cluster's partials, loaded together
         cluster_syncs=2 * per_thread_tokens if cluster > 1 else 0,
         cta_bytes=block * world * VEC * per_thread_tokens,
         inflight=block * world * VEC,
