@@ -194,6 +194,9 @@ struct LamportSliceSrc {
   }
 };
 
+// multimem.ld_reduce loads a thread keeps in flight on the switch's path (nvls_twoshot: why 16).
+constexpr int kMulticastDepth = 16;
+
 // ---------------------------------------------------------------- nvls_twoshot
 template <typename T>
 UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, const void* residual,
@@ -239,7 +242,13 @@ UBX_DEV void nvls_twoshot(const ubnext_comm_desc* d, const void* in, void* out, 
                              static_cast<int64_t>(n) - gi * V);
     }
   };
-  for_my_slice<4>(sl, rank, load, store);
+  // Loads in flight per thread: 16 on the switch's path (256 threads x 16 x 16 B = 64 KB per CTA, what NCCL's
+  // allreduceMultimem keeps with 512 threads x 8: at NCCL's grid of ceil(16 / N) CTAs the rounds of a CTA's
+  // loads are NCCL's), 4 on the unicast rank-order path, whose every item already loads N peers' vectors.
+  // Why deeper unrolling and not 512-thread CTAs: the block size is part of the launch rules that the
+  // Python launcher and the C API share (launch_rules.h) and of their pins; the depth is this kernel's own.
+  if (unicast_sum) for_my_slice<4>(sl, rank, load, store);
+  else for_my_slice<kMulticastDepth>(sl, rank, load, store);
   // The one fence.proxy.alias left on a kernel path (issue 24 A), and only where this kernel reads the
   // broadcast back through unicast: the row phase, or the flat copy to an `out` other than `in`. Those
   // reads are plain loads, which validate nothing and may be served from L1, of bytes that this thread,
@@ -489,7 +498,8 @@ UBX_DEV void nvls_lamport(const ubnext_comm_desc* d, const void* in, void* out, 
     auto store = [&](int64_t, int64_t pos, const uint4& v) {
       multimem_st_v4(reinterpret_cast<void*>(mc_slot + static_cast<uint64_t>(pos) * 16u), v);
     };
-    for_my_slice<4>(sl, rank, load, store);
+    if (unicast_sum) for_my_slice<4>(sl, rank, load, store);
+    else for_my_slice<kMulticastDepth>(sl, rank, load, store);  // as nvls_twoshot
     // No fence.proxy.alias before the poll reads our own slot through unicast (issue 24 A): the poll
     // validates itself, as lamport.cu's does (its comment there gives the argument: a stale read is
     // the sentinel of the re-poison two calls ago, and the poll sees the store land before the next
