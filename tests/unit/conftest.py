@@ -25,15 +25,17 @@ def world1_comm():
 
 @pytest.fixture(scope="module")
 def emu():
-    """The emulator library (the correct build), left in plain mode without a watchdog."""
+    """The emulator library (the correct build), left in plain mode, not counting, without a watchdog."""
     e = _emu.load()
     yield e
     e.configure(False)
+    e.set_counting(False)
     e.set_watchdog(None)
 
 
 @pytest.fixture(params=[False, True], ids=["plain", "chaos"])
 def chaos(request, emu):
-    emu.configure(request.param, 12345)
+    """Each test twice: plain, and in chaos mode with the module's CHAOS_SEED (12345 unless it names one)."""
+    emu.configure(request.param, getattr(request.module, "CHAOS_SEED", 12345))
     yield request.param
     emu.configure(False)

@@ -16,19 +16,7 @@ from ubnext.tuning import _emucounts
 KERNEL = "ubnext_emu_selftest_cluster"
 
 
-@pytest.fixture(scope="module")
-def emu():
-    e = _emu.load()
-    yield e
-    e.configure(False)
-    e.set_counting(False)
-
-
-@pytest.fixture(params=[False, True], ids=["plain", "chaos"])
-def chaos(request, emu):
-    emu.configure(request.param, 4242)
-    yield request.param
-    emu.configure(False)
+CHAOS_SEED = 4242  # the conftest's chaos fixture runs this module's chaos cases with it
 
 
 @pytest.mark.parametrize("grid,cluster", [(4, 1), (8, 2), (16, 8), (32, 16)])

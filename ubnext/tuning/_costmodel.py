@@ -80,16 +80,7 @@ KEYS = (
     "model_us",
     "chosen",
     # the calibrated model (issue 38 item 1; _calibration.launch_cal_us): its chain's counts and bytes in flight
-    "t_hops",
-    "l2",
-    "atomics",
-    "waits",
-    "dsm",
-    "cluster_syncs",
-    "cta_load_bytes",
-    "cta_inflight",
-    "cal_us",
-    "cal_eager_us",
+    *CAL_ROW_KEYS,
 )
 
 
