@@ -373,8 +373,9 @@ def host_overhead(
                 launched = launches_so_far() - launched_before
                 if not what.startswith("(") and launched < calls * repeats:
                     raise AssertionError(f"{what}: {launched} kernel launches in {calls * repeats} calls")
-                above = [
-                    c - f - m for c, f, m in zip(times["call"], times["floor"], times.get("minus", [0.0] * repeats))
+                above = [  # in floors (issue 38 item 3's unit): (call - floor) / floor, per round
+                    (c - f - m) / f
+                    for c, f, m in zip(times["call"], times["floor"], times.get("minus", [0.0] * repeats))
                 ]
                 floors += times["floor"]
                 rows.append((what, _median(times["call"]), _median(above), min(above), max(above)))
@@ -402,9 +403,8 @@ def host_main(args) -> int:
         else:
             print("# gpu-mode code path with a fake stream, launching through cuLaunchKernelEx into the stub driver:")
             print("# everything up to the driver's cuLaunchKernelEx is timed, not the real driver's own work.")
-        print("# 'above floor' is per round, against the floor timed in the same round; its min..max over")
-        print("# the rounds is the spread")
-        print(f"{'call':52} {'us/call':>8} {'above floor':>12} {'min..max':>14}")
+        print("# floors: (call - floor) / floor, per round against that round's floor; min..max: the spread")
+        print(f"{'call':52} {'us/call':>8} {'floors':>12} {'min..max':>14}")
         for i, (what, med, above, lo, hi) in enumerate(rows):
             if i == 0:
                 print(f"{what:52} {med:8.2f} {'':>12} {lo:6.2f}..{hi:<6.2f}")
