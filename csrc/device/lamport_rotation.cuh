@@ -165,6 +165,9 @@ UBX_DEV void lamport_rot_finish(const ubnext_comm_desc* d, const LamportRot& r, 
   if (threadIdx.x != 0) return;
   uint32_t* done = r.sync + UBNEXT_SYNC_LAMPORT_BLOCKS_DONE;
   if (gridDim.x > 1u) {
+    // After a timeout the count stays above 0 (late blocks still add theirs) and the rotation stays put:
+    // the timeout's report aborts the communicator (barrier.cuh report_error), whose later kernels push
+    // and consume nothing, so a mis-timed advance there moves buffers nobody reads again.
     if (!lamport_blocks_done(d, done, gridDim.x, op)) return;
     st_relaxed_sys_u32(done, 0u);  // no block of this launch counts again; the next one starts from 0
   }

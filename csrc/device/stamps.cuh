@@ -6,7 +6,7 @@
 //   entry         enters the kernel (read before griddepcontrol.wait: under PDL a kernel that starts
 //                 early shows it; stored after the wait, since the kernel before may write the record too),
 //   wait          leaves griddepcontrol.wait,
-//   push          has stored its vectors (and the call header) into every rank's slot,
+//   push          has stored its vectors into every rank's slot (the call header is block 0's last thread's),
 //   row_exchange  has seen every CTA of its row arrive (the fused row split only, norm.cuh),
 //   exit          leaves (after the rotation's finish, before triggering the dependents),
 //   slot p        sees its first vector's 16 bytes of rank p's slot arrive, p = 0..N-1, own slot included
@@ -15,8 +15,9 @@
 // The stamping thread clears the record after the wait, so a phase the call does not reach reads 0.
 //
 // Why one thread of CTA 0, not one record per CTA: the sync region's free words hold a few records, not
-// UBNEXT_MAX_BLOCKS of them; and thread 0 of CTA 0 goes through every phase in every mode: it pushes and
-// checks the call header, its first vector is vector 0 of the message (plain mode, one CTA per row, and part
+// UBNEXT_MAX_BLOCKS of them; and thread 0 of CTA 0 goes through every phase in every mode (the call header
+// left it on 2026-11-28 for block 0's last thread: its slot stamps no longer include a header wait, so
+// stamp runs before and after that date differ there), its first vector is vector 0 of the message (plain mode, one CTA per row, and part
 // 0 of row 0 under the row split), and CTA 0 takes part in row 0's exchange. The stamps time one
 // representative path through the kernel, not the slowest CTA. One writer, plain 64-bit stores: the host
 // reads the record after the kernel has ended.

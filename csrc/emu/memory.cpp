@@ -877,9 +877,11 @@ void mem_store(void* dst, const void* src, unsigned bytes, int order) {
   words_store(dst, src, bytes, memorder(order, false));
 }
 
-// A release at system scope waits for the thread's stores to land (count_fence: one hop). One at GPU
-// scope is priced as a drain only: the model has no store acknowledgment inside one GPU, and ubnext's one
-// GPU-scope release (the Lamport count, lamport_rotation.cuh) comes before the thread's first store.
+// A release (a store's or a red's) at system scope waits for the thread's stores to land (count_fence: one
+// hop). One at GPU scope is priced as a drain only: the model has no store acknowledgment inside one GPU, and
+// ubnext's one GPU-scope release (the Lamport count, lamport_rotation.cuh) comes before the thread's first
+// store. An acq_rel atomic gets no hop either: it is priced as an atomic (observe_result), whose measured
+// cost (the one-GPU check's atom.acq_rel.gpu chain) includes its ordering.
 static Where before_atomic(Block& b, const void* p, int order, int scope = kScopeSys) {
   griddep_check(b, p, "atomic");
   const Where w = locate(reinterpret_cast<uint64_t>(p));

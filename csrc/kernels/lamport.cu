@@ -14,7 +14,8 @@
 //      at few tokens a cluster of `split` blocks per row (norm.cuh's row split: the grid is rows x split;
 //      each block pushes and polls its part of the row, with the row's residual and weight loaded before the
 //      poll, and the cluster folds the row's sum of squares in distributed shared memory).
-//   4. finish: the last block to finish records this call's byte count and advances the rotation.
+//   4. finish: block 0, once every block has counted itself at its start, records this call's byte count
+//      and advances the rotation.
 // Steps 2 and 4 (the 3-buffer rotation: why that buffer is safe to re-poison, the counters, their
 // ordering and the test-only broken builds) live in csrc/device/lamport_rotation.cuh, shared with
 // nvls_lamport.
@@ -171,7 +172,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
     }
   }
 
-  // ---- 4. finish: the last block advances the rotation (also after a timeout)
+  // ---- 4. finish: block 0 advances the rotation once every block has counted itself (also after a timeout)
   lamport_rot_finish(d, rot, UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(nvec) * 16u, UBNEXT_OP_LAMPORT);
   UBX_STAMP(d, kStampExit);
   griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)

@@ -79,7 +79,7 @@
 //   barrier -> reduce our portion with ld_reduce, sanitise -0 (so no word can equal the sentinel), and
 //   multimem.st it into slot [rank] of Lamport buffer k % 3 (slices.cuh gives the position) -> re-poison our
 //   copy of buffer (k + 2) % 3 -> poll our own copy (volatile loads, every word ready) and copy to out, or
-//   run the row math from it -> last block advances the rotation (lamport_rotation.cuh, shared with
+//   run the row math from it -> block 0 advances the rotation (lamport_rotation.cuh, shared with
 //   lamport.cu: same counters, same buffers, same bytes-per-slot meaning).
 //   No final barrier: when our poll completes, every rank has finished its ld_reduces (each vector is
 //   stored only after it was reduced), so nobody reads our `in` any more; the Lamport buffer is protected
@@ -359,7 +359,7 @@ UBX_DEV bool poll_portions_flat(const ubnext_comm_desc* d, const uint8_t* data0,
 //      0..N-1 from +0 (lamport_poll.cuh LamportSrc: the Lamport one-shot's sum, bit for bit), rounds
 //      once to T, sanitises and multicasts the vector into slot [rank], H + 16 j of every copy.
 //   4. every thread polls its items j of every owner's broadcast in our copy and writes out.
-//   5. the last block records H + 32 cv bytes per slot for the re-poison of the next call but one.
+//   5. block 0 records H + 32 cv bytes per slot for the re-poison of the next call but one.
 // Deadlock freedom: thread t waits only for thread t of every rank (the same grid on every rank), which
 // pushes before it waits (step 3), and then for thread t's broadcast of every owner, which follows only
 // that owner's step-3 wait; no cycle, and no wait on another block: any grid is safe.
