@@ -7,8 +7,9 @@
 //   LamportRot rot = lamport_rot_begin(d);          // before anything else touches the counters
 //   ... push into buffer rot.b (every rank's copy) ...
 //   lamport_repoison(d, rot);                       // our copy of buffer rot.bprev
+//   early = lamport_rot_advance_early(d, rot, bytes_per_slot, op); // the Lamport one-shot, before its polls
 //   ... poll our copy of buffer rot.b ...
-//   lamport_rot_finish(d, rot, bytes_per_slot, op); // collective over the block (__syncthreads)
+//   if (!early) lamport_rot_finish(d, rot, bytes_per_slot, op); // at the end (collective over the block)
 //
 // Call k (k = sync[LAMPORT_CALL], local) uses buffer b = k % 3 of every rank and re-poisons buffer
 // (k + 2) % 3 of THIS rank (local stores of the sentinel), for the byte count that call k - 1 recorded.
@@ -23,8 +24,9 @@
 //   - NOT b: this call's own data is arriving there.
 // So the re-poisoning never races with this call's pushes or polls (different buffer).
 //
-// Finish: once every block has counted itself done, block 0 records this call's byte count in
-// sync[LAMPORT_BYTES + b], resets the done counter and advances sync[LAMPORT_CALL]. The counter lives in
+// Advance: once every block has counted itself, thread 0 of block 0 records this call's byte count in
+// sync[LAMPORT_BYTES + b], resets the done counter and advances sync[LAMPORT_CALL] (before its polls in a
+// Lamport one-shot of several blocks, lamport_rot_advance_early; else at the end of block 0, lamport_rot_finish). The counter lives in
 // device memory and is only touched by the kernel, so a captured CUDA graph replays correctly.
 //
 // Shared meaning of sync[LAMPORT_BYTES + b]: bytes from the start of EACH of the nranks slots of buffer b
@@ -68,11 +70,11 @@ static_assert(UBX_LAMPORT_CALL_WRAP % 3u == 0u, "the Lamport call counter must w
 namespace ubx {
 
 struct LamportRot {
-  uint32_t* sync;       // this rank's sync region
-  uint8_t* own;         // this rank's pool base
-  uint32_t k;           // call index
-  uint32_t b;           // buffer of this call
-  uint32_t bprev;       // buffer of the previous call: re-poisoned by this call
+  uint32_t* sync;  // this rank's sync region
+  uint8_t* own;  // this rank's pool base
+  uint32_t k;  // call index
+  uint32_t b;  // buffer of this call
+  uint32_t bprev;  // buffer of the previous call: re-poisoned by this call
   uint64_t prev_bytes;  // bytes per slot the previous call left in bprev
 };
 
@@ -156,13 +158,10 @@ UBX_DEV bool lamport_blocks_done(const ubnext_comm_desc* d, const uint32_t* done
   return arrived;
 }
 
-// Block 0 records this call's bytes per slot and advances the call counter, once every block has counted
-// itself (lamport_rot_begin); at the end of block 0, so that its own polls keep reading this call's k. Other
-// blocks may still be polling: they read the counters only at their start. Collective over the block.
-UBX_DEV void lamport_rot_finish(const ubnext_comm_desc* d, const LamportRot& r, uint64_t bytes_per_slot, uint32_t op) {
-  if (blockIdx.x != 0u) return;
-  __syncthreads();  // why: every thread of block 0 has read k / prev_bytes
-  if (threadIdx.x != 0) return;
+// Records this call's bytes per slot and advances the call counter, once every block has counted itself
+// (lamport_rot_begin), in the one thread that calls it. Its callers (below) say why the thread may.
+UBX_DEV void lamport_rot_advance_now(const ubnext_comm_desc* d, const LamportRot& r, uint64_t bytes_per_slot,
+                                     uint32_t op) {
   uint32_t* done = r.sync + UBNEXT_SYNC_LAMPORT_BLOCKS_DONE;
   if (gridDim.x > 1u) {
     // After a timeout the count stays above 0 (late blocks still add theirs) and the rotation stays put:
@@ -173,6 +172,36 @@ UBX_DEV void lamport_rot_finish(const ubnext_comm_desc* d, const LamportRot& r, 
   }
   st_relaxed_sys_u32(r.sync + UBNEXT_SYNC_LAMPORT_BYTES + r.b, static_cast<uint32_t>(bytes_per_slot));
   st_relaxed_sys_u32(r.sync + UBNEXT_SYNC_LAMPORT_CALL, lamport_next_call(r.k));
+}
+
+// The advance at the end of block 0 (nvls_lamport; a one-block Lamport one-shot): after its __syncthreads
+// every thread of block 0 has read k / prev_bytes, which a one-block launch needs (it counts nothing).
+// Collective over the block.
+UBX_DEV void lamport_rot_finish(const ubnext_comm_desc* d, const LamportRot& r, uint64_t bytes_per_slot, uint32_t op) {
+  if (blockIdx.x != 0u) return;
+  __syncthreads();  // why: every thread of block 0 has read k / prev_bytes
+  if (threadIdx.x == 0) lamport_rot_advance_now(d, r, bytes_per_slot, op);
+}
+
+// The advance before the polls (the Lamport one-shot), by thread 0 of block 0: its wait for the count then
+// overlaps the peers' data in flight (the blocks' counts land long before the peers' pushes), where at the
+// end of block 0 it was one more serialised wait on the critical path, after the block's last poll.
+// Why it may come that early: every thread of this launch reads the counters only in lamport_rot_begin,
+// before its block's count (block 0's too: its __syncthreads there orders all of block 0's reads before
+// its count), so once the count is complete nobody of this launch reads them again; the next launch
+// reads them after the kernel boundary. Why block 0 cannot wait forever for a block that never starts: the
+// other blocks never wait for block 0's thread 0 (they wait for the same block of the peers, whose thread
+// 0 pushed before this wait, and in a split row for their cluster, whose thread 0 reaches the cluster
+// barrier after this bounded wait), so they run to their end and free their SMs.
+// Every thread calls it, after its pushes and before its polls. It returns whether it took the advance on
+// (block-uniform): a one-block launch counts nothing, so only a __syncthreads orders its threads' reads
+// before the advance, and here that would split the block's loads in flight (the push's from the polls'):
+// it keeps the advance at its end (lamport_rot_finish).
+UBX_DEV bool lamport_rot_advance_early(const ubnext_comm_desc* d, const LamportRot& r, uint64_t bytes_per_slot,
+                                       uint32_t op) {
+  if (gridDim.x == 1u) return false;
+  if (blockIdx.x == 0u && threadIdx.x == 0u) lamport_rot_advance_now(d, r, bytes_per_slot, op);
+  return true;
 }
 
 }  // namespace ubx

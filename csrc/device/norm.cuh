@@ -336,17 +336,22 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
 // shared memory, and every CTA of the row folds all of them in the same order through distributed shared
 // memory: each gets the bits one CTA would have computed alone, whatever the split (issue 26).
 //
-// Exchange (issue 38 item 2; FlashInfer/TRT-LLM's one-shot fused reduces over a cluster the same way):
-// G_g -> s_part[g - part * gpp] of the CTA's shared memory, the CTA's failure vote beside them; the cluster
-// barrier (arrive.release: every thread's stores before its arrival; wait.acquire); then every warp loads the
-// votes and the G_g of all the row's CTAs with ld.shared::cluster (mapa) and folds them (fold_groups); then it
-// arrives again, and waits only before it exits, after its outputs: a CTA's shared memory must outlive the
-// siblings' reads of it. No global memory, no atomic, no poll, no timeout: the barrier waits for threads
-// that reach it in bounded time (a Src gives up at its own timeout, and a CTA without a part, or whose Src
-// failed, still arrives, with its vote), and the cluster's CTAs are co-scheduled by the launch, not assumed
-// co-resident. The previous exchange (a global counter and partials in the sync region) spun on its siblings,
-// which a plain launch never promises to run together (under MPS or a green context with fewer SMs it
-// timed out).
+// Exchange (issue 38 item 2; FlashInfer/TRT-LLM's one-shot fused reduces over a cluster too, by loads):
+// every CTA PUSHES its G_g and its failure vote into every sibling's s_row (st.shared::cluster, fire and
+// forget), then the cluster barrier (arrive.release: the thread's stores, the remote ones included, before
+// its arrival; wait.acquire), then every CTA folds the whole row's G_g from its OWN shared memory
+// (fold_groups). Pushing, not loading, keeps a sibling round trip off the critical path, and it needs no
+// second barrier: once the barrier is passed nobody touches another CTA's shared memory, so a CTA may exit
+// whenever it is done (a loading exchange must hold every CTA until its siblings' loads are done). Before
+// its first push a CTA must know its siblings have started (a CTA's shared memory exists only then, CUDA
+// Programming Guide, distributed shared memory): the kernel opens the exchange at its start
+// (row_split_open: every thread arrives, relaxed) and waits for that phase just before pushing, by when
+// it has long completed (the data polls came in between).
+// No global memory, no atomic, no poll, no timeout: the barrier waits for threads that reach it in bounded
+// time (a Src gives up at its own timeout, and a CTA without a part, or whose Src failed, still arrives,
+// with its vote), and the cluster's CTAs are co-scheduled by the launch, not assumed co-resident. The
+// exchange before clusters (a global counter and partials in the sync region) spun on its siblings, which a
+// plain launch never promises to run together (under MPS or a green context with fewer SMs it timed out).
 // Deadlock freedom: CTA (row, part) waits only for the CTAs of its cluster, which wait in turn only for
 // (a) data the same CTA index of each peer pushes BEFORE it waits for anything (lamport.cu) and (b) the
 // cluster barrier; no cycle, and the cluster runs at once by construction. Across communicators: the grid
@@ -366,6 +371,7 @@ struct RowPart {
   int lo, hi;   // its vectors [lo, hi) of the row (empty: no part)
   int ng;       // groups of the row
   int gpp;      // groups per part: G_g lives in cluster rank g / gpp
+  int part;     // this CTA's cluster rank: its part of the row, if any
   int nparts;   // CTAs of the row with a part (1: no split)
   bool active;  // this CTA has a part
 };
@@ -383,7 +389,7 @@ UBX_DEV RowPart row_part_of(int64_t nrows, int nv, int split) {
   RowPart rp;
   if (split <= 1 || nv <= 0) {  // no split: norm_row's one block per row
     rp.row = 0;
-    rp.lo = rp.hi = rp.ng = rp.gpp = 0;
+    rp.lo = rp.hi = rp.ng = rp.gpp = rp.part = 0;
     rp.nparts = 1;
     rp.active = false;
     return rp;
@@ -392,9 +398,9 @@ UBX_DEV RowPart row_part_of(int64_t nrows, int nv, int split) {
   rp.gpp = (rp.ng + split - 1) / split;
   rp.nparts = (rp.ng + rp.gpp - 1) / rp.gpp;
   rp.row = blockIdx.x / split;
-  const int part = static_cast<int>(cluster_ctarank());  // == blockIdx.x % split: clusters of consecutive CTAs
-  rp.active = rp.row < nrows && part < rp.nparts;
-  rp.lo = part * rp.gpp * UBX_SSQ_GROUP_VECS;
+  rp.part = static_cast<int>(cluster_ctarank());  // == blockIdx.x % split: clusters of consecutive CTAs
+  rp.active = rp.row < nrows && rp.part < rp.nparts;
+  rp.lo = rp.part * rp.gpp * UBX_SSQ_GROUP_VECS;
   rp.lo = rp.lo < nv ? rp.lo : nv;
   rp.hi = rp.lo + rp.gpp * UBX_SSQ_GROUP_VECS < nv ? rp.lo + rp.gpp * UBX_SSQ_GROUP_VECS : nv;
   return rp;
@@ -423,10 +429,14 @@ struct RowPrefetch {
   }
 };
 
-// A float of the shared memory of cluster rank `rank` (the same variable as `local`, in that CTA).
-UBX_DEV float ld_cluster_f32(const float* local, uint32_t rank) {
-  return u32_as_f32(ld_shared_cluster_u32(mapa_shared(local, rank)));
+// A float into the shared memory of cluster rank `rank` (the same variable as `local`, in that CTA).
+UBX_DEV void st_cluster_f32(float* local, uint32_t rank, float v) {
+  st_shared_cluster_u32(mapa_shared(local, rank), f32_as_u32(v));
 }
+
+// Opens the row split's exchange at kernel start, in every thread of every CTA of the cluster (norm_row_part
+// waits for this phase before its first push into a sibling). Collective over the cluster.
+UBX_DEV void row_split_open() { cluster_arrive_relaxed(); }
 
 // One CTA's part of a split row: the row math of norm_row (same arithmetic, same bits) with the exchange
 // above. Collective over the CLUSTER: every CTA of a split row's cluster calls it, with a part or not; false
@@ -441,8 +451,10 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
   constexpr int V = DType<T>::kElems;
   constexpr int K = RowPrefetch<T>::kPrefetch;
   static_assert(K == 2, "res_at / w_at select among two");
-  // this CTA's G_g, then its failure vote: what the siblings read
-  __shared__ float s_part[UBX_ROW_PART_GROUPS + 1];
+  // the row's G_g (at g) and the CTAs' failure votes (at kVotes + part), pushed by the CTAs of the row
+  constexpr int kVotes = UBX_ROW_SPLIT_MAX * UBX_ROW_PART_GROUPS;
+  __shared__ float s_row[kVotes + UBX_ROW_SPLIT_MAX];
+  __shared__ float s_mine[UBX_ROW_PART_GROUPS];  // this CTA's G_g, before the push
   const bool fused = (p.flags & UBNEXT_F_FUSED_NORM) != 0;
   const bool has_res = fused && p.residual != nullptr, has_w = fused && p.weight != nullptr;
   const int mode = out_mode(p.flags);
@@ -468,38 +480,46 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
       }
     }
     const float G = warp_sum(q);
-    if (lane == 0) s_part[gl] = G;
+    if (lane == 0) s_mine[gl] = G;
   }
   const float wf = warp_sum(fail);
   if (lane == 0) scratch[32 + warp] = wf;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float f = 0.f;
-    for (int w = 0; w < nwarps; ++w) f += scratch[32 + w];
-    s_part[UBX_ROW_PART_GROUPS] = f;
+  __syncthreads();  // s_mine and the warps' votes
+  cluster_wait_acquire();  // the phase row_split_open arrived at: every sibling has started
+  if (rp.active) {  // entry e < ngl: G of local group e; e == ngl: the vote; to every CTA c of the cluster
+    const int split = static_cast<int>(cluster_nctarank());
+    for (int t = threadIdx.x; t < (ngl + 1) * split; t += blockDim.x) {
+      const int e = t / split, c = t % split;
+      float v = 0.f;
+      if (e < ngl) {
+        v = s_mine[e];
+      } else {
+        for (int w = 0; w < nwarps; ++w) v += scratch[32 + w];
+      }
+      const int at = e < ngl ? rp.part * rp.gpp + e : kVotes + rp.part;
+      st_cluster_f32(&s_row[at], static_cast<uint32_t>(c), v);
+    }
   }
-  cluster_arrive_release();  // every thread's G_g and the vote, before its arrival
-  cluster_wait_acquire();
+  cluster_arrive_release();  // this thread's pushes before its arrival
+  cluster_wait_acquire();    // every CTA's pushes are in s_row; nobody touches a sibling's shared memory again
   if (op == UBNEXT_OP_LAMPORT) UBX_STAMP(d, kStampRowExchange);  // test-only build (stamps.cuh)
-  fail = warp_sum(lane < rp.nparts ? ld_cluster_f32(&s_part[UBX_ROW_PART_GROUPS], static_cast<uint32_t>(lane)) : 0.f);
+  fail = 0.f;
+  for (int c = 0; c < rp.nparts; ++c) fail += s_row[kVotes + c];
   float ssq = 0.f;
   if (fail == 0.f) {  // cluster-uniform: every CTA read the same votes
 #if !defined(UBNEXT_BREAK_CLUSTER_SSQ_ORDER)
-    auto load_g = [&](int64_t g) -> float {
-      return ld_cluster_f32(&s_part[g % rp.gpp], static_cast<uint32_t>(g / rp.gpp));
-    };
+    auto load_g = [&](int64_t g) -> float { return s_row[g]; };
     ssq = fold_groups(rp.ng, load_g);
 #else
     // test-only: each CTA's groups summed first, then the CTAs' sums in cluster order
     for (int c = 0; c < rp.nparts; ++c) {
       const int lo = c * rp.gpp, n = rp.ng - lo < rp.gpp ? rp.ng - lo : rp.gpp;
-      auto load_g = [&](int64_t g) -> float { return ld_cluster_f32(&s_part[g], static_cast<uint32_t>(c)); };
+      auto load_g = [&](int64_t g) -> float { return s_row[lo + g]; };
       const float part = fold_groups(n, load_g);
       ssq = c == 0 ? part : ssq + part;
     }
 #endif
   }
-  cluster_arrive_relaxed();  // this CTA's reads of the siblings are done (their exit waits for it: below)
   if (fail == 0.f && rp.active) {
     const float rms = fused ? rms_of(ssq, p.hidden, p.eps) : 1.f;
     const float sdiv = (mode == kOutFp8Static) ? p.scale[0] : 1.f;
@@ -515,7 +535,6 @@ UBX_DEV bool norm_row_part(const RowParams& p, const RowPart& rp, const RowPrefe
       store_row_out<T>(mode, p, sink, g0 + i, live, yp, y, sdiv);
     }
   }
-  cluster_wait_acquire();  // no CTA leaves while a sibling may still read its s_part
   return fail == 0.f;
 }
 

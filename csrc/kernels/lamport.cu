@@ -7,17 +7,17 @@
 //   1. push: each thread loads 16-byte vectors of `in`, sanitises -0 -> +0 and stores them into slot
 //      [rank] of buffer b on every rank (relaxed .sys stores; or once through the multicast address),
 //      after the slot's first vector, which holds the call header (below).
-//   2. re-poison buffer (k + 2) % 3 of THIS rank, the previous call's.
+//   2. re-poison buffer (k + 2) % 3 of THIS rank, the previous call's; then advance the rotation: thread 0
+//      of block 0, once every block has counted itself at its start, records this call's byte count and
+//      advances the counter, before its own polls (a one-block launch: at its end).
 //   3. poll: volatile 16-byte loads of our own buffer b, every slot, until no word is the sentinel
 //      (bounded by desc->timeout_ns); sum in fp32 in rank order 0..N-1 (bitwise identical on every
 //      rank); write `out`, or run the fused row math (csrc/device/norm.cuh), one block per token row, or
 //      at few tokens a cluster of `split` blocks per row (norm.cuh's row split: the grid is rows x split;
 //      each block pushes and polls its part of the row, with the row's residual and weight loaded before the
 //      poll, and the cluster folds the row's sum of squares in distributed shared memory).
-//   4. finish: block 0, once every block has counted itself at its start, records this call's byte count
-//      and advances the rotation.
-// Steps 2 and 4 (the 3-buffer rotation: why that buffer is safe to re-poison, the counters, their
-// ordering and the test-only broken builds) live in csrc/device/lamport_rotation.cuh, shared with
+// Step 2 (the 3-buffer rotation: why that buffer is safe to re-poison, the counters, their
+// ordering and the test-only broken builds) lives in csrc/device/lamport_rotation.cuh, shared with
 // nvls_lamport.
 //
 // Dependencies between blocks: each thread polls exactly the vectors it pushed itself (same index
@@ -73,7 +73,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   const uint32_t nranks = static_cast<uint32_t>(d->nranks);
   const uint64_t slot = d->lamport_slot_bytes;
 
-  const LamportRot rot = lamport_rot_begin(d);  // before this block's done increment (step 4)
+  const LamportRot rot = lamport_rot_begin(d);  // before this block's done increment (step 2)
   const uint64_t buf_off = lamport_buffer_off(d, rot.b);  // buffer b, slot 0
   const uint64_t my_off = buf_off + static_cast<uint64_t>(rank) * slot;  // our slot: header
   const uint64_t my_data_off = my_off + UBNEXT_LAMPORT_HEADER_BYTES;  // then the data
@@ -111,6 +111,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   // Row mode: one CTA per row, or a row shared by `split` CTAs (norm.cuh, the row split).
   const int split = rows ? row_split_of(nrows, nv_row, flags) : 1;
   const RowPart part = row_part_of(nrows, nv_row, split);
+  if (split > 1) row_split_open();  // norm.cuh: the siblings' shared memory exists before the first push into it
   if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) push(gi);
   } else if (split > 1) {
@@ -145,8 +146,12 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
 #endif
   if (aborted != 0u) adopt_abort(d, aborted);
 
-  // ---- 2. re-poison the previous call's buffer (our copy only), while the peers' data is in flight
+  // ---- 2. re-poison the previous call's buffer (our copy only), while the peers' data is in flight, and
+  // advance the rotation before the polls (lamport_rotation.cuh lamport_rot_advance_early: its wait then
+  // overlaps the peers' data in flight instead of following the block's last poll; one block: at the end)
   lamport_repoison(d, rot);
+  const uint64_t bytes_per_slot = UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(nvec) * 16u;
+  const bool advanced = lamport_rot_advance_early(d, rot, bytes_per_slot, UBNEXT_OP_LAMPORT);
 
   // ---- 3. poll, reduce, write
   LamportSrc<T> src{rot.own + buf_off + UBNEXT_LAMPORT_HEADER_BYTES, slot, nranks, d, timeout_ns(d), aborted != 0u};
@@ -171,9 +176,7 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
         if (!norm_row<T>(rp, row, src, sink, s_cache, UBX_ROW_CACHE_VECS, s_red)) break;  // block-uniform
     }
   }
-
-  // ---- 4. finish: block 0 advances the rotation once every block has counted itself (also after a timeout)
-  lamport_rot_finish(d, rot, UBNEXT_LAMPORT_HEADER_BYTES + static_cast<uint64_t>(nvec) * 16u, UBNEXT_OP_LAMPORT);
+  if (!advanced) lamport_rot_finish(d, rot, bytes_per_slot, UBNEXT_OP_LAMPORT);  // a one-block launch
   UBX_STAMP(d, kStampExit);
   griddep_launch_dependents();  // after its last wait on a peer (launch_rules.h, pair_grid_cap: a parked dependent then waits only for a grid that waits on nobody)
 }
