@@ -20,7 +20,7 @@ KERNEL_PATHS = ("lamport", "nvls_oneshot", "nvls_twoshot", "nvls_lamport", "twos
 # the kernels that reduce a pool tensor where it lies (out is in); the others read `in` while
 # writing `out`, so an in-place call of theirs is staged
 IN_PLACE_PATHS = ("nvls_twoshot", "twoshot")
-# The automatic order of the paths for a message, fastest first, comes from the critical-path model
+# The automatic order of the paths for a message, fastest first, comes from the calibrated cost model
 # per operation, world size and multicast (ubnext/plan/_thresholds.py, generated; ubnext/tuning/_crossovers.py
 # says how). Tests that plan without a world size get this one's table.
 DEFAULT_WORLD = 8
@@ -164,7 +164,7 @@ def auto_order(
     world_size: int = DEFAULT_WORLD,
     elem_bytes: int = 2,
 ) -> list[str]:
-    """Paths to try, best first, for a message of ``nbytes``: the order the critical-path model gives
+    """Paths to try, best first, for a message of ``nbytes``: the order the calibrated cost model gives
     at this world size (the largest tabled world's above it), among ubnext's kernels and, by its
     published figures, torch.distributed (NCCL), which then ends the chain (ubnext/tuning/_crossovers.py).
     ``nvls_oneshot`` only for a plain allreduce that may differ in the last bit across ranks.

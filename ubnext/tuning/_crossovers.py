@@ -9,12 +9,14 @@ How an order is made:
   without (``UBNEXT_EMU_MULTICAST=0``: the unicast paths' own counts, without proxy fences), at
   every size whose grid the emulator can run. Those counts are the table's ``COUNTS``.
 - **Other sizes** are derived from the nearest measured size of the same path (``_costmodel.derive``,
-  the model table's own rule). **Other worlds** (3, 5, 6, 7) are interpolated linearly in the world
-  size between the nearest measured worlds (``interpolate_world``): the hops and fences of a path
-  are the same at every measured world (checked), a launch's bytes are interpolated, one CTA's
-  bytes as its share of the launch's, and the grid is the GPU geometry's at that world.
-- **Time**: ``_costmodel.model_us`` of those counts. torch.distributed (NCCL on GPUs) cannot be
-  counted: it gets the published figures of shared/DESIGN.md section 9 (``torch_us``).
+  the model table's own rule). **Other worlds** (3, 5, 6, 7) take the modeled times of the nearest
+  measured worlds, interpolated linearly in N (one-shot paths, whose bytes grow as a + b N) or in 1/N
+  (the others: a + b / N) (``Model.path_us``). Times, not counts: a CTA's rounds of loads are whole,
+  and interpolated bytes would put it on the wrong side of a round.
+- **Time**: the calibrated model's (``_calibration.launch_cal_us``, the frozen constants) of those counts,
+  in a CUDA graph with PDL (``LAUNCH_MODE``), the mode issue 38's targets are judged in. torch.distributed
+  (NCCL on GPUs) cannot be counted: it gets the published figures of shared/DESIGN.md section 9
+  (``torch_us``).
 - **Dtype** matters to the fused op only, through its row's bytes: its orders are made for rows of
   hidden 8192 in 2-byte and in 4-byte elements (``VARIANTS``), the 4-byte counts derived from the
   measured 2-byte ones as for a message of the same bytes with half the tokens.
@@ -38,7 +40,9 @@ import time
 from dataclasses import dataclass
 from typing import cast
 
+from . import _calibration
 from . import _costmodel as M
+from ._emucounts import CAL_KEYS
 
 COMMAND = "python -m ubnext.bench --model --write-thresholds"
 MEASURED_WORLDS = (2, 4, 8)
@@ -49,7 +53,18 @@ OPS = {"all_reduce": M.ALLREDUCE_PATHS, "all_reduce_add_rmsnorm": M.FUSED_PATHS}
 # the fused op works a row per token, and a row of hidden 8192 is 16 KB in bf16/fp16, 32 KB in fp32.
 VARIANTS = (("all_reduce", None), ("all_reduce_add_rmsnorm", 2), ("all_reduce_add_rmsnorm", 4))
 UNICAST_PATHS = ("lamport", "twoshot")  # the kernel paths a pool without a multicast address runs
-LAUNCH_FIELDS = ("ctas", "hops", "fences", "max_cta_bytes", "total_bytes", "nvlink_bytes", "multicast_bytes")
+LAUNCH_FIELDS = (
+    "ctas",
+    "hops",
+    "fences",
+    "max_cta_bytes",
+    "total_bytes",
+    "nvlink_bytes",
+    "multicast_bytes",
+    *CAL_KEYS,
+)
+# the launch mode the orders are made for: a CUDA graph with programmatic dependent launch (issue 38's targets)
+LAUNCH_MODE = "graph+pdl"
 # ties (equal modeled times) go to the earlier path: the one-shot Lamport first, torch.distributed last
 PREFERENCE = ("lamport", "nvls_lamport", "nvls_oneshot", "nvls_twoshot", "twoshot", "torch")
 MAX_BYTES = (1 << 31) - 1  # plan.KERNEL_MAX_BYTES: past it every call takes torch.distributed
@@ -78,10 +93,21 @@ def torch_us(op: str, nbytes: int, world: int, multicast: bool) -> float:
         (s0, t0), (s1, t1) = next((a, b) for a, b in zip(points, points[1:]) if nbytes <= b[0])
         us = t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
     if op == "all_reduce_add_rmsnorm":
-        us += M.model_us(
-            [{"hops": 0, "max_cta_bytes": 0, "total_bytes": 4 * nbytes, "nvlink_bytes": 0, "multicast_bytes": 0}]
-        )
+        us += launch_us(norm_launch(nbytes), world)
     return round(us, 2)
+
+
+def norm_launch(nbytes: int) -> dict:
+    """The add + RMSNorm kernel after torch.distributed's allreduce, counted as a launch: one dependent local
+    round trip, x and the residual read and residual_out and out written through HBM."""
+    launch = dict.fromkeys(LAUNCH_FIELDS, 0)
+    launch.update(l2=1, total_bytes=4 * nbytes)
+    return launch
+
+
+def launch_us(launch: dict, world: int) -> float:
+    """One launch's time under the calibrated model (``_calibration.launch_cal_us``), in LAUNCH_MODE."""
+    return _calibration.launch_cal_us(launch, world, LAUNCH_MODE)
 
 
 # ------------------------------------------------------------------ counts at any size and world
@@ -103,32 +129,12 @@ def case_of(op: str, path: str, nbytes: int, elem: int | None = None) -> M.Case:
 ONE_SHOT_PATHS = ("lamport", "nvls_oneshot")
 
 
-def interpolate_world(
-    low: list[dict], high: list[dict], w0: int, w1: int, world: int, case: M.Case, sm_count: int
-) -> list[dict]:
-    """Counts at ``world`` from those at the measured worlds ``w0 < world < w1``: hops and fences
-    as measured (the same at both, else the chain changes with the world and nothing is derived),
-    bytes as a + b N (one-shot paths) or a + b / N (the others) through the two measured values, a
-    CTA's bytes as its share of the launch's bytes."""
-    if len(low) != len(high) or any(a["hops"] != b["hops"] or a["fences"] != b["fences"] for a, b in zip(low, high)):
-        raise ValueError(
-            f"{case.op} {case.path} at {case.nbytes} bytes: the launches, hops or fences differ "
-            f"between {w0} and {w1} ranks; measure world {world} (--worlds)"
-        )
-    if case.path in ONE_SHOT_PATHS:
-        f = (world - w0) / (w1 - w0)
-    else:
-        f = (1 / world - 1 / w0) / (1 / w1 - 1 / w0)
-    g0, g1, grid = (M.grid_of(case, w, sm_count) for w in (w0, w1, world))
-    out = []
-    for a, b in zip(low, high):
-        d = {k: round(a[k] + f * (b[k] - a[k])) for k in ("total_bytes", "nvlink_bytes", "multicast_bytes")}
-        d["hops"], d["fences"] = a["hops"], a["fences"]
-        d["ctas"] = grid if (a["ctas"], b["ctas"]) == (g0, g1) else round(a["ctas"] + f * (b["ctas"] - a["ctas"]))
-        share = a["max_cta_bytes"] * a["ctas"] + f * (b["max_cta_bytes"] * b["ctas"] - a["max_cta_bytes"] * a["ctas"])
-        d["max_cta_bytes"] = round(share / max(1, d["ctas"]))
-        out.append(d)
-    return out
+def world_fraction(path: str, w0: int, w1: int, world: int) -> float:
+    """Where ``world`` sits between the measured worlds ``w0 < world < w1``, in the measure a path's bytes
+    are linear in: N for the one-shot paths, 1/N for the others."""
+    if path in ONE_SHOT_PATHS:
+        return (world - w0) / (w1 - w0)
+    return (1 / world - 1 / w0) / (1 / w1 - 1 / w0)
 
 
 @dataclass
@@ -142,32 +148,27 @@ class Model:
     def measured_worlds(self, op: str, multicast: bool) -> list[int]:
         return sorted({w for (o, w, mc, _) in self.counts if (o, mc) == (op, multicast)})
 
-    def launches(
-        self, op: str, world: int, multicast: bool, path: str, nbytes: int, elem: int | None = None
-    ) -> list[dict]:
-        case = case_of(op, path, nbytes, elem)
+    def path_us(self, op: str, world: int, multicast: bool, path: str, nbytes: int, elem: int | None = None) -> float:
+        """One path's modeled microseconds for this call: its launches priced at a measured world; between two
+        measured worlds, those worlds' times interpolated (world_fraction). Times, not counts: a CTA's rounds
+        of loads are whole, and interpolated bytes would put it on the wrong side of a round."""
         measured = self.counts.get((op, world, multicast, path))
         if measured is not None:
+            case = case_of(op, path, nbytes, elem)
             launches = measured.get(case) or M.derive(measured, case, world, self.sm_count)
             if launches is None:
                 raise LookupError(f"no measured counts of {op}'s {path!r} path at world {world} to derive {case} from")
-            return launches
+            return sum(launch_us(c, world) for c in launches)
         worlds = self.measured_worlds(op, multicast)
         w0 = max(w for w in worlds if w < world)
         w1 = min(w for w in worlds if w > world)
-        return interpolate_world(
-            self.launches(op, w0, multicast, path, nbytes, elem),
-            self.launches(op, w1, multicast, path, nbytes, elem),
-            w0,
-            w1,
-            world,
-            case,
-            self.sm_count,
-        )
+        t0, t1 = (self.path_us(op, w, multicast, path, nbytes, elem) for w in (w0, w1))
+        return t0 + world_fraction(path, w0, w1, world) * (t1 - t0)
 
     def times(self, op: str, world: int, multicast: bool, nbytes: int, elem: int | None = None) -> dict[str, float]:
-        """Modeled microseconds of every path for this call, torch.distributed's from its figures."""
-        out = {p: M.model_us(self.launches(op, world, multicast, p, nbytes, elem)) for p in paths_of(op, multicast)}
+        """Modeled microseconds of every path for this call (the calibrated model, LAUNCH_MODE), torch.distributed's
+        from its figures."""
+        out = {p: round(self.path_us(op, world, multicast, p, nbytes, elem), 2) for p in paths_of(op, multicast)}
         out["torch"] = torch_us(op, nbytes, world, multicast)
         return out
 
@@ -286,7 +287,7 @@ def render(tcounts: dict, torders: dict, worlds: tuple[int, ...], sm_count: int)
         '"""The planner\'s path order per message size, per operation, world size and multicast.',
         "",
         f"GENERATED by `{COMMAND}`",
-        "from the critical-path model (ubnext/tuning/_crossovers.py says how); do not edit. Regenerate it",
+        "from the calibrated model (ubnext/tuning/_crossovers.py says how); do not edit. Regenerate it",
         "whenever a kernel's counts, the launch geometry or the model's constants change:",
         'tests/unit/test_thresholds.py and tests/mpi/test_costmodel.py fail until then."""',
         "",

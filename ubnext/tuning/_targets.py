@@ -9,6 +9,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from . import _calibration
+from ._peers import Kernel
+
 Row = dict[str, Any]
 FUSED = "all_reduce_add_rmsnorm"
 NVLS_PATHS = ("nvls_twoshot", "nvls_lamport", "nvls_oneshot")
@@ -32,6 +35,24 @@ def _peer(peers: Sequence[Row], path: str, op: str, nbytes: int) -> Row | None:
     return next((p for p in peers if p["path"] == path and p["op"] == op and p["bytes"] == nbytes), None)
 
 
+def nvls_floor_us(nbytes: int, world: int) -> float:
+    """The least time the calibrated model gives ANY allreduce through the switch (H100, graph + PDL), whatever
+    its kernel: the inputs must be known ready before a multimem.ld_reduce reads them (an arrival crosses to
+    the peers, one hop, and is polled, one wait), the ld_reduce is a round trip (two hops), and the reduced
+    share's multimem store must land (one hop) where a reader polls for it (one wait); every such allreduce
+    moves NCCL's bus bytes, S/N + S, through the switch at its peak. No pointer or flag read, no atomic, one
+    round of loads: the rest of any real kernel only adds. The NVLS targets below this floor's reach are
+    out of reach of any kernel under the frozen model, NCCL's own structure included."""
+    floor = Kernel(
+        "any NVLS allreduce",
+        "ubnext/tuning/_targets.py nvls_floor_us",
+        hops=1 + 2 + 1,
+        waits=2,
+        multicast_bytes=nbytes // world + nbytes,
+    )
+    return round(_calibration.kernel_us(floor, "graph+pdl", "H100", _calibration._values(_calibration.HOPPER)), 2)
+
+
 def targets(rows: Sequence[Row], peers: Sequence[Row]) -> list[Row]:
     """One row per target case: ubnext's best path there (and the planner's choice), its calibrated time,
     the peer's, the bound and whether it holds."""
@@ -44,8 +65,10 @@ def targets(rows: Sequence[Row], peers: Sequence[Row]) -> list[Row]:
             return
         bound = round(factor * float(peer["cal_us"]), 2)
         counts = {k: best.get(k) for k in ("t_hops", "l2", "atomics", "waits", "cta_load_bytes", "cta_inflight")}
+        floor = {"floor_us": nvls_floor_us(nbytes, best["world"])} if paths is NVLS_PATHS else {}
         out.append(
             {
+                **floor,
                 "table": "targets",
                 "case": case,
                 "bytes": nbytes,
@@ -112,6 +135,8 @@ def print_targets(rows: list[Row], as_json: bool, out: TextIO = sys.stdout) -> N
     print("# issue 38 item 2's targets as they stand (calibrated model, H100, 8 ranks, graph + PDL)", file=out)
     for r in rows:
         peer = f" vs {r['peer']} {r['peer_us']:.2f} us (bound {r['bound_us']:.2f})" if "peer" in r else ""
+        if "floor_us" in r:
+            peer += f"; any NVLS allreduce >= {r['floor_us']:.2f}"
         extra = f" busbw {r['busbw_GBps']} GB/s" if "busbw_GBps" in r else ""
         print(
             f"{r['case']:44} {r['path']:14} {r['ubnext_us']:8.2f} us{peer}{extra}  {'holds' if r['holds'] else 'MISSES'}",
