@@ -353,8 +353,10 @@ UBX_DEV bool norm_row(const RowParams& p, int64_t row, Src& src, const Sink& sin
 // exchange before clusters (a global counter and partials in the sync region) spun on its siblings, which a
 // plain launch never promises to run together (under MPS or a green context with fewer SMs it timed out).
 // Deadlock freedom: CTA (row, part) waits only for the CTAs of its cluster, which wait in turn only for
-// (a) data the same CTA index of each peer pushes BEFORE it waits for anything (lamport.cu) and (b) the
-// cluster barrier; no cycle, and the cluster runs at once by construction. Across communicators: the grid
+// (a) data the same CTA index of each peer pushes BEFORE it waits for anything (lamport.cu), (b) the
+// cluster barrier and (c), in block 0's cluster, thread 0's bounded wait for every block of the grid to
+// start (lamport_rotation.cuh lamport_rot_advance_early), which needs nothing of this cluster; no cycle,
+// and the cluster runs at once by construction. Across communicators: the grid
 // cap's argument (launch_rules.h pair_grid_cap) holds for clusters.
 // UBNEXT_BREAK_CLUSTER_SSQ_ORDER (test-only): each CTA sums its own groups first and the cluster then adds
 // the CTAs' sums, FlashInfer's order: it depends on the split, so the bits change with the geometry.
@@ -379,7 +381,9 @@ struct RowPart {
 // The split of this launch (uniform over the grid; all ranks agree: same arguments, same launch).
 UBX_DEV int row_split_of(int64_t nrows, int nv, int flags) {
   const int split = static_cast<int>(cluster_nctarank());
-  if (split < 2 || nrows <= 0 || out_mode(flags) == kOutFp8Token || gridDim.x != nrows * split) return 1;
+  if (split < 2 || split > UBX_ROW_SPLIT_MAX || nrows <= 0 || out_mode(flags) == kOutFp8Token ||
+      gridDim.x != nrows * split)
+    return 1;  // (past UBX_ROW_SPLIT_MAX the pushes would overrun s_row: the host never launches that)
   const int ng = (nv + UBX_SSQ_GROUP_VECS - 1) / UBX_SSQ_GROUP_VECS;
   const int gpp = (ng + split - 1) / split;
   return gpp * UBX_SSQ_GROUP_VECS <= UBX_ROW_CACHE_VECS ? split : 1;

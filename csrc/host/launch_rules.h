@@ -54,7 +54,7 @@ constexpr AlgoTraits kAlgos[kNumAlgos] = {
 // if the ranks made their kernels resident in opposite orders. The rule: such a kernel's default grid
 // is at most half the SMs, min(SMs, UBNEXT_MAX_BLOCKS) / 2. Why it holds: one CTA of any ubnext kernel
 // fits an empty SM (coresident >= SMs, checked at launch: 256 threads at ptxas' limit of 255 registers,
-// allocated as 256 a thread, = 65536 of 65536 registers, and 33 KB of static shared memory of 228 KB, is one
+// allocated as 256 a thread, = 65536 of 65536 registers, and 35 KB of static shared memory of 228 KB, is one
 // CTA per SM on sm_90 and sm_100), so a kernel of g <= SMs / 2 CTAs touches at most SMs / 2 SMs, which leaves at least
 // SMs / 2 empty SMs for the other kernel's g' <= SMs / 2 CTAs: both are resident at once on every rank,
 // whatever order each rank's scheduler took them in, and each completes. Other work on the device
@@ -77,7 +77,7 @@ inline int pair_grid_cap(int sms) {
 //       worst): it leaves >= SMs / 2 empty SMs, and GPC j with f_j of them holds floor(k f_j / s) >=
 //       k f_j / s - (s - 1) / s of our clusters, so together >= k SMs / (2s) - G (s - 1) / s for G GPCs.
 //       Our c = g / s <= SMs / (2s) clusters fit when G (s - 1) <= (k - 1) SMs / 2. A 128-thread CTA fits
-//       an SM at least twice whatever its registers (2 x 128 x 256 = 65536: 255 rounds up to 256) and shared memory (33 KB of
+//       an SM at least twice whatever its registers (2 x 128 x 256 = 65536: 255 rounds up to 256) and shared memory (35 KB of
 //       228), so k >= 2 and it suffices that G (s - 1) <= SMs / 2: at s = 8, G <= 9 GPCs on H100's 132 SMs
 //       (it has 8 or fewer), G <= 10 on 148 (B200). A device with more GPCs per SM than that, or s > 8,
 //       needs this checked again: the driver reports no GPC count, so the launchers cannot check it;

@@ -24,7 +24,8 @@
 // mapping on every rank, since every rank launches the same grid), so a block's polls depend only on the
 // same block of the peers, which pushes before it waits. Without the row split that keeps the kernel
 // deadlock-free for any grid. With it, the blocks sharing a row, one thread-block cluster, also wait for
-// each other at the cluster barrier (after their polls): norm.cuh argues why that cannot deadlock; the
+// each other at the cluster barrier (after their polls), and block 0's cluster for thread 0's bounded wait
+// for every block to start (the rotation's early advance): norm.cuh argues why that cannot deadlock; the
 // cluster launch runs them together.
 //
 // Call header: the last thread of block 0 (lamport_poll.cuh: is_lamport_header_thread) pushes this rank's call header (op, dtype, flags, n, hidden and a fused
@@ -162,14 +163,14 @@ UBX_DEV void lamport_allreduce(const ubnext_comm_desc* d, const void* in, void* 
   if (!rows) {
     for (int64_t gi = tid; gi < nvec; gi += stride) {
       float x[V];
-      if (!src(gi, x)) break;  // timed out (reported): stop consuming, still finish below
+      if (!src(gi, x)) break;  // timed out (reported): stop consuming (a one-block launch still finishes below)
       store_vec<T>(out, gi, n, pack<T>(x));
     }
   } else {
     row_outputs_begin(flags, scale, scale_inv, nrows, hidden);
     const GlobalSink<T> sink{residual_out, out, scale_inv, static_cast<int64_t>(n)};
     if (split > 1) {
-      // every CTA of the row's cluster, with a part or not: the cluster barriers count them all
+      // every CTA of the row's cluster, with a part or not: the cluster barrier's phases count them all
       (void)norm_row_part<T>(rp, part, pre, src, sink, s_cache, s_red, d, UBNEXT_OP_LAMPORT);
     } else {
       for (int64_t row = blockIdx.x; row < nrows; row += gridDim.x)

@@ -120,10 +120,10 @@ def check_refusals(mode: str, comm) -> None:
             text = comm.explain(torch.empty(nbytes // 4, device=comm.device))
         finally:
             comm._allow_nondeterministic = allowed
+        want = _first_runnable(comm, nbytes, allow_nondeterministic=True)
+        assert want != "nvls_oneshot" and text.startswith(want + ":"), (want, text)
         order = plan.auto_order(nbytes, False, True, True, dist.get_world_size(), 4)
-        chosen = text.split(":", 1)[0]
-        assert chosen != "nvls_oneshot" and chosen in order, (text, order)
-        if "nvls_oneshot" in order and order.index("nvls_oneshot") < order.index(chosen):
+        if "nvls_oneshot" in order and order.index("nvls_oneshot") < order.index(want):
             assert "not nvls_oneshot: multimem.ld_reduce sums in the switch's order" in text, text
 
 
@@ -182,12 +182,22 @@ def check_all_reduce(comm) -> None:
             assert_same_bits(
                 x, rank_order(inputs, torch.float32), f"all_reduce in place in the pool ({comm.last_path})"
             )
-            # not forced, past the push form's slot: a two-shot where x lies, the unicast one or the NVLS one
-            # as the model orders them at this world (at 2 ranks the unicast one leads, issue 38's model)
-            want = (forced,) if forced else ("nvls_lamport",) if push_fits else (twoshot, "twoshot")
-            assert comm.last_path in want, (comm.last_path, want)
+            # not forced: the model's first path that the mode can run on this pool tensor (the push form where
+            # it fits and leads; else a two-shot where x lies: at 2 ranks the unicast one leads, issue 38's model)
+            want = forced or _first_runnable(comm, numel * 4, in_place_pool=True)
+            assert comm.last_path == want, (comm.last_path, want)
             del x
         comm._algo = None
+
+
+def _first_runnable(comm, nbytes: int, in_place_pool: bool = False, allow_nondeterministic: bool = False) -> str:
+    """The batch-invariant mode's choice for a flat fp32 allreduce of ``nbytes``, worked out from the model's
+    order (ubnext/plan/_thresholds.py) and what each path can run: its first path the mode and pool allow."""
+    from ubnext import plan
+
+    order = plan.auto_order(nbytes, False, _multicast(comm), allow_nondeterministic, dist.get_world_size(), 4)
+    caps = plan.capabilities(nbytes, 4, False, 0, comm._pool_view(), in_place_pool, batch_invariant=True)
+    return next(p for p in order if caps.get(p) is None)
 
 
 def check_reduce_scatter(comm) -> None:

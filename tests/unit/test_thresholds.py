@@ -116,24 +116,35 @@ def test_torch_distributed_is_weighed_by_its_published_figures():
     assert _crossovers.torch_us("all_reduce_add_rmsnorm", 2048, 8, True) > 16.6 + launch - 0.01
 
 
+# Paths whose modeled times step with a CTA's whole rounds of loads (the two-shots' and the NVLS paths' shares
+# sit between two worlds' round boundaries at some sizes): the interpolated world may miss the measured one by
+# a round; their bounds are the worst misses when the table was made, rounded up. Every other path: 5 %.
+ROUND_STEP_TOLERANCE = {
+    ("all_reduce", "twoshot"): 0.20,
+    ("all_reduce", "nvls_twoshot"): 0.16,
+    ("all_reduce_add_rmsnorm", "nvls_lamport"): 0.10,
+    ("all_reduce", "nvls_oneshot"): 0.08,
+    ("all_reduce_add_rmsnorm", "nvls_twoshot"): 0.08,
+}
+
+
 def test_interpolated_worlds_stand_up_against_a_measured_one():
     """World 4 interpolated from the counts at 2 and 8 against world 4 as measured: every path's modeled
-    time within the calibration's own bar (+-25 %, _calibration.BAR_MODEL: an interpolated world is one more
-    figure the model gives), and the path the interpolated order puts first within 5 % of the measured
-    model's fastest. Where the times step (a CTA's rounds of loads are whole: the unicast two-shot at 10-15 KB,
-    whose share sits between two worlds' round boundaries) the interpolation is off by up to 20 % when the
-    table was made; elsewhere by a few %."""
+    time within 5 %, or within its ROUND_STEP_TOLERANCE (all under the calibration's own bar, +-25 %), and the
+    path the interpolated order puts first within 5 % of the measured model's fastest."""
     inner = [w for w in _thresholds.MEASURED_WORLDS[1:-1]]
     assert inner, "the table measures no world between two others"
     world = inner[0]
     without = {k: v for k, v in MODEL.counts.items() if k[1] != world}
     interpolated = _crossovers.Model(without, MODEL.sm_count)
+    assert max(ROUND_STEP_TOLERANCE.values()) < _calibration.BAR_MODEL
     for (op, elem), multicast in itertools.product(_crossovers.VARIANTS, (True, False)):
         for nbytes in _crossovers.samples(op, elem)[::4]:
             measured = MODEL.times(op, world, multicast, nbytes, elem)
             derived = interpolated.times(op, world, multicast, nbytes, elem)
             for p in measured:
-                assert derived[p] == pytest.approx(measured[p], rel=_calibration.BAR_MODEL), (op, multicast, nbytes, p)
+                rel = ROUND_STEP_TOLERANCE.get((op, p), 0.05)
+                assert derived[p] == pytest.approx(measured[p], rel=rel), (op, multicast, nbytes, p)
             first = _crossovers.ranked(derived)[0]
             assert measured[first] <= 1.05 * min(measured.values()), (op, multicast, nbytes, derived, measured)
 
@@ -151,5 +162,5 @@ def test_forced_nvls_takes_the_model_order_of_the_two_multicast_kernels():
         assert plan.choose(nbytes, 2, False, 0, view, forced="nvls").path == order[0], nbytes
         disabled = plan.PoolView(None, True, 1 << 30, 1 << 30, "gpu", False, ((order[0], "a test's"),), world_size=8)
         assert plan.choose(nbytes, 2, False, 0, disabled, forced="nvls").path == order[1], nbytes
-        seen.update(order[:2])
-    assert seen == {"nvls_lamport", "nvls_twoshot"}, seen
+        seen.add(tuple(order[:2]))
+    assert seen == {("nvls_lamport", "nvls_twoshot")}, seen

@@ -65,7 +65,7 @@ def targets(rows: Sequence[Row], peers: Sequence[Row]) -> list[Row]:
             return
         bound = round(factor * float(peer["cal_us"]), 2)
         counts = {k: best.get(k) for k in ("t_hops", "l2", "atomics", "waits", "cta_load_bytes", "cta_inflight")}
-        floor = {"floor_us": nvls_floor_us(nbytes, best["world"])} if paths is NVLS_PATHS else {}
+        floor = {"floor_us": nvls_floor_us(nbytes, best["world"])} if paths == NVLS_PATHS else {}
         out.append(
             {
                 **floor,
