@@ -74,7 +74,7 @@ HOPPER: dict[str, Const] = {
         "over the calibration figures (--calibration)",
     ),
     "launch_replay_us": Const(
-        5.3354,
+        5.2917,
         "us",
         "fitted",
         "a one-node graph replayed back to back (each op pays a whole graph launch, GPU- or host-paced), fitted "

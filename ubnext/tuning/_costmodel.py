@@ -46,8 +46,14 @@ HIDDEN = 8192
 # costs the emulator too much memory and time on two cores (a fiber per thread).
 MEASURE_MAX_CTAS = 16
 # and of at most this many rows of HIDDEN bf16: the measuring pool holds that many (UBNEXT_MAX_BATCH
-# below), so a small grid alone (the NVLS two-shot's NCCL grid is 2 CTAs at any size) is not enough
-MEASURE_MAX_TOKENS = 16
+# below), so a small grid alone (the NVLS two-shot's NCCL grid is 2 CTAs at any size) is not enough.
+# 64 rows (1 MB): the NVLS two-shot's CTA then loads 64 KB, its loop's whole depth (16 loads a thread,
+# nvls.cu kMulticastDepth), at NCCL's grid for every world (16 CTAs in all x 64 KB), so the bytes in
+# flight its derived rows keep are the loop's. At 16 rows a CTA loaded 16 KB, all it had, and the rows
+# derived from it kept 16 KB: four times the rounds the kernel makes. Not more than 64: the count sees
+# no round end where a store consumes the round's loads (the loop's next batch waits for it on a GPU),
+# so a larger message shows its whole share in flight at once.
+MEASURE_MAX_TOKENS = 64
 ALLREDUCE_BYTES = (2048, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 FUSED_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 EXCHANGE_BYTES = (65536, 2 << 20, 32 << 20)

@@ -179,14 +179,18 @@ def torch_multimem(nbytes: int, world: int) -> Kernel:
     )
 
 
-def flashinfer_oneshot(tokens: int, hidden: int, world: int, sm_count: int = 132) -> Kernel:
+def flashinfer_oneshot(tokens: int, hidden: int, world: int, sm_count: int = 132, *, widen: bool = True) -> Kernel:
     """FlashInfer/TRT-LLM ``allreduce_fusion_kernel_oneshot_lamport`` (AR + residual add + RMSNorm): the
     Lamport comm's constructor reads the workspace pointers, then the flag and sizes (two dependent local
-    round trips); every thread loads its input vector (one more) and pushes it to every rank (one hop);
+    round trips); every thread loads its input vector (one more: a further row's load waits for the previous
+    row's pushes, which may alias it) and pushes it to every rank (one hop);
     its poll re-loads all N slots on each pass (one wait); the row's sum of squares is reduced through the
     cluster (two cluster barriers, and one batch of loads of the siblings' shared memory); block 0 finally spins on the arrival counter (one more wait). One
     vector per thread, a row per cluster (launch config); when the rows outnumber the clusters a thread
-    handles several rows: its pushes are all issued first, then one more poll wait and norm per row."""
+    handles several rows: its pushes are all issued first, then one more poll wait and norm per row.
+    ``widen``: the launcher trades cluster CTAs for wider CTAs while the clusters outnumber the SMs (fb28d72
+    :1739-1745, since FlashInfer 6fb5105, 2025-08-19). Before it (v0.2.11, 7c45412, :1353-1373) the grid was
+    cut at the SM count with clusters of 8, so a thread of a 32x8192 call handles two rows, one after the other."""
     threads_per_token = hidden // 8
     cluster = 8
     while threads_per_token % cluster and cluster > 1:
@@ -194,7 +198,7 @@ def flashinfer_oneshot(tokens: int, hidden: int, world: int, sm_count: int = 132
     block = threads_per_token // cluster
     while block < 128 and cluster >= 2:
         block, cluster = block * 2, cluster // 2
-    while tokens * cluster > sm_count and cluster > 1 and block <= 512:
+    while widen and tokens * cluster > sm_count and cluster > 1 and block <= 512:
         block, cluster = block * 2, cluster // 2
     clusters = max(1, min(sm_count, tokens * cluster) // cluster)
     per_thread_tokens = -(-tokens // clusters)
@@ -205,7 +209,7 @@ def flashinfer_oneshot(tokens: int, hidden: int, world: int, sm_count: int = 132
         "flag/clear/comm_size loads, unused atomicAdd), :1520-1530 (input load, push to every rank), :1536-1550 "
         "(poll: re-loads all NRanks slots each pass), :1287-1300 (rms_norm: cluster.sync x2), :982-990 (update: "
         "block 0 spins on the counter), :1707-1817 (launch config: cluster of up to 8, one vector a thread)",
-        l2=3,
+        l2=2 + per_thread_tokens,
         hops=1,
         waits=1 + per_thread_tokens,
         dsm=per_thread_tokens if cluster > 1 else 0,  # the cluster's partials, loaded together
@@ -372,7 +376,7 @@ def records() -> tuple[Record, ...]:
             "benchmark_fused_collective.py benchmark_operation) times 2 replays (20 ops) by host clock, rank 0, no "
             "barrier; the PR's own version was not found; printed in ms to 3 decimals (9.5-10.5 us). Not fitted: "
             "a host-clock tail of unknown size over 20 ops, and no barrier, are in the figure. " + fi_note,
-            (flashinfer_oneshot(32, 8192, 2),),
+            (flashinfer_oneshot(32, 8192, 2, widen=False),),
             fit=False,
         ),
         Record(
