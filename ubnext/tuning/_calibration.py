@@ -132,6 +132,8 @@ MAX_FITTED = 3
 BAR_MODEL = 0.25
 BAR_LEFT_OUT = 0.35
 KEYS = ("peer", "case", "hardware", "published_us", "model_us", "left_out_us", "source")
+# the launch mode issue 38's targets, the peer rows and the planner's orders are priced in
+TARGET_MODE = "graph+pdl"
 
 
 # ------------------------------------------------------------------ the model
@@ -141,6 +143,11 @@ def _values(consts: dict[str, Const], over: dict[str, float] | None = None) -> d
     v = {k: c.value for k, c in consts.items()}
     v.update(over or {})
     return v
+
+
+def hopper_values() -> dict[str, float]:
+    """The calibrated Hopper constants by name."""
+    return _values(HOPPER)
 
 
 def launch_us(mode: str, v: dict[str, float]) -> float:
@@ -387,8 +394,8 @@ def peer_rows(world: int, allreduce_bytes: tuple[int, ...], hidden: int = 8192) 
                 "hops": k.hops,
                 "atomics": k.atomics,
                 "waits": k.waits,
-                "model_us": round(kernel_us(k, "graph+pdl", "H100", v), 2),
-                "cal_us": round(kernel_us(k, "graph+pdl", "H100", v), 2),
+                "model_us": round(kernel_us(k, TARGET_MODE, "H100", v), 2),
+                "cal_us": round(kernel_us(k, TARGET_MODE, "H100", v), 2),
                 "cal_eager_us": round(kernel_us(k, "eager", "H100", v), 2),
                 "chosen": False,
             }

@@ -64,7 +64,7 @@ LAUNCH_FIELDS = (
     *CAL_KEYS,
 )
 # the launch mode the orders are made for: a CUDA graph with programmatic dependent launch (issue 38's targets)
-LAUNCH_MODE = "graph+pdl"
+LAUNCH_MODE = _calibration.TARGET_MODE
 # ties (equal modeled times) go to the earlier path: the one-shot Lamport first, torch.distributed last
 PREFERENCE = ("lamport", "nvls_lamport", "nvls_oneshot", "nvls_twoshot", "twoshot", "torch")
 MAX_BYTES = (1 << 31) - 1  # plan.KERNEL_MAX_BYTES: past it every call takes torch.distributed

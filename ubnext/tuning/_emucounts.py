@@ -105,6 +105,6 @@ def cal_row(launches: list[dict], world: int) -> dict:
         "cluster_syncs": sum(c["cluster_syncs"] for c in launches),
         "cta_load_bytes": worst["cta_load_bytes"],
         "cta_inflight": worst["cta_inflight"],
-        "cal_us": round(sum(_calibration.launch_cal_us(c, world, "graph+pdl") for c in launches), 2),
+        "cal_us": round(sum(_calibration.launch_cal_us(c, world, _calibration.TARGET_MODE) for c in launches), 2),
         "cal_eager_us": round(sum(_calibration.launch_cal_us(c, world, "eager") for c in launches), 2),
     }

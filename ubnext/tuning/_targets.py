@@ -50,7 +50,7 @@ def nvls_floor_us(nbytes: int, world: int) -> float:
         waits=2,
         multicast_bytes=nbytes // world + nbytes,
     )
-    return round(_calibration.kernel_us(floor, "graph+pdl", "H100", _calibration._values(_calibration.HOPPER)), 2)
+    return round(_calibration.kernel_us(floor, _calibration.TARGET_MODE, "H100", _calibration.hopper_values()), 2)
 
 
 def targets(rows: Sequence[Row], peers: Sequence[Row]) -> list[Row]:
@@ -142,7 +142,7 @@ def busbw_GBps(nbytes: int, world: int, us: float) -> float:
 def nvls_data_terms(row: Row, nbytes: int) -> tuple[float, float]:
     """The two data terms of an NVLS path's time (launch_cal_us): its CTA's extra rounds of loads, each a
     round trip through the switch (two hops), and NCCL's bus bytes S/N + S at the NVLS peak."""
-    v = _calibration._values(_calibration.HOPPER)
+    v = _calibration.hopper_values()
     rounds = _calibration.rounds(row)
     world = row["world"]
     return (rounds - 1) * 2 * v["hop_us"], (nbytes // world + nbytes) / (v["nvls_GBps"] * 1e3)
