@@ -58,3 +58,6 @@ def test_the_busbw_row_names_the_term_that_binds() -> None:
     assert shallow["inflight_busbw_GBps"] == shallow["busbw_GBps"]
     assert shallow["busbw_GBps"] == pytest.approx(2 * 7 / 8 * 64 * MB / 313e3, abs=0.1)
     assert not shallow["holds"]
+    # nvls_lamport's CTAs poll their own memory: a round is a local L2 round trip, not two hops
+    lamport = _busbw_row({**_nvls_row(65 * 65536, 65536, 150.0), "path": "nvls_lamport"})
+    assert lamport["inflight_term_us"] == pytest.approx(64 * C.HOPPER["l2_rt_us"].value, abs=0.01)

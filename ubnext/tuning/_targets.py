@@ -15,6 +15,7 @@ from ._peers import Kernel
 Row = dict[str, Any]
 FUSED = "all_reduce_add_rmsnorm"
 NVLS_PATHS = ("nvls_twoshot", "nvls_lamport", "nvls_oneshot")
+SWITCH_LOAD_PATHS = ("nvls_twoshot", "nvls_oneshot")  # their CTAs' loads are multimem.ld_reduce
 MB = 1 << 20
 
 
@@ -140,12 +141,15 @@ def busbw_GBps(nbytes: int, world: int, us: float) -> float:
 
 
 def nvls_data_terms(row: Row, nbytes: int) -> tuple[float, float]:
-    """The two data terms of an NVLS path's time (launch_cal_us): its CTA's extra rounds of loads, each a
-    round trip through the switch (two hops), and NCCL's bus bytes S/N + S at the NVLS peak."""
+    """The two data terms of an NVLS path's time (launch_cal_us): its CTA's extra rounds of loads, and NCCL's
+    bus bytes S/N + S at the NVLS peak. A round is a trip through the switch (two hops) where the CTA's loads
+    are multimem.ld_reduce (the two-shot, the one-shot), a local L2 round trip where they are polls of its
+    own memory (nvls_lamport): launch_cal_us's rule, by the path, as the row carries no remote bytes."""
     v = _calibration.hopper_values()
     rounds = _calibration.rounds(row)
     world = row["world"]
-    return (rounds - 1) * 2 * v["hop_us"], (nbytes // world + nbytes) / (v["nvls_GBps"] * 1e3)
+    rt = 2 * v["hop_us"] if row["path"] in SWITCH_LOAD_PATHS else v["l2_rt_us"]
+    return (rounds - 1) * rt, (nbytes // world + nbytes) / (v["nvls_GBps"] * 1e3)
 
 
 def print_targets(rows: list[Row], as_json: bool, out: TextIO = sys.stdout) -> None:
