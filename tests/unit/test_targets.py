@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from ubnext.plan import _thresholds
 from ubnext.tuning import _calibration as C
+from ubnext.tuning import _crossovers as X
 from ubnext.tuning import _targets as T
 
 MB = 1 << 20
@@ -61,3 +63,15 @@ def test_the_busbw_row_names_the_term_that_binds() -> None:
     # nvls_lamport's CTAs poll their own memory: a round is a local L2 round trip, not two hops
     lamport = _busbw_row({**_nvls_row(65 * 65536, 65536, 150.0), "path": "nvls_lamport"})
     assert lamport["inflight_term_us"] == pytest.approx(64 * C.HOPPER["l2_rt_us"].value, abs=0.01)
+
+
+@pytest.mark.parametrize("path", T.NVLS_PATHS)
+def test_the_round_by_path_name_is_the_counts_round(path: str) -> None:
+    # launch_cal_us takes two hops a round where most of a CTA's loaded bytes come from peers or the switch;
+    # the target rows carry no remote bytes, so nvls_data_terms decides by the path: the measured counts agree
+    for world in X.MEASURED_WORLDS:
+        for _, _, launches in _thresholds.COUNTS[("all_reduce", world, True, path)]:
+            for launch in launches:
+                c = dict(zip(X.LAUNCH_FIELDS, launch))
+                if c["cta_load_bytes"] > 4096:  # a round's worth: tiny launches are flags and headers
+                    assert (2 * c["cta_remote_load_bytes"] > c["cta_load_bytes"]) == (path in T.SWITCH_LOAD_PATHS)

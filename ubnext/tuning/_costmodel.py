@@ -47,9 +47,10 @@ HIDDEN = 8192
 MEASURE_MAX_CTAS = 16
 # and of at most this many rows of HIDDEN bf16: the measuring pool holds that many (UBNEXT_MAX_BATCH
 # below), so a small grid alone (the NVLS two-shot's NCCL grid is 2 CTAs at any size) is not enough.
-# 64 rows (1 MB): the NVLS two-shot's CTA then loads 64 KB, its loop's whole depth (16 loads a thread,
-# nvls.cu kMulticastDepth), at NCCL's grid for every world (16 CTAs in all x 64 KB), so the bytes in
-# flight its derived rows keep are the loop's. At 16 rows a CTA loaded 16 KB, all it had, and the rows
+# 64 rows (1 MB): the NVLS two-shot's CTA then loads 64 KB of data, its loop's whole depth (16 loads a
+# thread, nvls.cu kMulticastDepth), at NCCL's grid for every world (16 CTAs in all x 64 KB), so the bytes
+# in flight its derived rows keep are the loop's (its 112 bytes of flag and pointer loads add one round
+# to the rows derived from it: 65 at 64 MB where the loop makes 64; the NVLS cap binds there anyway). At 16 rows a CTA loaded 16 KB, all it had, and the rows
 # derived from it kept 16 KB: four times the rounds the kernel makes. Not more than 64: the count sees
 # no round end where a store consumes the round's loads (the loop's next batch waits for it on a GPU),
 # so a larger message shows its whole share in flight at once.
@@ -449,7 +450,7 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="ubnext-model-") as tmp:
         out_path = os.path.join(tmp, "rows.json")
         progress_path = os.path.join(tmp, "progress")  # the ranks' progress page (_worker)
-        # pool sized for the measured cases (16 tokens of hidden 8192), no self-test launches
+        # pool sized for the measured cases (MEASURE_MAX_TOKENS rows of hidden 8192), no self-test launches
         child_env = envs.environment_with(
             UBNEXT_EMULATE="1",
             UBNEXT_EMU_COUNT="1",
