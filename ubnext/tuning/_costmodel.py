@@ -50,10 +50,11 @@ MEASURE_MAX_CTAS = 16
 # 64 rows (1 MB): the NVLS two-shot's CTA then loads 64 KB of data, its loop's whole depth (16 loads a
 # thread, nvls.cu kMulticastDepth), at NCCL's grid for every world (16 CTAs in all x 64 KB), so the bytes
 # in flight its derived rows keep are the loop's (its 112 bytes of flag and pointer loads add one round
-# to the rows derived from it: 65 at 64 MB where the loop makes 64; the NVLS cap binds there anyway). At 16 rows a CTA loaded 16 KB, all it had, and the rows
-# derived from it kept 16 KB: four times the rounds the kernel makes. Not more than 64: the count sees
-# no round end where a store consumes the round's loads (the loop's next batch waits for it on a GPU),
-# so a larger message shows its whole share in flight at once.
+# to the rows derived from it: 65 at 64 MB where the loop makes 64; the NVLS cap binds there anyway).
+# At 16 rows a CTA loaded 16 KB, all it had, and the rows derived from it kept 16 KB: four times the
+# rounds the kernel makes. Not more than 64: the count sees no round end where a store consumes the
+# round's loads (the loop's next batch waits for it on a GPU), so a larger message shows its whole share
+# in flight at once.
 MEASURE_MAX_TOKENS = 64
 ALLREDUCE_BYTES = (2048, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 FUSED_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)

@@ -185,9 +185,10 @@ def flashinfer_oneshot(tokens: int, hidden: int, world: int, sm_count: int = 132
     round trips); every thread loads its input vector (one more: a further row's load waits for the previous
     row's pushes, which may alias it) and pushes it to every rank (one hop);
     its poll re-loads all N slots on each pass (one wait); the row's sum of squares is reduced through the
-    cluster (two cluster barriers, and one batch of loads of the siblings' shared memory); block 0 finally spins on the arrival counter (one more wait). One
-    vector per thread, a row per cluster (launch config) as long as the clusters fit; when the rows outnumber the clusters a thread
-    handles several rows: its pushes are all issued first, then one more poll wait and norm per row.
+    cluster (two cluster barriers, and one batch of loads of the siblings' shared memory); block 0 finally
+    spins on the arrival counter (one more wait). One vector per thread, a row per cluster (launch config)
+    as long as the clusters fit; when the rows outnumber the clusters a thread handles several rows: its
+    pushes are all issued first, then one more poll wait and norm per row.
     ``widen``: the launcher trades cluster CTAs for wider CTAs while the clusters outnumber the SMs (fb28d72
     :1739-1745, since FlashInfer 6fb5105, 2025-08-19). Before it (v0.2.11, 7c45412, :1353-1373) the grid was
     cut at the SM count with clusters of 8, so a thread of a 32x8192 call handles two rows, one after the other."""
@@ -203,8 +204,7 @@ def flashinfer_oneshot(tokens: int, hidden: int, world: int, sm_count: int = 132
     clusters = max(1, min(sm_count, tokens * cluster) // cluster)
     per_thread_tokens = -(-tokens // clusters)
     s = tokens * hidden * 2
-    return Kernel(
-        "allreduce_fusion_kernel_oneshot_lamport",
+    source = (
         "include/flashinfer/comm/trtllm_allreduce_fusion.cuh:962-980 (LamportComm constructor: workspace pointer, "
         "flag/clear/comm_size loads, unused atomicAdd), :1520-1530 (input load, push to every rank), :1536-1550 "
         "(poll: re-loads all NRanks slots each pass), :1287-1300 (rms_norm: cluster.sync x2), :982-990 (update: "
@@ -213,7 +213,11 @@ def flashinfer_oneshot(tokens: int, hidden: int, world: int, sm_count: int = 132
         if widen
         else "FlashInfer v0.2.11 (7c45412) include/flashinfer/comm/trtllm_allreduce_fusion.cuh:1163-1228 (the same "
         "kernel body: constructor loads, push, clear, poll, fused op), :1353-1373 (launch config: clusters of 8, "
-        "the grid cut at the SM count, rows looped by token_stride = num_clusters, :1138-1142)",
+        "the grid cut at the SM count, rows looped by token_stride = num_clusters, :1138-1142)"
+    )
+    return Kernel(
+        "allreduce_fusion_kernel_oneshot_lamport",
+        source,
         l2=2 + per_thread_tokens,
         hops=1,
         waits=1 + per_thread_tokens,

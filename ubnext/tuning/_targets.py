@@ -118,14 +118,15 @@ def targets(rows: Sequence[Row], peers: Sequence[Row]) -> list[Row]:
         # the issue asks for the in-flight term binding; where the cap binds, the row also gives the busbw the
         # path's own bytes in flight would reach without the cap (what its memory-level parallelism supports)
         uncapped_us = big["cal_us"] - max(inflight_us, cap_us) + inflight_us
+        busbw = busbw_GBps(64 * MB, world, big["cal_us"])
         out.append(
             {
                 "table": "targets",
                 "case": "busbw at 64 MB >= 450 GB/s",
                 "path": big["path"],
                 "ubnext_us": big["cal_us"],
-                "busbw_GBps": round(busbw_GBps(64 * MB, world, big["cal_us"]), 1),
-                "holds": busbw_GBps(64 * MB, world, big["cal_us"]) >= 450.0,
+                "busbw_GBps": round(busbw, 1),
+                "holds": busbw >= 450.0,
                 "inflight_term_us": round(inflight_us, 2),
                 "nvls_cap_term_us": round(cap_us, 2),
                 "binding": "in-flight bytes" if inflight_us >= cap_us else "NVLS cap",
